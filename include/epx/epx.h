@@ -1,0 +1,563 @@
+/*
+ * epx: expert-parallel communication for Mixture-of-Experts models.
+ *
+ * This header is the whole public contract of libepx. The semantics of every operation are
+ * those of REFERENCE.md (docs/reference.md in the tree); this file says how they are called.
+ *
+ * Conventions
+ * - Every function returns an epx_result_t. On failure, epx_last_error_message() gives the
+ *   detail for the calling thread, and nothing was written to any [out] argument or output
+ *   tensor.
+ * - Outputs are caller-provided tensors with a capacity (the first dimension of their shape);
+ *   the library never allocates a caller's output.
+ * - "Collective" means every rank of the communicator must make the call, in the same order
+ *   as its other collective calls on the same buffer. A rank that fails its own argument
+ *   checks in a collective call tells its peers, which return EPX_ERR_REMOTE instead of
+ *   waiting for it; a rank that never arrives makes the others return EPX_ERR_TIMEOUT after
+ *   EPX_TIMEOUT_MS.
+ * - "stream" arguments are cudaStream_t values (NULL = the legacy default stream) for the cuda
+ *   backend; the host backend runs synchronously and ignores them.
+ * - Tensors must be contiguous (row-major). Host-backend tensors live in host memory,
+ *   cuda-backend tensors in device memory of the communicator's GPU.
+ */
+#ifndef EPX_EPX_H
+#define EPX_EPX_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define EPX_VERSION_MAJOR 0
+#define EPX_VERSION_MINOR 1
+#define EPX_VERSION_PATCH 0
+#define EPX_VERSION_CODE (EPX_VERSION_MAJOR * 10000 + EPX_VERSION_MINOR * 100 + EPX_VERSION_PATCH)
+
+#if defined(_WIN32)
+#define EPX_API
+#elif defined(EPX_BUILDING_LIBRARY)
+#define EPX_API __attribute__((visibility("default")))
+#else
+#define EPX_API
+#endif
+
+/* ------------------------------------------------------------------------------------------ */
+/* Results                                                                                    */
+/* ------------------------------------------------------------------------------------------ */
+
+/* X(name, value, description): the one table that defines result codes and their strings. */
+#define EPX_RESULT_MAP(X)                                                                       \
+    X(SUCCESS, 0, "success")                                                                   \
+    X(ERR_INVALID_ARG, 1, "invalid argument")                                                  \
+    X(ERR_UNSUPPORTED, 2, "not supported by this build, backend or device")                    \
+    X(ERR_OUT_OF_MEMORY, 3, "out of memory")                                                   \
+    X(ERR_TIMEOUT, 4, "a wait exceeded its deadline (EPX_TIMEOUT_MS)")                         \
+    X(ERR_SYSTEM, 5, "a system call failed")                                                   \
+    X(ERR_CUDA, 6, "a CUDA call failed")                                                       \
+    X(ERR_GRAPH_CAPTURE, 7, "not allowed while the stream is being captured")                  \
+    X(ERR_OVERFLOW, 8, "rows past a caller-given upper bound were dropped")                    \
+    X(ERR_MISMATCH, 9, "collective arguments differ across ranks")                             \
+    X(ERR_REMOTE, 10, "a peer rank failed or left the operation")                              \
+    X(ERR_BOOTSTRAP, 11, "bootstrap (rendezvous or callback) failed")                          \
+    X(ERR_INTERNAL, 12, "internal error")
+
+typedef enum epx_result {
+#define EPX_RESULT_ENUM_(name, value, text) EPX_##name = value,
+    EPX_RESULT_MAP(EPX_RESULT_ENUM_)
+#undef EPX_RESULT_ENUM_
+} epx_result_t;
+
+/* A static description of a result ("invalid argument"); never NULL. */
+EPX_API const char *epx_strerror(epx_result_t result);
+/* The enum's name without prefix ("ERR_INVALID_ARG"); never NULL. */
+EPX_API const char *epx_result_name(epx_result_t result);
+/* Detail of the last failure on the calling thread ("" if none); valid until the next epx call
+ * on this thread. */
+EPX_API const char *epx_last_error_message(void);
+
+/* "major.minor.patch" of the linked library. */
+EPX_API const char *epx_version(void);
+/* EPX_VERSION_CODE of the linked library. */
+EPX_API int epx_version_code(void);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Tensors                                                                                    */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef enum epx_dtype {
+    EPX_DTYPE_INVALID = 0,
+    EPX_DTYPE_BF16 = 1,
+    EPX_DTYPE_FP32 = 2,
+    EPX_DTYPE_FP8_E4M3 = 3,
+    EPX_DTYPE_INT32 = 4,
+    EPX_DTYPE_INT64 = 5,
+    EPX_DTYPE_BOOL = 6, /* one byte, 0 or 1 */
+    EPX_DTYPE_UINT8 = 7,
+    EPX_DTYPE_COUNT_
+} epx_dtype_t;
+
+/* Bytes per element of a dtype, 0 for EPX_DTYPE_INVALID or an unknown value. */
+EPX_API size_t epx_dtype_size(epx_dtype_t dtype);
+/* Lowercase name ("bf16", "fp8_e4m3"); "invalid" for an unknown value. */
+EPX_API const char *epx_dtype_name(epx_dtype_t dtype);
+
+typedef enum epx_device_type {
+    EPX_DEVICE_HOST = 0,
+    EPX_DEVICE_CUDA = 1,
+} epx_device_type_t;
+
+#define EPX_MAX_DIMS 4
+
+/* A view of caller memory. strides are in elements; all zero means contiguous row-major, which
+ * is the only layout accepted today. An absent optional tensor has data == NULL. */
+typedef struct epx_tensor {
+    void *data;
+    epx_dtype_t dtype;
+    int32_t ndim;
+    int64_t shape[EPX_MAX_DIMS];
+    int64_t strides[EPX_MAX_DIMS];
+    epx_device_type_t device_type;
+    int32_t device_id;
+} epx_tensor_t;
+
+/* Convenience constructors for contiguous host tensors (set device_type yourself for cuda). */
+static inline epx_tensor_t epx_tensor_1d(void *data, epx_dtype_t dtype, int64_t d0)
+{
+    epx_tensor_t t = {data, dtype, 1, {d0, 0, 0, 0}, {0, 0, 0, 0}, EPX_DEVICE_HOST, 0};
+    return t;
+}
+static inline epx_tensor_t epx_tensor_2d(void *data, epx_dtype_t dtype, int64_t d0, int64_t d1)
+{
+    epx_tensor_t t = {data, dtype, 2, {d0, d1, 0, 0}, {0, 0, 0, 0}, EPX_DEVICE_HOST, 0};
+    return t;
+}
+static inline epx_tensor_t epx_tensor_3d(void *data, epx_dtype_t dtype, int64_t d0, int64_t d1, int64_t d2)
+{
+    epx_tensor_t t = {data, dtype, 3, {d0, d1, d2, 0}, {0, 0, 0, 0}, EPX_DEVICE_HOST, 0};
+    return t;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Communicator and bootstrap                                                                 */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef struct epx_comm *epx_comm_t;
+typedef struct epx_buffer *epx_buffer_t;
+typedef struct epx_handle *epx_handle_t;
+
+#define EPX_UNIQUE_ID_BYTES 128
+/* Opaque rendezvous token: created once, sent to every rank by the caller's own means. */
+typedef struct epx_unique_id {
+    char internal[EPX_UNIQUE_ID_BYTES];
+} epx_unique_id_t;
+
+/* Creates a unique id for a TCP rendezvous hosted by rank 0. The address is taken from
+ * EPX_BOOTSTRAP_ADDR ("ip:port") when set, else the first non-loopback IPv4 address of
+ * EPX_SOCKET_IFNAME (or of any interface; loopback when there is no other), with a free port.
+ * When the process that creates the id is also rank 0 (or forks rank 0), the listening socket
+ * is reused; otherwise rank 0 binds the address itself.
+ * [out] id_out. Returns EPX_ERR_SYSTEM if no address can be bound, EPX_ERR_INVALID_ARG for a
+ * malformed env value. Not collective. */
+EPX_API epx_result_t epx_get_unique_id(epx_unique_id_t *id_out);
+
+typedef enum epx_backend {
+    EPX_BACKEND_AUTO = 0, /* cuda when a GPU is usable and the build has CUDA, else host */
+    EPX_BACKEND_HOST = 1, /* CPU: ranks are processes of one machine, POSIX shared memory */
+    EPX_BACKEND_CUDA = 2, /* GPU */
+} epx_backend_t;
+
+typedef struct epx_comm_config {
+    size_t size;          /* sizeof(epx_comm_config_t) as the caller compiled it */
+    uint32_t version;     /* EPX_VERSION_CODE the caller compiled against */
+    epx_backend_t backend;
+    int32_t cuda_device;  /* -1: the calling thread's current device */
+    int32_t timeout_ms;   /* 0: EPX_TIMEOUT_MS (default 100000) */
+} epx_comm_config_t;
+
+#define EPX_COMM_CONFIG_INIT {sizeof(epx_comm_config_t), EPX_VERSION_CODE, EPX_BACKEND_AUTO, -1, 0}
+
+/* Creates the communicator of rank `rank` out of `nranks` through the TCP rendezvous of `id`.
+ * Collective over all nranks processes. config may be NULL (defaults).
+ * [out] comm_out. Errors: EPX_ERR_INVALID_ARG (rank out of range, bad config or env value),
+ * EPX_ERR_TIMEOUT (a rank did not arrive within the timeout), EPX_ERR_BOOTSTRAP,
+ * EPX_ERR_MISMATCH (ranks disagree on nranks or backend), EPX_ERR_UNSUPPORTED (backend not
+ * available, or host backend across machines). */
+EPX_API epx_result_t epx_comm_init(const epx_unique_id_t *id, int rank, int nranks,
+                                   const epx_comm_config_t *config, epx_comm_t *comm_out);
+
+/* Caller-supplied collectives, to embed epx in MPI, torch.distributed or a custom launcher.
+ * Both must be collective over the same ranks and return 0 on success, anything else on
+ * failure; they should give up after a deadline of their own. allgather gathers `bytes` from
+ * every rank into recv (rank i's block at offset i * bytes). */
+typedef int (*epx_allgather_fn)(void *ctx, const void *send, void *recv, size_t bytes);
+typedef int (*epx_barrier_fn)(void *ctx);
+
+typedef struct epx_bootstrap_callbacks {
+    epx_allgather_fn allgather;
+    epx_barrier_fn barrier;
+    void *ctx; /* passed back to both; must outlive the communicator */
+} epx_bootstrap_callbacks_t;
+
+/* Like epx_comm_init, with the caller's collectives instead of the TCP rendezvous.
+ * Errors: as epx_comm_init; EPX_ERR_BOOTSTRAP when a callback returns non-zero. */
+EPX_API epx_result_t epx_comm_init_callbacks(const epx_bootstrap_callbacks_t *callbacks, int rank,
+                                             int nranks, const epx_comm_config_t *config,
+                                             epx_comm_t *comm_out);
+
+/* Frees the communicator. Every buffer made from it must be destroyed first
+ * (EPX_ERR_INVALID_ARG otherwise, nothing freed). Not collective and never waits on a peer.
+ * NULL is accepted. */
+EPX_API epx_result_t epx_comm_destroy(epx_comm_t comm);
+
+typedef struct epx_topology {
+    int32_t rank;
+    int32_t nranks;
+    int32_t local_rank;              /* index among the ranks of this machine */
+    int32_t local_nranks;            /* ranks on this machine */
+    int32_t ranks_per_nvlink_domain; /* D: detected, capped by EPX_RANKS_PER_NVLINK_DOMAIN */
+    int32_t num_nvlink_domains;      /* nranks / D */
+    epx_backend_t backend;           /* the backend actually chosen */
+    int32_t cuda_device;             /* -1 for the host backend */
+} epx_topology_t;
+
+/* [out] topo_out: the communicator's topology. Not collective. */
+EPX_API epx_result_t epx_comm_get_topology(epx_comm_t comm, epx_topology_t *topo_out);
+
+/* Reports (and keeps) the first asynchronous failure seen by the communicator's buffers: a
+ * device-side timeout (with rank, peer, channel and counters in the message), a peer that
+ * failed, an overflow that has not been queried. EPX_SUCCESS when there is none. Not
+ * collective; never blocks. */
+EPX_API epx_result_t epx_get_async_error(epx_comm_t comm);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Buffers                                                                                    */
+/* ------------------------------------------------------------------------------------------ */
+
+/* Modes a buffer is created for. */
+#define EPX_MODE_HT 0x1u      /* high-throughput dispatch/combine and layout */
+#define EPX_MODE_LL 0x2u      /* low-latency dispatch/combine */
+#define EPX_MODE_PERMUTE 0x4u /* routing-map dispatch (with or without permute) and its combine */
+#define EPX_MODE_ALL 0x7u
+
+/* Bit for a dtype in epx_buffer_config_t.dispatch_dtypes. */
+#define EPX_DTYPE_BIT(dtype) (1u << (unsigned)(dtype))
+
+typedef struct epx_buffer_config {
+    size_t size;
+    uint32_t version;
+    int64_t max_tokens;       /* T_max: most tokens any rank passes in one call (>= 1) */
+    int64_t hidden;           /* H (>= 1; a multiple of 128 for fp8) */
+    int32_t num_topk;         /* K (1..64) */
+    int32_t num_experts;      /* E (a multiple of nranks) */
+    uint32_t modes;           /* EPX_MODE_* bits; 0 means EPX_MODE_ALL */
+    uint32_t dispatch_dtypes; /* EPX_DTYPE_BIT()s of x allowed in dispatch; 0 = bf16|fp32|fp8 */
+    int32_t max_pad_multiple; /* largest pad_multiple used with permute; 0 = 128 */
+    int32_t num_sms;          /* GPU: SMs a kernel may take; 0 = tuned default for nranks */
+    int32_t chunk_tokens;     /* GPU: tokens per send chunk; 0 = tuned default */
+} epx_buffer_config_t;
+
+#define EPX_BUFFER_CONFIG_INIT {sizeof(epx_buffer_config_t), EPX_VERSION_CODE, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+
+/* Creates a communication buffer able to serve every operation of `config->modes` up to the
+ * given maximum shape. Collective: every rank must pass the same max_tokens, hidden, num_topk,
+ * num_experts, modes and dtypes; otherwise every rank returns EPX_ERR_MISMATCH naming the
+ * field. [out] buffer_out. Errors: EPX_ERR_INVALID_ARG (bad field, E % nranks != 0, H % 128 for
+ * fp8), EPX_ERR_OUT_OF_MEMORY, EPX_ERR_SYSTEM, EPX_ERR_TIMEOUT, EPX_ERR_MISMATCH. */
+EPX_API epx_result_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *config,
+                                       epx_buffer_t *buffer_out);
+
+/* Frees the buffer and its peers' mappings. Handles made from it must be destroyed first
+ * (EPX_ERR_INVALID_ARG otherwise). Not collective; never waits on a peer. NULL is accepted. */
+EPX_API epx_result_t epx_buffer_destroy(epx_buffer_t buffer);
+
+/* Returns EPX_ERR_OVERFLOW (and clears the flag) when a call with an upper bound on this
+ * buffer dropped rows since the last query, else EPX_SUCCESS. For the cuda backend this
+ * synchronises with the buffer's last operation. Not collective. */
+EPX_API epx_result_t epx_buffer_query_overflow(epx_buffer_t buffer);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Layout                                                                                     */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef struct epx_layout_outputs {
+    size_t size;
+    uint32_t version;
+    epx_tensor_t num_tokens_per_rank;   /* [out] [R] int32 */
+    epx_tensor_t num_tokens_per_expert; /* [out] [E] int32 */
+    epx_tensor_t is_token_in_rank;      /* [out] [T, R] bool */
+    epx_tensor_t num_tokens_per_domain; /* [out] optional [R / D] int32 */
+} epx_layout_outputs_t;
+
+#define EPX_LAYOUT_OUTPUTS_INIT {sizeof(epx_layout_outputs_t), EPX_VERSION_CODE}
+
+/* Counts derived from topk_idx [T, K] (int32 or int64, -1 = no expert). Not collective.
+ * Ordered on `stream`. Errors: EPX_ERR_INVALID_ARG (shape, dtype, expert id out of range or
+ * repeated within a token, T > T_max, outputs too small, buffer without EPX_MODE_HT). */
+EPX_API epx_result_t epx_get_dispatch_layout(epx_buffer_t buffer, const epx_tensor_t *topk_idx,
+                                             epx_layout_outputs_t *outputs, void *stream);
+
+/* ------------------------------------------------------------------------------------------ */
+/* High-throughput dispatch and combine                                                       */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef struct epx_ht_dispatch_args {
+    size_t size;
+    uint32_t version;
+    epx_tensor_t x;              /* [T, H] bf16, fp32 or fp8_e4m3 */
+    epx_tensor_t x_scales;       /* [T, H/128] fp32; required for fp8, absent otherwise */
+    epx_tensor_t topk_idx;       /* [T, K] int32/int64; ignored when cached_handle is set */
+    epx_tensor_t topk_weights;   /* optional [T, K] fp32; ignored when cached_handle is set */
+    epx_handle_t cached_handle;  /* non-NULL: cached dispatch with that handle's routing */
+    int32_t expert_alignment;    /* round num_recv_tokens_per_expert up to this (>= 1) */
+    int64_t num_worst_tokens;    /* > 0: static-shape mode, outputs have this many rows */
+    void *stream;
+} epx_ht_dispatch_args_t;
+
+#define EPX_HT_DISPATCH_ARGS_INIT {sizeof(epx_ht_dispatch_args_t), EPX_VERSION_CODE}
+
+typedef struct epx_ht_dispatch_outputs {
+    size_t size;
+    uint32_t version;
+    epx_tensor_t recv_x;                     /* [out] [cap, H], dtype of x */
+    epx_tensor_t recv_x_scales;              /* [out] [cap, H/128] fp32, fp8 only */
+    epx_tensor_t recv_topk_idx;              /* [out] optional [cap, K] int32/int64 */
+    epx_tensor_t recv_topk_weights;          /* [out] optional [cap, K] fp32 */
+    epx_tensor_t num_recv_tokens_per_expert; /* [out] optional [L] int32 */
+    epx_tensor_t num_recv_tokens;            /* [out] optional [1] int32: N_r, in device memory */
+    int64_t num_recv_tokens_host;            /* [out] N_r (static mode on cuda: read it after a
+                                                stream sync through epx_handle_get_info) */
+    epx_handle_t handle;                     /* [out] new handle (not written for cached) */
+} epx_ht_dispatch_outputs_t;
+
+#define EPX_HT_DISPATCH_OUTPUTS_INIT {sizeof(epx_ht_dispatch_outputs_t), EPX_VERSION_CODE}
+
+/* Sends each token of x to every rank holding one of its experts (REFERENCE.md, HT dispatch).
+ * Collective. Ordered on args->stream. The capacity of recv_x (shape[0]) must be >= N_r, or
+ * >= num_worst_tokens in static mode; in the default mode the host waits for N_r, which is
+ * refused during stream capture (EPX_ERR_GRAPH_CAPTURE naming num_worst_tokens). With
+ * cached_handle only recv_x and recv_x_scales are written, and x must have the handle's T.
+ * Errors: EPX_ERR_INVALID_ARG (shapes, dtypes, ids, T > T_max, null pointers, capacity below
+ * N_r), EPX_ERR_MISMATCH (ranks disagree on the dtype), EPX_ERR_OVERFLOW (N_r >
+ * num_worst_tokens; extra rows dropped), EPX_ERR_REMOTE, EPX_ERR_TIMEOUT. */
+EPX_API epx_result_t epx_ht_dispatch(epx_buffer_t buffer, const epx_ht_dispatch_args_t *args,
+                                     epx_ht_dispatch_outputs_t *outputs);
+
+typedef struct epx_ht_combine_args {
+    size_t size;
+    uint32_t version;
+    epx_handle_t handle;       /* from epx_ht_dispatch */
+    epx_tensor_t x;            /* [>= N_r, H] bf16: one row per received token */
+    epx_tensor_t topk_weights; /* optional [>= N_r, K] fp32, combined like x */
+    epx_tensor_t bias0;        /* optional [T, H] bf16 */
+    epx_tensor_t bias1;        /* optional [T, H] bf16 */
+    void *stream;
+} epx_ht_combine_args_t;
+
+#define EPX_HT_COMBINE_ARGS_INIT {sizeof(epx_ht_combine_args_t), EPX_VERSION_CODE}
+
+typedef struct epx_ht_combine_outputs {
+    size_t size;
+    uint32_t version;
+    epx_tensor_t combined_x;            /* [out] [T, H] bf16 */
+    epx_tensor_t combined_topk_weights; /* [out] optional [T, K] fp32 (needs args topk_weights) */
+} epx_ht_combine_outputs_t;
+
+#define EPX_HT_COMBINE_OUTPUTS_INIT {sizeof(epx_ht_combine_outputs_t), EPX_VERSION_CODE}
+
+/* Reduces each token's rows back on its source rank: out[t] = sum over ranks that received t
+ * (+ bias0[t] + bias1[t]), fp32 accumulation, one rounding to bf16. Collective. Errors:
+ * EPX_ERR_INVALID_ARG (handle of another buffer, shapes), EPX_ERR_REMOTE, EPX_ERR_TIMEOUT. */
+EPX_API epx_result_t epx_ht_combine(epx_buffer_t buffer, const epx_ht_combine_args_t *args,
+                                    epx_ht_combine_outputs_t *outputs);
+
+typedef struct epx_handle_info {
+    int64_t num_tokens;      /* T this rank dispatched */
+    int64_t num_recv_tokens; /* N_r (HT, routing map) or P (permute) */
+    int32_t num_ranks;
+    int32_t num_local_experts;
+} epx_handle_info_t;
+
+/* [out] info_out. For the cuda backend's static modes this waits for the dispatch to finish
+ * (bounded by EPX_TIMEOUT_MS). Not collective. */
+EPX_API epx_result_t epx_handle_get_info(epx_handle_t handle, epx_handle_info_t *info_out);
+
+/* Frees a handle (HT or routing-map). Not collective. NULL is accepted. */
+EPX_API epx_result_t epx_handle_destroy(epx_handle_t handle);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Low-latency dispatch and combine                                                           */
+/* ------------------------------------------------------------------------------------------ */
+
+/* Identifies one LL dispatch; passed by value to the matching combine. */
+typedef struct epx_ll_handle {
+    uint64_t seq;       /* collective sequence number of the dispatch */
+    int32_t slot;       /* double-buffer slot (0 or 1) */
+    int32_t num_tokens; /* T of the dispatch */
+} epx_ll_handle_t;
+
+/* The receive half of an operation called with return_recv_hook. */
+typedef struct epx_hook {
+    epx_buffer_t buffer;
+    uint64_t seq;
+    int32_t kind; /* internal */
+    int32_t slot; /* internal */
+} epx_hook_t;
+
+typedef struct epx_ll_dispatch_args {
+    size_t size;
+    uint32_t version;
+    epx_tensor_t x;                     /* [T, H] bf16 */
+    epx_tensor_t topk_idx;              /* [T, K] int32/int64, -1 = no expert */
+    epx_tensor_t cumulative_recv_stats; /* optional [L] int32: received tokens per local expert
+                                           are added to it */
+    int32_t use_fp8;                    /* cast to fp8 e4m3 with per-128-channel scales */
+    int32_t round_scale;                /* scales rounded up to powers of two (fp8 only) */
+    int32_t use_ue8m0;                  /* scales as exponent bytes, four per int32 (needs
+                                           round_scale and H % 512 == 0) */
+    int32_t return_recv_hook;           /* return after the sends; outputs filled by the hook */
+    void *stream;
+} epx_ll_dispatch_args_t;
+
+#define EPX_LL_DISPATCH_ARGS_INIT {sizeof(epx_ll_dispatch_args_t), EPX_VERSION_CODE}
+
+typedef struct epx_ll_dispatch_outputs {
+    size_t size;
+    uint32_t version;
+    epx_tensor_t recv_x;       /* [out] [L, R*T_max, H] bf16, or fp8_e4m3 with use_fp8 */
+    epx_tensor_t recv_scales;  /* [out] fp8: [L, H/128, R*T_max] fp32 (storage order; logical
+                                  [L, R*T_max, H/128]); ue8m0: [L, H/512, R*T_max] int32 */
+    epx_tensor_t recv_count;   /* [out] [L] int32 */
+    epx_tensor_t src_info;     /* [out] optional [L, R*T_max] int32: source token index */
+    epx_tensor_t layout_range; /* [out] optional [L, R] int64: (begin << 32) | count */
+    epx_ll_handle_t handle;    /* [out] */
+    epx_hook_t hook;           /* [out] with return_recv_hook */
+} epx_ll_dispatch_outputs_t;
+
+#define EPX_LL_DISPATCH_OUTPUTS_INIT {sizeof(epx_ll_dispatch_outputs_t), EPX_VERSION_CODE}
+
+/* Sends each token once per selected expert; rank r receives, per local expert, rows packed
+ * from 0 in (source rank, source token) order. Collective; no host synchronisation; may be
+ * captured in a CUDA graph. Two LL operations may be in flight; the third reuses the first
+ * one's slot. With return_recv_hook the output tensors must stay valid until the hook runs.
+ * Errors: EPX_ERR_INVALID_ARG (buffer without EPX_MODE_LL, shapes, ids, flags), EPX_ERR_REMOTE,
+ * EPX_ERR_TIMEOUT. */
+EPX_API epx_result_t epx_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *args,
+                                     epx_ll_dispatch_outputs_t *outputs);
+
+typedef struct epx_ll_combine_args {
+    size_t size;
+    uint32_t version;
+    epx_ll_handle_t handle;    /* from epx_ll_dispatch */
+    epx_tensor_t y;            /* [L, R*T_max, H] bf16 in the dispatch's layout (ignored with
+                                  zero_copy) */
+    epx_tensor_t topk_idx;     /* [T, K] as passed to the dispatch */
+    epx_tensor_t topk_weights; /* [T, K] fp32 */
+    int32_t zero_copy;         /* y was written into epx_ll_get_combine_buffer()'s view */
+    int32_t return_recv_hook;
+    void *stream;
+} epx_ll_combine_args_t;
+
+#define EPX_LL_COMBINE_ARGS_INIT {sizeof(epx_ll_combine_args_t), EPX_VERSION_CODE}
+
+typedef struct epx_ll_combine_outputs {
+    size_t size;
+    uint32_t version;
+    epx_tensor_t combined_x; /* [out] [T, H] bf16 */
+    epx_hook_t hook;         /* [out] with return_recv_hook */
+} epx_ll_combine_outputs_t;
+
+#define EPX_LL_COMBINE_OUTPUTS_INIT {sizeof(epx_ll_combine_outputs_t), EPX_VERSION_CODE}
+
+/* out[t] = sum over k with topk_idx[t,k] >= 0 of topk_weights[t,k] * y(expert, t), in fp32,
+ * one rounding to bf16. Collective. Errors: EPX_ERR_INVALID_ARG (stale handle: its slot was
+ * reused by a later dispatch; T differs from the dispatch's), EPX_ERR_REMOTE, EPX_ERR_TIMEOUT. */
+EPX_API epx_result_t epx_ll_combine(epx_buffer_t buffer, const epx_ll_combine_args_t *args,
+                                    epx_ll_combine_outputs_t *outputs);
+
+/* [out] view_out: the [L, R*T_max, H] bf16 region in the library's memory that the next
+ * epx_ll_combine of `handle` with zero_copy reads. Valid until that combine returns. Not
+ * collective; may wait (bounded) until peers have released the region. */
+EPX_API epx_result_t epx_ll_get_combine_buffer(epx_buffer_t buffer, const epx_ll_handle_t *handle,
+                                               epx_tensor_t *view_out);
+
+/* Runs the receive half of an operation called with return_recv_hook. Ordered on `stream`.
+ * A hook runs once (EPX_ERR_INVALID_ARG after that, or once its slot was reused). */
+EPX_API epx_result_t epx_hook_run(const epx_hook_t *hook, void *stream);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Routing-map dispatch (with or without permute) and its combine                             */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef struct epx_rm_dispatch_args {
+    size_t size;
+    uint32_t version;
+    epx_tensor_t hidden;                /* [T, H] bf16 or fp8_e4m3 */
+    epx_tensor_t scaling_factor;        /* [T, H/128] fp32 for fp8, absent otherwise */
+    epx_tensor_t routing_map;           /* [T, E] bool; at most K true per row */
+    epx_tensor_t probs;                 /* optional [T, E] fp32 */
+    int32_t permute;                    /* group rows by local expert */
+    int32_t pad_multiple;               /* permute: pad each group to a multiple (>= 1) */
+    int64_t num_dispatched_tokens;      /* upper bound on N_r without permute; -1 = none */
+    int64_t num_permuted_tokens;        /* upper bound on P with permute; -1 = none */
+    void *stream;
+} epx_rm_dispatch_args_t;
+
+#define EPX_RM_DISPATCH_ARGS_INIT                                                              \
+    {sizeof(epx_rm_dispatch_args_t), EPX_VERSION_CODE, {0}, {0}, {0}, {0}, 0, 1, -1, -1, NULL}
+
+typedef struct epx_rm_dispatch_outputs {
+    size_t size;
+    uint32_t version;
+    epx_tensor_t tokens;            /* [out] [cap, H], dtype of hidden */
+    epx_tensor_t scaling_factor;    /* [out] [cap, H/128] fp32, fp8 only */
+    epx_tensor_t probs;             /* [out] optional: [cap, L] fp32 without permute, [cap] with */
+    epx_tensor_t tokens_per_expert; /* [out] permute: [L] int32, padded counts */
+    epx_tensor_t num_tokens;        /* [out] optional [1] int32: N_r or P, in device memory */
+    int64_t num_tokens_host;        /* [out] N_r or P (the bound's value when one is given) */
+    epx_handle_t handle;            /* [out] */
+} epx_rm_dispatch_outputs_t;
+
+#define EPX_RM_DISPATCH_OUTPUTS_INIT {sizeof(epx_rm_dispatch_outputs_t), EPX_VERSION_CODE}
+
+/* Routing-map dispatch (REFERENCE.md). Collective. The capacity of tokens must be >= the bound
+ * when one is given, else >= the real count (the host waits for it, refused under capture
+ * with EPX_ERR_GRAPH_CAPTURE naming num_dispatched_tokens or num_permuted_tokens). With a
+ * bound, rows past it are dropped and the overflow flag set (epx_buffer_query_overflow); the
+ * rows between the real count and the bound are zero. Ranks may pass different T. Errors:
+ * EPX_ERR_INVALID_ARG, EPX_ERR_MISMATCH (dtype or permute flag differ), EPX_ERR_REMOTE,
+ * EPX_ERR_TIMEOUT, EPX_ERR_GRAPH_CAPTURE. */
+EPX_API epx_result_t epx_rm_dispatch(epx_buffer_t buffer, const epx_rm_dispatch_args_t *args,
+                                     epx_rm_dispatch_outputs_t *outputs);
+
+typedef struct epx_rm_combine_args {
+    size_t size;
+    uint32_t version;
+    epx_handle_t handle; /* from epx_rm_dispatch */
+    epx_tensor_t x;      /* [>= N_r or P, H] bf16, in the dispatch's output layout */
+    int32_t weighted;    /* permute only: weight each row by its prob */
+    void *stream;
+} epx_rm_combine_args_t;
+
+#define EPX_RM_COMBINE_ARGS_INIT {sizeof(epx_rm_combine_args_t), EPX_VERSION_CODE}
+
+typedef struct epx_rm_combine_outputs {
+    size_t size;
+    uint32_t version;
+    epx_tensor_t combined; /* [out] [T, H] bf16 */
+} epx_rm_combine_outputs_t;
+
+#define EPX_RM_COMBINE_OUTPUTS_INIT {sizeof(epx_rm_combine_outputs_t), EPX_VERSION_CODE}
+
+/* Inverse of epx_rm_dispatch: without permute an unweighted sum over the receiving ranks; with
+ * permute, combine-with-unpermute: out[t] = sum over (rank, selected local expert) of w * row,
+ * w = prob if weighted else 1. fp32 accumulation, bf16 output. Collective. */
+EPX_API epx_result_t epx_rm_combine(epx_buffer_t buffer, const epx_rm_combine_args_t *args,
+                                    epx_rm_combine_outputs_t *outputs);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EPX_EPX_H */

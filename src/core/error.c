@@ -1,0 +1,92 @@
+/*
+ * Result strings (from the one X-macro table in epx.h), the per-thread last-error message,
+ * and the logger.
+ */
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core/internal.h"
+
+static _Thread_local char last_message_g[1024];
+
+int epx_log_level_g = EPX_LOG_WARN;
+unsigned epx_log_subsys_g = EPX_SUBSYS_ALL;
+int epx_log_rank_g = -1;
+
+EPX_API const char *epx_strerror(epx_result_t result)
+{
+    switch (result) {
+#define EPX_STRERROR_CASE_(name, value, text)                                                  \
+    case EPX_##name:                                                                           \
+        return text;
+        EPX_RESULT_MAP(EPX_STRERROR_CASE_)
+#undef EPX_STRERROR_CASE_
+    }
+    return "unknown result";
+}
+
+EPX_API const char *epx_result_name(epx_result_t result)
+{
+    switch (result) {
+#define EPX_NAME_CASE_(name, value, text)                                                      \
+    case EPX_##name:                                                                           \
+        return #name;
+        EPX_RESULT_MAP(EPX_NAME_CASE_)
+#undef EPX_NAME_CASE_
+    }
+    return "UNKNOWN";
+}
+
+EPX_API const char *epx_last_error_message(void) { return last_message_g; }
+
+EPX_API const char *epx_version(void)
+{
+#define EPX_STR2_(x) #x
+#define EPX_STR_(x) EPX_STR2_(x)
+    return EPX_STR_(EPX_VERSION_MAJOR) "." EPX_STR_(EPX_VERSION_MINOR) "." EPX_STR_(EPX_VERSION_PATCH);
+}
+
+EPX_API int epx_version_code(void) { return EPX_VERSION_CODE; }
+
+epx_result_t epx_error(epx_result_t res, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_message_g, sizeof(last_message_g), fmt, ap);
+    va_end(ap);
+    EPX_LOG(EPX_LOG_WARN, EPX_SUBSYS_ALL, "%s: %s", epx_result_name(res), last_message_g);
+    return res;
+}
+
+void epx_error_clear(void) { last_message_g[0] = '\0'; }
+
+void epx_error_copy(char *dst, size_t cap)
+{
+    if (cap == 0) return;
+    snprintf(dst, cap, "%s", last_message_g);
+}
+
+void epx_error_set_message(const char *msg)
+{
+    snprintf(last_message_g, sizeof(last_message_g), "%s", msg ? msg : "");
+}
+
+void epx_log_write(epx_log_level_t level, unsigned subsys, const char *fmt, ...)
+{
+    static const char *names[] = {"none", "error", "warn", "info", "trace"};
+    char line[1200];
+    int n;
+    (void)subsys;
+    if (epx_log_rank_g >= 0)
+        n = snprintf(line, sizeof(line), "epx %s [pid %d rank %d] ", names[level], (int)getpid(),
+                     epx_log_rank_g);
+    else
+        n = snprintf(line, sizeof(line), "epx %s [pid %d] ", names[level], (int)getpid());
+    if (n < 0 || n >= (int)sizeof(line)) n = 0;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line + n, sizeof(line) - (size_t)n, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "%s\n", line);
+}

@@ -1,0 +1,283 @@
+/*
+ * Internal declarations shared by every part of libepx: errors and logging, parameters (env),
+ * time, the bootstrap, and the comm/buffer/handle objects with the backend function table.
+ * Nothing here is exported; the API layer (src/api) is the only caller of backends.
+ */
+#ifndef EPX_CORE_INTERNAL_H
+#define EPX_CORE_INTERNAL_H
+
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "epx/epx.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------- errors and logging ---- */
+
+/* Records `res` with a formatted detail as the calling thread's last error, logs it at warn
+ * level, and returns `res`. The first place that detects an error calls this; callers only
+ * propagate. */
+epx_result_t epx_error(epx_result_t res, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Clears the calling thread's last error (the API layer does it on entry). */
+void epx_error_clear(void);
+/* Copies the thread's last message into dst (for async error records). */
+void epx_error_copy(char *dst, size_t cap);
+/* Sets the thread's last message verbatim (no logging). */
+void epx_error_set_message(const char *msg);
+
+typedef enum epx_log_level {
+    EPX_LOG_NONE = 0,
+    EPX_LOG_ERROR = 1,
+    EPX_LOG_WARN = 2,
+    EPX_LOG_INFO = 3,
+    EPX_LOG_TRACE = 4,
+} epx_log_level_t;
+
+/* Subsystems for EPX_DEBUG_SUBSYS. */
+#define EPX_SUBSYS_INIT 0x1u
+#define EPX_SUBSYS_BOOTSTRAP 0x2u
+#define EPX_SUBSYS_SHM 0x4u
+#define EPX_SUBSYS_IPC 0x8u
+#define EPX_SUBSYS_HT 0x10u
+#define EPX_SUBSYS_LL 0x20u
+#define EPX_SUBSYS_PERMUTE 0x40u
+#define EPX_SUBSYS_API 0x80u
+#define EPX_SUBSYS_ALL 0xffffffffu
+
+extern int epx_log_level_g;          /* current level; set from EPX_DEBUG */
+extern unsigned epx_log_subsys_g;    /* mask; set from EPX_DEBUG_SUBSYS */
+extern int epx_log_rank_g;           /* rank prefix for messages, -1 before a comm exists */
+void epx_log_write(epx_log_level_t level, unsigned subsys, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* The level check happens before any formatting. */
+#define EPX_LOG(level, subsys, ...)                                                            \
+    do {                                                                                       \
+        if ((int)(level) <= epx_log_level_g && ((subsys) & epx_log_subsys_g))                  \
+            epx_log_write((level), (subsys), __VA_ARGS__);                                     \
+    } while (0)
+#define EPX_WARN(subsys, ...) EPX_LOG(EPX_LOG_WARN, subsys, __VA_ARGS__)
+#define EPX_INFO(subsys, ...) EPX_LOG(EPX_LOG_INFO, subsys, __VA_ARGS__)
+#define EPX_TRACE(subsys, ...) EPX_LOG(EPX_LOG_TRACE, subsys, __VA_ARGS__)
+
+/* Propagate a failure from an internal call. */
+#define EPX_CHECK(call)                                                                        \
+    do {                                                                                       \
+        epx_result_t epx_check_res_ = (call);                                                  \
+        if (epx_check_res_ != EPX_SUCCESS) return epx_check_res_;                              \
+    } while (0)
+#define EPX_CHECK_GOTO(call, res, label)                                                       \
+    do {                                                                                       \
+        (res) = (call);                                                                        \
+        if ((res) != EPX_SUCCESS) goto label;                                                  \
+    } while (0)
+
+/* ------------------------------------------------------------------- parameters (env) ---- */
+
+/* Every environment variable of the library, parsed once (src/core/params.c holds the table
+ * with names, types, defaults and help). */
+typedef struct epx_params {
+    int64_t timeout_ms;              /* EPX_TIMEOUT_MS, default 100000 */
+    int32_t ranks_per_nvlink_domain; /* EPX_RANKS_PER_NVLINK_DOMAIN, 0 = no cap */
+    int32_t host_threads;            /* EPX_HOST_THREADS, 0 = automatic */
+    int32_t debug_level;             /* EPX_DEBUG */
+    uint32_t debug_subsys;           /* EPX_DEBUG_SUBSYS */
+    char bootstrap_addr[128];        /* EPX_BOOTSTRAP_ADDR "ip:port", "" = pick */
+    char socket_ifname[64];          /* EPX_SOCKET_IFNAME, "" = any */
+    char shm_dir[256];               /* EPX_SHM_DIR, default /dev/shm */
+    int32_t print_env;               /* EPX_PRINT_ENV */
+} epx_params_t;
+
+/* Parses the environment once per process (thread-safe) and returns the parameters, or
+ * EPX_ERR_INVALID_ARG naming the variable whose value is malformed (checked again on every
+ * call until it is fixed, so a test can set a bad value and see the error). */
+epx_result_t epx_params_get(const epx_params_t **params_out);
+/* Re-reads the environment (tests only). */
+epx_result_t epx_params_reload(void);
+/* Prints the table (name, value, default, help) to `out` (a FILE*). */
+void epx_params_print(void *out);
+
+/* ----------------------------------------------------------------------------- time ---- */
+
+uint64_t epx_time_ns(void); /* CLOCK_MONOTONIC */
+/* A deadline `timeout_ms` from now. */
+static inline uint64_t epx_deadline_after_ms(int64_t timeout_ms)
+{
+    return epx_time_ns() + (uint64_t)timeout_ms * 1000000ull;
+}
+/* Sleeps progressively longer as `iteration` grows (spin, yield, then up to ~100 us), for
+ * host-side polling loops among more processes than cores. */
+void epx_backoff(uint32_t iteration);
+
+/* ------------------------------------------------------------------------ bootstrap ---- */
+
+/* The collectives a communicator has before any transport exists. All are bounded by the
+ * communicator's timeout. */
+typedef struct epx_bootstrap_ops {
+    epx_result_t (*allgather)(void *state, const void *send, void *recv, size_t bytes);
+    epx_result_t (*barrier)(void *state);
+    void (*close)(void *state); /* never blocks on a peer */
+} epx_bootstrap_ops_t;
+
+/* TCP rendezvous through rank 0 (src/core/bootstrap.c). */
+epx_result_t epx_bootstrap_tcp_create(const epx_unique_id_t *id, int rank, int nranks,
+                                      int64_t timeout_ms, const epx_bootstrap_ops_t **ops_out,
+                                      void **state_out);
+/* Caller-supplied callbacks. */
+epx_result_t epx_bootstrap_callbacks_create(const epx_bootstrap_callbacks_t *callbacks, int rank,
+                                            int nranks, const epx_bootstrap_ops_t **ops_out,
+                                            void **state_out);
+
+/* -------------------------------------------------------------------------- objects ---- */
+
+#define EPX_COMM_MAGIC 0x45505843u   /* "EPXC" */
+#define EPX_BUFFER_MAGIC 0x45505842u /* "EPXB" */
+#define EPX_HANDLE_MAGIC 0x45505848u /* "EPXH" */
+
+typedef struct epx_backend_ops epx_backend_ops_t;
+
+/* What each rank tells every other at init (fixed size, exchanged by allgather). */
+typedef struct epx_peer_info {
+    int32_t rank;
+    int32_t pid;
+    uint64_t host_hash;       /* of the hostname + boot id */
+    char hostname[64];
+    int32_t backend;          /* chosen backend */
+    int32_t cuda_device;      /* ordinal, -1 for host */
+    char cuda_uuid[16];       /* GPU uuid, zero for host */
+    int32_t nranks;           /* as this rank was told */
+} epx_peer_info_t;
+
+struct epx_comm {
+    uint32_t magic;
+    int32_t rank;
+    int32_t nranks;
+    int32_t local_rank;
+    int32_t local_nranks;
+    int32_t ranks_per_domain;
+    int32_t num_domains;
+    epx_backend_t backend;
+    int32_t cuda_device;
+    int64_t timeout_ms;
+    const epx_bootstrap_ops_t *bootstrap;
+    void *bootstrap_state;
+    epx_peer_info_t *peers;     /* [nranks] */
+    const epx_backend_ops_t *ops;
+    void *backend_comm_state;   /* backend's per-comm state (may be NULL) */
+    atomic_int live_buffers;
+    /* First asynchronous error, reported by epx_get_async_error. */
+    atomic_int async_result;
+    char async_message[512];
+};
+
+/* Collectives over the comm's bootstrap (bounded). */
+epx_result_t epx_comm_allgather(epx_comm_t comm, const void *send, void *recv, size_t bytes);
+epx_result_t epx_comm_barrier(epx_comm_t comm);
+/* Records the first async error of the comm (later ones are dropped); returns `res`. */
+epx_result_t epx_comm_set_async_error(epx_comm_t comm, epx_result_t res, const char *message);
+
+struct epx_buffer {
+    uint32_t magic;
+    epx_comm_t comm;
+    epx_buffer_config_t config;   /* normalized: modes and dtypes filled, defaults applied */
+    int32_t num_local_experts;    /* L = E / R */
+    const epx_backend_ops_t *ops;
+    void *backend_state;
+    uint64_t seq;                 /* collective calls made on this buffer (same on all ranks) */
+    atomic_int live_handles;
+    atomic_int overflow;          /* set by a bounded call that dropped rows */
+};
+
+typedef enum epx_handle_kind {
+    EPX_HANDLE_HT = 1,
+    EPX_HANDLE_RM = 2,
+} epx_handle_kind_t;
+
+struct epx_handle {
+    uint32_t magic;
+    epx_handle_kind_t kind;
+    epx_buffer_t buffer;
+    int64_t num_tokens;     /* T of the dispatch on this rank */
+    int64_t num_recv;       /* N_r (HT, RM) or P (RM with permute); bound-capped for RM */
+    int32_t permute;        /* RM only */
+    epx_dtype_t x_dtype;    /* dtype dispatched */
+    void *backend_state;    /* freed by ops->handle_free */
+};
+
+/* The backend function table. The API layer has checked every argument against the buffer
+ * (shapes, dtypes, pointers, capacities, flags) before calling, and for host-memory index
+ * tensors also their values. Backends check what only they can (cross-rank agreement, device
+ * tensors' values) and must leave all ranks able to make the next collective call after any
+ * failure. `seq` is the collective sequence number of the call (the same on every rank). */
+struct epx_backend_ops {
+    const char *name;
+    epx_result_t (*comm_init)(epx_comm_t comm);    /* may be NULL */
+    void (*comm_destroy)(epx_comm_t comm);         /* may be NULL */
+    epx_result_t (*buffer_create)(epx_buffer_t buffer);
+    void (*buffer_destroy)(epx_buffer_t buffer);
+    void (*handle_free)(epx_handle_t handle);
+    /* This rank failed its checks for collective call `seq`: tell the peers (they return
+     * EPX_ERR_REMOTE) and stay in step. */
+    void (*fail_collective)(epx_buffer_t buffer, uint64_t seq, epx_result_t res);
+    epx_result_t (*layout)(epx_buffer_t buffer, const epx_tensor_t *topk_idx,
+                           epx_layout_outputs_t *outputs, void *stream);
+    /* handle: the new handle to fill (non-cached), or args->cached_handle. */
+    epx_result_t (*ht_dispatch)(epx_buffer_t buffer, uint64_t seq, const epx_ht_dispatch_args_t *args,
+                                epx_ht_dispatch_outputs_t *outputs, epx_handle_t handle);
+    epx_result_t (*ht_combine)(epx_buffer_t buffer, uint64_t seq, const epx_ht_combine_args_t *args,
+                               epx_ht_combine_outputs_t *outputs);
+    epx_result_t (*ll_dispatch)(epx_buffer_t buffer, uint64_t seq, const epx_ll_dispatch_args_t *args,
+                                epx_ll_dispatch_outputs_t *outputs);
+    epx_result_t (*ll_combine)(epx_buffer_t buffer, uint64_t seq, const epx_ll_combine_args_t *args,
+                               epx_ll_combine_outputs_t *outputs);
+    epx_result_t (*ll_get_combine_buffer)(epx_buffer_t buffer, const epx_ll_handle_t *handle,
+                                          epx_tensor_t *view_out);
+    epx_result_t (*hook_run)(const epx_hook_t *hook, void *stream);
+    epx_result_t (*rm_dispatch)(epx_buffer_t buffer, uint64_t seq, const epx_rm_dispatch_args_t *args,
+                                epx_rm_dispatch_outputs_t *outputs, epx_handle_t handle);
+    epx_result_t (*rm_combine)(epx_buffer_t buffer, uint64_t seq, const epx_rm_combine_args_t *args,
+                               epx_rm_combine_outputs_t *outputs);
+    /* Reads and clears the buffer's overflow flag (device-side flag for cuda). */
+    epx_result_t (*query_overflow)(epx_buffer_t buffer, int *overflowed_out);
+};
+
+extern const epx_backend_ops_t epx_host_backend_ops;
+#ifdef EPX_HAVE_CUDA
+extern const epx_backend_ops_t epx_cuda_backend_ops;
+/* Number of usable CUDA devices (0 when the driver or device is missing). */
+int epx_cuda_device_count(void);
+#endif
+
+/* ------------------------------------------------------------------ numeric helpers ---- */
+
+/* bf16 <-> fp32 with round-to-nearest-even (NaN kept quiet). */
+static inline float epx_bf16_to_f32(uint16_t v)
+{
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)v << 16;
+    return c.f;
+}
+static inline uint16_t epx_f32_to_bf16(float f)
+{
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);
+    uint32_t rounding = 0x7fffu + ((c.u >> 16) & 1u);
+    return (uint16_t)((c.u + rounding) >> 16);
+}
+/* fp8 e4m3 (finite-only "fn" variant: max 448, no inf) <-> fp32; saturating, round to nearest
+ * even. Defined in src/core/numeric.c. */
+float epx_fp8_e4m3_to_f32(uint8_t v);
+uint8_t epx_f32_to_fp8_e4m3(float f);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EPX_CORE_INTERNAL_H */

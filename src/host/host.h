@@ -1,0 +1,157 @@
+/*
+ * Host (CPU) backend internals. Ranks are processes of one machine; each rank owns one POSIX
+ * shared-memory region per buffer, mapped by every peer. Operations use a pull model: a rank
+ * publishes its inputs in its own region, then every rank reads what it needs from its peers'
+ * regions and writes its own outputs. Publications and completions are sequence numbers in
+ * the region headers, so no global barrier is needed and hooks can split an operation.
+ */
+#ifndef EPX_HOST_HOST_H
+#define EPX_HOST_HOST_H
+
+#include <stdatomic.h>
+
+#include "core/internal.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Areas of a rank's region. Each has an owner-written header and a payload whose format the
+ * operation using it defines. An area is reused only after every peer reported done with it. */
+typedef enum host_area {
+    HOST_AREA_IN = 0,      /* HT / routing-map dispatch inputs: T_max token rows + metadata */
+    HOST_AREA_COMBINE = 1, /* HT / routing-map combine inputs: R*T_max rows of fp32 width */
+    HOST_AREA_LL_IN0 = 2,  /* LL dispatch inputs, slot 0 */
+    HOST_AREA_LL_IN1 = 3,  /* LL dispatch inputs, slot 1 */
+    HOST_AREA_LL_OUT0 = 4, /* LL combine inputs [L, R*T_max, H] bf16, slot 0 (zero-copy view) */
+    HOST_AREA_LL_OUT1 = 5, /* slot 1 */
+    HOST_AREA_COUNT = 6,
+} host_area_t;
+
+#define HOST_PUB_WORDS 16
+
+/* What an owner publishes with an area: status and op-specific scalars (dtype, T, flags...). */
+typedef struct host_pub {
+    uint64_t seq;       /* collective sequence number */
+    int32_t status;     /* EPX_SUCCESS or the owner's failure */
+    int32_t op;         /* which operation published (host_op_t) */
+    int64_t words[HOST_PUB_WORDS];
+} host_pub_t;
+
+typedef enum host_op {
+    HOST_OP_HT_DISPATCH = 1,
+    HOST_OP_HT_COMBINE = 2,
+    HOST_OP_LL_DISPATCH = 3,
+    HOST_OP_LL_COMBINE = 4,
+    HOST_OP_RM_DISPATCH = 5,
+    HOST_OP_RM_COMBINE = 6,
+} host_op_t;
+
+/* Owner-written control block of one area (cache-line separated). */
+typedef struct host_area_ctrl {
+    host_pub_t pub;                /* valid once pub_seq == pub.seq */
+    _Atomic uint64_t pub_seq;      /* release-stored after payload and pub are written */
+    char pad0[56];
+    _Atomic uint64_t done_seq;     /* this rank finished reading peers' area for this seq */
+    char pad1[56];
+} host_area_ctrl_t;
+
+/* Start of every region. */
+typedef struct host_region_hdr {
+    uint64_t magic;
+    int32_t rank;
+    int32_t pid;
+    _Atomic uint64_t failed_seq;   /* this rank failed collective call failed_seq */
+    int32_t failed_status;
+    char pad[36];
+    host_area_ctrl_t areas[HOST_AREA_COUNT];
+} host_region_hdr_t;
+
+/* Per-buffer state of the host backend. */
+typedef struct host_buffer {
+    epx_buffer_t buffer;
+    int32_t rank, nranks;
+    size_t region_bytes;
+    size_t area_offset[HOST_AREA_COUNT];
+    size_t area_bytes[HOST_AREA_COUNT];
+    uint8_t **regions;                 /* [nranks] mappings; regions[rank] is our own */
+    uint64_t last_pub_seq[HOST_AREA_COUNT]; /* what we last published into each area */
+    void *ll_state;                    /* owned by ll.c (slots, pending hooks) */
+    void *pool;                        /* thread pool (host_parallel_for) */
+} host_buffer_t;
+
+static inline host_region_hdr_t *host_hdr(const host_buffer_t *hb, int rank)
+{
+    return (host_region_hdr_t *)hb->regions[rank];
+}
+static inline uint8_t *host_area_ptr(const host_buffer_t *hb, int rank, host_area_t area)
+{
+    return hb->regions[rank] + hb->area_offset[area];
+}
+
+/* Area sizes for a normalized buffer config (0 for areas of modes not enabled). Every rank
+ * computes the same numbers. */
+void host_area_sizes(const epx_buffer_config_t *cfg, int nranks, size_t sizes_out[HOST_AREA_COUNT]);
+
+/* Before writing our area: waits (bounded) until every peer reported done with what we last
+ * published there. */
+epx_result_t host_area_acquire(host_buffer_t *hb, host_area_t area);
+/* Publishes our area for `seq` (payload already written): fills pub, then release-stores
+ * pub_seq. */
+void host_area_publish(host_buffer_t *hb, host_area_t area, uint64_t seq, host_op_t op, int32_t status,
+                       const int64_t *words, int nwords);
+/* Waits (bounded) for `peer`'s publication of `area` for `seq` and returns a copy of it.
+ * EPX_ERR_REMOTE when the peer published a failure, failed call `seq`, or exited;
+ * EPX_ERR_TIMEOUT naming rank, peer, area, the awaited and the seen sequence numbers. */
+epx_result_t host_area_wait(host_buffer_t *hb, int peer, host_area_t area, uint64_t seq, host_pub_t *pub_out);
+/* Waits for every peer's publication (including our own) of `area` for `seq`; pubs_out may be
+ * NULL or [nranks]. On failure of any peer, returns its error. */
+epx_result_t host_area_wait_all(host_buffer_t *hb, host_area_t area, uint64_t seq, host_pub_t *pubs_out);
+/* We finished reading peers' `area` for `seq` (also after a failure). */
+void host_area_done(host_buffer_t *hb, host_area_t area, uint64_t seq);
+/* Marks collective call `seq` failed on this rank so waiting peers return EPX_ERR_REMOTE. */
+void host_fail(host_buffer_t *hb, uint64_t seq, epx_result_t res);
+
+/* Runs fn(ctx, begin, end) over [0, n) split across the buffer's worker threads (inline when
+ * there is one thread or n is small). */
+typedef void (*host_range_fn)(void *ctx, int64_t begin, int64_t end);
+void host_parallel_for(host_buffer_t *hb, int64_t n, int64_t min_chunk, host_range_fn fn, void *ctx);
+
+/* Helpers shared by the ops: read topk_idx element (int32 or int64), element size of x. */
+static inline int64_t host_topk_at(const epx_tensor_t *t, int64_t i)
+{
+    return t->dtype == EPX_DTYPE_INT64 ? ((const int64_t *)t->data)[i] : ((const int32_t *)t->data)[i];
+}
+
+/* Implemented in src/host/ht.c (layout, HT dispatch/combine). */
+epx_result_t host_layout(epx_buffer_t buffer, const epx_tensor_t *topk_idx, epx_layout_outputs_t *outputs,
+                         void *stream);
+epx_result_t host_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ht_dispatch_args_t *args,
+                              epx_ht_dispatch_outputs_t *outputs, epx_handle_t handle);
+epx_result_t host_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht_combine_args_t *args,
+                             epx_ht_combine_outputs_t *outputs);
+void host_ht_handle_free(epx_handle_t handle);
+
+/* Implemented in src/host/ll.c. */
+epx_result_t host_ll_init(host_buffer_t *hb);
+void host_ll_fini(host_buffer_t *hb);
+epx_result_t host_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ll_dispatch_args_t *args,
+                              epx_ll_dispatch_outputs_t *outputs);
+epx_result_t host_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll_combine_args_t *args,
+                             epx_ll_combine_outputs_t *outputs);
+epx_result_t host_ll_get_combine_buffer(epx_buffer_t buffer, const epx_ll_handle_t *handle,
+                                        epx_tensor_t *view_out);
+epx_result_t host_hook_run(const epx_hook_t *hook, void *stream);
+
+/* Implemented in src/host/rm.c (routing-map dispatch, permute, combine). */
+epx_result_t host_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_rm_dispatch_args_t *args,
+                              epx_rm_dispatch_outputs_t *outputs, epx_handle_t handle);
+epx_result_t host_rm_combine(epx_buffer_t buffer, uint64_t seq, const epx_rm_combine_args_t *args,
+                             epx_rm_combine_outputs_t *outputs);
+void host_rm_handle_free(epx_handle_t handle);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EPX_HOST_HOST_H */

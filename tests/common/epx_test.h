@@ -1,0 +1,79 @@
+/*
+ * Small assertion and multi-process helpers for the epx tests. A failed check prints where and
+ * why and makes the test (or rank) return 1; EPX_TEST_SKIP (77) is CTest's skip code.
+ */
+#ifndef EPX_TEST_H
+#define EPX_TEST_H
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "epx/epx.h"
+
+#define EPX_TEST_SKIP 77
+
+#define EXPECT_TRUE(cond)                                                                      \
+    do {                                                                                       \
+        if (!(cond)) {                                                                         \
+            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond);           \
+            return 1;                                                                          \
+        }                                                                                      \
+    } while (0)
+
+#define EXPECT_EQ_INT(a, b)                                                                    \
+    do {                                                                                       \
+        long long epx_a_ = (long long)(a), epx_b_ = (long long)(b);                            \
+        if (epx_a_ != epx_b_) {                                                                \
+            fprintf(stderr, "%s:%d: %s == %s failed: %lld != %lld\n", __FILE__, __LINE__, #a,  \
+                    #b, epx_a_, epx_b_);                                                       \
+            return 1;                                                                          \
+        }                                                                                      \
+    } while (0)
+
+/* Checks an epx call's result and prints the library's message when it differs. */
+#define EXPECT_RES(call, expected)                                                             \
+    do {                                                                                       \
+        epx_result_t epx_r_ = (call);                                                          \
+        if (epx_r_ != (expected)) {                                                            \
+            fprintf(stderr, "%s:%d: %s returned %s, expected %s (%s)\n", __FILE__, __LINE__,   \
+                    #call, epx_result_name(epx_r_), epx_result_name(expected),                 \
+                    epx_last_error_message());                                                 \
+            return 1;                                                                          \
+        }                                                                                      \
+    } while (0)
+
+#define EXPECT_OK(call) EXPECT_RES(call, EPX_SUCCESS)
+
+/* The message of the last failure contains `needle`. */
+#define EXPECT_MSG_HAS(needle)                                                                 \
+    do {                                                                                       \
+        if (!strstr(epx_last_error_message(), (needle))) {                                     \
+            fprintf(stderr, "%s:%d: message '%s' lacks '%s'\n", __FILE__, __LINE__,            \
+                    epx_last_error_message(), (needle));                                       \
+            return 1;                                                                          \
+        }                                                                                      \
+    } while (0)
+
+/* A rank's body: returns 0 on success. */
+typedef int (*epx_test_rank_fn)(int rank, int nranks, const epx_unique_id_t *id, void *ctx);
+
+/* Forks nranks processes that each run fn with a fresh unique id; waits at most timeout_s
+ * seconds (then kills them and fails). Returns 0 when every rank returned 0, else 1, printing
+ * which ranks failed. */
+int epx_test_run_ranks(int nranks, epx_test_rank_fn fn, void *ctx, int timeout_s);
+
+/* Deterministic 64-bit generator (splitmix64) for inputs and routing. */
+static inline uint64_t epx_test_rand(uint64_t *state)
+{
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* Seed from EPX_TEST_SEED or the clock; printed so a failure can be replayed. */
+uint64_t epx_test_seed(void);
+
+#endif
