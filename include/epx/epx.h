@@ -339,8 +339,9 @@ typedef struct epx_ht_dispatch_outputs {
  * refused during stream capture (EPX_ERR_GRAPH_CAPTURE naming num_worst_tokens). With
  * cached_handle only recv_x and recv_x_scales are written, and x must have the handle's T.
  * Errors: EPX_ERR_INVALID_ARG (shapes, dtypes, ids, T > T_max, null pointers, capacity below
- * N_r), EPX_ERR_MISMATCH (ranks disagree on the dtype), EPX_ERR_OVERFLOW (N_r >
- * num_worst_tokens; extra rows dropped), EPX_ERR_REMOTE, EPX_ERR_TIMEOUT. */
+ * N_r), EPX_ERR_MISMATCH (ranks disagree on the dtype), EPX_ERR_REMOTE, EPX_ERR_TIMEOUT.
+ * In static mode, rows past num_worst_tokens are dropped and the buffer's overflow flag is set
+ * (epx_buffer_query_overflow); the call itself succeeds. */
 EPX_API epx_result_t epx_ht_dispatch(epx_buffer_t buffer, const epx_ht_dispatch_args_t *args,
                                      epx_ht_dispatch_outputs_t *outputs);
 
