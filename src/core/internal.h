@@ -190,6 +190,8 @@ struct epx_buffer {
     const epx_backend_ops_t *ops;
     void *backend_state;
     uint64_t seq;                 /* collective calls made on this buffer (same on all ranks) */
+    uint64_t ll_dispatches;       /* LL dispatch calls so far, failed ones included (slot =
+                                     (ll_dispatches - 1) % 2 for the current call) */
     atomic_int live_handles;
     atomic_int overflow;          /* set by a bounded call that dropped rows */
 };

@@ -89,6 +89,11 @@ static inline uint8_t *host_area_ptr(const host_buffer_t *hb, int rank, host_are
     return hb->regions[rank] + hb->area_offset[area];
 }
 
+/* Creates this rank's region, maps every peer's (collective, through the comm's bootstrap) and
+ * starts the worker pool; host_shm_fini undoes it without waiting on a peer (src/host/shm.c). */
+epx_result_t host_shm_init(host_buffer_t *hb);
+void host_shm_fini(host_buffer_t *hb);
+
 /* Area sizes for a normalized buffer config (0 for areas of modes not enabled). Every rank
  * computes the same numbers. */
 void host_area_sizes(const epx_buffer_config_t *cfg, int nranks, size_t sizes_out[HOST_AREA_COUNT]);

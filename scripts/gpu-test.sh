@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Builds with the cuda backend, runs every GPU test (ranks share the GPUs under a private MPS
+# control daemon when they outnumber them), compute-sanitizer memcheck and racecheck on a 2-rank
+# run, then the GPU benchmark rows. Usage: scripts/gpu-test.sh LOGDIR. Ends within 10 minutes.
+set -u -o pipefail
+LOGDIR=${1:?usage: scripts/gpu-test.sh LOGDIR}
+mkdir -p "$LOGDIR" && LOGDIR=$(cd "$LOGDIR" && pwd)
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BUILD=${EPX_BUILD_DIR:-$ROOT/build-gpu}
+export NCCL_NVLS_ENABLE=0
+START=$(date +%s)
+status=0
+log() { echo "[$(($(date +%s) - START)) s] $*" | tee -a "$LOGDIR/summary.log"; }
+
+MPS_DIR=$(mktemp -d /tmp/epx-mps.XXXXXX)
+MPS_STARTED=0
+stop_mps() {
+    if [ "$MPS_STARTED" = 1 ]; then
+        echo quit | CUDA_MPS_PIPE_DIRECTORY=$MPS_DIR/pipe nvidia-cuda-mps-control >/dev/null 2>&1
+        for _ in $(seq 50); do pgrep -f "nvidia-cuda-mps-server" >/dev/null || break; sleep 0.2; done
+        MPS_STARTED=0
+    fi
+    cp -r "$MPS_DIR/log" "$LOGDIR/mps-log" 2>/dev/null
+    rm -rf "$MPS_DIR"
+}
+trap stop_mps EXIT
+
+log "build (cuda on) in $BUILD"
+if ! { cmake -S "$ROOT" -B "$BUILD" -DEPX_CUDA=ON -DCMAKE_BUILD_TYPE=Release >"$LOGDIR/cmake.log" 2>&1 &&
+       make -C "$BUILD" -j"$(nproc)" >"$LOGDIR/build.log" 2>&1; }; then
+    log "build FAILED"; tail -30 "$LOGDIR/build.log"; exit 1
+fi
+nvidia-smi >"$LOGDIR/nvidia-smi.log" 2>&1
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+
+# compute-sanitizer does not attach to MPS clients: run it before the daemon starts.
+if command -v compute-sanitizer >/dev/null; then
+    for tool in memcheck racecheck; do
+        log "compute-sanitizer $tool, 2 ranks"
+        if timeout 200 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 9 \
+            env EPX_GPU_TEST_RANKS=2 EPX_GPU_TEST_QUICK=1 "$BUILD/tests/gpu_ht_ipc" >"$LOGDIR/sanitizer-$tool.log" 2>&1; then
+            log "  $tool clean: $(grep -h 'ERROR SUMMARY' "$LOGDIR/sanitizer-$tool.log" | sort | uniq -c | tr '\n' ' ')"
+        else
+            log "  $tool FAILED (see sanitizer-$tool.log)"; status=1
+        fi
+    done
+fi
+
+if [ "${NGPU:-0}" -lt 8 ] && command -v nvidia-cuda-mps-control >/dev/null; then
+    mkdir -p "$MPS_DIR/pipe" "$MPS_DIR/log"
+    export CUDA_MPS_PIPE_DIRECTORY=$MPS_DIR/pipe CUDA_MPS_LOG_DIRECTORY=$MPS_DIR/log
+    if nvidia-cuda-mps-control -d; then MPS_STARTED=1; log "mps daemon started ($MPS_DIR)"; else log "mps start failed"; fi
+fi
+
+log "ctest -L gpu"
+if ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout 300 >"$LOGDIR/ctest-gpu.log" 2>&1; then
+    log "  gpu tests passed"
+else
+    log "  gpu tests FAILED"; status=1
+fi
+grep -E "tests passed|Passed|Failed|\*\*\*" "$LOGDIR/ctest-gpu.log" | tee -a "$LOGDIR/summary.log"
+
+# Benchmark rows: 8 ranks, 4096 tokens per rank, H 7168, top-8, 256 experts, 16 SMs per rank.
+if [ -x "$BUILD/tools/epx-bench" ]; then
+    for d in fp8 bf16; do
+        log "epx-bench ht $d"
+        timeout 150 "$BUILD/tools/epx-bench" -B cuda -r 8 -t 4096 -H 7168 -k 8 -E 256 -n 20 -w 5 -d "$d" -o ht \
+            >"$LOGDIR/bench-ht-$d.log" 2>&1 || { log "  bench $d FAILED"; status=1; }
+        tail -5 "$LOGDIR/bench-ht-$d.log" | tee -a "$LOGDIR/summary.log"
+    done
+fi
+if [ -x "$BUILD/tests/gpu_ht_speed" ] || [ -x "$BUILD/tools/epx-ht-ceiling" ]; then :; fi
+log "done, status $status"
+exit $status

@@ -1,0 +1,277 @@
+/*
+ * Argument checks shared by the API entry points (see check.h). Every failure names the
+ * argument and carries the numbers involved, and nothing here writes to a caller's memory.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "api/check.h"
+
+#define DISPATCH_DTYPES_ALL                                                                                  \
+    (EPX_DTYPE_BIT(EPX_DTYPE_BF16) | EPX_DTYPE_BIT(EPX_DTYPE_FP32) | EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3))
+
+epx_result_t epx_api_error(epx_comm_t comm, epx_result_t code, const char *fmt, ...)
+{
+    char message[900];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(message, sizeof(message), fmt, ap);
+    va_end(ap);
+    if (comm) return epx_error(code, "rank %d: %s", comm->rank, message);
+    return epx_error(code, "%s", message);
+}
+
+epx_result_t epx_api_read_struct(epx_comm_t comm, void *dst, size_t dst_size, const void *src,
+                                 const char *what)
+{
+    if (!src) return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "%s is NULL", what);
+    size_t size;
+    uint32_t version;
+    memcpy(&size, src, sizeof(size));
+    if (size < EPX_STRUCT_MIN_SIZE)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
+                           "%s->size = %zu is below %zu, the size and version fields (initialise the "
+                           "struct with its EPX_*_INIT macro)",
+                           what, size, (size_t)EPX_STRUCT_MIN_SIZE);
+    memcpy(&version, (const char *)src + offsetof(epx_buffer_config_t, version), sizeof(version));
+    /* Struct layouts only grow within a major release; another major may have moved fields. */
+    if (version / 10000 != EPX_VERSION_MAJOR)
+        return EPX_API_ERR(comm, EPX_ERR_UNSUPPORTED,
+                           "%s->version = %u was compiled against epx %u.%u.%u; this library is %d.%d.%d",
+                           what, version, version / 10000, version / 100 % 100, version % 100,
+                           EPX_VERSION_MAJOR, EPX_VERSION_MINOR, EPX_VERSION_PATCH);
+    memcpy(dst, src, size < dst_size ? size : dst_size);
+    return EPX_SUCCESS;
+}
+
+const char *epx_api_dtype_list(uint32_t mask, char *buf, size_t cap)
+{
+    int count = 0, total = 0;
+    size_t used = 0;
+    buf[0] = '\0';
+    for (int d = 1; d < EPX_DTYPE_COUNT_; d++)
+        if (mask & EPX_DTYPE_BIT(d)) total++;
+    for (int d = 1; d < EPX_DTYPE_COUNT_ && used < cap; d++) {
+        if (!(mask & EPX_DTYPE_BIT(d))) continue;
+        const char *sep = count == 0 ? "" : (count == total - 1 ? " or " : ", ");
+        int n = snprintf(buf + used, cap - used, "%s%s", sep, epx_dtype_name((epx_dtype_t)d));
+        if (n < 0) break;
+        used += (size_t)n;
+        count++;
+    }
+    if (total == 0) snprintf(buf, cap, "none");
+    return buf;
+}
+
+epx_result_t epx_api_buffer_config_normalize(epx_comm_t comm, const epx_buffer_config_t *config, int nranks,
+                                             epx_buffer_config_t *out)
+{
+    epx_buffer_config_t c = {.size = sizeof(c), .version = EPX_VERSION_CODE};
+    if (nranks < 1) return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "nranks = %d must be >= 1", nranks);
+    EPX_CHECK(epx_api_read_struct(comm, &c, sizeof(c), config, "config"));
+    c.size = sizeof(c);
+    c.version = EPX_VERSION_CODE;
+    if (c.modes == 0) c.modes = EPX_MODE_ALL;
+    if (c.modes & ~EPX_MODE_ALL)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
+                           "config.modes = 0x%x has bits outside EPX_MODE_ALL (0x%x)", c.modes, EPX_MODE_ALL);
+    if (c.dispatch_dtypes == 0) c.dispatch_dtypes = DISPATCH_DTYPES_ALL;
+    if (c.dispatch_dtypes & ~DISPATCH_DTYPES_ALL)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
+                           "config.dispatch_dtypes = 0x%x allows dtypes other than bf16, fp32 and fp8_e4m3",
+                           c.dispatch_dtypes);
+    if (c.max_pad_multiple == 0) c.max_pad_multiple = 128;
+    if (c.max_pad_multiple < 0)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "config.max_pad_multiple = %d must be >= 0",
+                           c.max_pad_multiple);
+    if (c.max_tokens < 1)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "config.max_tokens = %lld must be >= 1",
+                           (long long)c.max_tokens);
+    /* Received row counts (N_r <= nranks * max_tokens) travel as int32 everywhere. */
+    if (c.max_tokens > INT32_MAX / nranks)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
+                           "config.max_tokens = %lld times nranks = %d exceeds %d (row counts are int32)",
+                           (long long)c.max_tokens, nranks, INT32_MAX);
+    if (c.hidden < 1 || c.hidden > INT32_MAX)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "config.hidden = %lld is out of range [1, %d]",
+                           (long long)c.hidden, INT32_MAX);
+    if (c.num_topk < 1 || c.num_topk > 64)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "config.num_topk = %d is out of range [1, 64]",
+                           c.num_topk);
+    if (c.num_experts < 1)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "config.num_experts = %d must be >= 1", c.num_experts);
+    if (c.num_experts % nranks != 0)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
+                           "config.num_experts = %d is not a multiple of nranks = %d", c.num_experts, nranks);
+    if (c.num_topk > c.num_experts)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "config.num_topk = %d exceeds num_experts = %d",
+                           c.num_topk, c.num_experts);
+    /* LL may be asked for fp8 on any call, so it needs the fp8 granularity like fp8 dispatch. */
+    if (c.hidden % 128 != 0 && (c.dispatch_dtypes & EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3)))
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
+                           "config.hidden = %lld is not a multiple of 128, which fp8 dispatch needs (leave "
+                           "fp8_e4m3 out of dispatch_dtypes)",
+                           (long long)c.hidden);
+    if (c.hidden % 128 != 0 && (c.modes & EPX_MODE_LL))
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
+                           "config.hidden = %lld is not a multiple of 128, which EPX_MODE_LL needs (its fp8 "
+                           "cast works on 128 channels)",
+                           (long long)c.hidden);
+    if (c.num_sms < 0)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "config.num_sms = %d must be >= 0", c.num_sms);
+    if (c.chunk_tokens < 0)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "config.chunk_tokens = %d must be >= 0",
+                           c.chunk_tokens);
+    *out = c;
+    return EPX_SUCCESS;
+}
+
+/* The i-th comma-separated name of `dims` ("" when there is none). */
+static const char *dim_name(const char *dims, int i, char *buf, size_t cap)
+{
+    const char *p = dims;
+    buf[0] = '\0';
+    for (int k = 0; k < i && p; k++) {
+        p = strchr(p, ',');
+        if (p) p++;
+    }
+    if (!p) return buf;
+    size_t n = strcspn(p, ",");
+    if (n >= cap) n = cap - 1;
+    memcpy(buf, p, n);
+    buf[n] = '\0';
+    return buf;
+}
+
+epx_result_t epx_api_check_tensor(epx_comm_t comm, const epx_tensor_t *t, const epx_tensor_spec_t *s)
+{
+    const char *n = s->name;
+    char names[160], dim[48];
+    if (!t->data) {
+        if (s->flags & EPX_TENSOR_OPTIONAL) return EPX_SUCCESS;
+        bool empty = false;
+        if (t->ndim == s->ndim)
+            for (int i = 0; i < t->ndim; i++) empty |= t->shape[i] == 0;
+        if (!empty)
+            return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "%s.data is NULL (a [%s] tensor is required)", n,
+                               s->dims);
+    }
+    if (t->dtype <= EPX_DTYPE_INVALID || t->dtype >= EPX_DTYPE_COUNT_ ||
+        !(s->dtypes & EPX_DTYPE_BIT(t->dtype)))
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "%s has dtype %s (%d); expected %s", n,
+                           epx_dtype_name(t->dtype), (int)t->dtype,
+                           epx_api_dtype_list(s->dtypes, names, sizeof(names)));
+    if (t->ndim != s->ndim)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "%s has %d dimensions; expected %d ([%s])", n,
+                           (int)t->ndim, (int)s->ndim, s->dims);
+    for (int i = 0; i < t->ndim; i++) {
+        if (t->shape[i] < 0)
+            return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "%s.shape[%d] = %lld is negative", n, i,
+                               (long long)t->shape[i]);
+        if (s->shape[i] == EPX_ANY_DIM) continue;
+        dim_name(s->dims, i, dim, sizeof(dim));
+        if (i == 0 && (s->flags & EPX_TENSOR_MIN_ROWS)) {
+            if (t->shape[0] < s->shape[0])
+                return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
+                                   "%s.shape[0] = %lld rows is too small: %s = %lld rows are needed", n,
+                                   (long long)t->shape[0], dim, (long long)s->shape[0]);
+        } else if (t->shape[i] != s->shape[i]) {
+            return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "%s.shape[%d] = %lld, expected %s = %lld ([%s])", n,
+                               i, (long long)t->shape[i], dim, (long long)s->shape[i], s->dims);
+        }
+    }
+    /* Dims of size 0 count as 1 for strides (as frameworks do), and for the overflow guard. */
+    size_t elem = epx_dtype_size(t->dtype);
+    int64_t span = 1, limit = INT64_MAX / (int64_t)elem;
+    for (int i = 0; i < t->ndim; i++) {
+        int64_t d = t->shape[i] > 0 ? t->shape[i] : 1;
+        if (span > limit / d)
+            return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "%s is too large: its byte size overflows int64",
+                               n);
+        span *= d;
+    }
+    bool all_zero = true;
+    for (int i = 0; i < t->ndim; i++) all_zero &= t->strides[i] == 0;
+    if (!all_zero) {
+        int64_t stride = 1;
+        for (int i = t->ndim - 1; i >= 0; i--) {
+            if (t->strides[i] != stride)
+                return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
+                                   "%s is not contiguous: strides[%d] = %lld, expected %lld (row-major)", n,
+                                   i, (long long)t->strides[i], (long long)stride);
+            stride *= t->shape[i] > 0 ? t->shape[i] : 1;
+        }
+    }
+    if (comm && comm->backend == EPX_BACKEND_CUDA) {
+        if (t->device_type != EPX_DEVICE_CUDA || t->device_id != comm->cuda_device)
+            return EPX_API_ERR(
+                comm, EPX_ERR_INVALID_ARG,
+                "%s is in %s memory (device %d); the cuda backend needs memory of cuda device %d", n,
+                t->device_type == EPX_DEVICE_CUDA ? "cuda" : "host", (int)t->device_id, comm->cuda_device);
+    } else if (t->device_type != EPX_DEVICE_HOST) {
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
+                           "%s has device_type %d; the host backend needs host memory (EPX_DEVICE_HOST)", n,
+                           (int)t->device_type);
+    }
+    if (t->data) {
+        uintptr_t addr = (uintptr_t)t->data;
+        if (addr % elem != 0)
+            return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
+                               "%s.data = %p is not aligned to its %zu-byte elements", n, t->data, elem);
+        if ((s->flags & EPX_TENSOR_TOKENS) && addr % 16 != 0)
+            return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
+                               "%s.data = %p is not aligned to 16 bytes (token rows)", n, t->data);
+    }
+    return EPX_SUCCESS;
+}
+
+static inline int64_t index_at(const epx_tensor_t *t, int64_t i)
+{
+    return t->dtype == EPX_DTYPE_INT64 ? ((const int64_t *)t->data)[i] : ((const int32_t *)t->data)[i];
+}
+
+epx_result_t epx_api_check_topk_idx(epx_comm_t comm, const epx_tensor_t *t, int64_t num_experts,
+                                    const char *name)
+{
+    if (!t->data || t->device_type != EPX_DEVICE_HOST) return EPX_SUCCESS;
+    int64_t T = t->shape[0], K = t->shape[1];
+    for (int64_t i = 0; i < T; i++) {
+        for (int64_t k = 0; k < K; k++) {
+            int64_t v = index_at(t, i * K + k);
+            if (v < -1 || v >= num_experts)
+                return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
+                                   "%s[%lld][%lld] = %lld is out of range [-1, %lld)", name, (long long)i,
+                                   (long long)k, (long long)v, (long long)num_experts);
+            if (v < 0) continue;
+            for (int64_t j = 0; j < k; j++)
+                if (index_at(t, i * K + j) == v)
+                    return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
+                                       "%s[%lld] selects expert %lld twice (slots %lld and %lld)", name,
+                                       (long long)i, (long long)v, (long long)j, (long long)k);
+        }
+    }
+    return EPX_SUCCESS;
+}
+
+epx_result_t epx_api_check_routing_map(epx_comm_t comm, const epx_tensor_t *t, int64_t num_topk,
+                                       const char *name)
+{
+    if (!t->data || t->device_type != EPX_DEVICE_HOST) return EPX_SUCCESS;
+    int64_t T = t->shape[0], E = t->shape[1];
+    const uint8_t *m = (const uint8_t *)t->data;
+    for (int64_t i = 0; i < T; i++) {
+        int64_t selected = 0;
+        for (int64_t e = 0; e < E; e++) {
+            uint8_t v = m[i * E + e];
+            if (v > 1)
+                return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "%s[%lld][%lld] = %u is not a bool (0 or 1)",
+                                   name, (long long)i, (long long)e, (unsigned)v);
+            selected += v;
+        }
+        if (selected > num_topk)
+            return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "%s[%lld] selects %lld experts, more than K = %lld",
+                               name, (long long)i, (long long)selected, (long long)num_topk);
+    }
+    return EPX_SUCCESS;
+}

@@ -1,0 +1,379 @@
+/*
+ * The communicator: argument and config checks, backend choice, the exchange of peer information
+ * over the bootstrap, topology (local ranks, NVLink domain size), and the first-async-error record.
+ */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core/internal.h"
+
+static const char *backend_name(int backend)
+{
+    switch (backend) {
+    case EPX_BACKEND_AUTO: return "auto";
+    case EPX_BACKEND_HOST: return "host";
+    case EPX_BACKEND_CUDA: return "cuda";
+    }
+    return "unknown";
+}
+
+static epx_result_t check_comm(epx_comm_t comm, const char *fn)
+{
+    if (!comm) return epx_error(EPX_ERR_INVALID_ARG, "%s: comm is NULL", fn);
+    if (comm->magic != EPX_COMM_MAGIC)
+        return epx_error(EPX_ERR_INVALID_ARG, "%s: comm %p is not a live communicator (magic 0x%08x)", fn,
+                         (void *)comm, comm->magic);
+    return EPX_SUCCESS;
+}
+
+/* Copies min(config->size, sizeof) bytes over the defaults and checks the result. */
+static epx_result_t read_config(const epx_comm_config_t *config, epx_comm_config_t *out)
+{
+    epx_comm_config_t defaults = EPX_COMM_CONFIG_INIT;
+    *out = defaults;
+    if (!config) return EPX_SUCCESS;
+    size_t head = offsetof(epx_comm_config_t, version) + sizeof(config->version);
+    if (config->size < head)
+        return epx_error(EPX_ERR_INVALID_ARG,
+                         "config->size = %zu is smaller than the config header (%zu); "
+                         "initialize it with EPX_COMM_CONFIG_INIT",
+                         config->size, head);
+    if (config->version == 0 || config->version / 10000 != EPX_VERSION_MAJOR)
+        return epx_error(EPX_ERR_INVALID_ARG, "config->version = %u is not of major version %d",
+                         (unsigned)config->version, EPX_VERSION_MAJOR);
+    size_t n = config->size < sizeof(*out) ? config->size : sizeof(*out);
+    memcpy(out, config, n);
+    out->size = sizeof(*out);
+    if (out->backend != EPX_BACKEND_AUTO && out->backend != EPX_BACKEND_HOST &&
+        out->backend != EPX_BACKEND_CUDA)
+        return epx_error(EPX_ERR_INVALID_ARG, "config->backend = %d is not an epx_backend_t",
+                         (int)out->backend);
+    if (out->cuda_device < -1)
+        return epx_error(EPX_ERR_INVALID_ARG, "config->cuda_device = %d (use -1 for the current device)",
+                         out->cuda_device);
+    if (out->timeout_ms < 0)
+        return epx_error(EPX_ERR_INVALID_ARG, "config->timeout_ms = %d is negative", out->timeout_ms);
+    return EPX_SUCCESS;
+}
+
+static epx_result_t choose_backend(epx_backend_t requested, epx_backend_t *chosen)
+{
+    switch (requested) {
+    case EPX_BACKEND_HOST: *chosen = EPX_BACKEND_HOST; return EPX_SUCCESS;
+    case EPX_BACKEND_CUDA:
+#ifdef EPX_HAVE_CUDA
+        if (epx_cuda_device_count() <= 0)
+            return epx_error(EPX_ERR_UNSUPPORTED, "backend cuda was requested but no CUDA device is usable");
+        *chosen = EPX_BACKEND_CUDA;
+        return EPX_SUCCESS;
+#else
+        return epx_error(EPX_ERR_UNSUPPORTED,
+                         "backend cuda was requested but this build has no CUDA support");
+#endif
+    case EPX_BACKEND_AUTO:
+#ifdef EPX_HAVE_CUDA
+        *chosen = epx_cuda_device_count() > 0 ? EPX_BACKEND_CUDA : EPX_BACKEND_HOST;
+#else
+        *chosen = EPX_BACKEND_HOST;
+#endif
+        return EPX_SUCCESS;
+    }
+    return epx_error(EPX_ERR_INVALID_ARG, "backend %d is not an epx_backend_t", (int)requested);
+}
+
+/* FNV-1a over the hostname and the boot id, so containers sharing a name on different machines (or
+ * one machine across reboots) do not look like one host. */
+static uint64_t host_hash(const char *hostname)
+{
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (const char *c = hostname; *c; c++) h = (h ^ (unsigned char)*c) * 0x100000001b3ull;
+    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+    if (f) {
+        char boot_id[64] = "";
+        if (fgets(boot_id, sizeof(boot_id), f))
+            for (const char *c = boot_id; *c && *c != '\n'; c++)
+                h = (h ^ (unsigned char)*c) * 0x100000001b3ull;
+        fclose(f);
+    }
+    return h;
+}
+
+static void fill_peer_info(epx_comm_t comm, const epx_comm_config_t *cfg, epx_peer_info_t *me)
+{
+    memset(me, 0, sizeof(*me));
+    me->rank = comm->rank;
+    me->pid = (int32_t)getpid();
+    if (gethostname(me->hostname, sizeof(me->hostname) - 1) != 0)
+        snprintf(me->hostname, sizeof(me->hostname), "?");
+    me->hostname[sizeof(me->hostname) - 1] = '\0';
+    me->host_hash = host_hash(me->hostname);
+    me->backend = (int32_t)comm->backend;
+    /* The cuda backend resolves -1 to the current device in its comm_init. */
+    me->cuda_device = comm->backend == EPX_BACKEND_CUDA ? cfg->cuda_device : -1;
+    me->nranks = comm->nranks;
+}
+
+/* Every rank holds the same peers array, so every rank reaches the same verdict here. */
+static epx_result_t check_peers(epx_comm_t comm)
+{
+    const epx_peer_info_t *p = comm->peers;
+    for (int r = 0; r < comm->nranks; r++) {
+        if (p[r].rank != r)
+            return epx_error(EPX_ERR_BOOTSTRAP,
+                             "rank %d: the bootstrap allgather put rank %d's information in "
+                             "slot %d",
+                             comm->rank, p[r].rank, r);
+        if (p[r].nranks != p[0].nranks)
+            return epx_error(EPX_ERR_MISMATCH, "rank %d was told nranks = %d, rank 0 was told nranks = %d", r,
+                             p[r].nranks, p[0].nranks);
+        if (p[r].backend != p[0].backend)
+            return epx_error(EPX_ERR_MISMATCH, "rank %d chose backend %s, rank 0 chose backend %s", r,
+                             backend_name(p[r].backend), backend_name(p[0].backend));
+    }
+    return EPX_SUCCESS;
+}
+
+/* local_rank/local_nranks from the host hashes, then D (capped by the env) with its checks. */
+static epx_result_t compute_topology(epx_comm_t comm, const epx_params_t *params)
+{
+    const epx_peer_info_t *p = comm->peers;
+    const epx_peer_info_t *me = &p[comm->rank];
+    comm->local_rank = 0;
+    comm->local_nranks = 0;
+    for (int r = 0; r < comm->nranks; r++)
+        if (p[r].host_hash == me->host_hash) {
+            if (r < comm->rank) comm->local_rank++;
+            comm->local_nranks++;
+        }
+    if (comm->backend == EPX_BACKEND_HOST && comm->local_nranks != comm->nranks) {
+        int other = 0;
+        while (p[other].host_hash == me->host_hash) other++;
+        return epx_error(EPX_ERR_UNSUPPORTED,
+                         "the host backend needs every rank on one machine: rank %d is on "
+                         "%s, rank %d on %s",
+                         comm->rank, me->hostname, other, p[other].hostname);
+    }
+    int32_t d = comm->local_nranks;
+    int32_t cap = params->ranks_per_nvlink_domain;
+    if (cap > 0 && cap < d) d = cap;
+    if (comm->nranks % d != 0) {
+        if (cap > 0)
+            return epx_error(EPX_ERR_INVALID_ARG,
+                             "EPX_RANKS_PER_NVLINK_DOMAIN=%d gives %d ranks per nvlink "
+                             "domain, which does not divide nranks = %d",
+                             cap, d, comm->nranks);
+        return epx_error(EPX_ERR_INVALID_ARG,
+                         "%d ranks per nvlink domain (ranks on this machine) does not "
+                         "divide nranks = %d; set EPX_RANKS_PER_NVLINK_DOMAIN to a divisor",
+                         d, comm->nranks);
+    }
+    comm->ranks_per_domain = d;
+    comm->num_domains = comm->nranks / d;
+    return EPX_SUCCESS;
+}
+
+/* The env cap may differ between ranks, and a rank that rejects it must not leave the others waiting:
+ * every rank shares its D (or its failure) and all reach the same verdict. */
+static epx_result_t agree_on_domain(epx_comm_t comm, epx_result_t local)
+{
+    int32_t mine = local == EPX_SUCCESS ? comm->ranks_per_domain : -(int32_t)local;
+    int32_t *all = calloc((size_t)comm->nranks, sizeof(*all));
+    if (!all) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: %d domain sizes", comm->rank, comm->nranks);
+    char message[1024];
+    epx_error_copy(message, sizeof(message));
+    epx_result_t res = comm->bootstrap->allgather(comm->bootstrap_state, &mine, all, sizeof(mine));
+    if (res == EPX_SUCCESS && local != EPX_SUCCESS) {
+        epx_error_set_message(message);
+        res = local;
+    }
+    for (int r = 0; r < comm->nranks && res == EPX_SUCCESS; r++) {
+        if (all[r] < 0)
+            res = epx_error(EPX_ERR_REMOTE, "rank %d: rank %d failed its topology checks (%s)", comm->rank, r,
+                            epx_result_name((epx_result_t)-all[r]));
+        else if (all[r] != all[0])
+            res = epx_error(EPX_ERR_MISMATCH,
+                            "rank %d has %d ranks per nvlink domain, rank 0 has %d (is "
+                            "EPX_RANKS_PER_NVLINK_DOMAIN the same everywhere?)",
+                            r, all[r], all[0]);
+    }
+    free(all);
+    return res;
+}
+
+static epx_result_t comm_create(int rank, int nranks, const epx_unique_id_t *id,
+                                const epx_bootstrap_callbacks_t *callbacks, const epx_comm_config_t *config,
+                                epx_comm_t *comm_out)
+{
+    if (!comm_out) return epx_error(EPX_ERR_INVALID_ARG, "comm_out is NULL");
+    if (nranks < 1) return epx_error(EPX_ERR_INVALID_ARG, "nranks = %d must be at least 1", nranks);
+    if (rank < 0 || rank >= nranks)
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d is out of range [0, %d)", rank, nranks);
+    epx_comm_config_t cfg;
+    EPX_CHECK(read_config(config, &cfg));
+    const epx_params_t *params;
+    EPX_CHECK(epx_params_get(&params));
+    if (params->print_env) {
+        static atomic_flag printed = ATOMIC_FLAG_INIT;
+        if (!atomic_flag_test_and_set(&printed)) epx_params_print(stderr);
+    }
+    epx_backend_t backend;
+    EPX_CHECK(choose_backend(cfg.backend, &backend));
+
+    epx_result_t res = EPX_SUCCESS;
+    epx_comm_t comm = calloc(1, sizeof(*comm));
+    if (!comm) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: communicator", rank);
+    comm->rank = rank;
+    comm->nranks = nranks;
+    comm->backend = backend;
+    comm->cuda_device = -1;
+    comm->timeout_ms = cfg.timeout_ms > 0 ? cfg.timeout_ms : params->timeout_ms;
+#ifdef EPX_HAVE_CUDA
+    comm->ops = backend == EPX_BACKEND_CUDA ? &epx_cuda_backend_ops : &epx_host_backend_ops;
+#else
+    comm->ops = &epx_host_backend_ops;
+#endif
+    atomic_init(&comm->live_buffers, 0);
+    atomic_init(&comm->async_result, EPX_SUCCESS);
+    comm->peers = calloc((size_t)nranks, sizeof(*comm->peers));
+    if (!comm->peers) {
+        res = epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: peer table for %d ranks", rank, nranks);
+        goto err_free_comm;
+    }
+    if (callbacks)
+        EPX_CHECK_GOTO(
+            epx_bootstrap_callbacks_create(callbacks, rank, nranks, &comm->bootstrap, &comm->bootstrap_state),
+            res, err_free_peers);
+    else
+        EPX_CHECK_GOTO(epx_bootstrap_tcp_create(id, rank, nranks, comm->timeout_ms, &comm->bootstrap,
+                                                &comm->bootstrap_state),
+                       res, err_free_peers);
+
+    epx_peer_info_t me;
+    fill_peer_info(comm, &cfg, &me);
+    EPX_CHECK_GOTO(comm->bootstrap->allgather(comm->bootstrap_state, &me, comm->peers, sizeof(me)), res,
+                   err_close_bootstrap);
+    EPX_CHECK_GOTO(check_peers(comm), res, err_close_bootstrap);
+    EPX_CHECK_GOTO(agree_on_domain(comm, compute_topology(comm, params)), res, err_close_bootstrap);
+    comm->magic = EPX_COMM_MAGIC;
+    if (comm->ops->comm_init) EPX_CHECK_GOTO(comm->ops->comm_init(comm), res, err_clear_magic);
+    epx_log_rank_g = rank;
+    EPX_INFO(EPX_SUBSYS_INIT,
+             "rank %d of %d: backend %s, local rank %d of %d, %d ranks per nvlink domain, "
+             "timeout %lld ms",
+             rank, nranks, backend_name(backend), comm->local_rank, comm->local_nranks,
+             comm->ranks_per_domain, (long long)comm->timeout_ms);
+    *comm_out = comm;
+    return EPX_SUCCESS;
+
+err_clear_magic:
+    comm->magic = 0;
+err_close_bootstrap:
+    comm->bootstrap->close(comm->bootstrap_state);
+err_free_peers:
+    free(comm->peers);
+err_free_comm:
+    free(comm);
+    return res;
+}
+
+EPX_API epx_result_t epx_comm_init(const epx_unique_id_t *id, int rank, int nranks,
+                                   const epx_comm_config_t *config, epx_comm_t *comm_out)
+{
+    epx_error_clear();
+    if (!id) return epx_error(EPX_ERR_INVALID_ARG, "id is NULL");
+    return comm_create(rank, nranks, id, NULL, config, comm_out);
+}
+
+EPX_API epx_result_t epx_comm_init_callbacks(const epx_bootstrap_callbacks_t *callbacks, int rank, int nranks,
+                                             const epx_comm_config_t *config, epx_comm_t *comm_out)
+{
+    epx_error_clear();
+    if (!callbacks) return epx_error(EPX_ERR_INVALID_ARG, "callbacks is NULL");
+    if (!callbacks->allgather || !callbacks->barrier)
+        return epx_error(EPX_ERR_INVALID_ARG, "callbacks->%s is NULL",
+                         !callbacks->allgather ? "allgather" : "barrier");
+    return comm_create(rank, nranks, NULL, callbacks, config, comm_out);
+}
+
+EPX_API epx_result_t epx_comm_destroy(epx_comm_t comm)
+{
+    epx_error_clear();
+    if (!comm) return EPX_SUCCESS;
+    EPX_CHECK(check_comm(comm, "epx_comm_destroy"));
+    int live = atomic_load(&comm->live_buffers);
+    if (live > 0)
+        return epx_error(EPX_ERR_INVALID_ARG,
+                         "rank %d: the communicator still has %d live buffer(s); destroy "
+                         "them first",
+                         comm->rank, live);
+    if (comm->ops && comm->ops->comm_destroy) comm->ops->comm_destroy(comm);
+    comm->bootstrap->close(comm->bootstrap_state);
+    comm->magic = 0;
+    free(comm->peers);
+    free(comm);
+    return EPX_SUCCESS;
+}
+
+EPX_API epx_result_t epx_comm_get_topology(epx_comm_t comm, epx_topology_t *topo_out)
+{
+    epx_error_clear();
+    EPX_CHECK(check_comm(comm, "epx_comm_get_topology"));
+    if (!topo_out) return epx_error(EPX_ERR_INVALID_ARG, "topo_out is NULL");
+    epx_topology_t t;
+    t.rank = comm->rank;
+    t.nranks = comm->nranks;
+    t.local_rank = comm->local_rank;
+    t.local_nranks = comm->local_nranks;
+    t.ranks_per_nvlink_domain = comm->ranks_per_domain;
+    t.num_nvlink_domains = comm->num_domains;
+    t.backend = comm->backend;
+    t.cuda_device = comm->backend == EPX_BACKEND_CUDA ? comm->cuda_device : -1;
+    *topo_out = t;
+    return EPX_SUCCESS;
+}
+
+/* Writers serialize here; the message is complete before the result is published, so readers need
+ * no lock. */
+static pthread_mutex_t async_lock_g = PTHREAD_MUTEX_INITIALIZER;
+
+EPX_API epx_result_t epx_get_async_error(epx_comm_t comm)
+{
+    epx_error_clear();
+    EPX_CHECK(check_comm(comm, "epx_get_async_error"));
+    epx_result_t res = (epx_result_t)atomic_load_explicit(&comm->async_result, memory_order_acquire);
+    if (res != EPX_SUCCESS) epx_error_set_message(comm->async_message);
+    return res;
+}
+
+epx_result_t epx_comm_set_async_error(epx_comm_t comm, epx_result_t res, const char *message)
+{
+    if (!comm || res == EPX_SUCCESS) return res;
+    pthread_mutex_lock(&async_lock_g);
+    if (atomic_load_explicit(&comm->async_result, memory_order_relaxed) == EPX_SUCCESS) {
+        if (message)
+            snprintf(comm->async_message, sizeof(comm->async_message), "%s", message);
+        else
+            epx_error_copy(comm->async_message, sizeof(comm->async_message));
+        atomic_store_explicit(&comm->async_result, (int)res, memory_order_release);
+    }
+    pthread_mutex_unlock(&async_lock_g);
+    return res;
+}
+
+epx_result_t epx_comm_allgather(epx_comm_t comm, const void *send, void *recv, size_t bytes)
+{
+    EPX_CHECK(check_comm(comm, "epx_comm_allgather"));
+    if ((!send || !recv) && bytes)
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: allgather of %zu bytes with a NULL buffer",
+                         comm->rank, bytes);
+    return comm->bootstrap->allgather(comm->bootstrap_state, send, recv, bytes);
+}
+
+epx_result_t epx_comm_barrier(epx_comm_t comm)
+{
+    EPX_CHECK(check_comm(comm, "epx_comm_barrier"));
+    return comm->bootstrap->barrier(comm->bootstrap_state);
+}

@@ -1,0 +1,81 @@
+/*
+ * The host backend's function table: buffer lifetime (regions, worker pool, LL state), handle
+ * release, failure notification and the overflow flag. Operations live in ht.c, ll.c and rm.c.
+ */
+#include <stdlib.h>
+
+#include "host/host.h"
+
+static epx_result_t host_buffer_create(epx_buffer_t buffer)
+{
+    epx_comm_t comm = buffer->comm;
+    host_buffer_t *hb = calloc(1, sizeof(*hb));
+    if (!hb)
+        return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate the host buffer state", comm->rank);
+    hb->buffer = buffer;
+    hb->rank = comm->rank;
+    hb->nranks = comm->nranks;
+    epx_result_t res = host_shm_init(hb);
+    if (res != EPX_SUCCESS) goto err_free;
+    if (buffer->config.modes & EPX_MODE_LL) {
+        res = host_ll_init(hb);
+        if (res != EPX_SUCCESS) goto err_shm;
+    }
+    buffer->backend_state = hb;
+    return EPX_SUCCESS;
+
+err_shm:
+    host_shm_fini(hb);
+err_free:
+    free(hb);
+    return res;
+}
+
+static void host_buffer_destroy(epx_buffer_t buffer)
+{
+    host_buffer_t *hb = buffer->backend_state;
+    if (!hb) return;
+    if (buffer->config.modes & EPX_MODE_LL) host_ll_fini(hb);
+    host_shm_fini(hb);
+    free(hb);
+    buffer->backend_state = NULL;
+}
+
+static void host_handle_free(epx_handle_t handle)
+{
+    switch (handle->kind) {
+    case EPX_HANDLE_HT: host_ht_handle_free(handle); break;
+    case EPX_HANDLE_RM: host_rm_handle_free(handle); break;
+    }
+}
+
+static void host_fail_collective(epx_buffer_t buffer, uint64_t seq, epx_result_t res)
+{
+    if (buffer->backend_state) host_fail(buffer->backend_state, seq, res);
+}
+
+static epx_result_t host_query_overflow(epx_buffer_t buffer, int *overflowed_out)
+{
+    *overflowed_out = atomic_exchange_explicit(&buffer->overflow, 0, memory_order_acq_rel) != 0;
+    return EPX_SUCCESS;
+}
+
+const epx_backend_ops_t epx_host_backend_ops = {
+    .name = "host",
+    .comm_init = NULL,
+    .comm_destroy = NULL,
+    .buffer_create = host_buffer_create,
+    .buffer_destroy = host_buffer_destroy,
+    .handle_free = host_handle_free,
+    .fail_collective = host_fail_collective,
+    .layout = host_layout,
+    .ht_dispatch = host_ht_dispatch,
+    .ht_combine = host_ht_combine,
+    .ll_dispatch = host_ll_dispatch,
+    .ll_combine = host_ll_combine,
+    .ll_get_combine_buffer = host_ll_get_combine_buffer,
+    .hook_run = host_hook_run,
+    .rm_dispatch = host_rm_dispatch,
+    .rm_combine = host_rm_combine,
+    .query_overflow = host_query_overflow,
+};

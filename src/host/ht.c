@@ -1,0 +1,643 @@
+/*
+ * Host backend: dispatch layout, HT dispatch (routed and cached) and HT combine. Each source
+ * publishes its tokens in its IN area; every rank pulls the rows routed to it, in (source rank,
+ * source token) order. Combine is the mirror image through the COMBINE areas.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "host/host.h"
+
+/* Publication words of HT dispatch. */
+enum { W_T = 0, W_DTYPE, W_HAS_WEIGHTS, W_CACHED, W_HANDLE_SEQ, W_WANTS_WEIGHTS, W_WORST, W_DISPATCH_COUNT };
+/* Publication words of HT combine. */
+enum { C_ROWS = 0, C_HAS_WEIGHTS, C_HANDLE_SEQ, C_WANTS_WEIGHTS, C_COUNT };
+
+/* What an HT handle keeps on this rank. */
+typedef struct host_ht_state {
+    uint64_t dispatch_seq; /* call that made the routing (same on every rank) */
+    int32_t nranks;
+    int64_t num_tokens;      /* T dispatched from this rank */
+    int64_t num_recv;        /* rows kept on this rank (N_r, or the static bound when lower) */
+    int64_t *recv_prefix;    /* [R + 1]: first kept row of each source */
+    int32_t *recv_src_rank;  /* [num_recv] */
+    int32_t *recv_src_token; /* [num_recv] */
+    int32_t *token_rows;     /* [T * R]: row of own token t on rank r, -1 when not sent (or dropped) */
+} host_ht_state_t;
+
+/* Byte offsets of the HT dispatch payload in an IN area (sized by host_area_sizes). */
+typedef struct in_layout {
+    size_t x, scales, topk, weights;
+} in_layout_t;
+
+static in_layout_t in_layout_of(const epx_buffer_config_t *cfg)
+{
+    const size_t Tm = (size_t)cfg->max_tokens, H = (size_t)cfg->hidden, K = (size_t)cfg->num_topk;
+    in_layout_t l;
+    l.x = 0;
+    l.scales = Tm * H * 4;
+    l.topk = (l.scales + Tm * (H / 128) * 4 + 7) / 8 * 8;
+    l.weights = l.topk + Tm * K * 8;
+    return l;
+}
+
+static void ht_state_free(host_ht_state_t *st)
+{
+    if (!st) return;
+    free(st->token_rows);
+    free(st->recv_src_token);
+    free(st->recv_src_rank);
+    free(st->recv_prefix);
+    free(st);
+}
+
+void host_ht_handle_free(epx_handle_t handle)
+{
+    ht_state_free(handle->backend_state);
+    handle->backend_state = NULL;
+}
+
+/* ----------------------------------------------------------------------------- layout ---- */
+
+epx_result_t host_layout(epx_buffer_t buffer, const epx_tensor_t *topk_idx, epx_layout_outputs_t *outputs,
+                         void *stream)
+{
+    const int R = buffer->comm->nranks, L = buffer->num_local_experts, E = buffer->config.num_experts;
+    const int64_t T = topk_idx->shape[0], K = topk_idx->shape[1];
+    const int D = buffer->comm->ranks_per_domain > 0 ? buffer->comm->ranks_per_domain : R;
+    int32_t *per_rank = outputs->num_tokens_per_rank.data;
+    int32_t *per_expert = outputs->num_tokens_per_expert.data;
+    uint8_t *in_rank = outputs->is_token_in_rank.data;
+    int32_t *per_domain = outputs->num_tokens_per_domain.data;
+    int64_t *domain_seen = calloc((size_t)R / (size_t)D + 1, sizeof(int64_t));
+    if (!domain_seen)
+        return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate layout scratch",
+                         buffer->comm->rank);
+
+    memset(per_rank, 0, (size_t)R * sizeof(int32_t));
+    memset(per_expert, 0, (size_t)E * sizeof(int32_t));
+    memset(in_rank, 0, (size_t)(T * R));
+    if (per_domain) memset(per_domain, 0, (size_t)(R / D) * sizeof(int32_t));
+    for (int d = 0; d <= R / D; d++) domain_seen[d] = -1;
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t k = 0; k < K; k++) {
+            int64_t e = host_topk_at(topk_idx, t * K + k);
+            if (e < 0) continue;
+            int r = (int)(e / L), d = r / D;
+            per_expert[e]++;
+            if (!in_rank[t * R + r]) {
+                in_rank[t * R + r] = 1;
+                per_rank[r]++;
+            }
+            if (domain_seen[d] != t) {
+                domain_seen[d] = t;
+                if (per_domain) per_domain[d]++;
+            }
+        }
+    }
+    free(domain_seen);
+    return EPX_SUCCESS;
+}
+
+/* ------------------------------------------------------------------- publish (source) ---- */
+
+typedef struct publish_ctx {
+    const epx_ht_dispatch_args_t *args;
+    uint8_t *area;
+    in_layout_t lay;
+    int64_t H, K, nscales;
+    size_t row_bytes;
+    int routed; /* also topk and weights */
+} publish_ctx_t;
+
+static void publish_rows(void *vctx, int64_t begin, int64_t end)
+{
+    publish_ctx_t *c = vctx;
+    const epx_ht_dispatch_args_t *a = c->args;
+    memcpy(c->area + c->lay.x + (size_t)begin * c->row_bytes,
+           (const uint8_t *)a->x.data + (size_t)begin * c->row_bytes, (size_t)(end - begin) * c->row_bytes);
+    if (c->nscales)
+        memcpy(c->area + c->lay.scales + (size_t)(begin * c->nscales) * 4,
+               (const float *)a->x_scales.data + begin * c->nscales,
+               (size_t)((end - begin) * c->nscales) * 4);
+    if (!c->routed) return;
+    int64_t *topk = (int64_t *)(c->area + c->lay.topk);
+    for (int64_t i = begin * c->K; i < end * c->K; i++) topk[i] = host_topk_at(&a->topk_idx, i);
+    if (a->topk_weights.data)
+        memcpy(c->area + c->lay.weights + (size_t)(begin * c->K) * 4,
+               (const float *)a->topk_weights.data + begin * c->K, (size_t)((end - begin) * c->K) * 4);
+}
+
+/* -------------------------------------------------------------- routing (every rank) ---- */
+
+typedef struct count_ctx {
+    host_buffer_t *hb;
+    const host_pub_t *pubs;
+    in_layout_t lay;
+    int R, me, L, E;
+    int64_t K, Tm;
+    int32_t *cnt;      /* [R * R]: tokens of source s going to rank r */
+    int32_t *stamp;    /* [R * R]: last token of s that counted r */
+    int32_t *incoming; /* [R * Tm]: tokens of s coming to us, at s * Tm */
+} count_ctx_t;
+
+static void count_sources(void *vctx, int64_t begin, int64_t end)
+{
+    count_ctx_t *c = vctx;
+    for (int64_t s = begin; s < end; s++) {
+        const int64_t T = c->pubs[s].words[W_T];
+        const int64_t *topk = (const int64_t *)(host_area_ptr(c->hb, (int)s, HOST_AREA_IN) + c->lay.topk);
+        int32_t *cnt = c->cnt + s * c->R, *stamp = c->stamp + s * c->R, *in = c->incoming + s * c->Tm;
+        int32_t n_in = 0;
+        for (int r = 0; r < c->R; r++) stamp[r] = -1;
+        for (int64_t t = 0; t < T; t++) {
+            for (int64_t k = 0; k < c->K; k++) {
+                int64_t e = topk[t * c->K + k];
+                /* Sources checked their ids before publishing; the bound only guards our arrays. */
+                if (e < 0 || e >= c->E) continue;
+                int r = (int)(e / c->L);
+                if (stamp[r] == (int32_t)t) continue;
+                stamp[r] = (int32_t)t;
+                cnt[r]++;
+                if (r == c->me) in[n_in++] = (int32_t)t;
+            }
+        }
+    }
+}
+
+typedef struct copy_ctx {
+    host_buffer_t *hb;
+    const epx_ht_dispatch_outputs_t *out;
+    in_layout_t lay;
+    const int32_t *src_rank, *src_token;
+    int me, L;
+    int64_t H, K, nscales;
+    size_t row_bytes;
+    int routed; /* write recv_topk_idx / recv_topk_weights too */
+} copy_ctx_t;
+
+static void copy_rows(void *vctx, int64_t begin, int64_t end)
+{
+    copy_ctx_t *c = vctx;
+    const epx_ht_dispatch_outputs_t *o = c->out;
+    for (int64_t i = begin; i < end; i++) {
+        const int s = c->src_rank[i];
+        const int64_t t = c->src_token[i];
+        const uint8_t *area = host_area_ptr(c->hb, s, HOST_AREA_IN);
+        memcpy((uint8_t *)o->recv_x.data + (size_t)i * c->row_bytes,
+               area + c->lay.x + (size_t)t * c->row_bytes, c->row_bytes);
+        if (c->nscales && o->recv_x_scales.data)
+            memcpy((float *)o->recv_x_scales.data + i * c->nscales,
+                   area + c->lay.scales + (size_t)(t * c->nscales) * 4, (size_t)c->nscales * 4);
+        if (!c->routed) continue;
+        const int64_t *topk = (const int64_t *)(area + c->lay.topk) + t * c->K;
+        const float *weights = (const float *)(area + c->lay.weights) + t * c->K;
+        for (int64_t k = 0; k < c->K; k++) {
+            int64_t e = topk[k];
+            int64_t local = (e >= 0 && e / c->L == c->me) ? e - (int64_t)c->me * c->L : -1;
+            if (o->recv_topk_idx.data) {
+                if (o->recv_topk_idx.dtype == EPX_DTYPE_INT64)
+                    ((int64_t *)o->recv_topk_idx.data)[i * c->K + k] = local;
+                else
+                    ((int32_t *)o->recv_topk_idx.data)[i * c->K + k] = (int32_t)local;
+            }
+            if (o->recv_topk_weights.data)
+                ((float *)o->recv_topk_weights.data)[i * c->K + k] = local >= 0 ? weights[k] : 0.0f;
+        }
+    }
+}
+
+/* Every rank sees the same publications, so every rank reaches the same verdict. */
+static epx_result_t check_dispatch_pubs(const host_buffer_t *hb, const host_pub_t *pubs)
+{
+    const int me = hb->rank;
+    int wants = -1, lacks = -1;
+    for (int p = 0; p < hb->nranks; p++) {
+        const host_pub_t *a = &pubs[p], *z = &pubs[0];
+        if (a->op != HOST_OP_HT_DISPATCH)
+            return epx_error(EPX_ERR_MISMATCH,
+                             "rank %d: call %llu is an HT dispatch here but rank %d made operation %d", me,
+                             (unsigned long long)a->seq, p, a->op);
+        if (a->words[W_DTYPE] != z->words[W_DTYPE])
+            return epx_error(EPX_ERR_MISMATCH,
+                             "rank %d: ranks disagree on the dtype of x: rank 0 passes %s, rank %d %s", me,
+                             epx_dtype_name((epx_dtype_t)z->words[W_DTYPE]), p,
+                             epx_dtype_name((epx_dtype_t)a->words[W_DTYPE]));
+        if (a->words[W_CACHED] != z->words[W_CACHED])
+            return epx_error(EPX_ERR_MISMATCH, "rank %d: rank 0 %s a cached handle, rank %d %s", me,
+                             z->words[W_CACHED] ? "passes" : "passes no", p,
+                             a->words[W_CACHED] ? "does" : "does not");
+        if (a->words[W_CACHED] && a->words[W_HANDLE_SEQ] != z->words[W_HANDLE_SEQ])
+            return epx_error(EPX_ERR_MISMATCH,
+                             "rank %d: cached handles come from different dispatches: call %lld on rank 0, "
+                             "%lld on rank %d",
+                             me, (long long)z->words[W_HANDLE_SEQ], (long long)a->words[W_HANDLE_SEQ], p);
+        if (a->words[W_WANTS_WEIGHTS] && wants < 0) wants = p;
+        if (!a->words[W_HAS_WEIGHTS] && lacks < 0) lacks = p;
+    }
+    if (wants >= 0 && lacks >= 0)
+        return epx_error(EPX_ERR_MISMATCH,
+                         "rank %d: rank %d asks for recv_topk_weights but rank %d passes no topk_weights", me,
+                         wants, lacks);
+    return EPX_SUCCESS;
+}
+
+/* Fails when an output given with per-row shape has fewer than `rows` rows. */
+static epx_result_t check_rows(int rank, const epx_tensor_t *t, const char *name, int64_t rows,
+                               int64_t arriving)
+{
+    if (t->data && t->shape[0] < rows)
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: %s has room for %lld rows, %lld arrive", rank, name,
+                         (long long)t->shape[0], (long long)arriving);
+    return EPX_SUCCESS;
+}
+
+static epx_result_t check_dispatch_capacity(int rank, const epx_ht_dispatch_outputs_t *o, int64_t rows,
+                                            int64_t arriving, int routed)
+{
+    EPX_CHECK(check_rows(rank, &o->recv_x, "recv_x", rows, arriving));
+    EPX_CHECK(check_rows(rank, &o->recv_x_scales, "recv_x_scales", rows, arriving));
+    if (!routed) return EPX_SUCCESS;
+    EPX_CHECK(check_rows(rank, &o->recv_topk_idx, "recv_topk_idx", rows, arriving));
+    EPX_CHECK(check_rows(rank, &o->recv_topk_weights, "recv_topk_weights", rows, arriving));
+    return EPX_SUCCESS;
+}
+
+/* Scratch of a routed dispatch, allocated before anything is published. */
+typedef struct dispatch_scratch {
+    host_pub_t *pubs;
+    int32_t *cnt, *stamp, *incoming;
+    int64_t *run;  /* [R]: rows so far of our tokens per destination */
+    int64_t *seen; /* [R]: last own token counted for a destination */
+} dispatch_scratch_t;
+
+static void scratch_free(dispatch_scratch_t *s)
+{
+    free(s->seen);
+    free(s->run);
+    free(s->incoming);
+    free(s->stamp);
+    free(s->cnt);
+    free(s->pubs);
+}
+
+static epx_result_t scratch_alloc(const host_buffer_t *hb, int routed, dispatch_scratch_t *s)
+{
+    const size_t R = (size_t)hb->nranks, Tm = (size_t)hb->buffer->config.max_tokens;
+    memset(s, 0, sizeof(*s));
+    s->pubs = calloc(R, sizeof(host_pub_t));
+    if (routed) {
+        s->cnt = calloc(R * R, sizeof(int32_t));
+        s->stamp = malloc(R * R * sizeof(int32_t));
+        s->incoming = malloc(R * Tm * sizeof(int32_t));
+        s->run = calloc(R, sizeof(int64_t));
+        s->seen = calloc(R, sizeof(int64_t));
+    }
+    if (!s->pubs || (routed && (!s->cnt || !s->stamp || !s->incoming || !s->run || !s->seen))) {
+        scratch_free(s);
+        return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate dispatch scratch for %zu ranks",
+                         hb->rank, R);
+    }
+    return EPX_SUCCESS;
+}
+
+static epx_result_t dispatch_routed(host_buffer_t *hb, uint64_t seq, const epx_ht_dispatch_args_t *args,
+                                    epx_ht_dispatch_outputs_t *outputs, epx_handle_t handle,
+                                    dispatch_scratch_t *sc)
+{
+    epx_buffer_t buffer = hb->buffer;
+    const epx_buffer_config_t *cfg = &buffer->config;
+    const int R = hb->nranks, me = hb->rank, L = buffer->num_local_experts;
+    const int64_t K = cfg->num_topk, H = cfg->hidden, T = args->x.shape[0];
+    const epx_dtype_t dtype = args->x.dtype;
+    const int64_t worst = args->num_worst_tokens > 0 ? args->num_worst_tokens : 0;
+    const host_pub_t *pubs = sc->pubs;
+    const in_layout_t lay = in_layout_of(cfg);
+
+    count_ctx_t cc = {hb,      pubs,      lay,         R, me, L, cfg->num_experts, K, cfg->max_tokens,
+                      sc->cnt, sc->stamp, sc->incoming};
+    host_parallel_for(hb, R, 1, count_sources, &cc);
+
+    int64_t arriving = 0;
+    for (int s = 0; s < R; s++) arriving += sc->cnt[s * R + me];
+    const int64_t kept = worst > 0 && arriving > worst ? worst : arriving;
+    EPX_CHECK(check_dispatch_capacity(me, outputs, worst > 0 ? worst : kept, arriving, 1));
+
+    host_ht_state_t *st = calloc(1, sizeof(*st));
+    if (!st) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate the dispatch handle", me);
+    st->dispatch_seq = seq;
+    st->nranks = R;
+    st->num_tokens = T;
+    st->num_recv = kept;
+    st->recv_prefix = calloc((size_t)R + 1, sizeof(int64_t));
+    st->recv_src_rank = malloc(((size_t)kept + 1) * sizeof(int32_t));
+    st->recv_src_token = malloc(((size_t)kept + 1) * sizeof(int32_t));
+    st->token_rows = malloc(((size_t)(T * R) + 1) * sizeof(int32_t));
+    if (!st->recv_prefix || !st->recv_src_rank || !st->recv_src_token || !st->token_rows) {
+        ht_state_free(st);
+        return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate the dispatch handle for %lld rows",
+                         me, (long long)kept);
+    }
+
+    /* Receiver side: rows in (source rank, source token) order, cut at the static bound. */
+    int64_t row = 0;
+    for (int s = 0; s < R; s++) {
+        st->recv_prefix[s] = row < kept ? row : kept;
+        const int32_t n = sc->cnt[s * R + me];
+        for (int32_t i = 0; i < n; i++, row++)
+            if (row < kept) {
+                st->recv_src_rank[row] = s;
+                st->recv_src_token[row] = sc->incoming[(int64_t)s * cfg->max_tokens + i];
+            }
+    }
+    st->recv_prefix[R] = kept;
+
+    /* Source side: where each of our tokens lands on each rank (-1 if not sent or dropped). */
+    for (int r = 0; r < R; r++) {
+        sc->run[r] = 0;
+        sc->seen[r] = -1;
+        for (int s = 0; s < me; s++) sc->run[r] += sc->cnt[s * R + r];
+    }
+    const int64_t *own_topk = (const int64_t *)(host_area_ptr(hb, me, HOST_AREA_IN) + lay.topk);
+    for (int64_t t = 0; t < T; t++) {
+        int32_t *rows = st->token_rows + t * R;
+        for (int r = 0; r < R; r++) rows[r] = -1;
+        for (int64_t k = 0; k < K; k++) {
+            int64_t e = own_topk[t * K + k];
+            if (e < 0 || e >= cfg->num_experts) continue;
+            int r = (int)(e / L);
+            if (sc->seen[r] == t) continue;
+            sc->seen[r] = t;
+            int64_t landed = sc->run[r]++;
+            int64_t bound = pubs[r].words[W_WORST];
+            rows[r] = bound > 0 && landed >= bound ? -1 : (int32_t)landed;
+        }
+    }
+
+    /* Per local expert counts over every arriving token, dropped or not. */
+    if (outputs->num_recv_tokens_per_expert.data) {
+        int32_t *per_expert = outputs->num_recv_tokens_per_expert.data;
+        const int64_t align = args->expert_alignment > 1 ? args->expert_alignment : 1;
+        memset(per_expert, 0, (size_t)L * sizeof(int32_t));
+        for (int s = 0; s < R; s++) {
+            const int64_t *topk = (const int64_t *)(host_area_ptr(hb, s, HOST_AREA_IN) + lay.topk);
+            for (int32_t i = 0; i < sc->cnt[s * R + me]; i++) {
+                const int64_t t = sc->incoming[(int64_t)s * cfg->max_tokens + i];
+                for (int64_t k = 0; k < K; k++) {
+                    int64_t e = topk[t * K + k];
+                    if (e >= 0 && e / L == me) per_expert[e - (int64_t)me * L]++;
+                }
+            }
+        }
+        for (int j = 0; j < L; j++) per_expert[j] = (int32_t)((per_expert[j] + align - 1) / align * align);
+    }
+
+    copy_ctx_t xc = {hb,
+                     outputs,
+                     lay,
+                     st->recv_src_rank,
+                     st->recv_src_token,
+                     me,
+                     L,
+                     H,
+                     K,
+                     dtype == EPX_DTYPE_FP8_E4M3 ? H / 128 : 0,
+                     (size_t)H * epx_dtype_size(dtype),
+                     1};
+    host_parallel_for(hb, kept, 16, copy_rows, &xc);
+
+    if (outputs->num_recv_tokens.data) ((int32_t *)outputs->num_recv_tokens.data)[0] = (int32_t)arriving;
+    outputs->num_recv_tokens_host = arriving;
+    if (worst > 0 && arriving > worst) {
+        atomic_store_explicit(&buffer->overflow, 1, memory_order_release);
+        EPX_INFO(EPX_SUBSYS_HT, "rank %d: call %llu: %lld rows arrive, num_worst_tokens %lld: rows dropped",
+                 me, (unsigned long long)seq, (long long)arriving, (long long)worst);
+    }
+    handle->num_tokens = T;
+    handle->num_recv = kept;
+    handle->x_dtype = dtype;
+    handle->backend_state = st;
+    return EPX_SUCCESS;
+}
+
+static epx_result_t dispatch_cached(host_buffer_t *hb, const epx_ht_dispatch_args_t *args,
+                                    epx_ht_dispatch_outputs_t *outputs, epx_handle_t handle)
+{
+    const host_ht_state_t *st = handle->backend_state;
+    const epx_buffer_config_t *cfg = &hb->buffer->config;
+    const int64_t H = cfg->hidden;
+    const epx_dtype_t dtype = args->x.dtype;
+    EPX_CHECK(check_dispatch_capacity(hb->rank, outputs, st->num_recv, st->num_recv, 0));
+    copy_ctx_t xc = {hb,
+                     outputs,
+                     in_layout_of(cfg),
+                     st->recv_src_rank,
+                     st->recv_src_token,
+                     hb->rank,
+                     hb->buffer->num_local_experts,
+                     H,
+                     cfg->num_topk,
+                     dtype == EPX_DTYPE_FP8_E4M3 ? H / 128 : 0,
+                     (size_t)H * epx_dtype_size(dtype),
+                     0};
+    host_parallel_for(hb, st->num_recv, 16, copy_rows, &xc);
+    return EPX_SUCCESS;
+}
+
+epx_result_t host_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ht_dispatch_args_t *args,
+                              epx_ht_dispatch_outputs_t *outputs, epx_handle_t handle)
+{
+    host_buffer_t *hb = buffer->backend_state;
+    const epx_buffer_config_t *cfg = &buffer->config;
+    const int cached = args->cached_handle != NULL;
+    const host_ht_state_t *cst = cached ? args->cached_handle->backend_state : NULL;
+    const int64_t T = args->x.shape[0], H = cfg->hidden;
+    const epx_dtype_t dtype = args->x.dtype;
+
+    if (cached && (!cst || args->cached_handle->kind != EPX_HANDLE_HT)) {
+        epx_result_t res =
+            epx_error(EPX_ERR_INVALID_ARG, "rank %d: cached_handle is not an HT dispatch handle", hb->rank);
+        host_fail(hb, seq, res);
+        return res;
+    }
+    dispatch_scratch_t sc;
+    epx_result_t res = scratch_alloc(hb, !cached, &sc);
+    if (res != EPX_SUCCESS) {
+        host_fail(hb, seq, res);
+        return res;
+    }
+    res = host_area_acquire(hb, HOST_AREA_IN);
+    if (res != EPX_SUCCESS) {
+        host_fail(hb, seq, res);
+        goto out;
+    }
+
+    publish_ctx_t pc = {args,
+                        host_area_ptr(hb, hb->rank, HOST_AREA_IN),
+                        in_layout_of(cfg),
+                        H,
+                        cfg->num_topk,
+                        dtype == EPX_DTYPE_FP8_E4M3 ? H / 128 : 0,
+                        (size_t)H * epx_dtype_size(dtype),
+                        !cached};
+    host_parallel_for(hb, T, 64, publish_rows, &pc);
+    int64_t words[W_DISPATCH_COUNT] = {0};
+    words[W_T] = T;
+    words[W_DTYPE] = dtype;
+    words[W_HAS_WEIGHTS] = !cached && args->topk_weights.data != NULL;
+    words[W_CACHED] = cached;
+    words[W_HANDLE_SEQ] = cached ? (int64_t)cst->dispatch_seq : 0;
+    words[W_WANTS_WEIGHTS] = !cached && outputs->recv_topk_weights.data != NULL;
+    words[W_WORST] = !cached && args->num_worst_tokens > 0 ? args->num_worst_tokens : 0;
+    host_area_publish(hb, HOST_AREA_IN, seq, HOST_OP_HT_DISPATCH, EPX_SUCCESS, words, W_DISPATCH_COUNT);
+
+    res = host_area_wait_all(hb, HOST_AREA_IN, seq, sc.pubs);
+    if (res == EPX_SUCCESS) res = check_dispatch_pubs(hb, sc.pubs);
+    if (res == EPX_SUCCESS)
+        res = cached ? dispatch_cached(hb, args, outputs, args->cached_handle)
+                     : dispatch_routed(hb, seq, args, outputs, handle, &sc);
+out:
+    /* Also after a failure: peers may reuse their IN areas. */
+    host_area_done(hb, HOST_AREA_IN, seq);
+    scratch_free(&sc);
+    return res;
+}
+
+/* ---------------------------------------------------------------------------- combine ---- */
+
+typedef struct combine_ctx {
+    host_buffer_t *hb;
+    const host_ht_state_t *st;
+    const epx_ht_combine_args_t *args;
+    const epx_ht_combine_outputs_t *out;
+    int R;
+    int64_t H, K;
+    size_t weights_offset;
+} combine_ctx_t;
+
+static void combine_tokens(void *vctx, int64_t begin, int64_t end)
+{
+    combine_ctx_t *c = vctx;
+    const int R = c->R;
+    const int64_t H = c->H, K = c->K;
+    const uint16_t *bias0 = c->args->bias0.data, *bias1 = c->args->bias1.data;
+    uint16_t *out = c->out->combined_x.data;
+    float *out_w = c->out->combined_topk_weights.data;
+    for (int64_t t = begin; t < end; t++) {
+        const int32_t *rows = c->st->token_rows + t * R;
+        for (int64_t h = 0; h < H; h++) {
+            float acc = 0.0f;
+            for (int r = 0; r < R; r++) {
+                if (rows[r] < 0) continue;
+                const uint16_t *x = (const uint16_t *)host_area_ptr(c->hb, r, HOST_AREA_COMBINE);
+                acc += epx_bf16_to_f32(x[(int64_t)rows[r] * H + h]);
+            }
+            if (bias0) acc += epx_bf16_to_f32(bias0[t * H + h]);
+            if (bias1) acc += epx_bf16_to_f32(bias1[t * H + h]);
+            out[t * H + h] = epx_f32_to_bf16(acc);
+        }
+        if (!out_w) continue;
+        for (int64_t k = 0; k < K; k++) {
+            float acc = 0.0f;
+            for (int r = 0; r < R; r++) {
+                if (rows[r] < 0) continue;
+                const float *w =
+                    (const float *)(host_area_ptr(c->hb, r, HOST_AREA_COMBINE) + c->weights_offset);
+                acc += w[(int64_t)rows[r] * K + k];
+            }
+            out_w[t * K + k] = acc;
+        }
+    }
+}
+
+typedef struct stage_ctx {
+    const epx_ht_combine_args_t *args;
+    uint8_t *area;
+    int64_t H, K;
+    size_t weights_offset;
+} stage_ctx_t;
+
+static void stage_rows(void *vctx, int64_t begin, int64_t end)
+{
+    stage_ctx_t *c = vctx;
+    const size_t row = (size_t)c->H * 2;
+    memcpy(c->area + (size_t)begin * row, (const uint8_t *)c->args->x.data + (size_t)begin * row,
+           (size_t)(end - begin) * row);
+    if (c->args->topk_weights.data)
+        memcpy(c->area + c->weights_offset + (size_t)(begin * c->K) * 4,
+               (const float *)c->args->topk_weights.data + begin * c->K, (size_t)((end - begin) * c->K) * 4);
+}
+
+static epx_result_t check_combine_pubs(const host_buffer_t *hb, const host_pub_t *pubs)
+{
+    const int me = hb->rank;
+    int wants = -1, lacks = -1;
+    for (int p = 0; p < hb->nranks; p++) {
+        const host_pub_t *a = &pubs[p], *z = &pubs[0];
+        if (a->op != HOST_OP_HT_COMBINE)
+            return epx_error(EPX_ERR_MISMATCH,
+                             "rank %d: call %llu is an HT combine here but rank %d made operation %d", me,
+                             (unsigned long long)a->seq, p, a->op);
+        if (a->words[C_HANDLE_SEQ] != z->words[C_HANDLE_SEQ])
+            return epx_error(EPX_ERR_MISMATCH,
+                             "rank %d: combine handles come from different dispatches: call %lld on rank 0, "
+                             "%lld on rank %d",
+                             me, (long long)z->words[C_HANDLE_SEQ], (long long)a->words[C_HANDLE_SEQ], p);
+        if (a->words[C_WANTS_WEIGHTS] && wants < 0) wants = p;
+        if (!a->words[C_HAS_WEIGHTS] && lacks < 0) lacks = p;
+    }
+    if (wants >= 0 && lacks >= 0)
+        return epx_error(EPX_ERR_MISMATCH,
+                         "rank %d: rank %d asks for combined_topk_weights but rank %d passes no topk_weights",
+                         me, wants, lacks);
+    return EPX_SUCCESS;
+}
+
+epx_result_t host_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht_combine_args_t *args,
+                             epx_ht_combine_outputs_t *outputs)
+{
+    host_buffer_t *hb = buffer->backend_state;
+    const epx_buffer_config_t *cfg = &buffer->config;
+    const host_ht_state_t *st = args->handle->backend_state;
+    const int R = hb->nranks;
+    const int64_t H = cfg->hidden, K = cfg->num_topk;
+    const size_t weights_offset = (size_t)R * (size_t)cfg->max_tokens * (size_t)H * 2;
+    epx_result_t res;
+
+    if (!st || args->handle->kind != EPX_HANDLE_HT) {
+        res = epx_error(EPX_ERR_INVALID_ARG, "rank %d: the combine handle is not an HT dispatch handle",
+                        hb->rank);
+        host_fail(hb, seq, res);
+        return res;
+    }
+    host_pub_t *pubs = calloc((size_t)R, sizeof(host_pub_t));
+    if (!pubs) {
+        res = epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate %d publications", hb->rank, R);
+        host_fail(hb, seq, res);
+        return res;
+    }
+    res = host_area_acquire(hb, HOST_AREA_COMBINE);
+    if (res != EPX_SUCCESS) {
+        host_fail(hb, seq, res);
+        goto out;
+    }
+    stage_ctx_t sc = {args, host_area_ptr(hb, hb->rank, HOST_AREA_COMBINE), H, K, weights_offset};
+    host_parallel_for(hb, st->num_recv, 64, stage_rows, &sc);
+    int64_t words[C_COUNT] = {0};
+    words[C_ROWS] = st->num_recv;
+    words[C_HAS_WEIGHTS] = args->topk_weights.data != NULL;
+    words[C_HANDLE_SEQ] = (int64_t)st->dispatch_seq;
+    words[C_WANTS_WEIGHTS] = outputs->combined_topk_weights.data != NULL;
+    host_area_publish(hb, HOST_AREA_COMBINE, seq, HOST_OP_HT_COMBINE, EPX_SUCCESS, words, C_COUNT);
+
+    res = host_area_wait_all(hb, HOST_AREA_COMBINE, seq, pubs);
+    if (res == EPX_SUCCESS) res = check_combine_pubs(hb, pubs);
+    if (res == EPX_SUCCESS) {
+        combine_ctx_t cc = {hb, st, args, outputs, R, H, K, weights_offset};
+        host_parallel_for(hb, st->num_tokens, 4, combine_tokens, &cc);
+    }
+out:
+    host_area_done(hb, HOST_AREA_COMBINE, seq);
+    free(pubs);
+    return res;
+}

@@ -1,0 +1,563 @@
+/*
+ * Host backend low-latency dispatch/combine: two double-buffer slots per buffer, each with its
+ * own LL_IN and LL_OUT areas; the receive halves can be deferred into hooks. Payloads:
+ * LL_IN<i> = topk_idx int64 [T_max, K] then x bf16 [T_max, H]; LL_OUT<i> = y [L, R*T_max, H] bf16.
+ * A failure is published in the area header (peers read it from there) and the area marked done.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "host/host.h"
+
+enum { LL_PENDING_NONE = 0, LL_PENDING_DISPATCH = 1, LL_PENDING_COMBINE = 2 };
+
+typedef struct ll_slot {
+    uint64_t seq;  /* dispatch that owns the slot */
+    int valid;     /* the dispatch's send half succeeded */
+    int recv_done; /* its receive half ran successfully */
+    int32_t num_tokens;
+    int32_t *my_count;   /* [E] our tokens that selected expert e (dispatch send half) */
+    int32_t *my_begin;   /* [E] first row of our block for e on its rank (receive half) */
+    int32_t *recv_count; /* [L] rows received per local expert */
+    /* Pending hook. */
+    int pending;
+    uint64_t pending_seq;
+    /* Dispatch receive half parameters. */
+    epx_tensor_t recv_x, recv_scales, recv_count_out, src_info, layout_range, cumulative;
+    int use_fp8, round_scale, use_ue8m0;
+    /* Combine: copies of the caller's routing and where the result goes. */
+    int64_t *comb_topk;  /* [T_max, K] */
+    float *comb_weights; /* [T_max, K] */
+    int32_t *comb_index; /* [T_max, K] index of t among our tokens that selected the expert */
+    epx_tensor_t combined_x;
+} ll_slot_t;
+
+typedef struct ll_state {
+    ll_slot_t slots[2];
+    int32_t *counts;  /* [R, E] scratch: tokens of source s that selected e */
+    int32_t *row_src; /* [L, R*T_max] scratch: s * T_max + t of each received row */
+    host_pub_t *pubs; /* [R] */
+} ll_state_t;
+
+static ll_state_t *ll_state_of(host_buffer_t *hb)
+{
+    return (ll_state_t *)hb->ll_state;
+}
+
+static void ll_slot_free(ll_slot_t *sl)
+{
+    free(sl->my_count);
+    free(sl->my_begin);
+    free(sl->recv_count);
+    free(sl->comb_topk);
+    free(sl->comb_weights);
+    free(sl->comb_index);
+}
+
+epx_result_t host_ll_init(host_buffer_t *hb)
+{
+    const epx_buffer_config_t *cfg = &hb->buffer->config;
+    int64_t R = hb->nranks, E = cfg->num_experts, L = hb->buffer->num_local_experts;
+    int64_t T_max = cfg->max_tokens, K = cfg->num_topk;
+    ll_state_t *st = calloc(1, sizeof(*st));
+    if (!st) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: ll state allocation failed", hb->rank);
+    int ok = 1;
+    st->counts = malloc((size_t)(R * E) * sizeof(int32_t));
+    st->row_src = malloc((size_t)(L * R * T_max) * sizeof(int32_t));
+    st->pubs = calloc((size_t)R, sizeof(host_pub_t));
+    ok = st->counts && st->row_src && st->pubs;
+    for (int i = 0; i < 2 && ok; i++) {
+        ll_slot_t *sl = &st->slots[i];
+        sl->my_count = calloc((size_t)E, sizeof(int32_t));
+        sl->my_begin = calloc((size_t)E, sizeof(int32_t));
+        sl->recv_count = calloc((size_t)L, sizeof(int32_t));
+        sl->comb_topk = malloc((size_t)(T_max * K) * sizeof(int64_t));
+        sl->comb_weights = malloc((size_t)(T_max * K) * sizeof(float));
+        sl->comb_index = malloc((size_t)(T_max * K) * sizeof(int32_t));
+        ok = sl->my_count && sl->my_begin && sl->recv_count && sl->comb_topk && sl->comb_weights &&
+             sl->comb_index;
+    }
+    if (!ok) {
+        for (int i = 0; i < 2; i++) ll_slot_free(&st->slots[i]);
+        free(st->pubs);
+        free(st->row_src);
+        free(st->counts);
+        free(st);
+        return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: ll state allocation failed (R=%lld, E=%lld)",
+                         hb->rank, (long long)R, (long long)E);
+    }
+    hb->ll_state = st;
+    return EPX_SUCCESS;
+}
+
+/* A pending hook whose slot is reused (or whose buffer goes away) is dropped; marking its area
+ * done keeps the peers from waiting on us for it. */
+static void ll_drop_pending(host_buffer_t *hb, int slot)
+{
+    ll_slot_t *sl = &ll_state_of(hb)->slots[slot];
+    if (sl->pending == LL_PENDING_DISPATCH) {
+        host_area_done(hb, (host_area_t)(HOST_AREA_LL_IN0 + slot), sl->pending_seq);
+        sl->valid = 0;
+    } else if (sl->pending == LL_PENDING_COMBINE) {
+        host_area_done(hb, (host_area_t)(HOST_AREA_LL_OUT0 + slot), sl->pending_seq);
+    }
+    sl->pending = LL_PENDING_NONE;
+}
+
+void host_ll_fini(host_buffer_t *hb)
+{
+    ll_state_t *st = ll_state_of(hb);
+    if (!st) return;
+    for (int i = 0; i < 2; i++) {
+        ll_drop_pending(hb, i);
+        ll_slot_free(&st->slots[i]);
+    }
+    free(st->pubs);
+    free(st->row_src);
+    free(st->counts);
+    free(st);
+    hb->ll_state = NULL;
+}
+
+static size_t ll_in_bytes(const epx_buffer_t b)
+{
+    return (size_t)b->config.max_tokens * ((size_t)b->config.num_topk * 8 + (size_t)b->config.hidden * 2);
+}
+
+static size_t ll_out_bytes(const host_buffer_t *hb)
+{
+    const epx_buffer_t b = hb->buffer;
+    return (size_t)b->num_local_experts * (size_t)hb->nranks * (size_t)b->config.max_tokens *
+           (size_t)b->config.hidden * 2;
+}
+
+/* ------------------------------------------------------------------------ dispatch ---- */
+
+/* Smallest power of two >= v for a positive normal v (exact, bit arithmetic). */
+static float ll_pow2_ceil(float v)
+{
+    union {
+        uint32_t u;
+        float f;
+    } c;
+    c.f = v;
+    if (c.u & 0x7fffffu) c.u = (c.u & 0x7f800000u) + 0x800000u;
+    return c.f;
+}
+
+typedef struct ll_copy_ctx {
+    host_buffer_t *hb;
+    ll_slot_t *sl;
+    const int32_t *row_src;
+    int slot;
+} ll_copy_ctx_t;
+
+/* Copies (or casts) received rows; index i = j * (R*T_max) + row. */
+static void ll_copy_rows(void *vctx, int64_t begin, int64_t end)
+{
+    ll_copy_ctx_t *c = vctx;
+    host_buffer_t *hb = c->hb;
+    ll_slot_t *sl = c->sl;
+    int64_t T_max = hb->buffer->config.max_tokens, H = hb->buffer->config.hidden;
+    int64_t K = hb->buffer->config.num_topk;
+    int64_t RT = (int64_t)hb->nranks * T_max, G = H / 128;
+    size_t x_offset = (size_t)(T_max * K) * sizeof(int64_t);
+    for (int64_t i = begin; i < end; i++) {
+        int64_t j = i / RT, row = i % RT;
+        if (row >= sl->recv_count[j]) continue;
+        int64_t s = c->row_src[i] / T_max, t = c->row_src[i] % T_max;
+        const uint16_t *src =
+            (const uint16_t *)(host_area_ptr(hb, (int)s, (host_area_t)(HOST_AREA_LL_IN0 + c->slot)) +
+                               x_offset) +
+            t * H;
+        if (!sl->use_fp8) {
+            memcpy((uint16_t *)sl->recv_x.data + i * H, src, (size_t)H * 2);
+            continue;
+        }
+        uint8_t *dst = (uint8_t *)sl->recv_x.data + i * H;
+        uint32_t packed = 0;
+        for (int64_t g = 0; g < G; g++) {
+            float amax = 0.0f;
+            for (int64_t h = g * 128; h < (g + 1) * 128; h++) {
+                float a = fabsf(epx_bf16_to_f32(src[h]));
+                if (a > amax) amax = a;
+            }
+            if (amax < 1e-4f) amax = 1e-4f;
+            float scale_inv = amax / 448.0f;
+            if (sl->round_scale || sl->use_ue8m0) scale_inv = ll_pow2_ceil(scale_inv);
+            for (int64_t h = g * 128; h < (g + 1) * 128; h++)
+                dst[h] = epx_f32_to_fp8_e4m3(epx_bf16_to_f32(src[h]) / scale_inv);
+            if (sl->use_ue8m0) {
+                union {
+                    uint32_t u;
+                    float f;
+                } bits;
+                bits.f = scale_inv;
+                packed |= ((bits.u >> 23) & 0xffu) << (8 * (g % 4));
+                if (g % 4 == 3) {
+                    ((int32_t *)sl->recv_scales.data)[(j * (H / 512) + g / 4) * RT + row] = (int32_t)packed;
+                    packed = 0;
+                }
+            } else {
+                ((float *)sl->recv_scales.data)[(j * G + g) * RT + row] = scale_inv;
+            }
+        }
+    }
+}
+
+/* Receive half: every peer's LL_IN<slot> for sl->seq -> packed rows per local expert. */
+static epx_result_t ll_dispatch_recv(host_buffer_t *hb, int slot)
+{
+    ll_state_t *st = ll_state_of(hb);
+    ll_slot_t *sl = &st->slots[slot];
+    const epx_buffer_t b = hb->buffer;
+    int me = hb->rank, R = hb->nranks;
+    int64_t E = b->config.num_experts, L = b->num_local_experts, K = b->config.num_topk;
+    int64_t T_max = b->config.max_tokens, RT = (int64_t)R * T_max;
+    host_area_t area = (host_area_t)(HOST_AREA_LL_IN0 + slot);
+    uint64_t seq = sl->seq;
+
+    epx_result_t res = host_area_wait_all(hb, area, seq, st->pubs);
+    if (res != EPX_SUCCESS) goto out;
+    memset(st->counts, 0, (size_t)(R * E) * sizeof(int32_t));
+    for (int s = 0; s < R && res == EPX_SUCCESS; s++) {
+        int64_t T_s = st->pubs[s].words[0];
+        if (T_s < 0 || T_s > T_max) {
+            res = epx_error(EPX_ERR_INTERNAL,
+                            "rank %d: peer %d published ll dispatch T = %lld outside [0, %lld]", me, s,
+                            (long long)T_s, (long long)T_max);
+            break;
+        }
+        const int64_t *topk = (const int64_t *)host_area_ptr(hb, s, area);
+        for (int64_t i = 0; i < T_s * K; i++) {
+            int64_t e = topk[i];
+            if (e < 0) continue;
+            if (e >= E) {
+                res = epx_error(EPX_ERR_INTERNAL,
+                                "rank %d: peer %d published topk_idx[%lld][%lld] = %lld, E = %lld", me, s,
+                                (long long)(i / K), (long long)(i % K), (long long)e, (long long)E);
+                break;
+            }
+            st->counts[s * E + e]++;
+        }
+    }
+    if (res != EPX_SUCCESS) goto out;
+    /* Rows of source s for expert e on rank e / L start after those of sources < s. */
+    for (int64_t e = 0; e < E; e++) {
+        int32_t begin = 0;
+        for (int s = 0; s < me; s++) begin += st->counts[s * E + e];
+        sl->my_begin[e] = begin;
+    }
+    for (int64_t j = 0; j < L; j++) {
+        int64_t total = 0;
+        for (int s = 0; s < R; s++) total += st->counts[s * E + me * L + j];
+        if (total > RT) {
+            res = epx_error(EPX_ERR_INTERNAL,
+                            "rank %d: local expert %lld receives %lld rows, more than R*T_max = %lld", me,
+                            (long long)j, (long long)total, (long long)RT);
+            goto out;
+        }
+        sl->recv_count[j] = (int32_t)total;
+    }
+    /* Sources ascending, tokens ascending: the packed order of every local expert. */
+    int32_t *cursor = calloc((size_t)L, sizeof(int32_t));
+    if (!cursor) {
+        res = epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: ll dispatch scratch allocation failed", me);
+        goto out;
+    }
+    for (int s = 0; s < R; s++) {
+        const int64_t *topk = (const int64_t *)host_area_ptr(hb, s, area);
+        int64_t T_s = st->pubs[s].words[0];
+        for (int64_t t = 0; t < T_s; t++)
+            for (int64_t k = 0; k < K; k++) {
+                int64_t e = topk[t * K + k];
+                if (e < me * L || e >= (me + 1) * L) continue;
+                int64_t j = e - me * L;
+                st->row_src[j * RT + cursor[j]++] = (int32_t)(s * T_max + t);
+            }
+    }
+    free(cursor);
+
+    ll_copy_ctx_t ctx = {hb, sl, st->row_src, slot};
+    host_parallel_for(hb, L * RT, 64, ll_copy_rows, &ctx);
+    int32_t *recv_count = sl->recv_count_out.data;
+    for (int64_t j = 0; j < L; j++) {
+        recv_count[j] = sl->recv_count[j];
+        if (sl->cumulative.data) ((int32_t *)sl->cumulative.data)[j] += sl->recv_count[j];
+        if (sl->src_info.data)
+            for (int64_t row = 0; row < sl->recv_count[j]; row++)
+                ((int32_t *)sl->src_info.data)[j * RT + row] = st->row_src[j * RT + row] % (int32_t)T_max;
+        if (sl->layout_range.data) {
+            int64_t begin = 0;
+            for (int s = 0; s < R; s++) {
+                int64_t count = st->counts[s * E + me * L + j];
+                ((int64_t *)sl->layout_range.data)[j * R + s] = count ? (begin << 32) | count : 0;
+                begin += count;
+            }
+        }
+    }
+    sl->recv_done = 1;
+
+out:
+    host_area_done(hb, area, seq);
+    if (res != EPX_SUCCESS) sl->valid = 0;
+    return res;
+}
+
+epx_result_t host_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ll_dispatch_args_t *args,
+                              epx_ll_dispatch_outputs_t *outputs)
+{
+    host_buffer_t *hb = buffer->backend_state;
+    ll_state_t *st = ll_state_of(hb);
+    int64_t T = args->x.shape[0], H = buffer->config.hidden, K = buffer->config.num_topk;
+    int64_t T_max = buffer->config.max_tokens, E = buffer->config.num_experts;
+    /* The API layer counts every LL dispatch, failed ones included, so slots agree on all ranks. */
+    int slot = (int)((buffer->ll_dispatches - 1) % 2);
+    ll_slot_t *sl = &st->slots[slot];
+    host_area_t area = (host_area_t)(HOST_AREA_LL_IN0 + slot);
+
+    ll_drop_pending(hb, slot);
+    sl->seq = seq;
+    sl->valid = 0;
+    sl->recv_done = 0;
+    sl->num_tokens = (int32_t)T;
+
+    epx_result_t res = EPX_SUCCESS;
+    if (hb->area_bytes[area] < ll_in_bytes(buffer) ||
+        hb->area_bytes[HOST_AREA_LL_OUT0 + slot] < ll_out_bytes(hb))
+        res = epx_error(EPX_ERR_INTERNAL, "rank %d: ll areas of %zu / %zu bytes, need %zu / %zu", hb->rank,
+                        hb->area_bytes[area], hb->area_bytes[HOST_AREA_LL_OUT0 + slot], ll_in_bytes(buffer),
+                        ll_out_bytes(hb));
+    if (res == EPX_SUCCESS) res = host_area_acquire(hb, area);
+    if (res == EPX_SUCCESS) {
+        int64_t *topk = (int64_t *)host_area_ptr(hb, hb->rank, area);
+        memset(sl->my_count, 0, (size_t)E * sizeof(int32_t));
+        for (int64_t i = 0; i < T * K; i++) {
+            topk[i] = host_topk_at(&args->topk_idx, i);
+            if (topk[i] >= 0 && topk[i] < E) sl->my_count[topk[i]]++;
+        }
+        memcpy((uint8_t *)topk + (size_t)(T_max * K) * sizeof(int64_t), args->x.data, (size_t)(T * H) * 2);
+    }
+    int64_t words[1] = {T};
+    host_area_publish(hb, area, seq, HOST_OP_LL_DISPATCH, (int32_t)res, words, 1);
+    if (res != EPX_SUCCESS) {
+        host_area_done(hb, area, seq);
+        return res;
+    }
+    sl->valid = 1;
+    sl->recv_x = outputs->recv_x;
+    sl->recv_scales = outputs->recv_scales;
+    sl->recv_count_out = outputs->recv_count;
+    sl->src_info = outputs->src_info;
+    sl->layout_range = outputs->layout_range;
+    sl->cumulative = args->cumulative_recv_stats;
+    sl->use_fp8 = args->use_fp8 != 0;
+    sl->round_scale = args->round_scale != 0;
+    sl->use_ue8m0 = args->use_ue8m0 != 0;
+
+    epx_ll_handle_t handle = {seq, slot, (int32_t)T};
+    if (args->return_recv_hook) {
+        sl->pending = LL_PENDING_DISPATCH;
+        sl->pending_seq = seq;
+        outputs->handle = handle;
+        outputs->hook = (epx_hook_t){buffer, seq, LL_PENDING_DISPATCH, slot};
+        return EPX_SUCCESS;
+    }
+    res = ll_dispatch_recv(hb, slot);
+    if (res == EPX_SUCCESS) outputs->handle = handle;
+    return res;
+}
+
+/* ------------------------------------------------------------------------- combine ---- */
+
+typedef struct ll_reduce_ctx {
+    host_buffer_t *hb;
+    ll_slot_t *sl;
+    int slot;
+} ll_reduce_ctx_t;
+
+static void ll_reduce_tokens(void *vctx, int64_t begin, int64_t end)
+{
+    ll_reduce_ctx_t *c = vctx;
+    host_buffer_t *hb = c->hb;
+    ll_slot_t *sl = c->sl;
+    int64_t H = hb->buffer->config.hidden, K = hb->buffer->config.num_topk;
+    int64_t L = hb->buffer->num_local_experts, RT = (int64_t)hb->nranks * hb->buffer->config.max_tokens;
+    host_area_t area = (host_area_t)(HOST_AREA_LL_OUT0 + c->slot);
+    uint16_t *out = sl->combined_x.data;
+    float acc[512]; /* channel chunks: each channel still sums its slots k in ascending order */
+    for (int64_t t = begin; t < end; t++) {
+        for (int64_t h0 = 0; h0 < H; h0 += 512) {
+            int64_t n = H - h0 < 512 ? H - h0 : 512;
+            for (int64_t h = 0; h < n; h++) acc[h] = 0.0f;
+            for (int64_t k = 0; k < K; k++) {
+                int64_t e = sl->comb_topk[t * K + k];
+                if (e < 0) continue;
+                float w = sl->comb_weights[t * K + k];
+                int64_t r = e / L, j = e % L, row = sl->my_begin[e] + sl->comb_index[t * K + k];
+                const uint16_t *y =
+                    (const uint16_t *)host_area_ptr(hb, (int)r, area) + (j * RT + row) * H + h0;
+                for (int64_t h = 0; h < n; h++) acc[h] += w * epx_bf16_to_f32(y[h]);
+            }
+            for (int64_t h = 0; h < n; h++) out[t * H + h0 + h] = epx_f32_to_bf16(acc[h]);
+        }
+    }
+}
+
+static epx_result_t ll_combine_recv(host_buffer_t *hb, int slot, uint64_t seq)
+{
+    ll_state_t *st = ll_state_of(hb);
+    ll_slot_t *sl = &st->slots[slot];
+    host_area_t area = (host_area_t)(HOST_AREA_LL_OUT0 + slot);
+    epx_result_t res = host_area_wait_all(hb, area, seq, st->pubs);
+    for (int r = 0; r < hb->nranks && res == EPX_SUCCESS; r++)
+        if ((uint64_t)st->pubs[r].words[0] != sl->seq)
+            res = epx_error(
+                EPX_ERR_MISMATCH, "rank %d: ll combine of dispatch seq %llu, but rank %d combines seq %llu",
+                hb->rank, (unsigned long long)sl->seq, r, (unsigned long long)st->pubs[r].words[0]);
+    if (res == EPX_SUCCESS) {
+        ll_reduce_ctx_t ctx = {hb, sl, slot};
+        host_parallel_for(hb, sl->num_tokens, 4, ll_reduce_tokens, &ctx);
+    }
+    host_area_done(hb, area, seq);
+    return res;
+}
+
+/* The handle must name the dispatch that still owns its slot, and that dispatch's receive half
+ * must have run here (its layout locates our rows). */
+static epx_result_t ll_check_handle(host_buffer_t *hb, const epx_ll_handle_t *handle, const char *what)
+{
+    if (handle->slot < 0 || handle->slot > 1)
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: %s: handle slot %d is not 0 or 1", hb->rank, what,
+                         handle->slot);
+    ll_slot_t *sl = &ll_state_of(hb)->slots[handle->slot];
+    if (sl->seq != handle->seq || !sl->valid)
+        return epx_error(EPX_ERR_INVALID_ARG,
+                         "rank %d: %s: stale ll handle (dispatch seq %llu, slot %d now holds seq %llu%s)",
+                         hb->rank, what, (unsigned long long)handle->seq, handle->slot,
+                         (unsigned long long)sl->seq, sl->valid ? "" : ", failed");
+    if (handle->num_tokens != sl->num_tokens)
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: %s: handle has T = %d, its dispatch had T = %d",
+                         hb->rank, what, handle->num_tokens, sl->num_tokens);
+    if (!sl->recv_done)
+        return epx_error(EPX_ERR_INVALID_ARG,
+                         "rank %d: %s: the receive hook of dispatch seq %llu has not run", hb->rank, what,
+                         (unsigned long long)handle->seq);
+    return EPX_SUCCESS;
+}
+
+/* Copies the caller's routing and finds, per (t, k), t's index among our tokens that chose
+ * the expert; the per-expert totals must equal the dispatch's. */
+static epx_result_t ll_combine_routing(host_buffer_t *hb, ll_slot_t *sl, const epx_ll_combine_args_t *args)
+{
+    int64_t T = sl->num_tokens, K = hb->buffer->config.num_topk, E = hb->buffer->config.num_experts;
+    if (args->topk_idx.shape[0] != T)
+        return epx_error(EPX_ERR_INVALID_ARG,
+                         "rank %d: ll combine: topk_idx has %lld rows, the dispatch had T = %lld", hb->rank,
+                         (long long)args->topk_idx.shape[0], (long long)T);
+    int32_t *seen = calloc((size_t)E, sizeof(int32_t));
+    if (!seen)
+        return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: ll combine scratch allocation failed", hb->rank);
+    epx_result_t res = EPX_SUCCESS;
+    for (int64_t i = 0; i < T * K; i++) {
+        int64_t e = host_topk_at(&args->topk_idx, i);
+        if (e >= E || e < -1) {
+            res = epx_error(EPX_ERR_INVALID_ARG,
+                            "rank %d: topk_idx[%lld][%lld] = %lld is out of range [-1, %lld)", hb->rank,
+                            (long long)(i / K), (long long)(i % K), (long long)e, (long long)E);
+            break;
+        }
+        sl->comb_topk[i] = e;
+        sl->comb_weights[i] = ((const float *)args->topk_weights.data)[i];
+        sl->comb_index[i] = e >= 0 ? seen[e]++ : -1;
+    }
+    for (int64_t e = 0; e < E && res == EPX_SUCCESS; e++)
+        if (seen[e] != sl->my_count[e])
+            res = epx_error(
+                EPX_ERR_INVALID_ARG,
+                "rank %d: ll combine: topk_idx differs from the dispatch's (expert %lld: %d tokens, %d at "
+                "dispatch)",
+                hb->rank, (long long)e, seen[e], sl->my_count[e]);
+    free(seen);
+    return res;
+}
+
+epx_result_t host_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll_combine_args_t *args,
+                             epx_ll_combine_outputs_t *outputs)
+{
+    host_buffer_t *hb = buffer->backend_state;
+    ll_state_t *st = ll_state_of(hb);
+    int slot = args->handle.slot;
+    epx_result_t res = ll_check_handle(hb, &args->handle, "ll combine");
+    if (slot < 0 || slot > 1) {
+        host_fail(hb, seq, res);
+        return res;
+    }
+    ll_slot_t *sl = &st->slots[slot];
+    host_area_t area = (host_area_t)(HOST_AREA_LL_OUT0 + slot);
+    if (sl->pending == LL_PENDING_COMBINE) ll_drop_pending(hb, slot);
+    if (res == EPX_SUCCESS) res = ll_combine_routing(hb, sl, args);
+    if (res == EPX_SUCCESS && hb->area_bytes[area] < ll_out_bytes(hb))
+        res = epx_error(EPX_ERR_INTERNAL, "rank %d: ll combine area of %zu bytes, need %zu", hb->rank,
+                        hb->area_bytes[area], ll_out_bytes(hb));
+    /* Acquire even after a failure: the failure is published in the area's header. */
+    epx_result_t acq = host_area_acquire(hb, area);
+    if (res == EPX_SUCCESS) res = acq;
+    if (res == EPX_SUCCESS && !args->zero_copy) {
+        int64_t H = buffer->config.hidden, RT = (int64_t)hb->nranks * buffer->config.max_tokens;
+        uint16_t *dst = (uint16_t *)host_area_ptr(hb, hb->rank, area);
+        const uint16_t *y = args->y.data;
+        for (int64_t j = 0; j < buffer->num_local_experts; j++)
+            memcpy(dst + j * RT * H, y + j * RT * H, (size_t)(sl->recv_count[j] * H) * 2);
+    }
+    int64_t words[1] = {(int64_t)args->handle.seq};
+    host_area_publish(hb, area, seq, HOST_OP_LL_COMBINE, (int32_t)res, words, 1);
+    if (res != EPX_SUCCESS) {
+        host_area_done(hb, area, seq);
+        return res;
+    }
+    sl->combined_x = outputs->combined_x;
+    if (args->return_recv_hook) {
+        sl->pending = LL_PENDING_COMBINE;
+        sl->pending_seq = seq;
+        outputs->hook = (epx_hook_t){buffer, seq, LL_PENDING_COMBINE, slot};
+        return EPX_SUCCESS;
+    }
+    return ll_combine_recv(hb, slot, seq);
+}
+
+epx_result_t host_ll_get_combine_buffer(epx_buffer_t buffer, const epx_ll_handle_t *handle,
+                                        epx_tensor_t *view_out)
+{
+    host_buffer_t *hb = buffer->backend_state;
+    EPX_CHECK(ll_check_handle(hb, handle, "ll combine buffer"));
+    host_area_t area = (host_area_t)(HOST_AREA_LL_OUT0 + handle->slot);
+    if (hb->area_bytes[area] < ll_out_bytes(hb))
+        return epx_error(EPX_ERR_INTERNAL, "rank %d: ll combine area of %zu bytes, need %zu", hb->rank,
+                         hb->area_bytes[area], ll_out_bytes(hb));
+    /* Our own unrun combine hook on this slot would hold the area forever. */
+    if (ll_state_of(hb)->slots[handle->slot].pending == LL_PENDING_COMBINE) ll_drop_pending(hb, handle->slot);
+    EPX_CHECK(host_area_acquire(hb, area));
+    *view_out = epx_tensor_3d(host_area_ptr(hb, hb->rank, area), EPX_DTYPE_BF16, buffer->num_local_experts,
+                              (int64_t)hb->nranks * buffer->config.max_tokens, buffer->config.hidden);
+    return EPX_SUCCESS;
+}
+
+epx_result_t host_hook_run(const epx_hook_t *hook, void *stream)
+{
+    (void)stream;
+    host_buffer_t *hb = hook->buffer->backend_state;
+    if (hook->slot < 0 || hook->slot > 1 ||
+        (hook->kind != LL_PENDING_DISPATCH && hook->kind != LL_PENDING_COMBINE))
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: hook with slot %d, kind %d is not an ll hook",
+                         hb->rank, hook->slot, hook->kind);
+    ll_slot_t *sl = &ll_state_of(hb)->slots[hook->slot];
+    if (sl->pending != hook->kind || sl->pending_seq != hook->seq)
+        return epx_error(EPX_ERR_INVALID_ARG,
+                         "rank %d: hook of seq %llu already ran or its slot %d was reused", hb->rank,
+                         (unsigned long long)hook->seq, hook->slot);
+    sl->pending = LL_PENDING_NONE;
+    if (hook->kind == LL_PENDING_DISPATCH) return ll_dispatch_recv(hb, hook->slot);
+    return ll_combine_recv(hb, hook->slot, hook->seq);
+}

@@ -1,0 +1,690 @@
+/*
+ * The tests' reference: each operation of docs/reference.md computed in one process from every
+ * rank's inputs, in the pinned fp32 order (so combine results are compared bit for bit), plus
+ * generators that make any input element from (seed, tag, rank, token, channel).
+ */
+#include "reference.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "epx_test.h"
+
+/* ------------------------------------------------------------------- numeric formats ---- */
+
+static uint32_t f32_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    return u;
+}
+
+static float bits_f32(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+float ref_bf16_to_f32(uint16_t v)
+{
+    return bits_f32((uint32_t)v << 16);
+}
+
+uint16_t ref_f32_to_bf16(float f)
+{
+    uint32_t u = f32_bits(f);
+    if (isnan(f)) return (uint16_t)((u >> 16) | 0x0040u);
+    /* Add just under half an ulp, plus one when the kept lsb is odd: ties go to even. */
+    uint32_t keep_lsb = (u >> 16) & 1u;
+    return (uint16_t)((u + 0x7fffu + keep_lsb) >> 16);
+}
+
+float ref_fp8_to_f32(uint8_t v)
+{
+    int exp = (v >> 3) & 0xf, man = v & 0x7;
+    if (exp == 0xf && man == 0x7) return NAN;
+    double mag = exp == 0 ? man * 0x1p-9 : (1.0 + man / 8.0) * ldexp(1.0, exp - 7);
+    return (float)((v & 0x80) ? -mag : mag);
+}
+
+uint8_t ref_f32_to_fp8(float f)
+{
+    if (isnan(f)) return 0x7f;
+    uint8_t sign = signbit(f) ? 0x80 : 0x00;
+    double a = fabs((double)f);
+    if (a >= 448.0) return sign | 0x7e;
+    if (a < 0x1p-6) {
+        /* Subnormal spacing is 2^-9; a result of 8 is the smallest normal, code 0x08. */
+        return sign | (uint8_t)nearbyint(a * 512.0);
+    }
+    int e2;
+    double m = frexp(a, &e2); /* a = m * 2^e2, m in [0.5, 1) */
+    int exp = e2 - 1;
+    int man = (int)nearbyint((2.0 * m - 1.0) * 8.0);
+    if (man == 8) {
+        man = 0;
+        exp++;
+    }
+    int code = ((exp + 7) << 3) | man;
+    if (code > 0x7e) code = 0x7e;
+    return sign | (uint8_t)code;
+}
+
+float ref_fadd(float a, float b)
+{
+    volatile double s = (double)a + (double)b;
+    return (float)s;
+}
+
+float ref_fmul(float a, float b)
+{
+    volatile double m = (double)a * (double)b;
+    return (float)m;
+}
+
+/* ------------------------------------------------------------------------ generators ---- */
+
+static uint64_t mix64(uint64_t z)
+{
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+uint64_t ref_hash(uint64_t seed, uint64_t tag, uint64_t a, uint64_t b, uint64_t c)
+{
+    uint64_t h = mix64(seed ^ (tag * 0xd6e8feb86659fd93ull));
+    h = mix64(h ^ a);
+    h = mix64(h ^ b);
+    return mix64(h ^ c);
+}
+
+uint16_t ref_gen_bf16(uint64_t seed, uint64_t tag, uint64_t a, uint64_t b, uint64_t c)
+{
+    uint64_t g = ref_hash(seed, tag, a, b, (c / 128) | (1ull << 62));
+    int base;
+    switch (g % 8) {
+    case 0: base = -20; break; /* whole group below the fp8 amax floor of 1e-4 */
+    case 1: base = 6; break;
+    default: base = (int)((g >> 8) % 7) - 3; break;
+    }
+    uint64_t h = ref_hash(seed, tag, a, b, c);
+    if ((h & 63) == 0) return (h & 64) ? 0x8000 : 0x0000;
+    int exp = base - (int)((h >> 8) % 4);
+    uint16_t sign = (uint16_t)(((h >> 7) & 1u) << 15);
+    return (uint16_t)(sign | (uint16_t)((exp + 127) << 7) | (uint16_t)((h >> 16) & 0x7f));
+}
+
+float ref_gen_f32(uint64_t seed, uint64_t tag, uint64_t a, uint64_t b, uint64_t c)
+{
+    uint64_t h = ref_hash(seed, tag, a, b, c);
+    uint32_t exp = 117u + (uint32_t)((h >> 32) % 20);
+    return bits_f32((uint32_t)((h & 1u) << 31) | (exp << 23) | (uint32_t)((h >> 1) & 0x7fffffu));
+}
+
+uint8_t ref_gen_fp8(uint64_t seed, uint64_t tag, uint64_t a, uint64_t b, uint64_t c)
+{
+    uint8_t v = (uint8_t)(ref_hash(seed, tag, a, b, c) >> 24);
+    if ((v & 0x7f) == 0x7f) v ^= 0x01;
+    return v;
+}
+
+float ref_gen_unit(uint64_t seed, uint64_t tag, uint64_t a, uint64_t b, uint64_t c)
+{
+    return (float)((ref_hash(seed, tag, a, b, c) >> 40) + 1) * 0x1p-24f;
+}
+
+uint16_t ref_y_bf16(uint64_t yseed, int r, int j, int s, int64_t t, int64_t c)
+{
+    return ref_gen_bf16(yseed, REF_TAG_Y, (uint64_t)r * 4096u + (uint64_t)(j + 1), ((uint64_t)s << 32) | (uint64_t)t,
+                        (uint64_t)c);
+}
+
+const char *ref_routing_name(ref_routing_t routing)
+{
+    switch (routing) {
+    case REF_ROUTE_RANDOM: return "random";
+    case REF_ROUTE_SKEWED: return "skewed";
+    case REF_ROUTE_GROUPED: return "grouped";
+    default: return "?";
+    }
+}
+
+void ref_gen_token_counts(uint64_t seed, int iter, int R, int64_t T_max, int64_t *T_out)
+{
+    for (int s = 0; s < R; s++) {
+        if (iter == 0)
+            T_out[s] = T_max;
+        else if (iter == 1 && (s == 0 || s == R - 1))
+            T_out[s] = 0;
+        else
+            T_out[s] = (int64_t)(ref_hash(seed, REF_TAG_TOKENS, (uint64_t)iter, (uint64_t)s, 0) %
+                                 (uint64_t)(T_max + 1));
+    }
+}
+
+void *ref_alloc(size_t bytes)
+{
+    return calloc(1, bytes ? bytes : 1);
+}
+
+static bool row_has(const int64_t *row, int K, int64_t e)
+{
+    for (int k = 0; k < K; k++)
+        if (row[k] == e) return true;
+    return false;
+}
+
+static void gen_route_row(const ref_problem_t *p, ref_routing_t routing, int s, int64_t t, int64_t *row)
+{
+    uint64_t st = ref_hash(p->seed, REF_TAG_ROUTE, (uint64_t)s, (uint64_t)t, 0);
+    for (int k = 0; k < p->K; k++) row[k] = -1;
+    if (routing == REF_ROUTE_SKEWED) {
+        row[t % p->K] = (int64_t)(ref_hash(p->seed, REF_TAG_ROUTE, 1u << 20, 0, 0) % (uint64_t)p->E);
+        return;
+    }
+    if (routing == REF_ROUTE_RANDOM && epx_test_rand(&st) % 16 == 0) return; /* sent nowhere */
+    int64_t lo = 0, span = p->E, want = p->K;
+    if (routing == REF_ROUTE_GROUPED) {
+        lo = (int64_t)(epx_test_rand(&st) % (uint64_t)p->R) * p->L;
+        span = p->L;
+        want = p->K < p->L ? p->K : p->L;
+    }
+    for (int64_t k = 0; k < want; k++) {
+        int64_t e;
+        do {
+            e = lo + (int64_t)(epx_test_rand(&st) % (uint64_t)span);
+        } while (row_has(row, (int)k, e));
+        row[k] = e;
+    }
+    /* Scatter -1 slots among the experts. */
+    for (int k = p->K - 1; k > 0; k--) {
+        int i = (int)(epx_test_rand(&st) % (uint64_t)(k + 1));
+        int64_t tmp = row[k];
+        row[k] = row[i];
+        row[i] = tmp;
+    }
+    if (routing == REF_ROUTE_RANDOM)
+        for (int k = 0; k < p->K; k++)
+            if (epx_test_rand(&st) % 8 == 0) row[k] = -1;
+}
+
+int ref_problem_init(ref_problem_t *p, int R, int E, int K, int64_t H, int64_t T_max, epx_dtype_t dtype,
+                     uint64_t seed, const int64_t *T, ref_routing_t routing)
+{
+    memset(p, 0, sizeof(*p));
+    if (R < 1 || R > REF_MAX_RANKS || E % R != 0 || K < 1 || K > E) return 1;
+    p->R = R;
+    p->E = E;
+    p->L = E / R;
+    p->K = K;
+    p->H = H;
+    p->T_max = T_max;
+    p->seed = seed;
+    p->dtype = dtype;
+    for (int s = 0; s < R; s++) {
+        p->T[s] = T[s];
+        p->topk[s] = ref_alloc(sizeof(int64_t) * (size_t)(T[s] * K));
+        p->weights[s] = ref_alloc(sizeof(float) * (size_t)(T[s] * K));
+        if (!p->topk[s] || !p->weights[s]) return 1;
+        for (int64_t t = 0; t < T[s]; t++) {
+            gen_route_row(p, routing, s, t, p->topk[s] + t * K);
+            for (int k = 0; k < K; k++)
+                p->weights[s][t * K + k] = ref_gen_unit(seed, REF_TAG_WEIGHT, (uint64_t)s, (uint64_t)t, (uint64_t)k);
+        }
+    }
+    return 0;
+}
+
+void ref_problem_free(ref_problem_t *p)
+{
+    for (int s = 0; s < p->R; s++) {
+        free(p->topk[s]);
+        free(p->weights[s]);
+    }
+    memset(p, 0, sizeof(*p));
+}
+
+void ref_x_row(const ref_problem_t *p, int s, int64_t t, uint64_t tag, void *dst)
+{
+    for (int64_t c = 0; c < p->H; c++) {
+        switch (p->dtype) {
+        case EPX_DTYPE_BF16:
+            ((uint16_t *)dst)[c] = ref_gen_bf16(p->seed, tag, (uint64_t)s, (uint64_t)t, (uint64_t)c);
+            break;
+        case EPX_DTYPE_FP32:
+            ((float *)dst)[c] = ref_gen_f32(p->seed, tag, (uint64_t)s, (uint64_t)t, (uint64_t)c);
+            break;
+        default:
+            ((uint8_t *)dst)[c] = ref_gen_fp8(p->seed, tag, (uint64_t)s, (uint64_t)t, (uint64_t)c);
+            break;
+        }
+    }
+}
+
+void ref_scales_row(const ref_problem_t *p, int s, int64_t t, uint64_t tag, float *dst)
+{
+    for (int64_t g = 0; g < p->H / 128; g++)
+        dst[g] = 4.0f * ref_gen_unit(p->seed, REF_TAG_SCALE * 64 + tag, (uint64_t)s, (uint64_t)t, (uint64_t)g);
+}
+
+void ref_fill_topk(const ref_problem_t *p, int s, epx_dtype_t idx_dtype, void *dst)
+{
+    for (int64_t i = 0; i < p->T[s] * p->K; i++) {
+        if (idx_dtype == EPX_DTYPE_INT64)
+            ((int64_t *)dst)[i] = p->topk[s][i];
+        else
+            ((int32_t *)dst)[i] = (int32_t)p->topk[s][i];
+    }
+}
+
+bool ref_selected(const ref_problem_t *p, int s, int64_t t, int e)
+{
+    return row_has(p->topk[s] + t * p->K, p->K, e);
+}
+
+float ref_prob(const ref_problem_t *p, int s, int64_t t, int e)
+{
+    return ref_gen_unit(p->seed, REF_TAG_PROB, (uint64_t)s, (uint64_t)t, (uint64_t)e);
+}
+
+/* Token t of rank s has at least one expert on rank r. */
+static bool to_rank(const ref_problem_t *p, int s, int64_t t, int r)
+{
+    const int64_t *row = p->topk[s] + t * p->K;
+    for (int k = 0; k < p->K; k++)
+        if (row[k] >= 0 && row[k] / p->L == r) return true;
+    return false;
+}
+
+/* -------------------------------------------------------------------------- layout ---- */
+
+void ref_layout(const ref_problem_t *p, int s, int D, int32_t *per_rank, int32_t *per_expert, uint8_t *in_rank,
+                int32_t *per_domain)
+{
+    memset(per_rank, 0, sizeof(int32_t) * (size_t)p->R);
+    memset(per_expert, 0, sizeof(int32_t) * (size_t)p->E);
+    if (per_domain) memset(per_domain, 0, sizeof(int32_t) * (size_t)(p->R / D));
+    for (int64_t t = 0; t < p->T[s]; t++) {
+        for (int k = 0; k < p->K; k++) {
+            int64_t e = p->topk[s][t * p->K + k];
+            if (e >= 0) per_expert[e]++;
+        }
+        for (int r = 0; r < p->R; r++) {
+            bool in = to_rank(p, s, t, r);
+            in_rank[t * p->R + r] = in ? 1 : 0;
+            if (in) per_rank[r]++;
+        }
+        if (per_domain)
+            for (int d = 0; d < p->R / D; d++) {
+                bool in = false;
+                for (int r = d * D; r < (d + 1) * D; r++) in = in || to_rank(p, s, t, r);
+                if (in) per_domain[d]++;
+            }
+    }
+}
+
+/* ----------------------------------------------------------------------- HT dispatch ---- */
+
+int ref_ht_dispatch(const ref_problem_t *p, int r, int alignment, ref_ht_recv_t *out)
+{
+    memset(out, 0, sizeof(*out));
+    int64_t n = 0;
+    for (int s = 0; s < p->R; s++)
+        for (int64_t t = 0; t < p->T[s]; t++) n += to_rank(p, s, t, r);
+    out->n = n;
+    out->src = ref_alloc(sizeof(int32_t) * (size_t)n);
+    out->tok = ref_alloc(sizeof(int64_t) * (size_t)n);
+    out->idx = ref_alloc(sizeof(int64_t) * (size_t)(n * p->K));
+    out->w = ref_alloc(sizeof(float) * (size_t)(n * p->K));
+    out->per_expert = ref_alloc(sizeof(int32_t) * (size_t)p->L);
+    if (!out->src || !out->tok || !out->idx || !out->w || !out->per_expert) return 1;
+    int64_t i = 0;
+    for (int s = 0; s < p->R; s++)
+        for (int64_t t = 0; t < p->T[s]; t++) {
+            if (!to_rank(p, s, t, r)) continue;
+            out->src[i] = s;
+            out->tok[i] = t;
+            for (int k = 0; k < p->K; k++) {
+                int64_t e = p->topk[s][t * p->K + k];
+                bool here = e >= 0 && e / p->L == r;
+                out->idx[i * p->K + k] = here ? e - (int64_t)r * p->L : -1;
+                out->w[i * p->K + k] = here ? p->weights[s][t * p->K + k] : 0.0f;
+                if (here) out->per_expert[e - (int64_t)r * p->L]++;
+            }
+            i++;
+        }
+    for (int j = 0; j < p->L; j++)
+        out->per_expert[j] = (out->per_expert[j] + alignment - 1) / alignment * alignment;
+    return 0;
+}
+
+void ref_ht_recv_free(ref_ht_recv_t *out)
+{
+    free(out->src);
+    free(out->tok);
+    free(out->idx);
+    free(out->w);
+    free(out->per_expert);
+    memset(out, 0, sizeof(*out));
+}
+
+void ref_ht_combine(const ref_problem_t *p, int s, uint64_t yseed, bool bias0, bool bias1, uint16_t *out,
+                    float *out_w)
+{
+    /* Pinned order: ranks ascending, then bias0, then bias1, one fp32 accumulator, one rounding. */
+    for (int64_t t = 0; t < p->T[s]; t++) {
+        bool dest[REF_MAX_RANKS];
+        for (int r = 0; r < p->R; r++) dest[r] = to_rank(p, s, t, r);
+        for (int64_t c = 0; c < p->H; c++) {
+            float acc = 0.0f;
+            for (int r = 0; r < p->R; r++)
+                if (dest[r]) acc = ref_fadd(acc, ref_bf16_to_f32(ref_y_bf16(yseed, r, -1, s, t, c)));
+            if (bias0)
+                acc = ref_fadd(acc, ref_bf16_to_f32(ref_gen_bf16(yseed, REF_TAG_BIAS0, (uint64_t)s, (uint64_t)t,
+                                                                 (uint64_t)c)));
+            if (bias1)
+                acc = ref_fadd(acc, ref_bf16_to_f32(ref_gen_bf16(yseed, REF_TAG_BIAS1, (uint64_t)s, (uint64_t)t,
+                                                                 (uint64_t)c)));
+            out[t * p->H + c] = ref_f32_to_bf16(acc);
+        }
+        if (!out_w) continue;
+        for (int k = 0; k < p->K; k++) {
+            int64_t e = p->topk[s][t * p->K + k];
+            float acc = 0.0f;
+            for (int r = 0; r < p->R; r++)
+                if (dest[r]) acc = ref_fadd(acc, (e >= 0 && e / p->L == r) ? p->weights[s][t * p->K + k] : 0.0f);
+            out_w[t * p->K + k] = acc;
+        }
+    }
+}
+
+/* ----------------------------------------------------------------------- LL dispatch ---- */
+
+int ref_ll_dispatch(const ref_problem_t *p, int r, ref_ll_recv_t *out)
+{
+    memset(out, 0, sizeof(*out));
+    int64_t rt = p->R * p->T_max;
+    out->count = ref_alloc(sizeof(int32_t) * (size_t)p->L);
+    out->src = ref_alloc(sizeof(int32_t) * (size_t)(p->L * rt));
+    out->tok = ref_alloc(sizeof(int32_t) * (size_t)(p->L * rt));
+    out->range = ref_alloc(sizeof(int64_t) * (size_t)(p->L * p->R));
+    if (!out->count || !out->src || !out->tok || !out->range) return 1;
+    for (int j = 0; j < p->L; j++) {
+        int e = r * p->L + j;
+        int32_t rows = 0;
+        for (int s = 0; s < p->R; s++) {
+            int32_t begin = rows, n = 0;
+            for (int64_t t = 0; t < p->T[s]; t++) {
+                if (!ref_selected(p, s, t, e)) continue;
+                out->src[j * rt + rows] = s;
+                out->tok[j * rt + rows] = (int32_t)t;
+                rows++;
+                n++;
+            }
+            out->range[j * p->R + s] = n ? ((int64_t)begin << 32) | n : 0;
+        }
+        out->count[j] = rows;
+    }
+    return 0;
+}
+
+void ref_ll_recv_free(ref_ll_recv_t *out)
+{
+    free(out->count);
+    free(out->src);
+    free(out->tok);
+    free(out->range);
+    memset(out, 0, sizeof(*out));
+}
+
+void ref_ll_cast(const uint16_t *row, int64_t H, bool round_scale, uint8_t *q, float *scale_inv)
+{
+    for (int64_t g = 0; g < H / 128; g++) {
+        float amax = 0.0f;
+        for (int64_t c = g * 128; c < (g + 1) * 128; c++) {
+            float v = fabsf(ref_bf16_to_f32(row[c]));
+            if (v > amax) amax = v;
+        }
+        if (amax < 1e-4f) amax = 1e-4f;
+        float si = amax / 448.0f;
+        if (round_scale) {
+            uint32_t b = f32_bits(si);
+            if (b & 0x7fffffu) si = bits_f32((b & 0x7f800000u) + 0x00800000u);
+        }
+        scale_inv[g] = si;
+        for (int64_t c = g * 128; c < (g + 1) * 128; c++) q[c] = ref_f32_to_fp8(ref_bf16_to_f32(row[c]) / si);
+    }
+}
+
+void ref_ll_combine(const ref_problem_t *p, int s, uint64_t yseed, uint16_t *out)
+{
+    /* Pinned order: slots k ascending, acc += w * y in fp32, one rounding. */
+    for (int64_t t = 0; t < p->T[s]; t++)
+        for (int64_t c = 0; c < p->H; c++) {
+            float acc = 0.0f;
+            for (int k = 0; k < p->K; k++) {
+                int64_t e = p->topk[s][t * p->K + k];
+                if (e < 0) continue;
+                float y = ref_bf16_to_f32(ref_y_bf16(yseed, (int)(e / p->L), (int)(e % p->L), s, t, c));
+                acc = ref_fadd(acc, ref_fmul(p->weights[s][t * p->K + k], y));
+            }
+            out[t * p->H + c] = ref_f32_to_bf16(acc);
+        }
+}
+
+/* ---------------------------------------------------------------- routing-map dispatch ---- */
+
+int ref_rm_dispatch(const ref_problem_t *p, int r, bool permute, int pad, int64_t bound, ref_rm_recv_t *out)
+{
+    memset(out, 0, sizeof(*out));
+    int L = p->L;
+    out->tokens_per_expert = ref_alloc(sizeof(int32_t) * (size_t)L);
+    if (!out->tokens_per_expert) return 1;
+    /* Real rows first (unbounded), then cut or extend to the bound. */
+    int64_t real = 0;
+    if (!permute) {
+        for (int s = 0; s < p->R; s++)
+            for (int64_t t = 0; t < p->T[s]; t++) real += to_rank(p, s, t, r);
+    } else {
+        for (int j = 0; j < L; j++) {
+            int64_t n = 0;
+            for (int s = 0; s < p->R; s++)
+                for (int64_t t = 0; t < p->T[s]; t++) n += ref_selected(p, s, t, r * L + j);
+            out->tokens_per_expert[j] = (int32_t)((n + pad - 1) / pad * pad);
+            real += out->tokens_per_expert[j];
+        }
+    }
+    int64_t rows = bound >= 0 ? bound : real;
+    int64_t pw = permute ? 1 : L;
+    out->real = real;
+    out->rows = rows;
+    out->src = ref_alloc(sizeof(int32_t) * (size_t)rows);
+    out->tok = ref_alloc(sizeof(int64_t) * (size_t)rows);
+    out->j = ref_alloc(sizeof(int32_t) * (size_t)rows);
+    out->probs = ref_alloc(sizeof(float) * (size_t)(rows * pw));
+    if (!out->src || !out->tok || !out->j || !out->probs) return 1;
+    for (int64_t i = 0; i < rows; i++) {
+        out->src[i] = -1;
+        out->j[i] = -1;
+    }
+    int64_t i = 0;
+    if (!permute) {
+        for (int s = 0; s < p->R; s++)
+            for (int64_t t = 0; t < p->T[s]; t++) {
+                if (!to_rank(p, s, t, r)) continue;
+                if (i < rows) {
+                    out->src[i] = s;
+                    out->tok[i] = t;
+                    for (int j = 0; j < L; j++)
+                        out->probs[i * L + j] = ref_selected(p, s, t, r * L + j) ? ref_prob(p, s, t, r * L + j) : 0.0f;
+                }
+                i++;
+            }
+        return 0;
+    }
+    for (int j = 0; j < L; j++) {
+        int64_t group_end = i + out->tokens_per_expert[j];
+        for (int s = 0; s < p->R; s++)
+            for (int64_t t = 0; t < p->T[s]; t++) {
+                if (!ref_selected(p, s, t, r * L + j)) continue;
+                if (i < rows) {
+                    out->src[i] = s;
+                    out->tok[i] = t;
+                    out->j[i] = j;
+                    out->probs[i] = ref_prob(p, s, t, r * L + j);
+                }
+                i++;
+            }
+        for (; i < group_end; i++)
+            if (i < rows) out->j[i] = j;
+    }
+    return 0;
+}
+
+void ref_rm_recv_free(ref_rm_recv_t *out)
+{
+    free(out->src);
+    free(out->tok);
+    free(out->j);
+    free(out->probs);
+    free(out->tokens_per_expert);
+    memset(out, 0, sizeof(*out));
+}
+
+int ref_rm_combine(const ref_problem_t *p, int s, bool permute, int pad, const int64_t *bounds, bool weighted,
+                   uint64_t yseed, uint16_t *out)
+{
+    /* Pinned order: ranks ascending, then (with permute) local experts ascending; a rank's rows for
+     * one token appear in ascending group order, so walking its rows in order keeps that order. */
+    float *acc = ref_alloc(sizeof(float) * (size_t)(p->T[s] * p->H));
+    if (!acc) return 1;
+    for (int r = 0; r < p->R; r++) {
+        ref_rm_recv_t rv;
+        if (ref_rm_dispatch(p, r, permute, pad, bounds ? bounds[r] : -1, &rv)) {
+            ref_rm_recv_free(&rv);
+            free(acc);
+            return 1;
+        }
+        int64_t lim = rv.real < rv.rows ? rv.real : rv.rows;
+        for (int64_t i = 0; i < lim; i++) {
+            if (rv.src[i] != s) continue;
+            int64_t t = rv.tok[i];
+            float w = permute && weighted ? ref_prob(p, s, t, r * p->L + rv.j[i]) : 1.0f;
+            for (int64_t c = 0; c < p->H; c++) {
+                float y = ref_bf16_to_f32(ref_y_bf16(yseed, r, permute ? rv.j[i] : -1, s, t, c));
+                float term = permute && weighted ? ref_fmul(w, y) : y;
+                acc[t * p->H + c] = ref_fadd(acc[t * p->H + c], term);
+            }
+        }
+        ref_rm_recv_free(&rv);
+    }
+    for (int64_t i = 0; i < p->T[s] * p->H; i++) out[i] = ref_f32_to_bf16(acc[i]);
+    free(acc);
+    return 0;
+}
+
+/* ----------------------------------------------------------------- checking helpers ---- */
+
+static uint64_t ref_seed_g;
+static char ref_case_g[256];
+
+void ref_set_seed(uint64_t seed)
+{
+    ref_seed_g = seed;
+}
+
+void ref_set_case(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ref_case_g, sizeof(ref_case_g), fmt, ap);
+    va_end(ap);
+}
+
+int ref_fail(int rank, const char *fmt, ...)
+{
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "FAIL seed %llu rank %d [%s]: %s\n", (unsigned long long)ref_seed_g, rank, ref_case_g, msg);
+    fflush(stderr);
+    return 1;
+}
+
+int ref_check_bits(int rank, const char *what, const void *got, const void *expected, int64_t n, size_t elem,
+                   int64_t row_elems)
+{
+    const uint8_t *g = got, *e = expected;
+    int64_t bad = 0, first = -1;
+    for (int64_t i = 0; i < n; i++)
+        if (memcmp(g + (size_t)i * elem, e + (size_t)i * elem, elem) != 0) {
+            if (first < 0) first = i;
+            bad++;
+        }
+    if (!bad) return 0;
+    uint64_t gv = 0, ev = 0;
+    memcpy(&gv, g + (size_t)first * elem, elem < 8 ? elem : 8);
+    memcpy(&ev, e + (size_t)first * elem, elem < 8 ? elem : 8);
+    if (row_elems < 1) row_elems = 1;
+    return ref_fail(rank, "%s[%lld][%lld] = 0x%llx, expected 0x%llx (%lld of %lld elements differ)", what,
+                    (long long)(first / row_elems), (long long)(first % row_elems), (unsigned long long)gv,
+                    (unsigned long long)ev, (long long)bad, (long long)n);
+}
+
+void *ref_arena_alloc(ref_arena_t *a, size_t bytes)
+{
+    void *ptr = a->n < (int)(sizeof(a->ptrs) / sizeof(a->ptrs[0])) ? ref_alloc(bytes) : NULL;
+    if (!ptr) {
+        ref_fail(-1, "test arena: cannot allocate %zu bytes (%d blocks held)", bytes, a->n);
+        exit(3);
+    }
+    a->ptrs[a->n++] = ptr;
+    return ptr;
+}
+
+void *ref_arena_garbage(ref_arena_t *a, size_t bytes)
+{
+    void *ptr = ref_arena_alloc(a, bytes);
+    memset(ptr, 0xa5, bytes);
+    return ptr;
+}
+
+void ref_arena_free(ref_arena_t *a)
+{
+    for (int i = 0; i < a->n; i++) free(a->ptrs[i]);
+    a->n = 0;
+}
+
+int ref_open_comm(const epx_unique_id_t *id, int rank, int nranks, epx_comm_t *comm_out)
+{
+    epx_comm_config_t cfg = EPX_COMM_CONFIG_INIT;
+    cfg.backend = EPX_BACKEND_HOST;
+    cfg.timeout_ms = 30000;
+    epx_result_t res = epx_comm_init(id, rank, nranks, &cfg, comm_out);
+    if (res != EPX_SUCCESS)
+        return ref_fail(rank, "epx_comm_init: %s (%s)", epx_result_name(res), epx_last_error_message());
+    return 0;
+}
+
+bool ref_fast_mode(void)
+{
+#if defined(__SANITIZE_ADDRESS__)
+    return true;
+#else
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+    return true;
+#endif
+#endif
+    const char *v = getenv("CI_FAST");
+    return v && *v && strcmp(v, "0") != 0;
+#endif
+}

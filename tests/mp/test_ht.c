@@ -1,0 +1,415 @@
+/*
+ * HT layout, dispatch (default, cached, static-shape with overflow) and combine on the host backend:
+ * every rank builds all ranks' inputs from one seed and checks its own outputs against the reference.
+ * Combine outputs are compared bit for bit: the reference sums in the pinned fp32 order.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/internal.h"
+#include "epx_test.h"
+#include "reference.h"
+
+typedef struct ht_case {
+    int R, E, K;
+    int64_t H, T_max;
+    int domain_cap; /* EPX_RANKS_PER_NVLINK_DOMAIN for the run, 0 = unset */
+    int iters;
+} ht_case_t;
+
+static uint64_t g_seed;
+
+#define CALL(expr)                                                                                       \
+    do {                                                                                                 \
+        epx_result_t call_res_ = (expr);                                                                 \
+        if (call_res_ != EPX_SUCCESS) {                                                                  \
+            ref_fail(rank, "%s returned %s (%s)", #expr, epx_result_name(call_res_),                     \
+                     epx_last_error_message());                                                          \
+            rc = 2;                                                                                      \
+            goto out;                                                                                    \
+        }                                                                                                \
+    } while (0)
+#define CHECK(cond, ...)                                                                                 \
+    do {                                                                                                 \
+        if (!(cond)) rc |= ref_fail(rank, __VA_ARGS__);                                                  \
+    } while (0)
+
+static epx_tensor_t idx_tensor(void *data, epx_dtype_t dtype, int64_t rows, int64_t K)
+{
+    return epx_tensor_2d(data, dtype, rows, K);
+}
+
+/* Expected recv_x rows (and scales) for the mapping (src, tok) of n rows. */
+static void expected_rows(const ref_problem_t *p, const int32_t *src, const int64_t *tok, int64_t n, uint64_t tag,
+                          uint8_t *x_out, float *scales_out)
+{
+    size_t row_bytes = (size_t)p->H * epx_dtype_size(p->dtype);
+    for (int64_t i = 0; i < n; i++) {
+        ref_x_row(p, src[i], tok[i], tag, x_out + (size_t)i * row_bytes);
+        if (scales_out) ref_scales_row(p, src[i], tok[i], tag, scales_out + i * (p->H / 128));
+    }
+}
+
+static void fill_idx(const int64_t *src, int64_t n, epx_dtype_t dtype, void *dst)
+{
+    for (int64_t i = 0; i < n; i++) {
+        if (dtype == EPX_DTYPE_INT64)
+            ((int64_t *)dst)[i] = src[i];
+        else
+            ((int32_t *)dst)[i] = (int32_t)src[i];
+    }
+}
+
+/* Combine inputs of this rank: rows < n from the mapping, the rest a huge value that would show. */
+static uint16_t *combine_input(ref_arena_t *a, const ref_ht_recv_t *rv, int64_t cap_rows, int rank, uint64_t yseed,
+                               int64_t H)
+{
+    uint16_t *x = ref_arena_alloc(a, sizeof(uint16_t) * (size_t)(cap_rows * H));
+    for (int64_t i = 0; i < cap_rows; i++)
+        for (int64_t c = 0; c < H; c++)
+            x[i * H + c] = i < rv->n ? ref_y_bf16(yseed, rank, -1, rv->src[i], rv->tok[i], c) : 0x7f00;
+    return x;
+}
+
+static int run_combine(epx_buffer_t buf, const ref_problem_t *p, int rank, const ref_ht_recv_t *rv, epx_handle_t h,
+                       int64_t cap_rows, bool with_weights, bool bias0, bool bias1, uint64_t yseed)
+{
+    int rc = 0;
+    ref_arena_t a = {0};
+    int64_t Ts = p->T[rank], H = p->H, K = p->K;
+    uint16_t *cx = combine_input(&a, rv, cap_rows, rank, yseed, H);
+    float *cw = ref_arena_alloc(&a, sizeof(float) * (size_t)(cap_rows * K));
+    memcpy(cw, rv->w, sizeof(float) * (size_t)(rv->n * K));
+    uint16_t *b0 = ref_arena_alloc(&a, sizeof(uint16_t) * (size_t)(Ts * H));
+    uint16_t *b1 = ref_arena_alloc(&a, sizeof(uint16_t) * (size_t)(Ts * H));
+    for (int64_t t = 0; t < Ts; t++)
+        for (int64_t c = 0; c < H; c++) {
+            b0[t * H + c] = ref_gen_bf16(yseed, REF_TAG_BIAS0, (uint64_t)rank, (uint64_t)t, (uint64_t)c);
+            b1[t * H + c] = ref_gen_bf16(yseed, REF_TAG_BIAS1, (uint64_t)rank, (uint64_t)t, (uint64_t)c);
+        }
+    uint16_t *out = ref_arena_garbage(&a, sizeof(uint16_t) * (size_t)(Ts * H));
+    float *out_w = ref_arena_garbage(&a, sizeof(float) * (size_t)(Ts * K));
+    uint16_t *exp = ref_arena_alloc(&a, sizeof(uint16_t) * (size_t)(Ts * H));
+    float *exp_w = ref_arena_alloc(&a, sizeof(float) * (size_t)(Ts * K));
+
+    epx_ht_combine_args_t args = EPX_HT_COMBINE_ARGS_INIT;
+    args.handle = h;
+    args.x = epx_tensor_2d(cx, EPX_DTYPE_BF16, cap_rows, H);
+    if (with_weights) args.topk_weights = epx_tensor_2d(cw, EPX_DTYPE_FP32, cap_rows, K);
+    if (bias0) args.bias0 = epx_tensor_2d(b0, EPX_DTYPE_BF16, Ts, H);
+    if (bias1) args.bias1 = epx_tensor_2d(b1, EPX_DTYPE_BF16, Ts, H);
+    epx_ht_combine_outputs_t outs = EPX_HT_COMBINE_OUTPUTS_INIT;
+    outs.combined_x = epx_tensor_2d(out, EPX_DTYPE_BF16, Ts, H);
+    if (with_weights) outs.combined_topk_weights = epx_tensor_2d(out_w, EPX_DTYPE_FP32, Ts, K);
+    CALL(epx_ht_combine(buf, &args, &outs));
+
+    ref_ht_combine(p, rank, yseed, bias0, bias1, exp, with_weights ? exp_w : NULL);
+    rc |= ref_check_bits(rank, "combined_x", out, exp, Ts * H, 2, H);
+    if (with_weights) rc |= ref_check_bits(rank, "combined_topk_weights", out_w, exp_w, Ts * K, 4, K);
+out:
+    ref_arena_free(&a);
+    return rc;
+}
+
+static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, int it)
+{
+    int rc = 0, R = hc->R, K = hc->K;
+    int64_t H = hc->H, SG = H / 128;
+    uint64_t seed = ref_hash(g_seed, 0x4854, (uint64_t)(R * 100000 + hc->E * 10 + K), (uint64_t)hc->H, (uint64_t)it);
+    static const epx_dtype_t dtypes[3] = {EPX_DTYPE_BF16, EPX_DTYPE_FP32, EPX_DTYPE_FP8_E4M3};
+    epx_dtype_t dtype = dtypes[it % 3];
+    ref_routing_t routing = (ref_routing_t)((it / 3) % REF_ROUTE_COUNT);
+    epx_dtype_t idx_dtype = it % 2 ? EPX_DTYPE_INT64 : EPX_DTYPE_INT32;
+    epx_dtype_t out_idx_dtype = (it / 2) % 2 ? EPX_DTYPE_INT64 : EPX_DTYPE_INT32;
+    int alignment = (it / 4) % 2 ? 4 : 1;
+    bool with_weights = it % 5 != 4, bias0 = it % 3 != 1, bias1 = it % 4 != 2;
+    bool fp8 = dtype == EPX_DTYPE_FP8_E4M3;
+    size_t esz = epx_dtype_size(dtype);
+    int64_t T[REF_MAX_RANKS];
+    ref_gen_token_counts(seed, it, R, hc->T_max, T);
+    ref_set_case("ht R=%d E=%d K=%d H=%lld T_max=%lld iter %d: x %s, routing %s, topk_idx %s, recv_topk_idx %s, "
+                 "alignment %d, weights %d, bias %d%d, T[0]=%lld",
+                 R, hc->E, K, (long long)H, (long long)hc->T_max, it, epx_dtype_name(dtype),
+                 ref_routing_name(routing), epx_dtype_name(idx_dtype), epx_dtype_name(out_idx_dtype), alignment,
+                 with_weights, bias0, bias1, (long long)T[0]);
+
+    ref_problem_t p;
+    ref_ht_recv_t rv = {0};
+    ref_arena_t a = {0};
+    epx_handle_t handle = NULL, shandle = NULL;
+    if (ref_problem_init(&p, R, hc->E, K, H, hc->T_max, dtype, seed, T, routing) ||
+        ref_ht_dispatch(&p, rank, alignment, &rv)) {
+        rc = ref_fail(rank, "reference setup failed");
+        goto out;
+    }
+    int64_t Ts = p.T[rank], L = p.L, N = rv.n;
+
+    /* ---- layout ---- */
+    void *topk = ref_arena_alloc(&a, 8 * (size_t)(Ts * K));
+    ref_fill_topk(&p, rank, idx_dtype, topk);
+    epx_tensor_t topk_t = idx_tensor(topk, idx_dtype, Ts, K);
+    {
+        int ndom = R / D;
+        int32_t *per_rank = ref_arena_garbage(&a, 4 * (size_t)R), *per_expert = ref_arena_garbage(&a, 4 * (size_t)hc->E);
+        uint8_t *in_rank = ref_arena_garbage(&a, (size_t)(Ts * R));
+        int32_t *per_dom = ref_arena_garbage(&a, 4 * (size_t)ndom);
+        int32_t *e_rank = ref_arena_alloc(&a, 4 * (size_t)R), *e_expert = ref_arena_alloc(&a, 4 * (size_t)hc->E);
+        uint8_t *e_in = ref_arena_alloc(&a, (size_t)(Ts * R));
+        int32_t *e_dom = ref_arena_alloc(&a, 4 * (size_t)ndom);
+        epx_layout_outputs_t lo = EPX_LAYOUT_OUTPUTS_INIT;
+        lo.num_tokens_per_rank = epx_tensor_1d(per_rank, EPX_DTYPE_INT32, R);
+        lo.num_tokens_per_expert = epx_tensor_1d(per_expert, EPX_DTYPE_INT32, hc->E);
+        lo.is_token_in_rank = epx_tensor_2d(in_rank, EPX_DTYPE_BOOL, Ts, R);
+        if (ndom > 1) lo.num_tokens_per_domain = epx_tensor_1d(per_dom, EPX_DTYPE_INT32, ndom);
+        CALL(epx_get_dispatch_layout(buf, &topk_t, &lo, NULL));
+        ref_layout(&p, rank, D, e_rank, e_expert, e_in, ndom > 1 ? e_dom : NULL);
+        rc |= ref_check_bits(rank, "num_tokens_per_rank", per_rank, e_rank, R, 4, R);
+        rc |= ref_check_bits(rank, "num_tokens_per_expert", per_expert, e_expert, hc->E, 4, hc->E);
+        rc |= ref_check_bits(rank, "is_token_in_rank", in_rank, e_in, Ts * R, 1, R);
+        if (ndom > 1) rc |= ref_check_bits(rank, "num_tokens_per_domain", per_dom, e_dom, ndom, 4, ndom);
+    }
+
+    /* ---- dispatch, default mode ---- */
+    uint8_t *x = ref_arena_alloc(&a, esz * (size_t)(Ts * H));
+    float *xs = ref_arena_alloc(&a, sizeof(float) * (size_t)(Ts * SG));
+    for (int64_t t = 0; t < Ts; t++) {
+        ref_x_row(&p, rank, t, REF_TAG_X, x + (size_t)(t * H) * esz);
+        ref_scales_row(&p, rank, t, REF_TAG_X, xs + t * SG);
+    }
+    uint8_t *e_x = ref_arena_alloc(&a, esz * (size_t)(N * H));
+    float *e_xs = ref_arena_alloc(&a, sizeof(float) * (size_t)(N * SG));
+    expected_rows(&p, rv.src, rv.tok, N, REF_TAG_X, e_x, e_xs);
+    void *e_idx = ref_arena_alloc(&a, 8 * (size_t)(N * K));
+    fill_idx(rv.idx, N * K, out_idx_dtype, e_idx);
+    size_t isz = epx_dtype_size(out_idx_dtype);
+    {
+        uint8_t *rx = ref_arena_garbage(&a, esz * (size_t)(N * H));
+        float *rxs = ref_arena_garbage(&a, sizeof(float) * (size_t)(N * SG));
+        void *ridx = ref_arena_garbage(&a, 8 * (size_t)(N * K));
+        float *rw = ref_arena_garbage(&a, sizeof(float) * (size_t)(N * K));
+        int32_t *rpe = ref_arena_garbage(&a, 4 * (size_t)L);
+        int32_t *nrecv = ref_arena_garbage(&a, 4);
+        epx_ht_dispatch_args_t args = EPX_HT_DISPATCH_ARGS_INIT;
+        args.x = epx_tensor_2d(x, dtype, Ts, H);
+        if (fp8) args.x_scales = epx_tensor_2d(xs, EPX_DTYPE_FP32, Ts, SG);
+        args.topk_idx = topk_t;
+        if (with_weights) args.topk_weights = epx_tensor_2d(p.weights[rank], EPX_DTYPE_FP32, Ts, K);
+        args.expert_alignment = alignment;
+        epx_ht_dispatch_outputs_t outs = EPX_HT_DISPATCH_OUTPUTS_INIT;
+        outs.recv_x = epx_tensor_2d(rx, dtype, N, H);
+        if (fp8) outs.recv_x_scales = epx_tensor_2d(rxs, EPX_DTYPE_FP32, N, SG);
+        if (with_weights) {
+            outs.recv_topk_idx = idx_tensor(ridx, out_idx_dtype, N, K);
+            outs.recv_topk_weights = epx_tensor_2d(rw, EPX_DTYPE_FP32, N, K);
+        }
+        outs.num_recv_tokens_per_expert = epx_tensor_1d(rpe, EPX_DTYPE_INT32, L);
+        outs.num_recv_tokens = epx_tensor_1d(nrecv, EPX_DTYPE_INT32, 1);
+        CALL(epx_ht_dispatch(buf, &args, &outs));
+        handle = outs.handle;
+        CHECK(handle != NULL, "dispatch returned no handle");
+        CHECK(outs.num_recv_tokens_host == N, "num_recv_tokens_host = %lld, expected %lld",
+              (long long)outs.num_recv_tokens_host, (long long)N);
+        CHECK(nrecv[0] == N, "num_recv_tokens[0] = %d, expected %lld", nrecv[0], (long long)N);
+        rc |= ref_check_bits(rank, "recv_x", rx, e_x, N * H, esz, H);
+        if (fp8) rc |= ref_check_bits(rank, "recv_x_scales", rxs, e_xs, N * SG, 4, SG);
+        if (with_weights) {
+            rc |= ref_check_bits(rank, "recv_topk_idx", ridx, e_idx, N * K, isz, K);
+            rc |= ref_check_bits(rank, "recv_topk_weights", rw, rv.w, N * K, 4, K);
+        }
+        rc |= ref_check_bits(rank, "num_recv_tokens_per_expert", rpe, rv.per_expert, L, 4, L);
+        if (!handle) goto out;
+        epx_handle_info_t info;
+        CALL(epx_handle_get_info(handle, &info));
+        CHECK(info.num_tokens == Ts && info.num_recv_tokens == N && info.num_ranks == R && info.num_local_experts == L,
+              "handle info {%lld, %lld, %d, %d}, expected {%lld, %lld, %d, %lld}", (long long)info.num_tokens,
+              (long long)info.num_recv_tokens, info.num_ranks, info.num_local_experts, (long long)Ts, (long long)N, R,
+              (long long)L);
+    }
+
+    /* ---- combine (weights and biases as this iteration says) ---- */
+    rc |= run_combine(buf, &p, rank, &rv, handle, N, with_weights, bias0, bias1, seed ^ 0x636f6d62ull);
+    if (rc & 2) goto out;
+
+    /* ---- cached dispatch with new x: only recv_x (and scales) are written ---- */
+    {
+        uint8_t *x2 = ref_arena_alloc(&a, esz * (size_t)(Ts * H));
+        float *xs2 = ref_arena_alloc(&a, sizeof(float) * (size_t)(Ts * SG));
+        for (int64_t t = 0; t < Ts; t++) {
+            ref_x_row(&p, rank, t, REF_TAG_X2, x2 + (size_t)(t * H) * esz);
+            ref_scales_row(&p, rank, t, REF_TAG_X2, xs2 + t * SG);
+        }
+        uint8_t *e_x2 = ref_arena_alloc(&a, esz * (size_t)(N * H));
+        float *e_xs2 = ref_arena_alloc(&a, sizeof(float) * (size_t)(N * SG));
+        expected_rows(&p, rv.src, rv.tok, N, REF_TAG_X2, e_x2, e_xs2);
+        uint8_t *rx = ref_arena_garbage(&a, esz * (size_t)(N * H));
+        float *rxs = ref_arena_garbage(&a, sizeof(float) * (size_t)(N * SG));
+        epx_ht_dispatch_args_t args = EPX_HT_DISPATCH_ARGS_INIT;
+        args.x = epx_tensor_2d(x2, dtype, Ts, H);
+        if (fp8) args.x_scales = epx_tensor_2d(xs2, EPX_DTYPE_FP32, Ts, SG);
+        args.cached_handle = handle;
+        args.expert_alignment = 1;
+        epx_ht_dispatch_outputs_t outs = EPX_HT_DISPATCH_OUTPUTS_INIT;
+        outs.recv_x = epx_tensor_2d(rx, dtype, N, H);
+        if (fp8) outs.recv_x_scales = epx_tensor_2d(rxs, EPX_DTYPE_FP32, N, SG);
+        CALL(epx_ht_dispatch(buf, &args, &outs));
+        CHECK(outs.handle == NULL, "cached dispatch wrote a new handle");
+        rc |= ref_check_bits(rank, "cached recv_x", rx, e_x2, N * H, esz, H);
+        if (fp8) rc |= ref_check_bits(rank, "cached recv_x_scales", rxs, e_xs2, N * SG, 4, SG);
+    }
+    epx_handle_destroy(handle);
+    handle = NULL;
+
+    /* ---- static-shape mode: one W for all ranks; odd iterations make the busiest ranks overflow ---- */
+    {
+        int64_t maxN = 0;
+        for (int r = 0; r < R; r++) {
+            ref_ht_recv_t other;
+            if (ref_ht_dispatch(&p, r, 1, &other)) {
+                ref_ht_recv_free(&other);
+                rc = ref_fail(rank, "reference setup failed");
+                goto out;
+            }
+            if (other.n > maxN) maxN = other.n;
+            ref_ht_recv_free(&other);
+        }
+        bool want_overflow = it % 2 == 1;
+        int64_t W = want_overflow ? maxN - 2 - maxN / 4 : maxN + 3;
+        if (W < 1) W = 1;
+        if (W > R * hc->T_max) W = R * hc->T_max;
+        bool over = N > W;
+        int64_t valid = over ? W : N;
+        uint8_t *rx = ref_arena_garbage(&a, esz * (size_t)(W * H));
+        float *rxs = ref_arena_garbage(&a, sizeof(float) * (size_t)(W * SG));
+        void *ridx = ref_arena_garbage(&a, 8 * (size_t)(W * K));
+        float *rw = ref_arena_garbage(&a, sizeof(float) * (size_t)(W * K));
+        int32_t *rpe = ref_arena_garbage(&a, 4 * (size_t)L);
+        int32_t *nrecv = ref_arena_garbage(&a, 4);
+        epx_ht_dispatch_args_t args = EPX_HT_DISPATCH_ARGS_INIT;
+        args.x = epx_tensor_2d(x, dtype, Ts, H);
+        if (fp8) args.x_scales = epx_tensor_2d(xs, EPX_DTYPE_FP32, Ts, SG);
+        args.topk_idx = topk_t;
+        args.topk_weights = epx_tensor_2d(p.weights[rank], EPX_DTYPE_FP32, Ts, K);
+        args.expert_alignment = alignment;
+        args.num_worst_tokens = W;
+        epx_ht_dispatch_outputs_t outs = EPX_HT_DISPATCH_OUTPUTS_INIT;
+        outs.recv_x = epx_tensor_2d(rx, dtype, W, H);
+        if (fp8) outs.recv_x_scales = epx_tensor_2d(rxs, EPX_DTYPE_FP32, W, SG);
+        outs.recv_topk_idx = idx_tensor(ridx, out_idx_dtype, W, K);
+        outs.recv_topk_weights = epx_tensor_2d(rw, EPX_DTYPE_FP32, W, K);
+        outs.num_recv_tokens_per_expert = epx_tensor_1d(rpe, EPX_DTYPE_INT32, L);
+        outs.num_recv_tokens = epx_tensor_1d(nrecv, EPX_DTYPE_INT32, 1);
+        CALL(epx_ht_dispatch(buf, &args, &outs));
+        shandle = outs.handle;
+        ref_set_case("ht R=%d E=%d K=%d H=%lld iter %d static W=%lld N=%lld: x %s, routing %s, recv_topk_idx %s", R,
+                     hc->E, K, (long long)H, it, (long long)W, (long long)N, epx_dtype_name(dtype),
+                     ref_routing_name(routing), epx_dtype_name(out_idx_dtype));
+        CHECK(outs.num_recv_tokens_host == N, "static num_recv_tokens_host = %lld, expected %lld",
+              (long long)outs.num_recv_tokens_host, (long long)N);
+        CHECK(nrecv[0] == N, "static num_recv_tokens[0] = %d, expected %lld", nrecv[0], (long long)N);
+        rc |= ref_check_bits(rank, "static recv_x", rx, e_x, valid * H, esz, H);
+        if (fp8) rc |= ref_check_bits(rank, "static recv_x_scales", rxs, e_xs, valid * SG, 4, SG);
+        rc |= ref_check_bits(rank, "static recv_topk_idx", ridx, e_idx, valid * K, isz, K);
+        rc |= ref_check_bits(rank, "static recv_topk_weights", rw, rv.w, valid * K, 4, K);
+        /* Per-expert counts after an overflow are not pinned; without one they are the real counts. */
+        if (!over) rc |= ref_check_bits(rank, "static num_recv_tokens_per_expert", rpe, rv.per_expert, L, 4, L);
+        epx_result_t q = epx_buffer_query_overflow(buf);
+        CHECK(q == (over ? EPX_ERR_OVERFLOW : EPX_SUCCESS), "epx_buffer_query_overflow = %s, expected %s",
+              epx_result_name(q), over ? "ERR_OVERFLOW" : "SUCCESS");
+        q = epx_buffer_query_overflow(buf);
+        CHECK(q == EPX_SUCCESS, "second epx_buffer_query_overflow = %s, expected SUCCESS (flag not cleared)",
+              epx_result_name(q));
+        /* Combine after a static dispatch that kept every row (every rank must take part). */
+        if (!want_overflow && shandle)
+            rc |= run_combine(buf, &p, rank, &rv, shandle, W, true, true, false, seed ^ 0x737461ull);
+    }
+out:
+    epx_handle_destroy(shandle);
+    epx_handle_destroy(handle);
+    ref_arena_free(&a);
+    ref_ht_recv_free(&rv);
+    ref_problem_free(&p);
+    return rc;
+}
+
+static int ht_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
+{
+    const ht_case_t *hc = ctx;
+    int rc = 0;
+    epx_comm_t comm = NULL;
+    epx_buffer_t buf = NULL;
+    ref_set_seed(g_seed);
+    ref_set_case("ht R=%d E=%d K=%d H=%lld T_max=%lld domain cap %d: setup", nranks, hc->E, hc->K, (long long)hc->H,
+                 (long long)hc->T_max, hc->domain_cap);
+    if (hc->domain_cap > 0) {
+        char v[16];
+        snprintf(v, sizeof(v), "%d", hc->domain_cap);
+        setenv("EPX_RANKS_PER_NVLINK_DOMAIN", v, 1);
+    } else {
+        unsetenv("EPX_RANKS_PER_NVLINK_DOMAIN");
+    }
+    CALL(epx_params_reload());
+    if (ref_open_comm(id, rank, nranks, &comm)) return 2;
+    epx_topology_t topo;
+    CALL(epx_comm_get_topology(comm, &topo));
+    int D = topo.ranks_per_nvlink_domain;
+    CHECK(topo.rank == rank && topo.nranks == nranks && topo.backend == EPX_BACKEND_HOST,
+          "topology rank %d nranks %d backend %d", topo.rank, topo.nranks, (int)topo.backend);
+    if (D < 1 || nranks % D != 0 || topo.num_nvlink_domains != nranks / D ||
+        (hc->domain_cap > 0 && D > hc->domain_cap)) {
+        rc = ref_fail(rank, "topology: %d ranks per domain, %d domains (cap %d)", D, topo.num_nvlink_domains,
+                      hc->domain_cap);
+        goto out;
+    }
+    epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
+    cfg.max_tokens = hc->T_max;
+    cfg.hidden = hc->H;
+    cfg.num_topk = hc->K;
+    cfg.num_experts = hc->E;
+    cfg.modes = EPX_MODE_HT;
+    CALL(epx_buffer_create(comm, &cfg, &buf));
+    int iters = hc->iters;
+    if (ref_fast_mode()) iters = (iters + 2) / 3;
+    for (int it = 0; it < iters; it++) {
+        rc |= ht_iteration(buf, hc, rank, D, it);
+        if (rc & 2) break; /* a failed call leaves the ranks out of step */
+    }
+out:
+    epx_buffer_destroy(buf);
+    epx_comm_destroy(comm);
+    return rc;
+}
+
+static const ht_case_t k_cases[] = {
+    /* R, E, K, H, T_max, domain cap, iterations (9 covers every dtype x routing pair once) */
+    {1, 8, 1, 128, 64, 0, 18},
+    {1, 288, 5, 2048, 16, 0, 9},
+    {2, 64, 6, 2048, 32, 0, 18},
+    {2, 8, 2, 7168, 8, 1, 9},
+    {2, 256, 9, 128, 160, 0, 9},
+    {3, 288, 9, 128, 96, 0, 18},
+    {3, 288, 3, 7168, 6, 0, 9},
+    {4, 256, 8, 7168, 12, 2, 9},
+    {4, 64, 7, 128, 128, 0, 18},
+    {4, 8, 4, 2048, 48, 1, 9},
+    {8, 288, 9, 2048, 24, 4, 18},
+    {8, 8, 3, 128, 48, 2, 18},
+    {8, 256, 4, 7168, 4, 0, 9},
+    {8, 64, 1, 7168, 2, 2, 9},
+};
+
+int main(void)
+{
+    g_seed = epx_test_seed();
+    int failed = 0;
+    for (size_t i = 0; i < sizeof(k_cases) / sizeof(k_cases[0]); i++) {
+        const ht_case_t *hc = &k_cases[i];
+        if (epx_test_run_ranks(hc->R, ht_rank, (void *)hc, 300)) {
+            fprintf(stderr, "FAILED: ht case R=%d E=%d K=%d H=%lld T_max=%lld cap %d (seed %llu)\n", hc->R, hc->E,
+                    hc->K, (long long)hc->H, (long long)hc->T_max, hc->domain_cap, (unsigned long long)g_seed);
+            failed = 1;
+        }
+    }
+    printf(failed ? "ht: FAILED\n" : "ht: ok\n");
+    return failed;
+}
