@@ -219,7 +219,7 @@ static epx_result_t comm_create(int rank, int nranks, const epx_unique_id_t *id,
         static atomic_flag printed = ATOMIC_FLAG_INIT;
         if (!atomic_flag_test_and_set(&printed)) epx_params_print(stderr);
     }
-    epx_backend_t backend;
+    epx_backend_t backend = EPX_BACKEND_HOST;
     EPX_CHECK(choose_backend(cfg.backend, &backend));
 
     epx_result_t res = EPX_SUCCESS;

@@ -43,27 +43,20 @@ float epx_fp8_e4m3_to_f32(uint8_t v)
 
 uint8_t epx_f32_to_fp8_e4m3(float f)
 {
-    uint8_t sign = signbit(f) ? 0x80 : 0;
-    if (isnan(f)) return 0x7f;
-    float a = fabsf(f);
-    if (a >= 448.0f) return sign | 0x7e; /* saturate to the largest finite value */
-    if (a < ldexpf(1.0f, -10)) {
-        /* below half the smallest subnormal (2^-9): zero, ties to even (zero) */
-        return sign;
+    union { float f; uint32_t u; } c = {f};
+    uint8_t sign = (uint8_t)((c.u >> 24) & 0x80u);
+    uint32_t a = c.u & 0x7fffffffu;
+    if (a > 0x7f800000u) return 0x7f;          /* NaN */
+    if (a >= 0x43e00000u) return sign | 0x7e; /* |f| >= 448 (inf too): saturate */
+    if (a < 0x3c800000u) {
+        /* Below 2^-6: e4m3 subnormals, quantum 2^-9; the scaling is exact, rintf rounds to
+         * nearest even, and 8 (= 2^-6) is the encoding of the smallest normal. */
+        union { uint32_t u; float f; } m = {a};
+        return sign | (uint8_t)rintf(m.f * 512.0f);
     }
-    int e;
-    frexpf(a, &e); /* a = m * 2^e, m in [0.5, 1) -> unbiased exponent e - 1 */
-    int exp = e - 1;
-    if (exp < -6) exp = -6; /* subnormal range: quantum 2^-9 */
-    float quantum = ldexpf(1.0f, exp - 3);
-    float q = a / quantum; /* exact: power-of-two scaling */
-    float r = rintf(q);    /* round to nearest even (default rounding mode) */
-    float value = r * quantum;
-    if (value >= 448.0f) return sign | 0x7e;
-    /* Re-encode the rounded value. */
-    if (value < ldexpf(1.0f, -6)) return sign | (uint8_t)(value / ldexpf(1.0f, -9));
-    frexpf(value, &e);
-    exp = e - 1;
-    int man = (int)(value / ldexpf(1.0f, exp - 3)) - 8;
-    return sign | (uint8_t)((exp + 7) << 3) | (uint8_t)man;
+    /* Normal: round the 23-bit mantissa to 3 bits (nearest even; a carry bumps the exponent),
+     * then rebias the exponent from 127 to 7. */
+    uint32_t rounded = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;
+    uint32_t code = rounded - (120u << 3);
+    return sign | (uint8_t)(code > 0x7eu ? 0x7eu : code);
 }
