@@ -35,6 +35,15 @@ extern "C" {
 #define EPX_VERSION_PATCH 0
 #define EPX_VERSION_CODE (EPX_VERSION_MAJOR * 10000 + EPX_VERSION_MINOR * 100 + EPX_VERSION_PATCH)
 
+/* Initializers of the config/args/outputs structs: size and version set, everything else zero
+ * (designated in C so callers' -Wextra stays quiet; positional in C++, where designated
+ * initializers need C++20). */
+#ifdef __cplusplus
+#define EPX_STRUCT_INIT_(type) {sizeof(type), EPX_VERSION_CODE}
+#else
+#define EPX_STRUCT_INIT_(type) {.size = sizeof(type), .version = EPX_VERSION_CODE}
+#endif
+
 #if defined(_WIN32)
 #define EPX_API
 #elif defined(EPX_BUILDING_LIBRARY)
@@ -176,7 +185,13 @@ typedef struct epx_comm_config {
     int32_t timeout_ms;   /* 0: EPX_TIMEOUT_MS (default 100000) */
 } epx_comm_config_t;
 
+#ifdef __cplusplus
 #define EPX_COMM_CONFIG_INIT {sizeof(epx_comm_config_t), EPX_VERSION_CODE, EPX_BACKEND_AUTO, -1, 0}
+#else
+#define EPX_COMM_CONFIG_INIT                                                                   \
+    {.size = sizeof(epx_comm_config_t), .version = EPX_VERSION_CODE, .backend = EPX_BACKEND_AUTO, \
+     .cuda_device = -1, .timeout_ms = 0}
+#endif
 
 /* Creates the communicator of rank `rank` out of `nranks` through the TCP rendezvous of `id`.
  * Collective over all nranks processes. config may be NULL (defaults).
@@ -258,7 +273,7 @@ typedef struct epx_buffer_config {
     int32_t chunk_tokens;     /* GPU: tokens per send chunk; 0 = tuned default */
 } epx_buffer_config_t;
 
-#define EPX_BUFFER_CONFIG_INIT {sizeof(epx_buffer_config_t), EPX_VERSION_CODE, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+#define EPX_BUFFER_CONFIG_INIT EPX_STRUCT_INIT_(epx_buffer_config_t)
 
 /* Creates a communication buffer able to serve every operation of `config->modes` up to the
  * given maximum shape. Collective: every rank must pass the same max_tokens, hidden, num_topk,
@@ -290,7 +305,7 @@ typedef struct epx_layout_outputs {
     epx_tensor_t num_tokens_per_domain; /* [out] optional [R / D] int32 */
 } epx_layout_outputs_t;
 
-#define EPX_LAYOUT_OUTPUTS_INIT {sizeof(epx_layout_outputs_t), EPX_VERSION_CODE}
+#define EPX_LAYOUT_OUTPUTS_INIT EPX_STRUCT_INIT_(epx_layout_outputs_t)
 
 /* Counts derived from topk_idx [T, K] (int32 or int64, -1 = no expert). Not collective.
  * Ordered on `stream`. Errors: EPX_ERR_INVALID_ARG (shape, dtype, expert id out of range or
@@ -315,7 +330,7 @@ typedef struct epx_ht_dispatch_args {
     void *stream;
 } epx_ht_dispatch_args_t;
 
-#define EPX_HT_DISPATCH_ARGS_INIT {sizeof(epx_ht_dispatch_args_t), EPX_VERSION_CODE}
+#define EPX_HT_DISPATCH_ARGS_INIT EPX_STRUCT_INIT_(epx_ht_dispatch_args_t)
 
 typedef struct epx_ht_dispatch_outputs {
     size_t size;
@@ -331,7 +346,7 @@ typedef struct epx_ht_dispatch_outputs {
     epx_handle_t handle;                     /* [out] new handle (not written for cached) */
 } epx_ht_dispatch_outputs_t;
 
-#define EPX_HT_DISPATCH_OUTPUTS_INIT {sizeof(epx_ht_dispatch_outputs_t), EPX_VERSION_CODE}
+#define EPX_HT_DISPATCH_OUTPUTS_INIT EPX_STRUCT_INIT_(epx_ht_dispatch_outputs_t)
 
 /* Sends each token of x to every rank holding one of its experts (REFERENCE.md, HT dispatch).
  * Collective. Ordered on args->stream. The capacity of recv_x (shape[0]) must be >= N_r, or
@@ -356,7 +371,7 @@ typedef struct epx_ht_combine_args {
     void *stream;
 } epx_ht_combine_args_t;
 
-#define EPX_HT_COMBINE_ARGS_INIT {sizeof(epx_ht_combine_args_t), EPX_VERSION_CODE}
+#define EPX_HT_COMBINE_ARGS_INIT EPX_STRUCT_INIT_(epx_ht_combine_args_t)
 
 typedef struct epx_ht_combine_outputs {
     size_t size;
@@ -365,7 +380,7 @@ typedef struct epx_ht_combine_outputs {
     epx_tensor_t combined_topk_weights; /* [out] optional [T, K] fp32 (needs args topk_weights) */
 } epx_ht_combine_outputs_t;
 
-#define EPX_HT_COMBINE_OUTPUTS_INIT {sizeof(epx_ht_combine_outputs_t), EPX_VERSION_CODE}
+#define EPX_HT_COMBINE_OUTPUTS_INIT EPX_STRUCT_INIT_(epx_ht_combine_outputs_t)
 
 /* Reduces each token's rows back on its source rank: out[t] = sum over ranks that received t
  * (+ bias0[t] + bias1[t]), fp32 accumulation, one rounding to bf16. Collective. Errors:
@@ -421,7 +436,7 @@ typedef struct epx_ll_dispatch_args {
     void *stream;
 } epx_ll_dispatch_args_t;
 
-#define EPX_LL_DISPATCH_ARGS_INIT {sizeof(epx_ll_dispatch_args_t), EPX_VERSION_CODE}
+#define EPX_LL_DISPATCH_ARGS_INIT EPX_STRUCT_INIT_(epx_ll_dispatch_args_t)
 
 typedef struct epx_ll_dispatch_outputs {
     size_t size;
@@ -436,7 +451,7 @@ typedef struct epx_ll_dispatch_outputs {
     epx_hook_t hook;           /* [out] with return_recv_hook */
 } epx_ll_dispatch_outputs_t;
 
-#define EPX_LL_DISPATCH_OUTPUTS_INIT {sizeof(epx_ll_dispatch_outputs_t), EPX_VERSION_CODE}
+#define EPX_LL_DISPATCH_OUTPUTS_INIT EPX_STRUCT_INIT_(epx_ll_dispatch_outputs_t)
 
 /* Sends each token once per selected expert; rank r receives, per local expert, rows packed
  * from 0 in (source rank, source token) order. Collective; no host synchronisation; may be
@@ -460,7 +475,7 @@ typedef struct epx_ll_combine_args {
     void *stream;
 } epx_ll_combine_args_t;
 
-#define EPX_LL_COMBINE_ARGS_INIT {sizeof(epx_ll_combine_args_t), EPX_VERSION_CODE}
+#define EPX_LL_COMBINE_ARGS_INIT EPX_STRUCT_INIT_(epx_ll_combine_args_t)
 
 typedef struct epx_ll_combine_outputs {
     size_t size;
@@ -469,7 +484,7 @@ typedef struct epx_ll_combine_outputs {
     epx_hook_t hook;         /* [out] with return_recv_hook */
 } epx_ll_combine_outputs_t;
 
-#define EPX_LL_COMBINE_OUTPUTS_INIT {sizeof(epx_ll_combine_outputs_t), EPX_VERSION_CODE}
+#define EPX_LL_COMBINE_OUTPUTS_INIT EPX_STRUCT_INIT_(epx_ll_combine_outputs_t)
 
 /* out[t] = sum over k with topk_idx[t,k] >= 0 of topk_weights[t,k] * y(expert, t), in fp32,
  * one rounding to bf16. Collective. Errors: EPX_ERR_INVALID_ARG (stale handle: its slot was
@@ -505,8 +520,14 @@ typedef struct epx_rm_dispatch_args {
     void *stream;
 } epx_rm_dispatch_args_t;
 
+#ifdef __cplusplus
 #define EPX_RM_DISPATCH_ARGS_INIT                                                              \
-    {sizeof(epx_rm_dispatch_args_t), EPX_VERSION_CODE, {0}, {0}, {0}, {0}, 0, 1, -1, -1, NULL}
+    {sizeof(epx_rm_dispatch_args_t), EPX_VERSION_CODE, {}, {}, {}, {}, 0, 1, -1, -1, NULL}
+#else
+#define EPX_RM_DISPATCH_ARGS_INIT                                                              \
+    {.size = sizeof(epx_rm_dispatch_args_t), .version = EPX_VERSION_CODE, .pad_multiple = 1,   \
+     .num_dispatched_tokens = -1, .num_permuted_tokens = -1}
+#endif
 
 typedef struct epx_rm_dispatch_outputs {
     size_t size;
@@ -520,7 +541,7 @@ typedef struct epx_rm_dispatch_outputs {
     epx_handle_t handle;            /* [out] */
 } epx_rm_dispatch_outputs_t;
 
-#define EPX_RM_DISPATCH_OUTPUTS_INIT {sizeof(epx_rm_dispatch_outputs_t), EPX_VERSION_CODE}
+#define EPX_RM_DISPATCH_OUTPUTS_INIT EPX_STRUCT_INIT_(epx_rm_dispatch_outputs_t)
 
 /* Routing-map dispatch (REFERENCE.md). Collective. The capacity of tokens must be >= the bound
  * when one is given, else >= the real count (the host waits for it, refused under capture
@@ -541,7 +562,7 @@ typedef struct epx_rm_combine_args {
     void *stream;
 } epx_rm_combine_args_t;
 
-#define EPX_RM_COMBINE_ARGS_INIT {sizeof(epx_rm_combine_args_t), EPX_VERSION_CODE}
+#define EPX_RM_COMBINE_ARGS_INIT EPX_STRUCT_INIT_(epx_rm_combine_args_t)
 
 typedef struct epx_rm_combine_outputs {
     size_t size;
@@ -549,7 +570,7 @@ typedef struct epx_rm_combine_outputs {
     epx_tensor_t combined; /* [out] [T, H] bf16 */
 } epx_rm_combine_outputs_t;
 
-#define EPX_RM_COMBINE_OUTPUTS_INIT {sizeof(epx_rm_combine_outputs_t), EPX_VERSION_CODE}
+#define EPX_RM_COMBINE_OUTPUTS_INIT EPX_STRUCT_INIT_(epx_rm_combine_outputs_t)
 
 /* Inverse of epx_rm_dispatch: without permute an unweighted sum over the receiving ranks; with
  * permute, combine-with-unpermute: out[t] = sum over (rank, selected local expert) of w * row,

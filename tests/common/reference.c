@@ -141,8 +141,8 @@ float ref_gen_unit(uint64_t seed, uint64_t tag, uint64_t a, uint64_t b, uint64_t
 
 uint16_t ref_y_bf16(uint64_t yseed, int r, int j, int s, int64_t t, int64_t c)
 {
-    return ref_gen_bf16(yseed, REF_TAG_Y, (uint64_t)r * 4096u + (uint64_t)(j + 1), ((uint64_t)s << 32) | (uint64_t)t,
-                        (uint64_t)c);
+    return ref_gen_bf16(yseed, REF_TAG_Y, (uint64_t)r * 4096u + (uint64_t)(j + 1),
+                        ((uint64_t)s << 32) | (uint64_t)t, (uint64_t)c);
 }
 
 const char *ref_routing_name(ref_routing_t routing)
@@ -235,7 +235,8 @@ int ref_problem_init(ref_problem_t *p, int R, int E, int K, int64_t H, int64_t T
         for (int64_t t = 0; t < T[s]; t++) {
             gen_route_row(p, routing, s, t, p->topk[s] + t * K);
             for (int k = 0; k < K; k++)
-                p->weights[s][t * K + k] = ref_gen_unit(seed, REF_TAG_WEIGHT, (uint64_t)s, (uint64_t)t, (uint64_t)k);
+                p->weights[s][t * K + k] =
+                    ref_gen_unit(seed, REF_TAG_WEIGHT, (uint64_t)s, (uint64_t)t, (uint64_t)k);
         }
     }
     return 0;
@@ -270,7 +271,8 @@ void ref_x_row(const ref_problem_t *p, int s, int64_t t, uint64_t tag, void *dst
 void ref_scales_row(const ref_problem_t *p, int s, int64_t t, uint64_t tag, float *dst)
 {
     for (int64_t g = 0; g < p->H / 128; g++)
-        dst[g] = 4.0f * ref_gen_unit(p->seed, REF_TAG_SCALE * 64 + tag, (uint64_t)s, (uint64_t)t, (uint64_t)g);
+        dst[g] =
+            4.0f * ref_gen_unit(p->seed, REF_TAG_SCALE * 64 + tag, (uint64_t)s, (uint64_t)t, (uint64_t)g);
 }
 
 void ref_fill_topk(const ref_problem_t *p, int s, epx_dtype_t idx_dtype, void *dst)
@@ -304,8 +306,8 @@ static bool to_rank(const ref_problem_t *p, int s, int64_t t, int r)
 
 /* -------------------------------------------------------------------------- layout ---- */
 
-void ref_layout(const ref_problem_t *p, int s, int D, int32_t *per_rank, int32_t *per_expert, uint8_t *in_rank,
-                int32_t *per_domain)
+void ref_layout(const ref_problem_t *p, int s, int D, int32_t *per_rank, int32_t *per_expert,
+                uint8_t *in_rank, int32_t *per_domain)
 {
     memset(per_rank, 0, sizeof(int32_t) * (size_t)p->R);
     memset(per_expert, 0, sizeof(int32_t) * (size_t)p->E);
@@ -386,11 +388,11 @@ void ref_ht_combine(const ref_problem_t *p, int s, uint64_t yseed, bool bias0, b
             for (int r = 0; r < p->R; r++)
                 if (dest[r]) acc = ref_fadd(acc, ref_bf16_to_f32(ref_y_bf16(yseed, r, -1, s, t, c)));
             if (bias0)
-                acc = ref_fadd(acc, ref_bf16_to_f32(ref_gen_bf16(yseed, REF_TAG_BIAS0, (uint64_t)s, (uint64_t)t,
-                                                                 (uint64_t)c)));
+                acc = ref_fadd(acc, ref_bf16_to_f32(ref_gen_bf16(yseed, REF_TAG_BIAS0, (uint64_t)s,
+                                                                 (uint64_t)t, (uint64_t)c)));
             if (bias1)
-                acc = ref_fadd(acc, ref_bf16_to_f32(ref_gen_bf16(yseed, REF_TAG_BIAS1, (uint64_t)s, (uint64_t)t,
-                                                                 (uint64_t)c)));
+                acc = ref_fadd(acc, ref_bf16_to_f32(ref_gen_bf16(yseed, REF_TAG_BIAS1, (uint64_t)s,
+                                                                 (uint64_t)t, (uint64_t)c)));
             out[t * p->H + c] = ref_f32_to_bf16(acc);
         }
         if (!out_w) continue;
@@ -398,7 +400,8 @@ void ref_ht_combine(const ref_problem_t *p, int s, uint64_t yseed, bool bias0, b
             int64_t e = p->topk[s][t * p->K + k];
             float acc = 0.0f;
             for (int r = 0; r < p->R; r++)
-                if (dest[r]) acc = ref_fadd(acc, (e >= 0 && e / p->L == r) ? p->weights[s][t * p->K + k] : 0.0f);
+                if (dest[r])
+                    acc = ref_fadd(acc, (e >= 0 && e / p->L == r) ? p->weights[s][t * p->K + k] : 0.0f);
             out_w[t * p->K + k] = acc;
         }
     }
@@ -522,7 +525,8 @@ int ref_rm_dispatch(const ref_problem_t *p, int r, bool permute, int pad, int64_
                     out->src[i] = s;
                     out->tok[i] = t;
                     for (int j = 0; j < L; j++)
-                        out->probs[i * L + j] = ref_selected(p, s, t, r * L + j) ? ref_prob(p, s, t, r * L + j) : 0.0f;
+                        out->probs[i * L + j] =
+                            ref_selected(p, s, t, r * L + j) ? ref_prob(p, s, t, r * L + j) : 0.0f;
                 }
                 i++;
             }
@@ -614,7 +618,8 @@ int ref_fail(int rank, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
-    fprintf(stderr, "FAIL seed %llu rank %d [%s]: %s\n", (unsigned long long)ref_seed_g, rank, ref_case_g, msg);
+    fprintf(stderr, "FAIL seed %llu rank %d [%s]: %s\n", (unsigned long long)ref_seed_g, rank, ref_case_g,
+            msg);
     fflush(stderr);
     return 1;
 }

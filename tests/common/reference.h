@@ -44,9 +44,9 @@ uint64_t ref_hash(uint64_t seed, uint64_t tag, uint64_t a, uint64_t b, uint64_t 
 /* Finite bf16 with a per-128-channel magnitude (some groups tiny, so the fp8 amax floor
  * matters), an occasional signed zero. */
 uint16_t ref_gen_bf16(uint64_t seed, uint64_t tag, uint64_t a, uint64_t b, uint64_t c);
-float ref_gen_f32(uint64_t seed, uint64_t tag, uint64_t a, uint64_t b, uint64_t c);    /* finite */
-uint8_t ref_gen_fp8(uint64_t seed, uint64_t tag, uint64_t a, uint64_t b, uint64_t c);  /* not NaN */
-float ref_gen_unit(uint64_t seed, uint64_t tag, uint64_t a, uint64_t b, uint64_t c);   /* (0, 1] */
+float ref_gen_f32(uint64_t seed, uint64_t tag, uint64_t a, uint64_t b, uint64_t c);   /* finite */
+uint8_t ref_gen_fp8(uint64_t seed, uint64_t tag, uint64_t a, uint64_t b, uint64_t c); /* not NaN */
+float ref_gen_unit(uint64_t seed, uint64_t tag, uint64_t a, uint64_t b, uint64_t c);  /* (0, 1] */
 /* The bf16 a combine input holds on rank r for (source s, token t), local expert j (-1: HT and
  * routing map without permute), channel c. */
 uint16_t ref_y_bf16(uint64_t yseed, int r, int j, int s, int64_t t, int64_t c);
@@ -70,8 +70,8 @@ typedef struct ref_problem {
     uint64_t seed;
     epx_dtype_t dtype; /* of x / hidden */
     int64_t T[REF_MAX_RANKS];
-    int64_t *topk[REF_MAX_RANKS];   /* [T, K], -1 = none */
-    float *weights[REF_MAX_RANKS];  /* [T, K] */
+    int64_t *topk[REF_MAX_RANKS];  /* [T, K], -1 = none */
+    float *weights[REF_MAX_RANKS]; /* [T, K] */
 } ref_problem_t;
 
 int ref_problem_init(ref_problem_t *p, int R, int E, int K, int64_t H, int64_t T_max, epx_dtype_t dtype,
@@ -99,12 +99,12 @@ void ref_layout(const ref_problem_t *p, int s, int D, int32_t *per_rank, int32_t
 /* ----------------------------------------------------------------------- HT dispatch ---- */
 
 typedef struct ref_ht_recv {
-    int64_t n;            /* N_r */
-    int32_t *src;         /* [n] source rank of each row */
-    int64_t *tok;         /* [n] source token */
-    int64_t *idx;         /* [n, K] local expert id or -1 */
-    float *w;             /* [n, K] */
-    int32_t *per_expert;  /* [L], rounded up to the alignment */
+    int64_t n;           /* N_r */
+    int32_t *src;        /* [n] source rank of each row */
+    int64_t *tok;        /* [n] source token */
+    int64_t *idx;        /* [n, K] local expert id or -1 */
+    float *w;            /* [n, K] */
+    int32_t *per_expert; /* [L], rounded up to the alignment */
 } ref_ht_recv_t;
 
 int ref_ht_dispatch(const ref_problem_t *p, int r, int alignment, ref_ht_recv_t *out);
@@ -118,10 +118,10 @@ void ref_ht_combine(const ref_problem_t *p, int s, uint64_t yseed, bool bias0, b
 /* ----------------------------------------------------------------------- LL dispatch ---- */
 
 typedef struct ref_ll_recv {
-    int32_t *count;  /* [L] */
-    int32_t *src;    /* [L, R*T_max] source rank */
-    int32_t *tok;    /* [L, R*T_max] source token (src_info) */
-    int64_t *range;  /* [L, R] (begin << 32) | count */
+    int32_t *count; /* [L] */
+    int32_t *src;   /* [L, R*T_max] source rank */
+    int32_t *tok;   /* [L, R*T_max] source token (src_info) */
+    int64_t *range; /* [L, R] (begin << 32) | count */
 } ref_ll_recv_t;
 
 int ref_ll_dispatch(const ref_problem_t *p, int r, ref_ll_recv_t *out);
@@ -135,12 +135,12 @@ void ref_ll_combine(const ref_problem_t *p, int s, uint64_t yseed, uint16_t *out
 /* ---------------------------------------------------------------- routing-map dispatch ---- */
 
 typedef struct ref_rm_recv {
-    int64_t real;              /* N_r, or P with permute */
-    int64_t rows;              /* rows described: the bound when given, else real */
-    int32_t *src;              /* [rows] source rank, -1 for a zero row (padding, past real) */
-    int64_t *tok;              /* [rows] */
-    int32_t *j;                /* [rows] local expert of the group (permute), else -1 */
-    float *probs;              /* [rows, L] without permute, [rows] with */
+    int64_t real;               /* N_r, or P with permute */
+    int64_t rows;               /* rows described: the bound when given, else real */
+    int32_t *src;               /* [rows] source rank, -1 for a zero row (padding, past real) */
+    int64_t *tok;               /* [rows] */
+    int32_t *j;                 /* [rows] local expert of the group (permute), else -1 */
+    float *probs;               /* [rows, L] without permute, [rows] with */
     int32_t *tokens_per_expert; /* [L] padded counts (permute) */
 } ref_rm_recv_t;
 
@@ -170,8 +170,8 @@ typedef struct ref_arena {
     void *ptrs[96];
     int n;
 } ref_arena_t;
-void *ref_arena_alloc(ref_arena_t *a, size_t bytes);         /* zeroed */
-void *ref_arena_garbage(ref_arena_t *a, size_t bytes);       /* filled with 0xa5 */
+void *ref_arena_alloc(ref_arena_t *a, size_t bytes);   /* zeroed */
+void *ref_arena_garbage(ref_arena_t *a, size_t bytes); /* filled with 0xa5 */
 void ref_arena_free(ref_arena_t *a);
 
 /* A communicator on the host backend with a bounded timeout. */

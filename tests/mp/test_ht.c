@@ -20,19 +20,19 @@ typedef struct ht_case {
 
 static uint64_t g_seed;
 
-#define CALL(expr)                                                                                       \
-    do {                                                                                                 \
-        epx_result_t call_res_ = (expr);                                                                 \
-        if (call_res_ != EPX_SUCCESS) {                                                                  \
-            ref_fail(rank, "%s returned %s (%s)", #expr, epx_result_name(call_res_),                     \
-                     epx_last_error_message());                                                          \
-            rc = 2;                                                                                      \
-            goto out;                                                                                    \
-        }                                                                                                \
+#define CALL(expr)                                                                   \
+    do {                                                                             \
+        epx_result_t call_res_ = (expr);                                             \
+        if (call_res_ != EPX_SUCCESS) {                                              \
+            ref_fail(rank, "%s returned %s (%s)", #expr, epx_result_name(call_res_), \
+                     epx_last_error_message());                                      \
+            rc = 2;                                                                  \
+            goto out;                                                                \
+        }                                                                            \
     } while (0)
-#define CHECK(cond, ...)                                                                                 \
-    do {                                                                                                 \
-        if (!(cond)) rc |= ref_fail(rank, __VA_ARGS__);                                                  \
+#define CHECK(cond, ...)                                \
+    do {                                                \
+        if (!(cond)) rc |= ref_fail(rank, __VA_ARGS__); \
     } while (0)
 
 static epx_tensor_t idx_tensor(void *data, epx_dtype_t dtype, int64_t rows, int64_t K)
@@ -41,8 +41,8 @@ static epx_tensor_t idx_tensor(void *data, epx_dtype_t dtype, int64_t rows, int6
 }
 
 /* Expected recv_x rows (and scales) for the mapping (src, tok) of n rows. */
-static void expected_rows(const ref_problem_t *p, const int32_t *src, const int64_t *tok, int64_t n, uint64_t tag,
-                          uint8_t *x_out, float *scales_out)
+static void expected_rows(const ref_problem_t *p, const int32_t *src, const int64_t *tok, int64_t n,
+                          uint64_t tag, uint8_t *x_out, float *scales_out)
 {
     size_t row_bytes = (size_t)p->H * epx_dtype_size(p->dtype);
     for (int64_t i = 0; i < n; i++) {
@@ -62,8 +62,8 @@ static void fill_idx(const int64_t *src, int64_t n, epx_dtype_t dtype, void *dst
 }
 
 /* Combine inputs of this rank: rows < n from the mapping, the rest a huge value that would show. */
-static uint16_t *combine_input(ref_arena_t *a, const ref_ht_recv_t *rv, int64_t cap_rows, int rank, uint64_t yseed,
-                               int64_t H)
+static uint16_t *combine_input(ref_arena_t *a, const ref_ht_recv_t *rv, int64_t cap_rows, int rank,
+                               uint64_t yseed, int64_t H)
 {
     uint16_t *x = ref_arena_alloc(a, sizeof(uint16_t) * (size_t)(cap_rows * H));
     for (int64_t i = 0; i < cap_rows; i++)
@@ -72,8 +72,9 @@ static uint16_t *combine_input(ref_arena_t *a, const ref_ht_recv_t *rv, int64_t 
     return x;
 }
 
-static int run_combine(epx_buffer_t buf, const ref_problem_t *p, int rank, const ref_ht_recv_t *rv, epx_handle_t h,
-                       int64_t cap_rows, bool with_weights, bool bias0, bool bias1, uint64_t yseed)
+static int run_combine(epx_buffer_t buf, const ref_problem_t *p, int rank, const ref_ht_recv_t *rv,
+                       epx_handle_t h, int64_t cap_rows, bool with_weights, bool bias0, bool bias1,
+                       uint64_t yseed)
 {
     int rc = 0;
     ref_arena_t a = {0};
@@ -116,7 +117,8 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
 {
     int rc = 0, R = hc->R, K = hc->K;
     int64_t H = hc->H, SG = H / 128;
-    uint64_t seed = ref_hash(g_seed, 0x4854, (uint64_t)(R * 100000 + hc->E * 10 + K), (uint64_t)hc->H, (uint64_t)it);
+    uint64_t seed =
+        ref_hash(g_seed, 0x4854, (uint64_t)(R * 100000 + hc->E * 10 + K), (uint64_t)hc->H, (uint64_t)it);
     static const epx_dtype_t dtypes[3] = {EPX_DTYPE_BF16, EPX_DTYPE_FP32, EPX_DTYPE_FP8_E4M3};
     epx_dtype_t dtype = dtypes[it % 3];
     ref_routing_t routing = (ref_routing_t)((it / 3) % REF_ROUTE_COUNT);
@@ -128,11 +130,12 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
     size_t esz = epx_dtype_size(dtype);
     int64_t T[REF_MAX_RANKS];
     ref_gen_token_counts(seed, it, R, hc->T_max, T);
-    ref_set_case("ht R=%d E=%d K=%d H=%lld T_max=%lld iter %d: x %s, routing %s, topk_idx %s, recv_topk_idx %s, "
-                 "alignment %d, weights %d, bias %d%d, T[0]=%lld",
-                 R, hc->E, K, (long long)H, (long long)hc->T_max, it, epx_dtype_name(dtype),
-                 ref_routing_name(routing), epx_dtype_name(idx_dtype), epx_dtype_name(out_idx_dtype), alignment,
-                 with_weights, bias0, bias1, (long long)T[0]);
+    ref_set_case(
+        "ht R=%d E=%d K=%d H=%lld T_max=%lld iter %d: x %s, routing %s, topk_idx %s, recv_topk_idx %s, "
+        "alignment %d, weights %d, bias %d%d, T[0]=%lld",
+        R, hc->E, K, (long long)H, (long long)hc->T_max, it, epx_dtype_name(dtype), ref_routing_name(routing),
+        epx_dtype_name(idx_dtype), epx_dtype_name(out_idx_dtype), alignment, with_weights, bias0, bias1,
+        (long long)T[0]);
 
     ref_problem_t p;
     ref_ht_recv_t rv = {0};
@@ -151,10 +154,12 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
     epx_tensor_t topk_t = idx_tensor(topk, idx_dtype, Ts, K);
     {
         int ndom = R / D;
-        int32_t *per_rank = ref_arena_garbage(&a, 4 * (size_t)R), *per_expert = ref_arena_garbage(&a, 4 * (size_t)hc->E);
+        int32_t *per_rank = ref_arena_garbage(&a, 4 * (size_t)R),
+                *per_expert = ref_arena_garbage(&a, 4 * (size_t)hc->E);
         uint8_t *in_rank = ref_arena_garbage(&a, (size_t)(Ts * R));
         int32_t *per_dom = ref_arena_garbage(&a, 4 * (size_t)ndom);
-        int32_t *e_rank = ref_arena_alloc(&a, 4 * (size_t)R), *e_expert = ref_arena_alloc(&a, 4 * (size_t)hc->E);
+        int32_t *e_rank = ref_arena_alloc(&a, 4 * (size_t)R),
+                *e_expert = ref_arena_alloc(&a, 4 * (size_t)hc->E);
         uint8_t *e_in = ref_arena_alloc(&a, (size_t)(Ts * R));
         int32_t *e_dom = ref_arena_alloc(&a, 4 * (size_t)ndom);
         epx_layout_outputs_t lo = EPX_LAYOUT_OUTPUTS_INIT;
@@ -221,10 +226,11 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
         if (!handle) goto out;
         epx_handle_info_t info;
         CALL(epx_handle_get_info(handle, &info));
-        CHECK(info.num_tokens == Ts && info.num_recv_tokens == N && info.num_ranks == R && info.num_local_experts == L,
+        CHECK(info.num_tokens == Ts && info.num_recv_tokens == N && info.num_ranks == R &&
+                  info.num_local_experts == L,
               "handle info {%lld, %lld, %d, %d}, expected {%lld, %lld, %d, %lld}", (long long)info.num_tokens,
-              (long long)info.num_recv_tokens, info.num_ranks, info.num_local_experts, (long long)Ts, (long long)N, R,
-              (long long)L);
+              (long long)info.num_recv_tokens, info.num_ranks, info.num_local_experts, (long long)Ts,
+              (long long)N, R, (long long)L);
     }
 
     /* ---- combine (weights and biases as this iteration says) ---- */
@@ -301,9 +307,10 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
         outs.num_recv_tokens = epx_tensor_1d(nrecv, EPX_DTYPE_INT32, 1);
         CALL(epx_ht_dispatch(buf, &args, &outs));
         shandle = outs.handle;
-        ref_set_case("ht R=%d E=%d K=%d H=%lld iter %d static W=%lld N=%lld: x %s, routing %s, recv_topk_idx %s", R,
-                     hc->E, K, (long long)H, it, (long long)W, (long long)N, epx_dtype_name(dtype),
-                     ref_routing_name(routing), epx_dtype_name(out_idx_dtype));
+        ref_set_case(
+            "ht R=%d E=%d K=%d H=%lld iter %d static W=%lld N=%lld: x %s, routing %s, recv_topk_idx %s", R,
+            hc->E, K, (long long)H, it, (long long)W, (long long)N, epx_dtype_name(dtype),
+            ref_routing_name(routing), epx_dtype_name(out_idx_dtype));
         CHECK(outs.num_recv_tokens_host == N, "static num_recv_tokens_host = %lld, expected %lld",
               (long long)outs.num_recv_tokens_host, (long long)N);
         CHECK(nrecv[0] == N, "static num_recv_tokens[0] = %d, expected %lld", nrecv[0], (long long)N);
@@ -312,7 +319,8 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
         rc |= ref_check_bits(rank, "static recv_topk_idx", ridx, e_idx, valid * K, isz, K);
         rc |= ref_check_bits(rank, "static recv_topk_weights", rw, rv.w, valid * K, 4, K);
         /* Per-expert counts after an overflow are not pinned; without one they are the real counts. */
-        if (!over) rc |= ref_check_bits(rank, "static num_recv_tokens_per_expert", rpe, rv.per_expert, L, 4, L);
+        if (!over)
+            rc |= ref_check_bits(rank, "static num_recv_tokens_per_expert", rpe, rv.per_expert, L, 4, L);
         epx_result_t q = epx_buffer_query_overflow(buf);
         CHECK(q == (over ? EPX_ERR_OVERFLOW : EPX_SUCCESS), "epx_buffer_query_overflow = %s, expected %s",
               epx_result_name(q), over ? "ERR_OVERFLOW" : "SUCCESS");
@@ -339,8 +347,8 @@ static int ht_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
     epx_comm_t comm = NULL;
     epx_buffer_t buf = NULL;
     ref_set_seed(g_seed);
-    ref_set_case("ht R=%d E=%d K=%d H=%lld T_max=%lld domain cap %d: setup", nranks, hc->E, hc->K, (long long)hc->H,
-                 (long long)hc->T_max, hc->domain_cap);
+    ref_set_case("ht R=%d E=%d K=%d H=%lld T_max=%lld domain cap %d: setup", nranks, hc->E, hc->K,
+                 (long long)hc->H, (long long)hc->T_max, hc->domain_cap);
     if (hc->domain_cap > 0) {
         char v[16];
         snprintf(v, sizeof(v), "%d", hc->domain_cap);
@@ -382,20 +390,11 @@ out:
 
 static const ht_case_t k_cases[] = {
     /* R, E, K, H, T_max, domain cap, iterations (9 covers every dtype x routing pair once) */
-    {1, 8, 1, 128, 64, 0, 18},
-    {1, 288, 5, 2048, 16, 0, 9},
-    {2, 64, 6, 2048, 32, 0, 18},
-    {2, 8, 2, 7168, 8, 1, 9},
-    {2, 256, 9, 128, 160, 0, 9},
-    {3, 288, 9, 128, 96, 0, 18},
-    {3, 288, 3, 7168, 6, 0, 9},
-    {4, 256, 8, 7168, 12, 2, 9},
-    {4, 64, 7, 128, 128, 0, 18},
-    {4, 8, 4, 2048, 48, 1, 9},
-    {8, 288, 9, 2048, 24, 4, 18},
-    {8, 8, 3, 128, 48, 2, 18},
-    {8, 256, 4, 7168, 4, 0, 9},
-    {8, 64, 1, 7168, 2, 2, 9},
+    {1, 8, 1, 128, 64, 0, 18},  {1, 288, 5, 2048, 16, 0, 9},  {2, 64, 6, 2048, 32, 0, 18},
+    {2, 8, 2, 7168, 8, 1, 9},   {2, 256, 9, 128, 160, 0, 9},  {3, 288, 9, 128, 96, 0, 18},
+    {3, 288, 3, 7168, 6, 0, 9}, {4, 256, 8, 7168, 12, 2, 9},  {4, 64, 7, 128, 128, 0, 18},
+    {4, 8, 4, 2048, 48, 1, 9},  {8, 288, 9, 2048, 24, 4, 18}, {8, 8, 3, 128, 48, 2, 18},
+    {8, 256, 4, 7168, 4, 0, 9}, {8, 64, 1, 7168, 2, 2, 9},
 };
 
 int main(void)
@@ -405,8 +404,9 @@ int main(void)
     for (size_t i = 0; i < sizeof(k_cases) / sizeof(k_cases[0]); i++) {
         const ht_case_t *hc = &k_cases[i];
         if (epx_test_run_ranks(hc->R, ht_rank, (void *)hc, 300)) {
-            fprintf(stderr, "FAILED: ht case R=%d E=%d K=%d H=%lld T_max=%lld cap %d (seed %llu)\n", hc->R, hc->E,
-                    hc->K, (long long)hc->H, (long long)hc->T_max, hc->domain_cap, (unsigned long long)g_seed);
+            fprintf(stderr, "FAILED: ht case R=%d E=%d K=%d H=%lld T_max=%lld cap %d (seed %llu)\n", hc->R,
+                    hc->E, hc->K, (long long)hc->H, (long long)hc->T_max, hc->domain_cap,
+                    (unsigned long long)g_seed);
             failed = 1;
         }
     }

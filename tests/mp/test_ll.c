@@ -22,19 +22,19 @@ static const char *const k_mode_names[] = {"bf16", "fp8", "fp8+round_scale", "fp
 
 static uint64_t g_seed;
 
-#define CALL(expr)                                                                                       \
-    do {                                                                                                 \
-        epx_result_t call_res_ = (expr);                                                                 \
-        if (call_res_ != EPX_SUCCESS) {                                                                  \
-            ref_fail(rank, "%s returned %s (%s)", #expr, epx_result_name(call_res_),                     \
-                     epx_last_error_message());                                                          \
-            rc = 2;                                                                                      \
-            goto out;                                                                                    \
-        }                                                                                                \
+#define CALL(expr)                                                                   \
+    do {                                                                             \
+        epx_result_t call_res_ = (expr);                                             \
+        if (call_res_ != EPX_SUCCESS) {                                              \
+            ref_fail(rank, "%s returned %s (%s)", #expr, epx_result_name(call_res_), \
+                     epx_last_error_message());                                      \
+            rc = 2;                                                                  \
+            goto out;                                                                \
+        }                                                                            \
     } while (0)
-#define CHECK(cond, ...)                                                                                 \
-    do {                                                                                                 \
-        if (!(cond)) rc |= ref_fail(rank, __VA_ARGS__);                                                  \
+#define CHECK(cond, ...)                                \
+    do {                                                \
+        if (!(cond)) rc |= ref_fail(rank, __VA_ARGS__); \
     } while (0)
 
 /* One LL batch of this rank: inputs, caller outputs and the reference's view of them. */
@@ -53,8 +53,8 @@ typedef struct ll_io {
     ref_arena_t a;
 } ll_io_t;
 
-static int ll_setup(ll_io_t *io, const ll_case_t *lc, int rank, uint64_t seed, int iter, ref_routing_t routing,
-                    int mode, epx_dtype_t idx_dtype)
+static int ll_setup(ll_io_t *io, const ll_case_t *lc, int rank, uint64_t seed, int iter,
+                    ref_routing_t routing, int mode, epx_dtype_t idx_dtype)
 {
     memset(io, 0, sizeof(*io));
     int64_t T[REF_MAX_RANKS];
@@ -103,7 +103,8 @@ static int ll_dispatch(epx_buffer_t buf, ll_io_t *io, int rank, bool hook, int32
     args.return_recv_hook = hook;
     epx_ll_dispatch_outputs_t *o = &io->outs;
     *o = (epx_ll_dispatch_outputs_t)EPX_LL_DISPATCH_OUTPUTS_INIT;
-    o->recv_x = epx_tensor_3d(io->recv_x, io->mode == LL_BF16 ? EPX_DTYPE_BF16 : EPX_DTYPE_FP8_E4M3, L, io->RT, H);
+    o->recv_x =
+        epx_tensor_3d(io->recv_x, io->mode == LL_BF16 ? EPX_DTYPE_BF16 : EPX_DTYPE_FP8_E4M3, L, io->RT, H);
     if (io->mode == LL_FP8_UE8M0)
         o->recv_scales = epx_tensor_3d(io->recv_scales, EPX_DTYPE_INT32, L, H / 512, io->RT);
     else if (io->mode != LL_BF16)
@@ -112,7 +113,8 @@ static int ll_dispatch(epx_buffer_t buf, ll_io_t *io, int rank, bool hook, int32
     o->src_info = epx_tensor_2d(io->src_info, EPX_DTYPE_INT32, L, io->RT);
     o->layout_range = epx_tensor_2d(io->range, EPX_DTYPE_INT64, L, p->R);
     CALL(epx_ll_dispatch(buf, &args, o));
-    CHECK(o->handle.num_tokens == Ts, "handle.num_tokens = %d, expected %lld", o->handle.num_tokens, (long long)Ts);
+    CHECK(o->handle.num_tokens == Ts, "handle.num_tokens = %d, expected %lld", o->handle.num_tokens,
+          (long long)Ts);
     for (int j = 0; j < L; j++) exp_stats[j] += io->rv.count[j];
 out:
     return rc;
@@ -177,36 +179,54 @@ out:
     return rc;
 }
 
-/* Combine of a batch; `expect` other than success checks the refusal (a stale handle). */
+/* The zero-copy view of a batch's combine input, checked for shape. */
+static int ll_get_view(epx_buffer_t buf, ll_io_t *io, int rank, uint16_t **y_out)
+{
+    int rc = 0;
+    epx_tensor_t view;
+    CALL(epx_ll_get_combine_buffer(buf, &io->outs.handle, &view));
+    if (!view.data || view.dtype != EPX_DTYPE_BF16 || view.ndim != 3 || view.shape[0] != io->p.L ||
+        view.shape[1] != io->RT || view.shape[2] != io->p.H) {
+        rc = ref_fail(rank, "combine buffer view: data %p dtype %d ndim %d shape [%lld, %lld, %lld]",
+                      view.data, (int)view.dtype, view.ndim, (long long)view.shape[0],
+                      (long long)view.shape[1], (long long)view.shape[2]);
+        rc = 2;
+    }
+    *y_out = view.data;
+out:
+    return rc;
+}
+
+/* Rows past recv_count hold a huge value that would show in any sum that read them. */
+static void ll_fill_y(const ll_io_t *io, int rank, uint64_t yseed, uint16_t *y)
+{
+    int64_t H = io->p.H, RT = io->RT;
+    for (int64_t j = 0; j < io->p.L; j++)
+        for (int64_t i = 0; i < RT; i++)
+            for (int64_t c = 0; c < H; c++)
+                y[(j * RT + i) * H + c] =
+                    i < io->rv.count[j]
+                        ? ref_y_bf16(yseed, rank, (int)j, io->rv.src[j * RT + i], io->rv.tok[j * RT + i], c)
+                        : 0x7f00;
+}
+
+/* Combine of a batch; `expect` other than success checks the refusal (a stale handle). With
+ * `prefilled`, the zero-copy view already holds y. */
 static int ll_combine(epx_buffer_t buf, ll_io_t *io, int rank, bool zero_copy, bool hook, uint64_t yseed,
-                      epx_result_t expect)
+                      epx_result_t expect, bool prefilled)
 {
     int rc = 0;
     ref_problem_t *p = &io->p;
     int64_t Ts = p->T[rank], H = p->H, L = p->L, RT = io->RT;
     ref_arena_t a = {0};
     uint16_t *y = NULL;
-    if (expect == EPX_SUCCESS && zero_copy) {
-        epx_tensor_t view;
-        CALL(epx_ll_get_combine_buffer(buf, &io->outs.handle, &view));
-        if (!view.data || view.dtype != EPX_DTYPE_BF16 || view.ndim != 3 || view.shape[0] != L ||
-            view.shape[1] != RT || view.shape[2] != H) {
-            rc = ref_fail(rank, "combine buffer view: data %p dtype %d ndim %d shape [%lld, %lld, %lld]", view.data,
-                          (int)view.dtype, view.ndim, (long long)view.shape[0], (long long)view.shape[1],
-                          (long long)view.shape[2]);
-            goto out;
-        }
-        y = view.data;
-    } else {
+    if (zero_copy && !prefilled) {
+        rc = ll_get_view(buf, io, rank, &y);
+        if (rc) goto out;
+    } else if (!zero_copy) {
         y = ref_arena_alloc(&a, 2 * (size_t)(L * RT * H));
     }
-    /* Rows past recv_count hold a huge value that would show in any sum that read them. */
-    for (int64_t j = 0; j < L; j++)
-        for (int64_t i = 0; i < RT; i++)
-            for (int64_t c = 0; c < H; c++)
-                y[(j * RT + i) * H + c] = i < io->rv.count[j] ? ref_y_bf16(yseed, rank, (int)j, io->rv.src[j * RT + i],
-                                                                           io->rv.tok[j * RT + i], c)
-                                                              : 0x7f00;
+    if (y) ll_fill_y(io, rank, yseed, y);
     uint16_t *out_x = ref_arena_garbage(&a, 2 * (size_t)(Ts * H));
     uint16_t *exp = ref_arena_alloc(&a, 2 * (size_t)(Ts * H));
     epx_ll_combine_args_t args = EPX_LL_COMBINE_ARGS_INIT;
@@ -270,8 +290,8 @@ static int ll_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
     int iters = lc->iters;
     if (ref_fast_mode()) iters = (iters + 1) / 2;
     for (int it = 0; it < iters && !(rc & 2); it++) {
-        uint64_t seed = ref_hash(g_seed, 0x4c4c, (uint64_t)(nranks * 100000 + lc->E * 10 + lc->K), (uint64_t)lc->H,
-                                 (uint64_t)it);
+        uint64_t seed = ref_hash(g_seed, 0x4c4c, (uint64_t)(nranks * 100000 + lc->E * 10 + lc->K),
+                                 (uint64_t)lc->H, (uint64_t)it);
         int mode = it % 4;
         if (mode == LL_FP8_UE8M0 && lc->H % 512 != 0) mode = LL_FP8_ROUND;
         bool hook = (it / 4) % 2, zero_copy = ((it / 4) + (it % 2)) % 2, combine_hook = (it / 2) % 2;
@@ -279,10 +299,11 @@ static int ll_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
         epx_dtype_t idx_dtype = (it / 2) % 2 ? EPX_DTYPE_INT64 : EPX_DTYPE_INT32;
         int64_t T[REF_MAX_RANKS];
         ref_gen_token_counts(seed, it, nranks, lc->T_max, T);
-        ref_set_case("ll R=%d E=%d K=%d H=%lld T_max=%lld iter %d: %s, hook %d, zero_copy %d, combine hook %d, "
-                     "routing %s, topk_idx %s, T[0]=%lld",
-                     nranks, lc->E, lc->K, (long long)lc->H, (long long)lc->T_max, it, k_mode_names[mode], hook,
-                     zero_copy, combine_hook, ref_routing_name(routing), epx_dtype_name(idx_dtype), (long long)T[0]);
+        ref_set_case(
+            "ll R=%d E=%d K=%d H=%lld T_max=%lld iter %d: %s, hook %d, zero_copy %d, combine hook %d, "
+            "routing %s, topk_idx %s, T[0]=%lld",
+            nranks, lc->E, lc->K, (long long)lc->H, (long long)lc->T_max, it, k_mode_names[mode], hook,
+            zero_copy, combine_hook, ref_routing_name(routing), epx_dtype_name(idx_dtype), (long long)T[0]);
         if (ll_setup(&io[0], lc, rank, seed, it, routing, mode, idx_dtype)) {
             rc |= 2;
             break;
@@ -292,12 +313,13 @@ static int ll_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
         if (hook) {
             CALL(epx_hook_run(&io[0].outs.hook, NULL));
             epx_result_t again = epx_hook_run(&io[0].outs.hook, NULL);
-            CHECK(again == EPX_ERR_INVALID_ARG, "second run of a dispatch hook returned %s, expected ERR_INVALID_ARG",
+            CHECK(again == EPX_ERR_INVALID_ARG,
+                  "second run of a dispatch hook returned %s, expected ERR_INVALID_ARG",
                   epx_result_name(again));
         }
         rc |= ll_check_dispatch(&io[0], rank);
         rc |= check_stats(rank, stats, exp_stats, L);
-        rc |= ll_combine(buf, &io[0], rank, zero_copy, combine_hook, seed ^ 0x79ull, EPX_SUCCESS);
+        rc |= ll_combine(buf, &io[0], rank, zero_copy, combine_hook, seed ^ 0x79ull, EPX_SUCCESS, false);
         ll_free(&io[0]);
     }
     if (rc & 2) goto out;
@@ -324,9 +346,17 @@ static int ll_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
         rc |= ll_check_dispatch(&io[0], rank);
         rc |= ll_check_dispatch(&io[1], rank);
         rc |= check_stats(rank, stats, exp_stats, L);
-        rc |= ll_combine(buf, &io[0], rank, false, false, sa ^ 1, EPX_SUCCESS);
+        /* Both zero-copy views taken and filled before either combine: the slots must not alias. */
+        uint16_t *ya = NULL, *yb = NULL;
+        rc |= ll_get_view(buf, &io[0], rank, &ya);
         if (rc & 2) goto out;
-        rc |= ll_combine(buf, &io[1], rank, true, false, sb ^ 1, EPX_SUCCESS);
+        rc |= ll_get_view(buf, &io[1], rank, &yb);
+        if (rc & 2) goto out;
+        ll_fill_y(&io[0], rank, sa ^ 1, ya);
+        ll_fill_y(&io[1], rank, sb ^ 1, yb);
+        rc |= ll_combine(buf, &io[0], rank, true, false, sa ^ 1, EPX_SUCCESS, true);
+        if (rc & 2) goto out;
+        rc |= ll_combine(buf, &io[1], rank, true, true, sb ^ 1, EPX_SUCCESS, true);
         if (rc & 2) goto out;
         ll_free(&io[0]);
         ll_free(&io[1]);
@@ -335,7 +365,8 @@ static int ll_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
     /* A third dispatch reuses the first one's slot: the first handle is stale, the other two combine. */
     {
         uint64_t s3[3];
-        for (int i = 0; i < 3; i++) s3[i] = ref_hash(g_seed, 0x4c4c33, (uint64_t)nranks, (uint64_t)lc->E, (uint64_t)i);
+        for (int i = 0; i < 3; i++)
+            s3[i] = ref_hash(g_seed, 0x4c4c33, (uint64_t)nranks, (uint64_t)lc->E, (uint64_t)i);
         ref_set_case("ll R=%d E=%d K=%d H=%lld: third dispatch reuses the first slot", nranks, lc->E, lc->K,
                      (long long)lc->H);
         for (int i = 0; i < 3; i++) {
@@ -351,10 +382,10 @@ static int ll_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
               io[2].outs.handle.slot, io[0].outs.handle.slot);
         for (int i = 0; i < 3; i++) rc |= ll_check_dispatch(&io[i], rank);
         rc |= check_stats(rank, stats, exp_stats, L);
-        rc |= ll_combine(buf, &io[0], rank, false, false, s3[0], EPX_ERR_INVALID_ARG);
-        rc |= ll_combine(buf, &io[1], rank, false, false, s3[1] ^ 1, EPX_SUCCESS);
+        rc |= ll_combine(buf, &io[0], rank, false, false, s3[0], EPX_ERR_INVALID_ARG, false);
+        rc |= ll_combine(buf, &io[1], rank, false, false, s3[1] ^ 1, EPX_SUCCESS, false);
         if (rc & 2) goto out;
-        rc |= ll_combine(buf, &io[2], rank, true, true, s3[2] ^ 1, EPX_SUCCESS);
+        rc |= ll_combine(buf, &io[2], rank, true, true, s3[2] ^ 1, EPX_SUCCESS, false);
     }
 out:
     for (int i = 0; i < 3; i++) ll_free(&io[i]);
@@ -368,9 +399,12 @@ out:
 /* The reference's own conversions against known codes, so a reference bug cannot mirror a library one. */
 static int check_reference_numerics(void)
 {
-    struct { float f; uint8_t code; } fp8[] = {
-        {1.0f, 0x38},     {1.0625f, 0x38},  {1.1875f, 0x3a}, {-2.0f, 0xc0},    {448.0f, 0x7e},
-        {1000.0f, 0x7e},  {-500.0f, 0xfe},  {0x1p-9f, 0x01}, {0x1p-10f, 0x00}, {0x1.8p-10f, 0x01},
+    struct {
+        float f;
+        uint8_t code;
+    } fp8[] = {
+        {1.0f, 0x38},      {1.0625f, 0x38}, {1.1875f, 0x3a}, {-2.0f, 0xc0},    {448.0f, 0x7e},
+        {1000.0f, 0x7e},   {-500.0f, 0xfe}, {0x1p-9f, 0x01}, {0x1p-10f, 0x00}, {0x1.8p-10f, 0x01},
         {0x1.ep-7f, 0x08}, {-0.0f, 0x80},   {240.0f, 0x77},  {0x1p-6f, 0x08},  {464.0f, 0x7e},
     };
     for (size_t i = 0; i < sizeof(fp8) / sizeof(fp8[0]); i++)
@@ -412,18 +446,9 @@ static int check_reference_numerics(void)
 
 static const ll_case_t k_cases[] = {
     /* R, E, K, H, T_max, iterations (8 covers every mode with and without hook) */
-    {1, 64, 8, 512, 16, 16},
-    {1, 288, 9, 7168, 4, 8},
-    {2, 256, 9, 1024, 8, 16},
-    {2, 64, 1, 2048, 32, 8},
-    {3, 288, 9, 256, 6, 16},
-    {3, 288, 1, 512, 12, 8},
-    {4, 64, 1, 512, 24, 16},
-    {4, 288, 8, 512, 8, 16},
-    {4, 256, 9, 7168, 2, 8},
-    {8, 64, 8, 512, 8, 16},
-    {8, 288, 9, 1024, 4, 16},
-    {8, 256, 1, 128, 6, 8},
+    {1, 64, 8, 512, 16, 16}, {1, 288, 9, 7168, 4, 8}, {2, 256, 9, 1024, 8, 16}, {2, 64, 1, 2048, 32, 8},
+    {3, 288, 9, 256, 6, 16}, {3, 288, 1, 512, 12, 8}, {4, 64, 1, 512, 24, 16},  {4, 288, 8, 512, 8, 16},
+    {4, 256, 9, 7168, 2, 8}, {8, 64, 8, 512, 8, 16},  {8, 288, 9, 1024, 4, 16}, {8, 256, 1, 128, 6, 8},
 };
 
 int main(void)
@@ -434,8 +459,8 @@ int main(void)
     for (size_t i = 0; i < sizeof(k_cases) / sizeof(k_cases[0]); i++) {
         const ll_case_t *lc = &k_cases[i];
         if (epx_test_run_ranks(lc->R, ll_rank, (void *)lc, 300)) {
-            fprintf(stderr, "FAILED: ll case R=%d E=%d K=%d H=%lld T_max=%lld (seed %llu)\n", lc->R, lc->E, lc->K,
-                    (long long)lc->H, (long long)lc->T_max, (unsigned long long)g_seed);
+            fprintf(stderr, "FAILED: ll case R=%d E=%d K=%d H=%lld T_max=%lld (seed %llu)\n", lc->R, lc->E,
+                    lc->K, (long long)lc->H, (long long)lc->T_max, (unsigned long long)g_seed);
             failed = 1;
         }
     }

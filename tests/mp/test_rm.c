@@ -23,19 +23,19 @@ static const int k_pads[4] = {0, 1, 16, 128}; /* 0: without permute */
 
 static uint64_t g_seed;
 
-#define CALL(expr)                                                                                       \
-    do {                                                                                                 \
-        epx_result_t call_res_ = (expr);                                                                 \
-        if (call_res_ != EPX_SUCCESS) {                                                                  \
-            ref_fail(rank, "%s returned %s (%s)", #expr, epx_result_name(call_res_),                     \
-                     epx_last_error_message());                                                          \
-            rc = 2;                                                                                      \
-            goto out;                                                                                    \
-        }                                                                                                \
+#define CALL(expr)                                                                   \
+    do {                                                                             \
+        epx_result_t call_res_ = (expr);                                             \
+        if (call_res_ != EPX_SUCCESS) {                                              \
+            ref_fail(rank, "%s returned %s (%s)", #expr, epx_result_name(call_res_), \
+                     epx_last_error_message());                                      \
+            rc = 2;                                                                  \
+            goto out;                                                                \
+        }                                                                            \
     } while (0)
-#define CHECK(cond, ...)                                                                                 \
-    do {                                                                                                 \
-        if (!(cond)) rc |= ref_fail(rank, __VA_ARGS__);                                                  \
+#define CHECK(cond, ...)                                \
+    do {                                                \
+        if (!(cond)) rc |= ref_fail(rank, __VA_ARGS__); \
     } while (0)
 
 static int64_t pick_bound(int mode, int64_t real, int64_t cap)
@@ -58,7 +58,7 @@ static int rm_iteration(epx_buffer_t buf, const rm_case_t *rc_, int rank, int it
     int cfg = it % 4, bound_mode = (it / 4) % BOUND_COUNT;
     bool permute = k_pads[cfg] > 0;
     int pad = permute ? k_pads[cfg] : 1;
-    epx_dtype_t dtype = (cfg + bound_mode) % 2 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
+    epx_dtype_t dtype = (cfg + bound_mode + it / 16) % 2 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
     bool fp8 = dtype == EPX_DTYPE_FP8_E4M3;
     bool with_probs = it % 3 != 2;
     bool weighted = permute && with_probs && (it / 2) % 2;
@@ -95,11 +95,12 @@ static int rm_iteration(epx_buffer_t buf, const rm_case_t *rc_, int rank, int it
     }
     int64_t real = rv.real, rows = rv.rows, kept = real < rows ? real : rows;
     bool overflow = bound >= 0 && real > bound;
-    ref_set_case("rm R=%d E=%d K=%d H=%lld T_max=%lld iter %d: %s, pad %d, %s, bound %s (%lld, real %lld), probs %d, "
-                 "weighted %d, routing %s, T[0]=%lld",
-                 R, E, K, (long long)H, (long long)rc_->T_max, it, permute ? "permute" : "no permute", pad,
-                 epx_dtype_name(dtype), k_bound_names[bound_mode], (long long)bound, (long long)real, with_probs,
-                 weighted, ref_routing_name(routing), (long long)T[0]);
+    ref_set_case(
+        "rm R=%d E=%d K=%d H=%lld T_max=%lld iter %d: %s, pad %d, %s, bound %s (%lld, real %lld), probs %d, "
+        "weighted %d, routing %s, T[0]=%lld",
+        R, E, K, (long long)H, (long long)rc_->T_max, it, permute ? "permute" : "no permute", pad,
+        epx_dtype_name(dtype), k_bound_names[bound_mode], (long long)bound, (long long)real, with_probs,
+        weighted, ref_routing_name(routing), (long long)T[0]);
 
     /* ---- inputs ---- */
     uint8_t *hidden = ref_arena_alloc(&a, esz * (size_t)(Ts * H));
@@ -144,13 +145,14 @@ static int rm_iteration(epx_buffer_t buf, const rm_case_t *rc_, int rank, int it
     outs.tokens = epx_tensor_2d(o_tok, dtype, rows, H);
     if (fp8) outs.scaling_factor = epx_tensor_2d(o_sf, EPX_DTYPE_FP32, rows, SG);
     if (with_probs)
-        outs.probs = permute ? epx_tensor_1d(o_probs, EPX_DTYPE_FP32, rows) : epx_tensor_2d(o_probs, EPX_DTYPE_FP32, rows, L);
+        outs.probs = permute ? epx_tensor_1d(o_probs, EPX_DTYPE_FP32, rows)
+                             : epx_tensor_2d(o_probs, EPX_DTYPE_FP32, rows, L);
     if (permute) outs.tokens_per_expert = epx_tensor_1d(o_tpe, EPX_DTYPE_INT32, L);
     outs.num_tokens = epx_tensor_1d(o_num, EPX_DTYPE_INT32, 1);
     CALL(epx_rm_dispatch(buf, &args, &outs));
     handle = outs.handle;
-    CHECK(outs.num_tokens_host == rows, "num_tokens_host = %lld, expected %lld", (long long)outs.num_tokens_host,
-          (long long)rows);
+    CHECK(outs.num_tokens_host == rows, "num_tokens_host = %lld, expected %lld",
+          (long long)outs.num_tokens_host, (long long)rows);
     CHECK(o_num[0] == real, "num_tokens[0] = %d, expected %lld", o_num[0], (long long)real);
     rc |= ref_check_bits(rank, "tokens", o_tok, e_tok, rows * H, esz, H);
     if (fp8) rc |= ref_check_bits(rank, "scaling_factor", o_sf, e_sf, rows * SG, 4, SG);
@@ -169,10 +171,11 @@ static int rm_iteration(epx_buffer_t buf, const rm_case_t *rc_, int rank, int it
     }
     epx_handle_info_t info;
     CALL(epx_handle_get_info(handle, &info));
-    CHECK(info.num_tokens == Ts && info.num_recv_tokens == kept && info.num_ranks == R && info.num_local_experts == L,
+    CHECK(info.num_tokens == Ts && info.num_recv_tokens == kept && info.num_ranks == R &&
+              info.num_local_experts == L,
           "handle info {%lld, %lld, %d, %d}, expected {%lld, %lld, %d, %lld}", (long long)info.num_tokens,
-          (long long)info.num_recv_tokens, info.num_ranks, info.num_local_experts, (long long)Ts, (long long)kept, R,
-          (long long)L);
+          (long long)info.num_recv_tokens, info.num_ranks, info.num_local_experts, (long long)Ts,
+          (long long)kept, R, (long long)L);
 
     /* ---- combine: rows the handle does not cover, and padding rows, hold a value that would show ---- */
     {
@@ -240,16 +243,8 @@ out:
 
 static const rm_case_t k_cases[] = {
     /* R, E, K, H, T_max */
-    {1, 8, 2, 128, 32},
-    {1, 64, 8, 2048, 8},
-    {2, 64, 4, 256, 24},
-    {2, 8, 1, 128, 64},
-    {3, 48, 6, 128, 20},
-    {3, 288, 9, 512, 6},
-    {4, 64, 8, 512, 16},
-    {4, 16, 3, 7168, 4},
-    {8, 64, 6, 128, 16},
-    {8, 256, 9, 256, 8},
+    {1, 8, 2, 128, 32},  {1, 64, 8, 2048, 8}, {2, 64, 4, 256, 24}, {2, 8, 1, 128, 64},  {3, 48, 6, 128, 20},
+    {3, 288, 9, 512, 6}, {4, 64, 8, 512, 16}, {4, 16, 3, 7168, 4}, {8, 64, 6, 128, 16}, {8, 256, 9, 256, 8},
 };
 
 int main(void)
@@ -259,8 +254,8 @@ int main(void)
     for (size_t i = 0; i < sizeof(k_cases) / sizeof(k_cases[0]); i++) {
         const rm_case_t *c = &k_cases[i];
         if (epx_test_run_ranks(c->R, rm_rank, (void *)c, 300)) {
-            fprintf(stderr, "FAILED: rm case R=%d E=%d K=%d H=%lld T_max=%lld (seed %llu)\n", c->R, c->E, c->K,
-                    (long long)c->H, (long long)c->T_max, (unsigned long long)g_seed);
+            fprintf(stderr, "FAILED: rm case R=%d E=%d K=%d H=%lld T_max=%lld (seed %llu)\n", c->R, c->E,
+                    c->K, (long long)c->H, (long long)c->T_max, (unsigned long long)g_seed);
             failed = 1;
         }
     }
