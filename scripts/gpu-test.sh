@@ -60,6 +60,14 @@ else
 fi
 grep -E "tests passed|Passed|Failed|\*\*\*" "$LOGDIR/ctest-gpu.log" | tee -a "$LOGDIR/summary.log"
 
+if [ -x "$BUILD/tools/epx-ceiling" ]; then
+    for d in bf16 fp8; do
+        log "epx-ceiling $d (8 ranks, 16 SMs each)"
+        timeout 150 "$BUILD/tools/epx-ceiling" -r 8 -t 4096 -H 7168 -k 8 -E 256 -s 16 -n 20 -d "$d" \
+            >"$LOGDIR/ceiling-$d.log" 2>&1 || { log "  epx-ceiling $d FAILED"; status=1; }
+        cat "$LOGDIR/ceiling-$d.log" | tee -a "$LOGDIR/summary.log"
+    done
+fi
 # Benchmark rows: 8 ranks, 4096 tokens per rank, H 7168, top-8, 256 experts, 16 SMs per rank.
 if [ -x "$BUILD/tools/epx-bench" ]; then
     for d in fp8 bf16; do
@@ -69,6 +77,5 @@ if [ -x "$BUILD/tools/epx-bench" ]; then
         tail -5 "$LOGDIR/bench-ht-$d.log" | tee -a "$LOGDIR/summary.log"
     done
 fi
-if [ -x "$BUILD/tests/gpu_ht_speed" ] || [ -x "$BUILD/tools/epx-ht-ceiling" ]; then :; fi
 log "done, status $status"
 exit $status

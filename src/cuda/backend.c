@@ -1,10 +1,15 @@
 /*
- * cuda backend: device selection and the function table. Operations that have no GPU
- * implementation yet answer EPX_ERR_UNSUPPORTED naming themselves.
+ * cuda backend: device selection, the ipc transport (one cudaMalloc'd region per rank and buffer,
+ * exported with CUDA IPC and mapped by every peer), the error poller and the function table.
+ * HT operations are in ht.c; operations without a GPU implementation answer EPX_ERR_UNSUPPORTED.
  */
 #include <cuda_runtime.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
 
-#include "core/internal.h"
+#include "cuda/cuda.h"
 
 int epx_cuda_device_count(void)
 {
@@ -16,20 +21,399 @@ int epx_cuda_device_count(void)
     return n;
 }
 
-static epx_result_t unsupported(const char *what)
+epx_result_t epx_cuda_check(int err, const char *what, int rank)
 {
-    return epx_error(EPX_ERR_UNSUPPORTED, "the cuda backend does not implement %s yet", what);
+    if (err == cudaSuccess) return EPX_SUCCESS;
+    (void)cudaGetLastError();
+    epx_result_t res = err == cudaErrorMemoryAllocation ? EPX_ERR_OUT_OF_MEMORY : EPX_ERR_CUDA;
+    return epx_error(res, "rank %d: %s failed: %s (%s)", rank, what, cudaGetErrorName((cudaError_t)err),
+                     cudaGetErrorString((cudaError_t)err));
 }
 
-static epx_result_t cuda_buffer_create(epx_buffer_t buffer) { return unsupported("buffers"); }
-static void cuda_buffer_destroy(epx_buffer_t buffer) {}
-static void cuda_handle_free(epx_handle_t handle) {}
-static void cuda_fail_collective(epx_buffer_t buffer, uint64_t seq, epx_result_t res) {}
+static epx_result_t cuda_comm_init(epx_comm_t comm)
+{
+    int dev = comm->peers[comm->rank].cuda_device;
+    if (dev < 0) EPX_CHECK(epx_cuda_check(cudaGetDevice(&dev), "cudaGetDevice", comm->rank));
+    int count = epx_cuda_device_count();
+    if (dev >= count)
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: cuda_device %d is out of range [0, %d)", comm->rank, dev,
+                         count);
+    EPX_CHECK(epx_cuda_check(cudaSetDevice(dev), "cudaSetDevice", comm->rank));
+    comm->cuda_device = dev;
+    return EPX_SUCCESS;
+}
+
+void epx_cuda_fill_common(cuda_buffer_t *cb, epx_cuda_common_t *c)
+{
+    epx_buffer_t b = cb->buffer;
+    memset(c, 0, sizeof(*c));
+    for (int r = 0; r < b->comm->nranks; r++) c->peers[r] = cb->peers[r];
+    c->lay = cb->lay;
+    c->host = cb->host_dev;
+    c->rank = b->comm->rank;
+    c->nranks = b->comm->nranks;
+    c->num_local_experts = b->num_local_experts;
+    c->num_topk = b->config.num_topk;
+    c->hidden = b->config.hidden;
+    c->max_tokens = b->config.max_tokens;
+    c->timeout_ns = (uint64_t)b->comm->timeout_ms * 1000000ull;
+    c->num_blocks = cb->num_blocks;
+    c->num_threads = 512;
+}
+
+static uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+/* Every rank computes the same offsets from the (agreed) buffer config. */
+static void compute_layout(epx_buffer_t b, epx_cuda_layout_t *lay)
+{
+    const uint64_t R = (uint64_t)b->comm->nranks, T = (uint64_t)b->config.max_tokens;
+    const uint64_t H = (uint64_t)b->config.hidden, K = (uint64_t)b->config.num_topk;
+    const uint32_t dt = b->config.dispatch_dtypes;
+    uint64_t elem = 1;
+    if (dt & EPX_DTYPE_BIT(EPX_DTYPE_BF16)) elem = 2;
+    if (dt & EPX_DTYPE_BIT(EPX_DTYPE_FP32)) elem = 4;
+    const uint64_t scales = (dt & EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3)) ? H / 128 : 0;
+    memset(lay, 0, sizeof(*lay));
+    lay->x_stride = align_up(H * elem, 16);
+    uint64_t off = align_up(sizeof(epx_cuda_ctrl_t), 4096);
+    lay->disp_x = off;
+    off = align_up(off + R * T * lay->x_stride, 256);
+    lay->disp_scales = off;
+    off = align_up(off + R * T * scales * 4, 256);
+    lay->disp_idx = off;
+    off = align_up(off + R * T * K * 4, 256);
+    lay->disp_w = off;
+    off = align_up(off + R * T * K * 4, 256);
+    lay->disp_src = off;
+    off = align_up(off + R * T * 4, 256);
+    lay->comb_x = off;
+    off = align_up(off + R * T * H * 2, 256);
+    lay->comb_w = off;
+    off = align_up(off + R * T * K * 4, 256);
+    lay->expert_scratch = off;
+    off = align_up(off + (uint64_t)b->num_local_experts * 4, 256);
+    lay->total = off;
+}
+
+/* Reports a device error record of an epoch not reported yet to the comm (async error). */
+epx_result_t epx_cuda_report_record(cuda_buffer_t *cb, uint64_t min_epoch, int set_thread_error)
+{
+    volatile epx_cuda_host_block_t *hb = cb->host;
+    epx_comm_t comm = cb->buffer->comm;
+    int code = hb->err.code;
+    uint64_t epoch = hb->err.epoch;
+    if (code == 0 || epoch < min_epoch) return EPX_SUCCESS;
+    static const char *what_names[] = {"?", "release of its dispatch area", "dispatch rows", "release of its combine area",
+                                       "combine rows", "expert id", "capacity"};
+    int what = hb->err.what >= 0 && hb->err.what <= 6 ? hb->err.what : 0;
+    char msg[512];
+    if (code == EPX_ERR_REMOTE)
+        snprintf(msg, sizeof(msg), "rank %d: peer %d failed collective epoch %llu while this rank waited for its %s "
+                 "(channel %d)", hb->err.rank, hb->err.peer, (unsigned long long)epoch, what_names[what],
+                 hb->err.channel);
+    else
+        snprintf(msg, sizeof(msg), "rank %d: peer %d did not publish %s within %lld ms (channel %d, epoch %llu, "
+                 "seen %llu, expected %llu)", hb->err.rank, hb->err.peer, what_names[what],
+                 (long long)comm->timeout_ms, hb->err.channel, (unsigned long long)epoch,
+                 (unsigned long long)hb->err.seen, (unsigned long long)hb->err.expected);
+    pthread_mutex_lock(&cb->lock);
+    int fresh = epoch > cb->reported_epoch;
+    if (fresh) cb->reported_epoch = epoch;
+    pthread_mutex_unlock(&cb->lock);
+    if (fresh) epx_comm_set_async_error(comm, (epx_result_t)code, msg);
+    if (set_thread_error) return epx_error((epx_result_t)code, "%s", msg);
+    return (epx_result_t)code;
+}
+
+/* Turns device errors into the comm's async error even when nobody synchronises (static mode,
+ * graphs). */
+static void *poller_main(void *arg)
+{
+    cuda_buffer_t *cb = arg;
+    while (!atomic_load(&cb->poller_stop)) {
+        struct timespec ts = {0, 2 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        (void)epx_cuda_report_record(cb, cb->reported_epoch + 1, 0);
+        volatile epx_cuda_host_block_t *hb = cb->host;
+        if (hb->bad_where) {
+            char msg[256];
+            int64_t w = hb->bad_where - 1;
+            snprintf(msg, sizeof(msg), "rank %d: topk_idx[%lld][%lld] = %lld is out of range [0, %d) or repeated",
+                     cb->buffer->comm->rank, (long long)(w / 64), (long long)(w % 64), (long long)hb->bad_value,
+                     cb->buffer->config.num_experts);
+            epx_comm_set_async_error(cb->buffer->comm, EPX_ERR_INVALID_ARG, msg);
+        }
+    }
+    return NULL;
+}
+
+static epx_result_t default_num_sms(epx_buffer_t b, int *out)
+{
+    epx_comm_t comm = b->comm;
+    int sms = 0;
+    EPX_CHECK(epx_cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, comm->cuda_device),
+                             "cudaDeviceGetAttribute", comm->rank));
+    int sharing = 0;
+    for (int r = 0; r < comm->nranks; r++)
+        if (comm->peers[r].host_hash == comm->peers[comm->rank].host_hash &&
+            !memcmp(comm->peers[r].cuda_uuid, comm->peers[comm->rank].cuda_uuid, 16))
+            sharing++;
+    if (sharing < 1) sharing = 1;
+    /* Kernels of ranks that wait on each other must be co-resident: split the SMs (8 ranks on a
+     * 132-SM H200 get 16 each); ranks with a GPU each take 24. */
+    int n = sms / sharing;
+    if (n > 24) n = 24;
+    if (n < 1) n = 1;
+    *out = n;
+    return EPX_SUCCESS;
+}
+
+static epx_result_t cuda_buffer_create(epx_buffer_t buffer)
+{
+    epx_comm_t comm = buffer->comm;
+    const int R = comm->nranks, me = comm->rank;
+    epx_result_t res = EPX_SUCCESS;
+    if (R > EPX_CUDA_MAX_RANKS)
+        return epx_error(EPX_ERR_UNSUPPORTED, "rank %d: the cuda backend supports at most %d ranks, not %d", me,
+                         EPX_CUDA_MAX_RANKS, R);
+    for (int r = 0; r < R; r++)
+        if (comm->peers[r].host_hash != comm->peers[me].host_hash)
+            return epx_error(EPX_ERR_UNSUPPORTED, "rank %d: rank %d is on host %s, not %s; the cuda backend needs "
+                             "every rank in one nvlink domain on one machine", me, r, comm->peers[r].hostname,
+                             comm->peers[me].hostname);
+    EPX_CHECK(epx_cuda_check(cudaSetDevice(comm->cuda_device), "cudaSetDevice", me));
+    cuda_buffer_t *cb = calloc(1, sizeof(*cb));
+    if (!cb) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cuda buffer state", me);
+    cb->buffer = buffer;
+    cb->device = comm->cuda_device;
+    pthread_mutex_init(&cb->lock, NULL);
+    atomic_init(&cb->poller_stop, 0);
+    compute_layout(buffer, &cb->lay);
+
+    /* Record the GPU uuid so ranks can tell who shares a GPU (num_sms default). */
+    struct cudaDeviceProp prop;
+    EPX_CHECK_GOTO(epx_cuda_check(cudaGetDeviceProperties(&prop, cb->device), "cudaGetDeviceProperties", me), res,
+                   err_free_state);
+    memcpy(comm->peers[me].cuda_uuid, prop.uuid.bytes, 16);
+    {
+        char(*uuids)[16] = calloc((size_t)R, 16);
+        if (!uuids) {
+            res = epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: uuid table", me);
+            goto err_free_state;
+        }
+        res = epx_comm_allgather(comm, prop.uuid.bytes, uuids, 16);
+        if (res == EPX_SUCCESS)
+            for (int r = 0; r < R; r++) memcpy(comm->peers[r].cuda_uuid, uuids[r], 16);
+        free(uuids);
+        if (res != EPX_SUCCESS) goto err_free_state;
+    }
+    int num_sms = buffer->config.num_sms;
+    if (num_sms <= 0) EPX_CHECK_GOTO(default_num_sms(buffer, &num_sms), res, err_free_state);
+    cb->num_blocks = num_sms;
+
+    EPX_CHECK_GOTO(epx_cuda_check(cudaMalloc((void **)&cb->region, cb->lay.total), "cudaMalloc(region)", me), res,
+                   err_free_state);
+    EPX_CHECK_GOTO(epx_cuda_check(cudaMemset(cb->region, 0, cb->lay.total), "cudaMemset(region)", me), res,
+                   err_free_region);
+    EPX_CHECK_GOTO(epx_cuda_check(cudaHostAlloc((void **)&cb->host, sizeof(*cb->host), cudaHostAllocMapped),
+                                  "cudaHostAlloc(mapped block)", me), res, err_free_region);
+    memset(cb->host, 0, sizeof(*cb->host));
+    EPX_CHECK_GOTO(epx_cuda_check(cudaHostGetDevicePointer((void **)&cb->host_dev, cb->host, 0),
+                                  "cudaHostGetDevicePointer", me), res, err_free_host);
+    cudaEvent_t ev;
+    EPX_CHECK_GOTO(epx_cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate", me),
+                   res, err_free_host);
+    cb->event = ev;
+    cudaStream_t st;
+    EPX_CHECK_GOTO(epx_cuda_check(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate", me),
+                   res, err_destroy_event);
+    cb->internal_stream = st;
+    EPX_CHECK_GOTO(epx_cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize", me), res, err_destroy_stream);
+
+    /* Exchange the ipc handles; the region size is part of the record so a disagreement shows. */
+    typedef struct {
+        cudaIpcMemHandle_t handle;
+        uint64_t total;
+    } ipc_rec_t;
+    ipc_rec_t mine, *all = calloc((size_t)R, sizeof(ipc_rec_t));
+    if (!all) {
+        res = epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: ipc handle table", me);
+        goto err_destroy_stream;
+    }
+    memset(&mine, 0, sizeof(mine));
+    mine.total = cb->lay.total;
+    res = epx_cuda_check(cudaIpcGetMemHandle(&mine.handle, cb->region), "cudaIpcGetMemHandle", me);
+    if (res == EPX_SUCCESS) res = epx_comm_allgather(comm, &mine, all, sizeof(ipc_rec_t));
+    for (int r = 0; r < R && res == EPX_SUCCESS; r++) {
+        if (all[r].total != cb->lay.total) {
+            res = epx_error(EPX_ERR_MISMATCH, "rank %d: rank %d's region is %llu bytes, ours %llu", me, r,
+                            (unsigned long long)all[r].total, (unsigned long long)cb->lay.total);
+            break;
+        }
+        if (r == me) {
+            cb->peers[r] = cb->region;
+            continue;
+        }
+        void *p = NULL;
+        res = epx_cuda_check(cudaIpcOpenMemHandle(&p, all[r].handle, cudaIpcMemLazyEnablePeerAccess),
+                             "cudaIpcOpenMemHandle", me);
+        if (res == EPX_SUCCESS) {
+            cb->peers[r] = p;
+            cb->peer_opened[r] = 1;
+            EPX_INFO(EPX_SUBSYS_IPC, "rank %d: mapped rank %d's region (%llu bytes)", me, r,
+                     (unsigned long long)cb->lay.total);
+        }
+    }
+    free(all);
+    if (res != EPX_SUCCESS) goto err_close_peers;
+    /* Nobody writes into a peer's region before every rank has mapped every region. */
+    EPX_CHECK_GOTO(epx_comm_barrier(comm), res, err_close_peers);
+
+    cb->handle_slab_bytes = align_up((uint64_t)buffer->config.max_tokens * R * 4, 256) + align_up(R * 4, 256) +
+                            align_up((uint64_t)R * buffer->config.max_tokens * 4, 256) + align_up((R + 1) * 4, 256) +
+                            256;
+    if (pthread_create(&cb->poller, NULL, poller_main, cb) != 0) {
+        res = epx_error(EPX_ERR_SYSTEM, "rank %d: could not start the cuda error poller", me);
+        goto err_close_peers;
+    }
+    cb->poller_running = 1;
+    buffer->backend_state = cb;
+    EPX_INFO(EPX_SUBSYS_IPC, "rank %d: cuda buffer of %llu bytes, %d blocks per kernel", me,
+             (unsigned long long)cb->lay.total, cb->num_blocks);
+    return EPX_SUCCESS;
+
+err_close_peers:
+    for (int r = 0; r < R; r++)
+        if (cb->peer_opened[r]) (void)cudaIpcCloseMemHandle(cb->peers[r]);
+err_destroy_stream:
+    (void)cudaStreamDestroy((cudaStream_t)cb->internal_stream);
+err_destroy_event:
+    (void)cudaEventDestroy((cudaEvent_t)cb->event);
+err_free_host:
+    (void)cudaFreeHost(cb->host);
+err_free_region:
+    (void)cudaFree(cb->region);
+err_free_state:
+    pthread_mutex_destroy(&cb->lock);
+    free(cb);
+    return res;
+}
+
+static void cuda_buffer_destroy(epx_buffer_t buffer)
+{
+    cuda_buffer_t *cb = buffer->backend_state;
+    if (!cb) return;
+    (void)cudaSetDevice(cb->device);
+    /* Every device wait polls the abort flag, so this synchronisation cannot hang on a peer. */
+    ((volatile epx_cuda_host_block_t *)cb->host)->abort_flag = 1;
+    (void)cudaDeviceSynchronize();
+    if (cb->poller_running) {
+        atomic_store(&cb->poller_stop, 1);
+        pthread_join(cb->poller, NULL);
+    }
+    while (cb->free_handles) {
+        cuda_handle_t *h = cb->free_handles;
+        cb->free_handles = h->next_free;
+        (void)cudaFree(h->slab);
+        free(h);
+    }
+    for (int r = 0; r < buffer->comm->nranks; r++)
+        if (cb->peer_opened[r]) (void)cudaIpcCloseMemHandle(cb->peers[r]);
+    (void)cudaStreamDestroy((cudaStream_t)cb->internal_stream);
+    (void)cudaEventDestroy((cudaEvent_t)cb->event);
+    (void)cudaFreeHost(cb->host);
+    (void)cudaFree(cb->region);
+    pthread_mutex_destroy(&cb->lock);
+    free(cb);
+    buffer->backend_state = NULL;
+}
+
+epx_result_t epx_cuda_handle_get(cuda_buffer_t *cb, cuda_handle_t **out)
+{
+    epx_buffer_t b = cb->buffer;
+    const int R = b->comm->nranks;
+    const uint64_t T = (uint64_t)b->config.max_tokens;
+    pthread_mutex_lock(&cb->lock);
+    cuda_handle_t *h = cb->free_handles;
+    if (h) cb->free_handles = h->next_free;
+    pthread_mutex_unlock(&cb->lock);
+    if (!h) {
+        h = calloc(1, sizeof(*h));
+        if (!h) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: handle state", b->comm->rank);
+        epx_result_t res = epx_cuda_check(cudaMalloc(&h->slab, cb->handle_slab_bytes), "cudaMalloc(handle)",
+                                          b->comm->rank);
+        if (res != EPX_SUCCESS) {
+            free(h);
+            return res;
+        }
+        uint8_t *p = h->slab;
+        h->dev.send_row = (int32_t *)p;
+        p += align_up(T * R * 4, 256);
+        h->dev.send_count = (int32_t *)p;
+        p += align_up(R * 4, 256);
+        h->dev.recv_src = (int32_t *)p;
+        p += align_up((uint64_t)R * T * 4, 256);
+        h->dev.recv_prefix = (int32_t *)p;
+        p += align_up((R + 1) * 4, 256);
+        h->dev.rows_valid = (int32_t *)p;
+    }
+    h->next_free = NULL;
+    *out = h;
+    return EPX_SUCCESS;
+}
+
+static void cuda_handle_free(epx_handle_t handle)
+{
+    cuda_handle_t *h = handle->backend_state;
+    cuda_buffer_t *cb = handle->buffer->backend_state;
+    if (!h || !cb) return;
+    /* Kernels still using the slab are ordered before any later reuse on a stream, but not
+     * across streams: wait for the buffer's last operation first (bounded by device deadlines). */
+    (void)cudaEventSynchronize((cudaEvent_t)cb->event);
+    pthread_mutex_lock(&cb->lock);
+    h->next_free = cb->free_handles;
+    cb->free_handles = h;
+    pthread_mutex_unlock(&cb->lock);
+    handle->backend_state = NULL;
+}
+
+/* This rank failed its checks for a collective: launch the kernel that tells every peer and
+ * keeps the epochs in step, after our earlier work on any stream finished. */
+static void cuda_fail_collective(epx_buffer_t buffer, uint64_t seq, epx_result_t res)
+{
+    cuda_buffer_t *cb = buffer->backend_state;
+    if (!cb) return;
+    (void)cudaSetDevice(cb->device);
+    (void)cudaDeviceSynchronize();
+    epx_cuda_common_t c;
+    epx_cuda_fill_common(cb, &c);
+    if (epx_cuda_launch_fail(&c, cb->internal_stream) == cudaSuccess) {
+        cb->epoch++;
+        (void)cudaStreamSynchronize((cudaStream_t)cb->internal_stream);
+    }
+    EPX_INFO(EPX_SUBSYS_HT, "rank %d: told peers that collective call %llu failed (%s)", buffer->comm->rank,
+             (unsigned long long)seq, epx_result_name(res));
+}
+
+static epx_result_t cuda_query_overflow(epx_buffer_t buffer, int *overflowed_out)
+{
+    cuda_buffer_t *cb = buffer->backend_state;
+    EPX_CHECK(epx_cuda_wait_event(cb, "epx_buffer_query_overflow"));
+    volatile epx_cuda_host_block_t *hb = cb->host;
+    *overflowed_out = hb->overflow != 0;
+    hb->overflow = 0;
+    return EPX_SUCCESS;
+}
 
 const epx_backend_ops_t epx_cuda_backend_ops = {
     .name = "cuda",
+    .comm_init = cuda_comm_init,
     .buffer_create = cuda_buffer_create,
     .buffer_destroy = cuda_buffer_destroy,
     .handle_free = cuda_handle_free,
     .fail_collective = cuda_fail_collective,
+    .layout = epx_cuda_layout,
+    .ht_dispatch = epx_cuda_ht_dispatch,
+    .ht_combine = epx_cuda_ht_combine,
+    .query_overflow = cuda_query_overflow,
 };

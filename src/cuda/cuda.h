@@ -1,0 +1,77 @@
+/*
+ * Host-side internals of the cuda backend: per-buffer state (registered region, peer mappings,
+ * host-mapped block, epochs) and per-handle state, plus what the benchmark may call.
+ */
+#ifndef EPX_CUDA_CUDA_H
+#define EPX_CUDA_CUDA_H
+
+#include <pthread.h>
+
+#include "core/internal.h"
+#include "cuda/kernels.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct cuda_handle {
+    epx_cuda_handle_dev_t dev;
+    void *slab;
+    int32_t static_mode;
+    struct cuda_handle *next_free;
+} cuda_handle_t;
+
+typedef struct cuda_buffer {
+    epx_buffer_t buffer;
+    int32_t device;
+    uint8_t *region;                       /* ours, cudaMalloc'd and exported */
+    uint8_t *peers[EPX_CUDA_MAX_RANKS];    /* mapped regions (peers[rank] == region) */
+    int32_t peer_opened[EPX_CUDA_MAX_RANKS];
+    epx_cuda_layout_t lay;
+    epx_cuda_host_block_t *host;           /* host view of the mapped block */
+    epx_cuda_host_block_t *host_dev;       /* its device pointer */
+    int32_t num_blocks;
+    uint64_t epoch;                        /* collectives launched (device epochs follow) */
+    void *event;                           /* cudaEvent_t after the last operation */
+    void *internal_stream;                 /* cudaStream_t for the failure path */
+    pthread_mutex_t lock;                  /* handle pool, reported_epoch */
+    cuda_handle_t *free_handles;
+    size_t handle_slab_bytes;
+    uint64_t reported_epoch;               /* last device error reported to the comm */
+    pthread_t poller;
+    int32_t poller_running;
+    atomic_int poller_stop;
+} cuda_buffer_t;
+
+/* Converts a cudaError_t into an epx error naming `what` (EPX_SUCCESS for cudaSuccess). */
+epx_result_t epx_cuda_check(int err, const char *what, int rank);
+/* Reports the device error record when its epoch is >= min_epoch (once to the comm's async
+ * error); returns its code, also as the thread's error when set_thread_error. */
+epx_result_t epx_cuda_report_record(cuda_buffer_t *cb, uint64_t min_epoch, int set_thread_error);
+/* Waits (bounded by the comm's timeout) for the buffer's last operation. */
+epx_result_t epx_cuda_wait_event(cuda_buffer_t *cb, const char *what);
+/* A handle slab from the pool (or a new one). */
+epx_result_t epx_cuda_handle_get(cuda_buffer_t *cb, cuda_handle_t **out);
+
+/* HT operations (src/cuda/ht.c). */
+epx_result_t epx_cuda_layout(epx_buffer_t buffer, const epx_tensor_t *topk_idx, epx_layout_outputs_t *outputs,
+                             void *stream);
+epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ht_dispatch_args_t *args,
+                                  epx_ht_dispatch_outputs_t *outputs, epx_handle_t handle);
+epx_result_t epx_cuda_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht_combine_args_t *args,
+                                 epx_ht_combine_outputs_t *outputs);
+
+/* Fills the arguments every collective kernel shares. */
+void epx_cuda_fill_common(cuda_buffer_t *cb, epx_cuda_common_t *c);
+
+/* Same-bytes ceiling for the benchmark: copies the rows a dispatch with `handle`'s routing
+ * would move (x [T, H] in device memory, any dispatch dtype) into the same peers' slots through
+ * the same mappings with plain stores, no synchronisation. Not collective by itself: the
+ * caller brackets it with barriers and must not overlap it with dispatches on this buffer. */
+epx_result_t epx_cuda_ht_ceiling(epx_buffer_t buffer, epx_handle_t handle, const epx_tensor_t *x, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EPX_CUDA_CUDA_H */

@@ -1,0 +1,239 @@
+/*
+ * cuda backend HT operations: layout, dispatch and combine launches, the host wait of the
+ * default (non-static) dispatch mode, error reporting, and the same-bytes ceiling for the
+ * benchmark. Kernels are in src/kernels/ht.cu.
+ */
+#include <cuda_runtime.h>
+#include <sched.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "cuda/cuda.h"
+
+epx_result_t epx_cuda_wait_event(cuda_buffer_t *cb, const char *what)
+{
+    epx_comm_t comm = cb->buffer->comm;
+    /* Device waits give up after the timeout; the slack covers launch and teardown of a kernel. */
+    const uint64_t deadline = epx_deadline_after_ms(comm->timeout_ms + 10000);
+    for (uint32_t it = 0;; it++) {
+        cudaError_t err = cudaEventQuery((cudaEvent_t)cb->event);
+        if (err == cudaSuccess) return EPX_SUCCESS;
+        if (err != cudaErrorNotReady) return epx_cuda_check(err, what, comm->rank);
+        if (epx_time_ns() > deadline)
+            return epx_error(EPX_ERR_TIMEOUT, "rank %d: %s: the device did not finish within %lld ms", comm->rank,
+                             what, (long long)comm->timeout_ms + 10000);
+        if (it < 20000) {
+            sched_yield();
+        } else {
+            struct timespec ts = {0, 20000};
+            nanosleep(&ts, NULL);
+        }
+    }
+}
+
+static int capturing(void *stream)
+{
+    enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing((cudaStream_t)stream, &st) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return st != cudaStreamCaptureStatusNone;
+}
+
+/* After a synchronous wait: the error of this epoch, or a bad expert id, as the call's result. */
+static epx_result_t check_epoch(cuda_buffer_t *cb, uint64_t epoch)
+{
+    volatile epx_cuda_host_block_t *hb = cb->host;
+    if (hb->err.code != 0 && hb->err.epoch >= epoch) return epx_cuda_report_record(cb, epoch, 1);
+    if (hb->bad_where) {
+        int64_t w = hb->bad_where - 1;
+        hb->bad_where = 0;
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: topk_idx[%lld][%lld] = %lld is out of range [0, %d) or "
+                         "repeated", cb->buffer->comm->rank, (long long)(w / 64), (long long)(w % 64),
+                         (long long)hb->bad_value, cb->buffer->config.num_experts);
+    }
+    return EPX_SUCCESS;
+}
+
+static int capturing(void *stream);
+
+static epx_result_t launched(cuda_buffer_t *cb, int err, const char *what, void *stream)
+{
+    EPX_CHECK(epx_cuda_check(err, what, cb->buffer->comm->rank));
+    if (capturing(stream)) return EPX_SUCCESS; /* the graph orders its own replays */
+    return epx_cuda_check(cudaEventRecord((cudaEvent_t)cb->event, (cudaStream_t)stream), "cudaEventRecord",
+                          cb->buffer->comm->rank);
+}
+
+epx_result_t epx_cuda_layout(epx_buffer_t buffer, const epx_tensor_t *topk_idx, epx_layout_outputs_t *outputs,
+                             void *stream)
+{
+    cuda_buffer_t *cb = buffer->backend_state;
+    epx_comm_t comm = buffer->comm;
+    EPX_CHECK(epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", comm->rank));
+    epx_cuda_layout_args_t a;
+    memset(&a, 0, sizeof(a));
+    a.topk_idx = topk_idx->data;
+    a.idx_is_64 = topk_idx->dtype == EPX_DTYPE_INT64;
+    a.num_tokens = topk_idx->shape[0];
+    a.num_topk = buffer->config.num_topk;
+    a.num_experts = buffer->config.num_experts;
+    a.nranks = comm->nranks;
+    a.num_local_experts = buffer->num_local_experts;
+    a.num_tokens_per_rank = outputs->num_tokens_per_rank.data;
+    a.num_tokens_per_expert = outputs->num_tokens_per_expert.data;
+    a.is_token_in_rank = outputs->is_token_in_rank.data;
+    a.num_tokens_per_domain = outputs->num_tokens_per_domain.data;
+    a.ranks_per_domain = comm->ranks_per_domain;
+    a.host = cb->host_dev;
+    a.rank = comm->rank;
+    return launched(cb, epx_cuda_launch_layout(&a, stream), "layout kernel launch", stream);
+}
+
+static int64_t rows_of(const epx_tensor_t *t, int64_t cap)
+{
+    return t->data && t->shape[0] < cap ? t->shape[0] : cap;
+}
+
+epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ht_dispatch_args_t *args,
+                                  epx_ht_dispatch_outputs_t *outputs, epx_handle_t handle)
+{
+    cuda_buffer_t *cb = buffer->backend_state;
+    epx_comm_t comm = buffer->comm;
+    const int me = comm->rank;
+    const int is_static = args->num_worst_tokens > 0;
+    const int cached = args->cached_handle != NULL;
+    EPX_CHECK(epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me));
+    if (!is_static && capturing(args->stream))
+        return epx_error(EPX_ERR_GRAPH_CAPTURE, "rank %d: epx_ht_dispatch without num_worst_tokens waits on the host "
+                         "for N_r, which stream capture forbids; pass num_worst_tokens > 0 (static mode) to capture "
+                         "it", me);
+    const int64_t T = args->x.shape[0], H = buffer->config.hidden;
+    cuda_handle_t *h = NULL;
+    if (cached) {
+        h = handle->backend_state;
+    } else {
+        EPX_CHECK(epx_cuda_handle_get(cb, &h));
+        h->static_mode = is_static;
+        handle->backend_state = h;
+        epx_cuda_layout_args_t la;
+        memset(&la, 0, sizeof(la));
+        la.topk_idx = args->topk_idx.data;
+        la.idx_is_64 = args->topk_idx.dtype == EPX_DTYPE_INT64;
+        la.num_tokens = T;
+        la.num_topk = buffer->config.num_topk;
+        la.num_experts = buffer->config.num_experts;
+        la.nranks = comm->nranks;
+        la.num_local_experts = buffer->num_local_experts;
+        la.send_row = h->dev.send_row;
+        la.num_tokens_per_rank = h->dev.send_count;
+        la.ranks_per_domain = comm->nranks;
+        la.host = cb->host_dev;
+        la.rank = me;
+        EPX_CHECK(epx_cuda_check(epx_cuda_launch_layout(&la, args->stream), "layout kernel launch", me));
+    }
+
+    epx_cuda_dispatch_args_t a;
+    memset(&a, 0, sizeof(a));
+    epx_cuda_fill_common(cb, &a.c);
+    a.h = h->dev;
+    a.num_tokens = T;
+    a.cached = cached;
+    a.x = args->x.data;
+    a.row_bytes = H * (int64_t)epx_dtype_size(args->x.dtype);
+    if (args->x.dtype == EPX_DTYPE_FP8_E4M3) {
+        a.x_scales = args->x_scales.data;
+        a.num_scales = (int32_t)(H / 128);
+        a.recv_scales = outputs->recv_x_scales.data;
+    }
+    a.topk_idx = args->topk_idx.data;
+    a.idx_is_64 = args->topk_idx.dtype == EPX_DTYPE_INT64;
+    a.topk_weights = args->topk_weights.data;
+    a.recv_x = outputs->recv_x.data;
+    int64_t cap = outputs->recv_x.shape[0];
+    if (a.recv_scales) cap = rows_of(&outputs->recv_x_scales, cap);
+    if (!cached) {
+        a.recv_topk_idx = outputs->recv_topk_idx.data;
+        a.recv_idx_is_64 = outputs->recv_topk_idx.dtype == EPX_DTYPE_INT64;
+        a.recv_topk_weights = outputs->recv_topk_weights.data;
+        a.num_recv_tokens_per_expert = outputs->num_recv_tokens_per_expert.data;
+        a.num_recv_tokens = outputs->num_recv_tokens.data;
+        cap = rows_of(&outputs->recv_topk_idx, cap);
+        cap = rows_of(&outputs->recv_topk_weights, cap);
+    }
+    if (is_static && args->num_worst_tokens < cap) cap = args->num_worst_tokens;
+    a.capacity = cap;
+    a.static_mode = is_static;
+    a.expert_alignment = args->expert_alignment > 0 ? args->expert_alignment : 1;
+    if (!is_static) ((volatile epx_cuda_host_block_t *)cb->host)->num_recv = -1;
+    EPX_CHECK(launched(cb, epx_cuda_launch_dispatch(&a, args->stream), "dispatch kernel launch", args->stream));
+    const uint64_t epoch = ++cb->epoch;
+    EPX_TRACE(EPX_SUBSYS_HT, "rank %d: dispatch seq %llu epoch %llu T %lld%s%s", me, (unsigned long long)seq,
+              (unsigned long long)epoch, (long long)T, cached ? " cached" : "", is_static ? " static" : "");
+    if (is_static) {
+        /* No host synchronisation: N_r goes to the num_recv_tokens tensor; combine takes rows from
+         * the device. */
+        outputs->num_recv_tokens_host = -1;
+        if (!cached) handle->num_recv = args->num_worst_tokens;
+        return EPX_SUCCESS;
+    }
+    EPX_CHECK(epx_cuda_wait_event(cb, "epx_ht_dispatch"));
+    EPX_CHECK(check_epoch(cb, epoch));
+    const int64_t n = ((volatile epx_cuda_host_block_t *)cb->host)->num_recv;
+    if (n > cap)
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: outputs hold %lld rows but N_r = %lld tokens arrived; nothing "
+                         "was written", me, (long long)cap, (long long)n);
+    outputs->num_recv_tokens_host = n;
+    if (!cached) handle->num_recv = n;
+    return EPX_SUCCESS;
+}
+
+epx_result_t epx_cuda_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht_combine_args_t *args,
+                                 epx_ht_combine_outputs_t *outputs)
+{
+    cuda_buffer_t *cb = buffer->backend_state;
+    epx_comm_t comm = buffer->comm;
+    const int me = comm->rank;
+    cuda_handle_t *h = args->handle->backend_state;
+    if (!h) return epx_error(EPX_ERR_INVALID_ARG, "rank %d: args.handle has no device state", me);
+    EPX_CHECK(epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me));
+    epx_cuda_combine_args_t a;
+    memset(&a, 0, sizeof(a));
+    epx_cuda_fill_common(cb, &a.c);
+    a.h = h->dev;
+    a.num_tokens = args->handle->num_tokens;
+    a.x = args->x.data;
+    a.topk_weights = args->topk_weights.data;
+    a.bias0 = args->bias0.data;
+    a.bias1 = args->bias1.data;
+    a.combined_x = outputs->combined_x.data;
+    a.combined_topk_weights = outputs->combined_topk_weights.data;
+    EPX_CHECK(launched(cb, epx_cuda_launch_combine(&a, args->stream), "combine kernel launch", args->stream));
+    const uint64_t epoch = ++cb->epoch;
+    EPX_TRACE(EPX_SUBSYS_HT, "rank %d: combine seq %llu epoch %llu", me, (unsigned long long)seq,
+              (unsigned long long)epoch);
+    /* Eager (non-static) handles report errors synchronously; static ones through the poller. */
+    if (h->static_mode || capturing(args->stream)) return EPX_SUCCESS;
+    EPX_CHECK(epx_cuda_wait_event(cb, "epx_ht_combine"));
+    return check_epoch(cb, epoch);
+}
+
+epx_result_t epx_cuda_ht_ceiling(epx_buffer_t buffer, epx_handle_t handle, const epx_tensor_t *x, void *stream)
+{
+    cuda_buffer_t *cb = buffer->backend_state;
+    cuda_handle_t *h = handle ? handle->backend_state : NULL;
+    if (!cb || !h) return epx_error(EPX_ERR_INVALID_ARG, "ceiling needs a cuda buffer and one of its HT handles");
+    if (x->shape[0] != handle->num_tokens)
+        return epx_error(EPX_ERR_INVALID_ARG, "ceiling: x has %lld rows, the handle %lld", (long long)x->shape[0],
+                         (long long)handle->num_tokens);
+    epx_cuda_dispatch_args_t a;
+    memset(&a, 0, sizeof(a));
+    epx_cuda_fill_common(cb, &a.c);
+    a.h = h->dev;
+    a.num_tokens = handle->num_tokens;
+    a.x = x->data;
+    a.row_bytes = buffer->config.hidden * (int64_t)epx_dtype_size(x->dtype);
+    return epx_cuda_check(epx_cuda_launch_ceiling_copy(&a, stream), "ceiling kernel launch", buffer->comm->rank);
+}

@@ -1,0 +1,171 @@
+/*
+ * The contract between the cuda backend's host side (src/cuda) and its kernels
+ * (src/kernels): the registered region's layout, the error record, and one argument struct
+ * per kernel family with its extern "C" launcher. Plain C so both compilers read it.
+ */
+#ifndef EPX_CUDA_KERNELS_H
+#define EPX_CUDA_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define EPX_CUDA_MAX_RANKS 64
+
+/* What a device wait was waiting for (error record's `what`). */
+typedef enum epx_cuda_wait {
+    EPX_CUDA_WAIT_DISPATCH_ACK = 1,  /* receiver's release of our rows in its dispatch area */
+    EPX_CUDA_WAIT_DISPATCH_DATA = 2, /* sender's dispatch rows */
+    EPX_CUDA_WAIT_COMBINE_ACK = 3,
+    EPX_CUDA_WAIT_COMBINE_DATA = 4,
+    EPX_CUDA_WAIT_BAD_EXPERT = 5,    /* not a wait: an expert id out of range in device topk_idx */
+    EPX_CUDA_WAIT_CAPACITY = 6,      /* not a wait: N_r above the output capacity */
+} epx_cuda_wait_t;
+
+/* First failure of an epoch, written by the device into host-mapped memory. `code` is written
+ * last (after a system fence), so a non-zero code means the rest is complete. */
+typedef struct epx_cuda_err_record {
+    int32_t code; /* epx_result_t; 0 = none */
+    int32_t rank;
+    int32_t peer;
+    int32_t channel; /* block index of the waiter */
+    int32_t what;    /* epx_cuda_wait_t */
+    int32_t pad;
+    uint64_t epoch;
+    uint64_t seen;
+    uint64_t expected;
+} epx_cuda_err_record_t;
+
+/* Host-mapped per-buffer block (cudaHostAllocMapped). */
+typedef struct epx_cuda_host_block {
+    epx_cuda_err_record_t err;
+    int32_t abort_flag; /* host sets it at teardown: every device wait gives up */
+    int32_t overflow;   /* static mode dropped rows */
+    int64_t num_recv;   /* N_r of the last dispatch (-1 when it failed) */
+    int64_t bad_where;  /* 1 + token * 64 + slot of an invalid device topk_idx entry, 0 = none */
+    int64_t bad_value;
+} epx_cuda_host_block_t;
+
+/* Start of every rank's registered region. Words indexed [peer] are written by that peer
+ * (system-scope release), the rest only by the owner. Every counter is an epoch: the number of
+ * collective operations the buffer has run, the same on every rank, so nothing is reset. */
+typedef struct epx_cuda_ctrl {
+    uint64_t disp_flag[EPX_CUDA_MAX_RANKS];  /* [src] epoch whose rows src has placed here */
+    uint64_t disp_count[EPX_CUDA_MAX_RANKS]; /* [src] rows src placed (written before flag) */
+    uint64_t disp_ack[EPX_CUDA_MAX_RANKS];   /* [dst] epoch dst finished reading our rows */
+    uint64_t comb_flag[EPX_CUDA_MAX_RANKS];
+    uint64_t comb_ack[EPX_CUDA_MAX_RANKS];
+    uint64_t fail[EPX_CUDA_MAX_RANKS];       /* [peer] epoch at which peer failed its checks */
+    uint64_t epoch;                          /* last finished collective */
+    uint64_t disp_last;                      /* epoch of the last dispatch */
+    uint64_t comb_last;                      /* epoch of the last combine */
+    uint64_t err_epoch;                      /* epoch of the last recorded error */
+    uint32_t done_counter[8];                /* last-block detection, one per kernel kind */
+} epx_cuda_ctrl_t;
+
+/* Byte offsets inside a region (all ranks use the same numbers). */
+typedef struct epx_cuda_layout {
+    uint64_t disp_x;      /* [R][T_max][x_stride] token bytes */
+    uint64_t disp_scales; /* [R][T_max][H/128] fp32 */
+    uint64_t disp_idx;    /* [R][T_max][K] int32 remapped */
+    uint64_t disp_w;      /* [R][T_max][K] fp32 */
+    uint64_t disp_src;    /* [R][T_max] int32 */
+    uint64_t comb_x;      /* [R][T_max][H] bf16 */
+    uint64_t comb_w;      /* [R][T_max][K] fp32 */
+    uint64_t expert_scratch; /* [L] int32, owner only */
+    uint64_t total;
+    uint64_t x_stride;    /* bytes per dispatch row (16-aligned, widest allowed dtype) */
+} epx_cuda_layout_t;
+
+/* Per-handle device state (one slab). */
+typedef struct epx_cuda_handle_dev {
+    int32_t *send_row;    /* [T_max][R]: row of token t in r's slice for us, -1 = not sent */
+    int32_t *send_count;  /* [R] */
+    int32_t *recv_src;    /* [R*T_max]: source token index of each received row */
+    int32_t *recv_prefix; /* [R+1]: first row of each source */
+    int32_t *rows_valid;  /* [1]: received rows actually written (min(N_r, capacity)) */
+} epx_cuda_handle_dev_t;
+
+/* Common part of every collective kernel's arguments. */
+typedef struct epx_cuda_common {
+    uint8_t *peers[EPX_CUDA_MAX_RANKS]; /* regions; peers[rank] is ours */
+    epx_cuda_layout_t lay;
+    epx_cuda_host_block_t *host;        /* device pointer of the mapped block */
+    int32_t rank, nranks;
+    int32_t num_local_experts, num_topk;
+    int64_t hidden, max_tokens;
+    uint64_t timeout_ns;
+    int32_t num_blocks, num_threads;
+} epx_cuda_common_t;
+
+typedef struct epx_cuda_layout_args {
+    const void *topk_idx; /* [T][K] */
+    int32_t idx_is_64;
+    int64_t num_tokens;
+    int32_t num_topk, num_experts, nranks, num_local_experts;
+    /* optional outputs (NULL = skip) */
+    int32_t *send_row;           /* [T][R] */
+    int32_t *num_tokens_per_rank; /* [R] */
+    int32_t *num_tokens_per_expert; /* [E] */
+    uint8_t *is_token_in_rank;   /* [T][R] */
+    int32_t *num_tokens_per_domain; /* [R/D] */
+    int32_t ranks_per_domain;
+    epx_cuda_host_block_t *host; /* bad ids go to the error record */
+    uint8_t *ctrl_region;        /* our region (err_epoch claim) */
+    int32_t rank;
+} epx_cuda_layout_args_t;
+
+typedef struct epx_cuda_dispatch_args {
+    epx_cuda_common_t c;
+    epx_cuda_handle_dev_t h;
+    int64_t num_tokens;
+    int32_t cached;
+    const uint8_t *x;
+    int64_t row_bytes;        /* H * elem */
+    const float *x_scales;    /* NULL unless fp8 */
+    int32_t num_scales;       /* H/128 for fp8 */
+    const void *topk_idx;
+    int32_t idx_is_64;
+    const float *topk_weights; /* may be NULL */
+    /* receive side */
+    uint8_t *recv_x;
+    float *recv_scales;
+    void *recv_topk_idx;
+    int32_t recv_idx_is_64;
+    float *recv_topk_weights;
+    int32_t *num_recv_tokens_per_expert;
+    int32_t *num_recv_tokens;
+    int64_t capacity;
+    int32_t static_mode;
+    int32_t expert_alignment;
+} epx_cuda_dispatch_args_t;
+
+typedef struct epx_cuda_combine_args {
+    epx_cuda_common_t c;
+    epx_cuda_handle_dev_t h;
+    int64_t num_tokens;       /* T on this rank (source side) */
+    const uint16_t *x;        /* [N_r][H] bf16 */
+    const float *topk_weights; /* [N_r][K] or NULL */
+    const uint16_t *bias0, *bias1;
+    uint16_t *combined_x;
+    float *combined_topk_weights;
+} epx_cuda_combine_args_t;
+
+/* Launchers: each enqueues on `stream` and returns a cudaError_t value (0 = success). */
+int epx_cuda_launch_layout(const epx_cuda_layout_args_t *args, void *stream);
+int epx_cuda_launch_dispatch(const epx_cuda_dispatch_args_t *args, void *stream);
+int epx_cuda_launch_combine(const epx_cuda_combine_args_t *args, void *stream);
+/* This rank failed its checks: bump the epoch and release every peer (see epx_cuda_ctrl_t). */
+int epx_cuda_launch_fail(const epx_cuda_common_t *c, void *stream);
+/* Same-bytes ceiling: every row the dispatch would move, copied with plain 16-byte stores from
+ * `src` rows to peers' dispatch areas through the same mappings, no flags. */
+int epx_cuda_launch_ceiling_copy(const epx_cuda_dispatch_args_t *args, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EPX_CUDA_KERNELS_H */

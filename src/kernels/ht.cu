@@ -1,0 +1,537 @@
+/*
+ * HT layout, dispatch and combine kernels of the cuda backend (ranks whose regions are
+ * load/store reachable). Dispatch: each sender writes every token once per destination rank
+ * straight into the receiver's rank-major area [source][row], the row being the token's prefix
+ * over is_token_in_rank (no count exchange needed first); the receiver packs the slices into the
+ * caller's outputs. Combine: each rank writes its rows into the source's area [rank][token] and
+ * the source reduces in fp32 in the pinned order. No templates: every kernel moves bytes.
+ */
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "kernels/sync.cuh"
+
+#define EPX_THREADS 512
+#define EPX_WARPS (EPX_THREADS / 32)
+#define EPX_UNROLL 4
+
+enum { DONE_SEND = 0, DONE_RECV = 1, DONE_COMB_SEND = 2, DONE_COMB_REDUCE = 3 };
+
+__device__ __forceinline__ int64_t topk_at(const void *idx, int is64, int64_t i)
+{
+    return is64 ? ((const int64_t *)idx)[i] : (int64_t)((const int32_t *)idx)[i];
+}
+
+__device__ __forceinline__ unsigned lanemask_lt(void)
+{
+    unsigned m;
+    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+    return m;
+}
+
+/* Expert id valid for routing (invalid device ids are reported and treated as -1). */
+__device__ __forceinline__ bool expert_ok(int64_t e, int E) { return e >= 0 && e < E; }
+
+/* Copies `bytes` from src to each of n destinations, reading every 16-byte vector once. */
+__device__ __forceinline__ void copy_fanout(const uint8_t *src, uint8_t *const *dst, int n, int64_t bytes, int lane)
+{
+    if (n == 0) return;
+    uintptr_t align = (uintptr_t)src;
+    for (int d = 0; d < n; d++) align |= (uintptr_t)dst[d];
+    if ((bytes & 15) == 0 && (align & 15) == 0) {
+        const int4 *s = (const int4 *)src;
+        const int64_t n16 = bytes >> 4;
+        for (int64_t i = lane; i < n16; i += 32 * EPX_UNROLL) {
+            int4 v[EPX_UNROLL];
+#pragma unroll
+            for (int u = 0; u < EPX_UNROLL; u++)
+                if (i + u * 32 < n16) v[u] = ld_nc_v4(s + i + u * 32);
+            for (int d = 0; d < n; d++) {
+                int4 *o = (int4 *)dst[d];
+#pragma unroll
+                for (int u = 0; u < EPX_UNROLL; u++)
+                    if (i + u * 32 < n16) st_na_v4(o + i + u * 32, v[u]);
+            }
+        }
+    } else {
+        for (int64_t i = lane; i < bytes; i += 32) {
+            uint8_t v = src[i];
+            for (int d = 0; d < n; d++) dst[d][i] = v;
+        }
+    }
+}
+
+/* ----------------------------------------------------------------------------- layout ---- */
+
+/* One block: tiles of blockDim tokens; per tile and rank a ballot gives each token's row in the
+ * rank's slice (prefix over is_token_in_rank), so rows come out in ascending token order. */
+__global__ void __launch_bounds__(1024) layout_kernel(const __grid_constant__ epx_cuda_layout_args_t a)
+{
+    const int R = a.nranks, K = a.num_topk, L = a.num_local_experts, E = a.num_experts;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    const int D = a.ranks_per_domain > 0 ? a.ranks_per_domain : R;
+    __shared__ int warp_cnt[32][EPX_CUDA_MAX_RANKS];
+    __shared__ int base[EPX_CUDA_MAX_RANKS];
+    __shared__ int dom_cnt[EPX_CUDA_MAX_RANKS];
+    for (int i = threadIdx.x; i < R; i += blockDim.x) {
+        base[i] = 0;
+        dom_cnt[i] = 0;
+    }
+    if (a.num_tokens_per_expert)
+        for (int i = threadIdx.x; i < E; i += blockDim.x) a.num_tokens_per_expert[i] = 0;
+    __syncthreads();
+    for (int64_t tile = 0; tile < a.num_tokens; tile += blockDim.x) {
+        const int64_t t = tile + threadIdx.x;
+        uint64_t mask = 0;
+        if (t < a.num_tokens) {
+            for (int k = 0; k < K; k++) {
+                int64_t e = topk_at(a.topk_idx, a.idx_is_64, t * K + k);
+                bool bad = (e < -1 || e >= E);
+                for (int j = 0; j < k && !bad && e >= 0; j++)
+                    bad = topk_at(a.topk_idx, a.idx_is_64, t * K + j) == e;
+                if (bad) {
+                    if (a.host) {
+                        a.host->bad_value = e;
+                        a.host->bad_where = 1 + t * 64 + k;
+                    }
+                    continue;
+                }
+                if (e < 0) continue;
+                mask |= 1ull << (e / L);
+                if (a.num_tokens_per_expert) atomicAdd(&a.num_tokens_per_expert[e], 1);
+            }
+            if (a.is_token_in_rank)
+                for (int r = 0; r < R; r++) a.is_token_in_rank[t * R + r] = (uint8_t)((mask >> r) & 1);
+            if (a.num_tokens_per_domain)
+                for (int d = 0; d < R / D; d++)
+                    if ((mask >> (d * D)) & (D == 64 ? ~0ull : ((1ull << D) - 1))) atomicAdd(&dom_cnt[d], 1);
+        }
+        for (int r = 0; r < R; r++) {
+            unsigned b = __ballot_sync(0xffffffffu, (mask >> r) & 1);
+            if (lane == 0) warp_cnt[warp][r] = __popc(b);
+        }
+        __syncthreads();
+        if (threadIdx.x < R) {
+            int r = threadIdx.x, run = base[r];
+            for (int w = 0; w < nwarps; w++) {
+                int cnt = warp_cnt[w][r];
+                warp_cnt[w][r] = run;
+                run += cnt;
+            }
+            base[r] = run;
+        }
+        __syncthreads();
+        for (int r = 0; r < R; r++) {
+            bool in = (mask >> r) & 1;
+            unsigned b = __ballot_sync(0xffffffffu, in);
+            if (t < a.num_tokens && a.send_row)
+                a.send_row[t * R + r] = in ? warp_cnt[warp][r] + __popc(b & lanemask_lt()) : -1;
+        }
+        __syncthreads();
+    }
+    for (int r = threadIdx.x; r < R; r += blockDim.x)
+        if (a.num_tokens_per_rank) a.num_tokens_per_rank[r] = base[r];
+    if (a.num_tokens_per_domain)
+        for (int d = threadIdx.x; d < R / D; d += blockDim.x) a.num_tokens_per_domain[d] = dom_cnt[d];
+}
+
+extern "C" int epx_cuda_launch_layout(const epx_cuda_layout_args_t *args, void *stream)
+{
+    layout_kernel<<<1, 1024, 0, (cudaStream_t)stream>>>(*args);
+    return (int)cudaGetLastError();
+}
+
+/* ---------------------------------------------------------------------------- dispatch ---- */
+
+/* Sender. Block prologue: wait until every receiver released our slice of its area (previous
+ * dispatch). Then one warp per token: collect its destinations, write metadata and the row into
+ * each destination's slice. The last block publishes counts and the epoch to every receiver. */
+__global__ void __launch_bounds__(EPX_THREADS) dispatch_send_kernel(const __grid_constant__ epx_cuda_dispatch_args_t a)
+{
+    const epx_cuda_common_t *c = &a.c;
+    const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, me = c->rank;
+    const int E = L * R;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    epx_cuda_ctrl_t *own = ctrl_of(c->peers[me]);
+    const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
+    const uint64_t prev = ld_volatile_u64(&own->disp_last);
+    __shared__ int ok;
+    __shared__ int dst_rank[EPX_WARPS][EPX_CUDA_MAX_RANKS];
+    __shared__ uint8_t *dst_ptr[EPX_WARPS][EPX_CUDA_MAX_RANKS];
+    __shared__ int64_t dst_slot[EPX_WARPS][EPX_CUDA_MAX_RANKS];
+    if (threadIdx.x == 0) ok = 1;
+    __syncthreads();
+    if (threadIdx.x < R &&
+        !wait_flag_geq(c, &own->disp_ack[threadIdx.x], prev, epoch, threadIdx.x, EPX_CUDA_WAIT_DISPATCH_ACK))
+        ok = 0;
+    __syncthreads();
+    const int ns = a.x_scales ? a.num_scales : 0;
+    if (ok) {
+        for (int64_t t = (int64_t)blockIdx.x * EPX_WARPS + warp; t < a.num_tokens; t += (int64_t)gridDim.x * EPX_WARPS) {
+            int n = 0;
+            for (int r0 = 0; r0 < R; r0 += 32) {
+                const int r = r0 + lane;
+                const int row = r < R ? a.h.send_row[t * R + r] : -1;
+                const unsigned b = __ballot_sync(0xffffffffu, row >= 0);
+                if (row >= 0) {
+                    const int pos = n + __popc(b & lanemask_lt());
+                    const int64_t slot = (int64_t)me * c->max_tokens + row;
+                    dst_rank[warp][pos] = r;
+                    dst_slot[warp][pos] = slot;
+                    dst_ptr[warp][pos] = c->peers[r] + c->lay.disp_x + slot * c->lay.x_stride;
+                }
+                n += __popc(b);
+            }
+            __syncwarp();
+            for (int d = 0; d < n; d++) {
+                const int r = dst_rank[warp][d];
+                const int64_t slot = dst_slot[warp][d];
+                uint8_t *base = c->peers[r];
+                if (!a.cached) {
+                    for (int k = lane; k < K; k += 32) {
+                        const int64_t e = topk_at(a.topk_idx, a.idx_is_64, t * K + k);
+                        const int loc = (expert_ok(e, E) && e / L == r) ? (int)(e % L) : -1;
+                        ((int32_t *)(base + c->lay.disp_idx))[slot * K + k] = loc;
+                        ((float *)(base + c->lay.disp_w))[slot * K + k] =
+                            (a.topk_weights && loc >= 0) ? a.topk_weights[t * K + k] : 0.0f;
+                    }
+                    if (lane == 0) ((int32_t *)(base + c->lay.disp_src))[slot] = (int32_t)t;
+                }
+                for (int j = lane; j < ns; j += 32)
+                    ((float *)(base + c->lay.disp_scales))[slot * ns + j] = a.x_scales[t * ns + j];
+            }
+            copy_fanout(a.x + t * a.row_bytes, dst_ptr[warp], n, a.row_bytes, lane);
+            __syncwarp();
+        }
+    }
+    if (last_block_arrive(&own->done_counter[DONE_SEND])) {
+        if (!epoch_failed(c, epoch) && threadIdx.x < R) {
+            epx_cuda_ctrl_t *peer = ctrl_of(c->peers[threadIdx.x]);
+            st_relaxed_sys(&peer->disp_count[me], (uint64_t)a.h.send_count[threadIdx.x]);
+            st_release_sys(&peer->disp_flag[me], epoch);
+        }
+    }
+}
+
+/* Receiver. Block prologue: wait for every source's epoch, prefix the counts. Then one warp per
+ * output row copies it out of its source slice. The last block writes N_r, the per-expert
+ * counts, releases every source's slice and closes the epoch (also after a failure, so all
+ * ranks stay in step). */
+__global__ void __launch_bounds__(EPX_THREADS) dispatch_recv_kernel(const __grid_constant__ epx_cuda_dispatch_args_t a)
+{
+    const epx_cuda_common_t *c = &a.c;
+    const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, me = c->rank;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    uint8_t *region = c->peers[me];
+    epx_cuda_ctrl_t *own = ctrl_of(region);
+    const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
+    extern __shared__ int expert_cnt[]; /* [L] */
+    __shared__ int ok;
+    __shared__ int prefix[EPX_CUDA_MAX_RANKS + 1];
+    __shared__ int cnt[EPX_CUDA_MAX_RANKS];
+    const bool want_counts = !a.cached && a.num_recv_tokens_per_expert;
+    if (threadIdx.x == 0) ok = 1;
+    if (want_counts)
+        for (int j = threadIdx.x; j < L; j += blockDim.x) expert_cnt[j] = 0;
+    __syncthreads();
+    if (threadIdx.x < R) {
+        if (wait_flag_geq(c, &own->disp_flag[threadIdx.x], epoch, epoch, threadIdx.x, EPX_CUDA_WAIT_DISPATCH_DATA))
+            cnt[threadIdx.x] = (int)ld_volatile_u64(&own->disp_count[threadIdx.x]);
+        else
+            ok = 0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        prefix[0] = 0;
+        for (int r = 0; r < R; r++) prefix[r + 1] = prefix[r] + (ok ? cnt[r] : 0);
+    }
+    __syncthreads();
+    const int64_t total = prefix[R];
+    int64_t rows = 0;
+    if (ok) rows = a.static_mode ? (total < a.capacity ? total : a.capacity) : (total <= a.capacity ? total : 0);
+    const int ns = a.x_scales ? a.num_scales : 0;
+    for (int64_t i = (int64_t)blockIdx.x * EPX_WARPS + warp; i < rows; i += (int64_t)gridDim.x * EPX_WARPS) {
+        int s = 0;
+        while (s + 1 < R && prefix[s + 1] <= i) s++;
+        const int64_t slot = (int64_t)s * c->max_tokens + (i - prefix[s]);
+        uint8_t *dst = a.recv_x + i * a.row_bytes;
+        copy_fanout(region + c->lay.disp_x + slot * c->lay.x_stride, &dst, 1, a.row_bytes, lane);
+        for (int j = lane; j < ns; j += 32)
+            a.recv_scales[i * ns + j] = ((const float *)(region + c->lay.disp_scales))[slot * ns + j];
+        if (!a.cached) {
+            for (int k = lane; k < K; k += 32) {
+                const int32_t loc = ((const int32_t *)(region + c->lay.disp_idx))[slot * K + k];
+                if (a.recv_topk_idx) {
+                    if (a.recv_idx_is_64)
+                        ((int64_t *)a.recv_topk_idx)[i * K + k] = loc;
+                    else
+                        ((int32_t *)a.recv_topk_idx)[i * K + k] = loc;
+                }
+                if (a.recv_topk_weights)
+                    a.recv_topk_weights[i * K + k] = ((const float *)(region + c->lay.disp_w))[slot * K + k];
+                if (want_counts && loc >= 0 && loc < L) atomicAdd(&expert_cnt[loc], 1);
+            }
+            if (lane == 0) a.h.recv_src[i] = ((const int32_t *)(region + c->lay.disp_src))[slot];
+        }
+    }
+    int32_t *scratch = (int32_t *)(region + c->lay.expert_scratch);
+    if (want_counts) {
+        __syncthreads();
+        for (int j = threadIdx.x; j < L; j += blockDim.x)
+            if (expert_cnt[j]) atomicAdd(&scratch[j], expert_cnt[j]);
+    }
+    if (last_block_arrive(&own->done_counter[DONE_RECV])) {
+        if (threadIdx.x == 0) {
+            c->host->num_recv = ok ? total : -1;
+            if (ok && a.static_mode && total > a.capacity) c->host->overflow = 1;
+            if (a.num_recv_tokens && ok) *a.num_recv_tokens = (int32_t)total;
+            if (!a.cached) *a.h.rows_valid = (int32_t)rows;
+        }
+        if (!a.cached)
+            for (int r = threadIdx.x; r <= R; r += blockDim.x) a.h.recv_prefix[r] = ok ? prefix[r] : 0;
+        if (want_counts) {
+            const int al = a.expert_alignment > 1 ? a.expert_alignment : 1;
+            for (int j = threadIdx.x; j < L; j += blockDim.x) {
+                const int v = ld_volatile_i32(&scratch[j]);
+                if (ok) a.num_recv_tokens_per_expert[j] = (v + al - 1) / al * al;
+                scratch[j] = 0;
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < R) st_release_sys(&ctrl_of(c->peers[threadIdx.x])->disp_ack[me], epoch);
+        if (threadIdx.x == 0) {
+            own->disp_last = epoch;
+            own->epoch = epoch;
+            __threadfence_system();
+        }
+    }
+}
+
+extern "C" int epx_cuda_launch_dispatch(const epx_cuda_dispatch_args_t *args, void *stream)
+{
+    cudaStream_t s = (cudaStream_t)stream;
+    dispatch_send_kernel<<<args->c.num_blocks, EPX_THREADS, 0, s>>>(*args);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return (int)err;
+    const size_t smem = (size_t)args->c.num_local_experts * sizeof(int);
+    if (smem > 48 * 1024) {
+        err = cudaFuncSetAttribute(dispatch_recv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (err != cudaSuccess) return (int)err;
+    }
+    dispatch_recv_kernel<<<args->c.num_blocks, EPX_THREADS, smem, s>>>(*args);
+    return (int)cudaGetLastError();
+}
+
+/* ----------------------------------------------------------------------------- combine ---- */
+
+/* Sender of combine (rank holding received rows): after each source released its combine area,
+ * one warp per received row writes it into the source's slice [me][source token]. */
+__global__ void __launch_bounds__(EPX_THREADS) combine_send_kernel(const __grid_constant__ epx_cuda_combine_args_t a)
+{
+    const epx_cuda_common_t *c = &a.c;
+    const int R = c->nranks, K = c->num_topk, me = c->rank;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    epx_cuda_ctrl_t *own = ctrl_of(c->peers[me]);
+    const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
+    const uint64_t prev = ld_volatile_u64(&own->comb_last);
+    const int64_t row_bytes = c->hidden * 2;
+    __shared__ int ok;
+    __shared__ int prefix[EPX_CUDA_MAX_RANKS + 1];
+    if (threadIdx.x == 0) ok = 1;
+    for (int r = threadIdx.x; r <= R; r += blockDim.x) prefix[r] = a.h.recv_prefix[r];
+    __syncthreads();
+    if (threadIdx.x < R &&
+        !wait_flag_geq(c, &own->comb_ack[threadIdx.x], prev, epoch, threadIdx.x, EPX_CUDA_WAIT_COMBINE_ACK))
+        ok = 0;
+    __syncthreads();
+    const int64_t rows = ok ? *a.h.rows_valid : 0;
+    for (int64_t i = (int64_t)blockIdx.x * EPX_WARPS + warp; i < rows; i += (int64_t)gridDim.x * EPX_WARPS) {
+        int s = 0;
+        while (s + 1 < R && prefix[s + 1] <= i) s++;
+        const int64_t t = a.h.recv_src[i];
+        const int64_t slot = (int64_t)me * c->max_tokens + t;
+        uint8_t *base = c->peers[s];
+        uint8_t *dst = base + c->lay.comb_x + slot * row_bytes;
+        copy_fanout((const uint8_t *)(a.x + i * c->hidden), &dst, 1, row_bytes, lane);
+        if (a.topk_weights)
+            for (int k = lane; k < K; k += 32)
+                ((float *)(base + c->lay.comb_w))[slot * K + k] = a.topk_weights[i * K + k];
+    }
+    if (last_block_arrive(&own->done_counter[DONE_COMB_SEND])) {
+        if (!epoch_failed(c, epoch) && threadIdx.x < R)
+            st_release_sys(&ctrl_of(c->peers[threadIdx.x])->comb_flag[me], epoch);
+    }
+}
+
+__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
+
+/* Round to nearest even, quiet NaN kept (same bits as the host backend's epx_f32_to_bf16). */
+__device__ __forceinline__ uint32_t f32_to_bf16_bits(float f)
+{
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return ((u >> 16) | 0x40u) & 0xffffu;
+    return ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & 0xffffu;
+}
+
+__device__ __forceinline__ void acc_add8(float *acc, int4 v)
+{
+    const uint32_t w[4] = {(uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w};
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        acc[2 * q] = __fadd_rn(acc[2 * q], bf16_lo(w[q]));
+        acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], bf16_hi(w[q]));
+    }
+}
+
+/* Source side: wait for every rank's rows, then one warp per token sums its ranks' rows
+ * ascending, + bias0, + bias1, in one fp32 accumulator, one rounding. The last block releases
+ * every rank's slice of our area and closes the epoch. */
+__global__ void __launch_bounds__(EPX_THREADS) combine_reduce_kernel(const __grid_constant__ epx_cuda_combine_args_t a)
+{
+    const epx_cuda_common_t *c = &a.c;
+    const int R = c->nranks, K = c->num_topk, me = c->rank;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    uint8_t *region = c->peers[me];
+    epx_cuda_ctrl_t *own = ctrl_of(region);
+    const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
+    const int64_t H = c->hidden;
+    __shared__ int ok;
+    __shared__ int src_rank[EPX_WARPS][EPX_CUDA_MAX_RANKS];
+    if (threadIdx.x == 0) ok = 1;
+    __syncthreads();
+    if (threadIdx.x < R &&
+        !wait_flag_geq(c, &own->comb_flag[threadIdx.x], epoch, epoch, threadIdx.x, EPX_CUDA_WAIT_COMBINE_DATA))
+        ok = 0;
+    __syncthreads();
+    const uint16_t *comb = (const uint16_t *)(region + c->lay.comb_x);
+    const float *combw = (const float *)(region + c->lay.comb_w);
+    const int64_t T = ok ? a.num_tokens : 0;
+    const bool vec = (H % 8) == 0;
+    for (int64_t t = (int64_t)blockIdx.x * EPX_WARPS + warp; t < T; t += (int64_t)gridDim.x * EPX_WARPS) {
+        int n = 0;
+        for (int r0 = 0; r0 < R; r0 += 32) {
+            const int r = r0 + lane;
+            const bool in = r < R && a.h.send_row[t * R + r] >= 0;
+            const unsigned b = __ballot_sync(0xffffffffu, in);
+            if (in) src_rank[warp][n + __popc(b & lanemask_lt())] = r;
+            n += __popc(b);
+        }
+        __syncwarp();
+        if (vec) {
+            const int64_t n8 = H / 8;
+            for (int64_t i = lane; i < n8; i += 32) {
+                float acc[8];
+#pragma unroll
+                for (int q = 0; q < 8; q++) acc[q] = 0.0f;
+                for (int d = 0; d < n; d++) {
+                    const int64_t slot = (int64_t)src_rank[warp][d] * c->max_tokens + t;
+                    acc_add8(acc, ld_nc_v4((const int4 *)(comb + slot * H) + i));
+                }
+                if (a.bias0) acc_add8(acc, ld_nc_v4((const int4 *)(a.bias0 + t * H) + i));
+                if (a.bias1) acc_add8(acc, ld_nc_v4((const int4 *)(a.bias1 + t * H) + i));
+                int4 o;
+                o.x = (int)(f32_to_bf16_bits(acc[0]) | (f32_to_bf16_bits(acc[1]) << 16));
+                o.y = (int)(f32_to_bf16_bits(acc[2]) | (f32_to_bf16_bits(acc[3]) << 16));
+                o.z = (int)(f32_to_bf16_bits(acc[4]) | (f32_to_bf16_bits(acc[5]) << 16));
+                o.w = (int)(f32_to_bf16_bits(acc[6]) | (f32_to_bf16_bits(acc[7]) << 16));
+                st_na_v4((int4 *)(a.combined_x + t * H) + i, o);
+            }
+        } else {
+            for (int64_t h = lane; h < H; h += 32) {
+                float acc = 0.0f;
+                for (int d = 0; d < n; d++) {
+                    const int64_t slot = (int64_t)src_rank[warp][d] * c->max_tokens + t;
+                    acc = __fadd_rn(acc, __uint_as_float((uint32_t)comb[slot * H + h] << 16));
+                }
+                if (a.bias0) acc = __fadd_rn(acc, __uint_as_float((uint32_t)a.bias0[t * H + h] << 16));
+                if (a.bias1) acc = __fadd_rn(acc, __uint_as_float((uint32_t)a.bias1[t * H + h] << 16));
+                a.combined_x[t * H + h] = (uint16_t)f32_to_bf16_bits(acc);
+            }
+        }
+        if (a.combined_topk_weights)
+            for (int k = lane; k < K; k += 32) {
+                float acc = 0.0f;
+                for (int d = 0; d < n; d++)
+                    acc = __fadd_rn(acc, combw[((int64_t)src_rank[warp][d] * c->max_tokens + t) * K + k]);
+                a.combined_topk_weights[t * K + k] = acc;
+            }
+        __syncwarp();
+    }
+    if (last_block_arrive(&own->done_counter[DONE_COMB_REDUCE])) {
+        if (threadIdx.x < R) st_release_sys(&ctrl_of(c->peers[threadIdx.x])->comb_ack[me], epoch);
+        if (threadIdx.x == 0) {
+            own->comb_last = epoch;
+            own->epoch = epoch;
+            __threadfence_system();
+        }
+    }
+}
+
+extern "C" int epx_cuda_launch_combine(const epx_cuda_combine_args_t *args, void *stream)
+{
+    cudaStream_t s = (cudaStream_t)stream;
+    combine_send_kernel<<<args->c.num_blocks, EPX_THREADS, 0, s>>>(*args);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return (int)err;
+    combine_reduce_kernel<<<args->c.num_blocks, EPX_THREADS, 0, s>>>(*args);
+    return (int)cudaGetLastError();
+}
+
+/* --------------------------------------------------------------------- failure, ceiling ---- */
+
+/* This rank skipped collective `epoch`: tell every peer (they return EPX_ERR_REMOTE), release
+ * both our areas' slices as if consumed, and close the epoch. */
+__global__ void fail_kernel(const __grid_constant__ epx_cuda_common_t c)
+{
+    epx_cuda_ctrl_t *own = ctrl_of(c.peers[c.rank]);
+    const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
+    if ((int)threadIdx.x < c.nranks) {
+        epx_cuda_ctrl_t *peer = ctrl_of(c.peers[threadIdx.x]);
+        st_release_sys(&peer->fail[c.rank], epoch);
+        st_release_sys(&peer->disp_ack[c.rank], epoch);
+        st_release_sys(&peer->comb_ack[c.rank], epoch);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        own->epoch = epoch;
+        __threadfence_system();
+    }
+}
+
+extern "C" int epx_cuda_launch_fail(const epx_cuda_common_t *c, void *stream)
+{
+    fail_kernel<<<1, EPX_CUDA_MAX_RANKS, 0, (cudaStream_t)stream>>>(*c);
+    return (int)cudaGetLastError();
+}
+
+/* The same token rows as dispatch_send_kernel to the same slots through the same mappings,
+ * with plain copies: no waits, no metadata, no flags. */
+__global__ void __launch_bounds__(EPX_THREADS) ceiling_copy_kernel(const __grid_constant__ epx_cuda_dispatch_args_t a)
+{
+    const epx_cuda_common_t *c = &a.c;
+    const int R = c->nranks, me = c->rank;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __shared__ uint8_t *dst_ptr[EPX_WARPS][EPX_CUDA_MAX_RANKS];
+    for (int64_t t = (int64_t)blockIdx.x * EPX_WARPS + warp; t < a.num_tokens; t += (int64_t)gridDim.x * EPX_WARPS) {
+        int n = 0;
+        for (int r0 = 0; r0 < R; r0 += 32) {
+            const int r = r0 + lane;
+            const int row = r < R ? a.h.send_row[t * R + r] : -1;
+            const unsigned b = __ballot_sync(0xffffffffu, row >= 0);
+            if (row >= 0)
+                dst_ptr[warp][n + __popc(b & lanemask_lt())] =
+                    c->peers[r] + c->lay.disp_x + ((int64_t)me * c->max_tokens + row) * c->lay.x_stride;
+            n += __popc(b);
+        }
+        __syncwarp();
+        copy_fanout(a.x + t * a.row_bytes, dst_ptr[warp], n, a.row_bytes, lane);
+        __syncwarp();
+    }
+}
+
+extern "C" int epx_cuda_launch_ceiling_copy(const epx_cuda_dispatch_args_t *args, void *stream)
+{
+    ceiling_copy_kernel<<<args->c.num_blocks, EPX_THREADS, 0, (cudaStream_t)stream>>>(*args);
+    return (int)cudaGetLastError();
+}

@@ -1,0 +1,531 @@
+/*
+ * HT dispatch and combine on the cuda backend, R ranks (processes) on the GPUs present: every
+ * received row, scale, index, weight and count and every combined value is compared bit for bit
+ * with the single-process reference (tests/common/reference.c). Cases: bf16 and fp8, H 7168 and
+ * 2048, E 256, K 8, random and skewed routing with ragged and zero-token ranks, cached dispatch,
+ * static mode captured in a CUDA graph and replayed with new inputs, 200 repeated iterations.
+ * EPX_GPU_TEST_RANKS (default "2,4,8") and EPX_GPU_TEST_QUICK=1 (sanitizer runs) shrink it.
+ */
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "core/internal.h"
+#include "epx_test.h"
+#include "reference.h"
+
+#define E_EXPERTS 256
+#define TOPK 8
+#define ALIGNMENT 4
+
+static epx_comm_t epx_test_current_comm; /* the rank's comm, for epx_get_async_error */
+
+typedef struct ctx {
+    uint64_t seed;
+    int quick;
+} ctx_t;
+
+#define CUDA_OK(call)                                                                                   \
+    do {                                                                                                \
+        cudaError_t e_ = (call);                                                                        \
+        if (e_ != cudaSuccess) return ref_fail(rank, "%s: %s", #call, cudaGetErrorString(e_));           \
+    } while (0)
+
+static epx_tensor_t dev_tensor(void *data, epx_dtype_t dtype, int64_t d0, int64_t d1, int ndim, int device)
+{
+    epx_tensor_t t = ndim == 1 ? epx_tensor_1d(data, dtype, d0) : epx_tensor_2d(data, dtype, d0, d1);
+    t.device_type = EPX_DEVICE_CUDA;
+    t.device_id = device;
+    return t;
+}
+
+/* Device allocations of one case, freed together. */
+typedef struct dev_arena {
+    void *p[32];
+    int n;
+} dev_arena_t;
+
+static void *dalloc(dev_arena_t *a, size_t bytes)
+{
+    void *p = NULL;
+    if (bytes == 0) bytes = 16;
+    if (cudaMalloc(&p, bytes) != cudaSuccess || a->n == 32) return NULL;
+    cudaMemset(p, 0xa5, bytes); /* garbage, so unwritten output shows */
+    a->p[a->n++] = p;
+    return p;
+}
+
+static void dfree(dev_arena_t *a)
+{
+    for (int i = 0; i < a->n; i++) cudaFree(a->p[i]);
+    a->n = 0;
+}
+
+static uint64_t fnv(const void *data, size_t n, uint64_t h)
+{
+    const uint8_t *b = data;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+    return h;
+}
+
+typedef struct ht_case {
+    int64_t H, T_max;
+    epx_dtype_t dtype;
+    ref_routing_t routing;
+    int iter; /* token counts: 0 full, 1 with zero-token ranks, >1 random */
+    int idx64;
+    int repeats; /* eager dispatch+combine iterations whose hashes must match */
+} ht_case_t;
+
+/* Host copies of one rank's inputs for problem p (x tagged `tag`). */
+typedef struct inputs {
+    void *x;
+    float *scales;
+    void *topk;
+    uint16_t *bias0, *bias1;
+} inputs_t;
+
+static void make_inputs(const ref_problem_t *p, int me, uint64_t tag, uint64_t yseed, int idx64, ref_arena_t *ar,
+                        inputs_t *in)
+{
+    const int64_t T = p->T[me], H = p->H;
+    const size_t es = epx_dtype_size(p->dtype);
+    in->x = ref_arena_alloc(ar, (size_t)(T * H) * es + 16);
+    for (int64_t t = 0; t < T; t++) ref_x_row(p, me, t, tag, (uint8_t *)in->x + (size_t)(t * H) * es);
+    in->scales = ref_arena_alloc(ar, (size_t)(T * (H / 128)) * 4 + 16);
+    if (p->dtype == EPX_DTYPE_FP8_E4M3)
+        for (int64_t t = 0; t < T; t++) ref_scales_row(p, me, t, tag, in->scales + t * (H / 128));
+    in->topk = ref_arena_alloc(ar, (size_t)(T * p->K) * 8 + 16);
+    ref_fill_topk(p, me, idx64 ? EPX_DTYPE_INT64 : EPX_DTYPE_INT32, in->topk);
+    in->bias0 = ref_arena_alloc(ar, (size_t)(T * H) * 2 + 16);
+    in->bias1 = ref_arena_alloc(ar, (size_t)(T * H) * 2 + 16);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t c = 0; c < H; c++) {
+            in->bias0[t * H + c] = ref_gen_bf16(yseed, REF_TAG_BIAS0, (uint64_t)me, (uint64_t)t, (uint64_t)c);
+            in->bias1[t * H + c] = ref_gen_bf16(yseed, REF_TAG_BIAS1, (uint64_t)me, (uint64_t)t, (uint64_t)c);
+        }
+}
+
+/* Eager (host-synchronising) dispatch, cached dispatch and combine of one problem, all checked. */
+static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uint64_t seed, int device)
+{
+    int rc = 1;
+    ref_arena_t ar = {0};
+    dev_arena_t da = {0};
+    ref_problem_t p;
+    ref_ht_recv_t ref = {0};
+    epx_handle_t handle = NULL;
+    int64_t T[REF_MAX_RANKS];
+    ref_gen_token_counts(seed, cs->iter, R, cs->T_max, T);
+    if (ref_problem_init(&p, R, E_EXPERTS, TOPK, cs->H, cs->T_max, cs->dtype, seed, T, cs->routing) != 0)
+        return ref_fail(rank, "problem init");
+    ref_set_case("eager R=%d H=%lld %s %s iter %d idx%s", R, (long long)cs->H, epx_dtype_name(cs->dtype),
+                 ref_routing_name(cs->routing), cs->iter, cs->idx64 ? "64" : "32");
+    const int64_t H = cs->H, K = TOPK, L = E_EXPERTS / R, Tm = T[rank], S = H / 128;
+    const int fp8 = cs->dtype == EPX_DTYPE_FP8_E4M3;
+    const size_t es = epx_dtype_size(cs->dtype);
+    const uint64_t yseed = seed ^ 0x5eedull;
+    if (ref_ht_dispatch(&p, rank, ALIGNMENT, &ref) != 0) {
+        rc = ref_fail(rank, "reference dispatch");
+        goto out;
+    }
+    inputs_t in, in2;
+    make_inputs(&p, rank, REF_TAG_X, yseed, cs->idx64, &ar, &in);
+    make_inputs(&p, rank, REF_TAG_X2, yseed, cs->idx64, &ar, &in2);
+    const int64_t cap = (int64_t)R * cs->T_max;
+    void *dx = dalloc(&da, (size_t)(Tm * H) * es), *dscales = dalloc(&da, (size_t)(Tm * S) * 4);
+    void *dtopk = dalloc(&da, (size_t)(Tm * K) * 8), *dw = dalloc(&da, (size_t)(Tm * K) * 4);
+    void *drx = dalloc(&da, (size_t)(cap * H) * es), *drs = dalloc(&da, (size_t)(cap * S) * 4);
+    void *dridx = dalloc(&da, (size_t)(cap * K) * 8), *drw = dalloc(&da, (size_t)(cap * K) * 4);
+    void *dpe = dalloc(&da, (size_t)L * 4), *dn = dalloc(&da, 4);
+    void *dy = dalloc(&da, (size_t)(cap * H) * 2), *db0 = dalloc(&da, (size_t)(Tm * H) * 2);
+    void *db1 = dalloc(&da, (size_t)(Tm * H) * 2), *dout = dalloc(&da, (size_t)(Tm * H) * 2);
+    void *doutw = dalloc(&da, (size_t)(Tm * K) * 4);
+    if (!doutw) {
+        rc = ref_fail(rank, "cudaMalloc");
+        goto out;
+    }
+    cudaMemcpy(dx, in.x, (size_t)(Tm * H) * es, cudaMemcpyHostToDevice);
+    if (fp8) cudaMemcpy(dscales, in.scales, (size_t)(Tm * S) * 4, cudaMemcpyHostToDevice);
+    cudaMemcpy(dtopk, in.topk, (size_t)(Tm * K) * (cs->idx64 ? 8 : 4), cudaMemcpyHostToDevice);
+    cudaMemcpy(dw, p.weights[rank], (size_t)(Tm * K) * 4, cudaMemcpyHostToDevice);
+    cudaMemcpy(db0, in.bias0, (size_t)(Tm * H) * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(db1, in.bias1, (size_t)(Tm * H) * 2, cudaMemcpyHostToDevice);
+    const epx_dtype_t idt = cs->idx64 ? EPX_DTYPE_INT64 : EPX_DTYPE_INT32;
+    /* Received index dtype differs from the input's on purpose. */
+    const epx_dtype_t ridt = cs->idx64 ? EPX_DTYPE_INT32 : EPX_DTYPE_INT64;
+
+    /* Host-side expectations. */
+    const int64_t n = ref.n;
+    uint8_t *ex = ref_arena_alloc(&ar, (size_t)(n * H) * es + 16);
+    float *esc = ref_arena_alloc(&ar, (size_t)(n * S) * 4 + 16);
+    uint8_t *ex2 = ref_arena_alloc(&ar, (size_t)(n * H) * es + 16);
+    float *esc2 = ref_arena_alloc(&ar, (size_t)(n * S) * 4 + 16);
+    for (int64_t i = 0; i < n; i++) {
+        ref_x_row(&p, ref.src[i], ref.tok[i], REF_TAG_X, ex + (size_t)(i * H) * es);
+        ref_x_row(&p, ref.src[i], ref.tok[i], REF_TAG_X2, ex2 + (size_t)(i * H) * es);
+        if (fp8) {
+            ref_scales_row(&p, ref.src[i], ref.tok[i], REF_TAG_X, esc + i * S);
+            ref_scales_row(&p, ref.src[i], ref.tok[i], REF_TAG_X2, esc2 + i * S);
+        }
+    }
+    void *eidx = ref_arena_alloc(&ar, (size_t)(n * K) * 8 + 16);
+    for (int64_t i = 0; i < n * K; i++) {
+        if (ridt == EPX_DTYPE_INT64)
+            ((int64_t *)eidx)[i] = ref.idx[i];
+        else
+            ((int32_t *)eidx)[i] = (int32_t)ref.idx[i];
+    }
+    uint16_t *y = ref_arena_alloc(&ar, (size_t)(n * H) * 2 + 16);
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t c = 0; c < H; c++) y[i * H + c] = ref_y_bf16(yseed, rank, -1, ref.src[i], ref.tok[i], c);
+    cudaMemcpy(dy, y, (size_t)(n * H) * 2, cudaMemcpyHostToDevice);
+    uint16_t *eout = ref_arena_alloc(&ar, (size_t)(Tm * H) * 2 + 16);
+    float *eoutw = ref_arena_alloc(&ar, (size_t)(Tm * K) * 4 + 16);
+    ref_ht_combine(&p, rank, yseed, true, true, eout, eoutw);
+
+    uint8_t *got = ref_arena_alloc(&ar, (size_t)(cap * H) * es + 16);
+
+    /* Layout on the device against the reference. */
+    {
+        int32_t eper_rank[REF_MAX_RANKS], eper_expert[E_EXPERTS];
+        uint8_t *ein = ref_arena_alloc(&ar, (size_t)(Tm * R) + 16);
+        ref_layout(&p, rank, R, eper_rank, eper_expert, ein, NULL);
+        void *dpr = dalloc(&da, (size_t)R * 4), *dpx = dalloc(&da, (size_t)E_EXPERTS * 4);
+        void *din = dalloc(&da, (size_t)(Tm * R));
+        if (!din) {
+            rc = ref_fail(rank, "cudaMalloc");
+            goto out;
+        }
+        epx_tensor_t ti = dev_tensor(dtopk, idt, Tm, K, 2, device);
+        epx_layout_outputs_t lo = EPX_LAYOUT_OUTPUTS_INIT;
+        lo.num_tokens_per_rank = dev_tensor(dpr, EPX_DTYPE_INT32, R, 0, 1, device);
+        lo.num_tokens_per_expert = dev_tensor(dpx, EPX_DTYPE_INT32, E_EXPERTS, 0, 1, device);
+        lo.is_token_in_rank = dev_tensor(din, EPX_DTYPE_BOOL, Tm, R, 2, device);
+        EXPECT_OK(epx_get_dispatch_layout(buf, &ti, &lo, NULL));
+        cudaMemcpy(got, dpr, (size_t)R * 4, cudaMemcpyDeviceToHost);
+        if (ref_check_bits(rank, "num_tokens_per_rank", got, eper_rank, R, 4, R)) goto out;
+        cudaMemcpy(got, dpx, (size_t)E_EXPERTS * 4, cudaMemcpyDeviceToHost);
+        if (ref_check_bits(rank, "num_tokens_per_expert", got, eper_expert, E_EXPERTS, 4, E_EXPERTS)) goto out;
+        cudaMemcpy(got, din, (size_t)(Tm * R), cudaMemcpyDeviceToHost);
+        if (ref_check_bits(rank, "is_token_in_rank", got, ein, Tm * R, 1, R)) goto out;
+    }
+    uint64_t first_hash = 0;
+    for (int it = 0; it < (cs->repeats > 0 ? cs->repeats : 1); it++) {
+        epx_ht_dispatch_args_t a = EPX_HT_DISPATCH_ARGS_INIT;
+        a.x = dev_tensor(dx, cs->dtype, Tm, H, 2, device);
+        if (fp8) a.x_scales = dev_tensor(dscales, EPX_DTYPE_FP32, Tm, S, 2, device);
+        a.topk_idx = dev_tensor(dtopk, idt, Tm, K, 2, device);
+        a.topk_weights = dev_tensor(dw, EPX_DTYPE_FP32, Tm, K, 2, device);
+        a.expert_alignment = ALIGNMENT;
+        epx_ht_dispatch_outputs_t o = EPX_HT_DISPATCH_OUTPUTS_INIT;
+        o.recv_x = dev_tensor(drx, cs->dtype, cap, H, 2, device);
+        if (fp8) o.recv_x_scales = dev_tensor(drs, EPX_DTYPE_FP32, cap, S, 2, device);
+        o.recv_topk_idx = dev_tensor(dridx, ridt, cap, K, 2, device);
+        o.recv_topk_weights = dev_tensor(drw, EPX_DTYPE_FP32, cap, K, 2, device);
+        o.num_recv_tokens_per_expert = dev_tensor(dpe, EPX_DTYPE_INT32, L, 0, 1, device);
+        o.num_recv_tokens = dev_tensor(dn, EPX_DTYPE_INT32, 1, 0, 1, device);
+        EXPECT_OK(epx_ht_dispatch(buf, &a, &o));
+        handle = o.handle;
+        if (o.num_recv_tokens_host != n) {
+            rc = ref_fail(rank, "num_recv_tokens_host %lld, expected %lld", (long long)o.num_recv_tokens_host,
+                          (long long)n);
+            goto out;
+        }
+        int32_t nd = -1;
+        cudaMemcpy(&nd, dn, 4, cudaMemcpyDeviceToHost);
+        if (nd != n) {
+            rc = ref_fail(rank, "num_recv_tokens tensor %d, expected %lld", nd, (long long)n);
+            goto out;
+        }
+        cudaMemcpy(got, drx, (size_t)(n * H) * es, cudaMemcpyDeviceToHost);
+        if (ref_check_bits(rank, "recv_x", got, ex, n * H, es, H)) goto out;
+        uint64_t hash = fnv(got, (size_t)(n * H) * es, 1469598103934665603ull);
+        if (fp8) {
+            cudaMemcpy(got, drs, (size_t)(n * S) * 4, cudaMemcpyDeviceToHost);
+            if (ref_check_bits(rank, "recv_x_scales", got, esc, n * S, 4, S)) goto out;
+        }
+        cudaMemcpy(got, dridx, (size_t)(n * K) * epx_dtype_size(ridt), cudaMemcpyDeviceToHost);
+        if (ref_check_bits(rank, "recv_topk_idx", got, eidx, n * K, epx_dtype_size(ridt), K)) goto out;
+        cudaMemcpy(got, drw, (size_t)(n * K) * 4, cudaMemcpyDeviceToHost);
+        if (ref_check_bits(rank, "recv_topk_weights", got, ref.w, n * K, 4, K)) goto out;
+        cudaMemcpy(got, dpe, (size_t)L * 4, cudaMemcpyDeviceToHost);
+        if (ref_check_bits(rank, "num_recv_tokens_per_expert", got, ref.per_expert, L, 4, L)) goto out;
+
+        /* Cached dispatch with new x: recv_x (and scales) only. */
+        cudaMemcpy(dx, in2.x, (size_t)(Tm * H) * es, cudaMemcpyHostToDevice);
+        if (fp8) cudaMemcpy(dscales, in2.scales, (size_t)(Tm * S) * 4, cudaMemcpyHostToDevice);
+        epx_ht_dispatch_args_t ac = EPX_HT_DISPATCH_ARGS_INIT;
+        ac.x = a.x;
+        ac.x_scales = a.x_scales;
+        ac.cached_handle = handle;
+        epx_ht_dispatch_outputs_t oc = EPX_HT_DISPATCH_OUTPUTS_INIT;
+        oc.recv_x = o.recv_x;
+        oc.recv_x_scales = o.recv_x_scales;
+        EXPECT_OK(epx_ht_dispatch(buf, &ac, &oc));
+        cudaMemcpy(got, drx, (size_t)(n * H) * es, cudaMemcpyDeviceToHost);
+        if (ref_check_bits(rank, "cached recv_x", got, ex2, n * H, es, H)) goto out;
+        if (fp8) {
+            cudaMemcpy(got, drs, (size_t)(n * S) * 4, cudaMemcpyDeviceToHost);
+            if (ref_check_bits(rank, "cached recv_x_scales", got, esc2, n * S, 4, S)) goto out;
+        }
+        cudaMemcpy(dx, in.x, (size_t)(Tm * H) * es, cudaMemcpyHostToDevice);
+        if (fp8) cudaMemcpy(dscales, in.scales, (size_t)(Tm * S) * 4, cudaMemcpyHostToDevice);
+
+        epx_ht_combine_args_t ca = EPX_HT_COMBINE_ARGS_INIT;
+        ca.handle = handle;
+        ca.x = dev_tensor(dy, EPX_DTYPE_BF16, n, H, 2, device);
+        ca.topk_weights = dev_tensor(drw, EPX_DTYPE_FP32, n, K, 2, device);
+        ca.bias0 = dev_tensor(db0, EPX_DTYPE_BF16, Tm, H, 2, device);
+        ca.bias1 = dev_tensor(db1, EPX_DTYPE_BF16, Tm, H, 2, device);
+        epx_ht_combine_outputs_t co = EPX_HT_COMBINE_OUTPUTS_INIT;
+        co.combined_x = dev_tensor(dout, EPX_DTYPE_BF16, Tm, H, 2, device);
+        co.combined_topk_weights = dev_tensor(doutw, EPX_DTYPE_FP32, Tm, K, 2, device);
+        EXPECT_OK(epx_ht_combine(buf, &ca, &co));
+        cudaMemcpy(got, dout, (size_t)(Tm * H) * 2, cudaMemcpyDeviceToHost);
+        if (ref_check_bits(rank, "combined_x", got, eout, Tm * H, 2, H)) goto out;
+        hash = fnv(got, (size_t)(Tm * H) * 2, hash);
+        cudaMemcpy(got, doutw, (size_t)(Tm * K) * 4, cudaMemcpyDeviceToHost);
+        if (ref_check_bits(rank, "combined_topk_weights", got, eoutw, Tm * K, 4, K)) goto out;
+        if (it == 0) first_hash = hash;
+        if (hash != first_hash) {
+            rc = ref_fail(rank, "iteration %d: output hash %016llx differs from iteration 0's %016llx", it,
+                          (unsigned long long)hash, (unsigned long long)first_hash);
+            goto out;
+        }
+        EXPECT_OK(epx_handle_destroy(handle));
+        handle = NULL;
+    }
+    rc = 0;
+out:
+    if (handle) epx_handle_destroy(handle);
+    dfree(&da);
+    ref_ht_recv_free(&ref);
+    ref_arena_free(&ar);
+    ref_problem_free(&p);
+    return rc;
+}
+
+/* Static mode captured once in a CUDA graph (dispatch, then combine of recv_x itself), replayed
+ * with new routing and data written into the same input tensors. */
+static int run_graph(epx_buffer_t buf, int rank, int R, int64_t H, int64_t T_max, uint64_t seed, int device)
+{
+    int rc = 1;
+    dev_arena_t da = {0};
+    const int64_t K = TOPK, cap = (int64_t)R * T_max, Tm = T_max;
+    int64_t T[REF_MAX_RANKS];
+    for (int r = 0; r < R; r++) T[r] = T_max; /* shapes are fixed by the graph */
+    void *dx = dalloc(&da, (size_t)(Tm * H) * 2), *dtopk = dalloc(&da, (size_t)(Tm * K) * 4);
+    void *drx = dalloc(&da, (size_t)(cap * H) * 2), *dn = dalloc(&da, 4);
+    void *dout = dalloc(&da, (size_t)(Tm * H) * 2);
+    if (!dout) return ref_fail(rank, "cudaMalloc");
+    cudaStream_t st;
+    CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    epx_handle_t handle = NULL;
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+
+    /* The default mode refuses capture, naming num_worst_tokens. */
+    {
+        CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        epx_ht_dispatch_args_t a = EPX_HT_DISPATCH_ARGS_INIT;
+        a.x = dev_tensor(dx, EPX_DTYPE_BF16, Tm, H, 2, device);
+        a.topk_idx = dev_tensor(dtopk, EPX_DTYPE_INT32, Tm, K, 2, device);
+        a.stream = st;
+        epx_ht_dispatch_outputs_t o = EPX_HT_DISPATCH_OUTPUTS_INIT;
+        o.recv_x = dev_tensor(drx, EPX_DTYPE_BF16, cap, H, 2, device);
+        epx_result_t res = epx_ht_dispatch(buf, &a, &o);
+        cudaGraph_t g = NULL;
+        cudaStreamEndCapture(st, &g);
+        if (g) cudaGraphDestroy(g);
+        (void)cudaGetLastError();
+        EXPECT_RES(res, EPX_ERR_GRAPH_CAPTURE);
+        EXPECT_MSG_HAS("num_worst_tokens");
+    }
+
+    CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    epx_ht_dispatch_args_t a = EPX_HT_DISPATCH_ARGS_INIT;
+    a.x = dev_tensor(dx, EPX_DTYPE_BF16, Tm, H, 2, device);
+    a.topk_idx = dev_tensor(dtopk, EPX_DTYPE_INT32, Tm, K, 2, device);
+    a.num_worst_tokens = cap;
+    a.stream = st;
+    epx_ht_dispatch_outputs_t o = EPX_HT_DISPATCH_OUTPUTS_INIT;
+    o.recv_x = dev_tensor(drx, EPX_DTYPE_BF16, cap, H, 2, device);
+    o.num_recv_tokens = dev_tensor(dn, EPX_DTYPE_INT32, 1, 0, 1, device);
+    epx_result_t res = epx_ht_dispatch(buf, &a, &o);
+    if (res == EPX_SUCCESS) {
+        handle = o.handle;
+        epx_ht_combine_args_t ca = EPX_HT_COMBINE_ARGS_INIT;
+        ca.handle = handle;
+        ca.x = dev_tensor(drx, EPX_DTYPE_BF16, cap, H, 2, device);
+        ca.stream = st;
+        epx_ht_combine_outputs_t co = EPX_HT_COMBINE_OUTPUTS_INIT;
+        co.combined_x = dev_tensor(dout, EPX_DTYPE_BF16, Tm, H, 2, device);
+        res = epx_ht_combine(buf, &ca, &co);
+    }
+    CUDA_OK(cudaStreamEndCapture(st, &graph));
+    if (res != EPX_SUCCESS) {
+        rc = ref_fail(rank, "capture: %s (%s)", epx_result_name(res), epx_last_error_message());
+        goto out;
+    }
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+
+    uint16_t *hx = malloc((size_t)(Tm * H) * 2), *got = malloc((size_t)(cap * H) * 2 + 16);
+    int32_t *htopk = malloc((size_t)(Tm * K) * 4);
+    uint16_t *eout = malloc((size_t)(Tm * H) * 2 + 16);
+    for (int replay = 0; replay < 3 && hx && got && htopk && eout; replay++) {
+        ref_problem_t p;
+        ref_ht_recv_t ref = {0};
+        const uint64_t s2 = seed + 7919ull * (uint64_t)(replay + 1);
+        ref_set_case("graph R=%d H=%lld replay %d", R, (long long)H, replay);
+        if (ref_problem_init(&p, R, E_EXPERTS, TOPK, H, T_max, EPX_DTYPE_BF16, s2, T,
+                             replay == 1 ? REF_ROUTE_SKEWED : REF_ROUTE_RANDOM) != 0 ||
+            ref_ht_dispatch(&p, rank, 1, &ref) != 0) {
+            rc = ref_fail(rank, "reference");
+            goto out;
+        }
+        for (int64_t t = 0; t < Tm; t++) ref_x_row(&p, rank, t, REF_TAG_X, hx + t * H);
+        ref_fill_topk(&p, rank, EPX_DTYPE_INT32, htopk);
+        cudaMemcpy(dx, hx, (size_t)(Tm * H) * 2, cudaMemcpyHostToDevice);
+        cudaMemcpy(dtopk, htopk, (size_t)(Tm * K) * 4, cudaMemcpyHostToDevice);
+        CUDA_OK(cudaGraphLaunch(exec, st));
+        CUDA_OK(cudaStreamSynchronize(st));
+        EXPECT_OK(epx_get_async_error(epx_test_current_comm));
+        int32_t nd = -1;
+        cudaMemcpy(&nd, dn, 4, cudaMemcpyDeviceToHost);
+        int fail = nd != ref.n;
+        if (fail) rc = ref_fail(rank, "graph N_r %d, expected %lld", nd, (long long)ref.n);
+        cudaMemcpy(got, drx, (size_t)(ref.n * H) * 2, cudaMemcpyDeviceToHost);
+        for (int64_t i = 0; i < ref.n && !fail; i++) {
+            ref_x_row(&p, ref.src[i], ref.tok[i], REF_TAG_X, eout);
+            fail = ref_check_bits(rank, "graph recv_x", got + i * H, eout, H, 2, H);
+        }
+        /* Combine of recv_x itself: each token's row summed once per receiving rank. */
+        if (!fail) {
+            cudaMemcpy(got, dout, (size_t)(Tm * H) * 2, cudaMemcpyDeviceToHost);
+            int32_t per_rank[REF_MAX_RANKS], per_expert[E_EXPERTS];
+            uint8_t *in_rank = malloc((size_t)(Tm * R) + 1);
+            ref_layout(&p, rank, R, per_rank, per_expert, in_rank, NULL);
+            for (int64_t t = 0; t < Tm; t++)
+                for (int64_t c = 0; c < H; c++) {
+                    float acc = 0.0f;
+                    for (int r = 0; r < R; r++)
+                        if (in_rank[t * R + r]) acc = ref_fadd(acc, ref_bf16_to_f32(hx[t * H + c]));
+                    eout[t * H + c] = ref_f32_to_bf16(acc);
+                }
+            free(in_rank);
+            fail = ref_check_bits(rank, "graph combined_x", got, eout, Tm * H, 2, H);
+        }
+        ref_ht_recv_free(&ref);
+        ref_problem_free(&p);
+        if (fail) goto out;
+    }
+    if (!hx || !got || !htopk || !eout) {
+        rc = ref_fail(rank, "malloc");
+        goto out;
+    }
+    free(hx);
+    free(got);
+    free(htopk);
+    free(eout);
+    rc = 0;
+out:
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+    if (handle) epx_handle_destroy(handle);
+    cudaStreamDestroy(st);
+    dfree(&da);
+    return rc;
+}
+
+static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx)
+{
+    const ctx_t *ctx = vctx;
+    ref_set_seed(ctx->seed);
+    epx_comm_config_t cfg = EPX_COMM_CONFIG_INIT;
+    cfg.backend = EPX_BACKEND_CUDA;
+    cfg.cuda_device = 0;
+    int ngpu = 0;
+    cudaGetDeviceCount(&ngpu);
+    if (ngpu > 0) cfg.cuda_device = rank % ngpu;
+    epx_comm_t comm;
+    EXPECT_OK(epx_comm_init(id, rank, nranks, &cfg, &comm));
+    epx_test_current_comm = comm;
+    int rc = 0;
+    const int64_t Hs[2] = {7168, 2048};
+    for (int hi = ctx->quick ? 1 : 0; hi < 2 && rc == 0; hi++) {
+        const int64_t H = Hs[hi], T_max = ctx->quick ? 64 : (H == 7168 ? 128 : 256);
+        epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
+        bc.max_tokens = T_max;
+        bc.hidden = H;
+        bc.num_topk = TOPK;
+        bc.num_experts = E_EXPERTS;
+        bc.modes = EPX_MODE_HT;
+        bc.dispatch_dtypes = EPX_DTYPE_BIT(EPX_DTYPE_BF16) | EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3);
+        epx_buffer_t buf;
+        EXPECT_OK(epx_buffer_create(comm, &bc, &buf));
+        ht_case_t cases[] = {
+            {H, T_max, EPX_DTYPE_BF16, REF_ROUTE_RANDOM, 1, 0, 1},
+            {H, T_max, EPX_DTYPE_FP8_E4M3, REF_ROUTE_SKEWED, 2, 1, 1},
+            {H, T_max, EPX_DTYPE_FP8_E4M3, REF_ROUTE_RANDOM, 0, 0, 1},
+            {H, T_max, EPX_DTYPE_BF16, REF_ROUTE_GROUPED, 3, 1, 1},
+            {H, T_max, EPX_DTYPE_BF16, REF_ROUTE_RANDOM, 4, 0, 200},
+        };
+        const int ncases = ctx->quick ? 2 : (int)(sizeof(cases) / sizeof(cases[0]));
+        for (int i = 0; i < ncases && rc == 0; i++) {
+            if (cases[i].repeats > 1 && H != 2048) continue; /* 200 iterations at the smaller H */
+            rc = run_eager(buf, rank, nranks, &cases[i], ctx->seed + (uint64_t)i * 1000 + (uint64_t)H, cfg.cuda_device);
+        }
+        if (rc == 0 && !ctx->quick && H == 2048) rc = run_graph(buf, rank, nranks, H, T_max, ctx->seed, cfg.cuda_device);
+        if (rc == 0) EXPECT_OK(epx_get_async_error(comm));
+        EXPECT_OK(epx_buffer_destroy(buf));
+    }
+    EXPECT_OK(epx_comm_destroy(comm));
+    return rc;
+}
+
+/* Probes for a GPU in a child so the parent never initialises CUDA before forking ranks. */
+static int gpu_count(void)
+{
+    pid_t pid = fork();
+    if (pid < 0) return 0;
+    if (pid == 0) {
+        int n = 0;
+        if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
+        _exit(n > 100 ? 100 : n);
+    }
+    int status = 0;
+    if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return 0;
+    return WEXITSTATUS(status);
+}
+
+int main(void)
+{
+    if (gpu_count() <= 0) {
+        printf("no usable GPU: skipped\n");
+        return EPX_TEST_SKIP;
+    }
+    ctx_t ctx = {epx_test_seed(), getenv("EPX_GPU_TEST_QUICK") && atoi(getenv("EPX_GPU_TEST_QUICK")) != 0};
+    const char *ranks = getenv("EPX_GPU_TEST_RANKS");
+    if (!ranks) ranks = "2,4,8";
+    int failed = 0;
+    for (const char *p = ranks; *p;) {
+        int R = atoi(p);
+        if (R >= 1 && R <= REF_MAX_RANKS) {
+            printf("ht ipc: %d ranks\n", R);
+            fflush(stdout);
+            if (epx_test_run_ranks(R, rank_main, &ctx, 500) != 0) {
+                fprintf(stderr, "ht ipc: %d ranks failed\n", R);
+                failed = 1;
+                break;
+            }
+        }
+        while (*p && *p != ',') p++;
+        if (*p == ',') p++;
+    }
+    if (!failed) printf("ht ipc: all passed\n");
+    return failed;
+}
