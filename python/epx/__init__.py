@@ -1,0 +1,257 @@
+"""epx: expert-parallel dispatch and combine for Mixture-of-Experts models.
+
+Python binding of libepx (the C library's semantics are in docs/reference.md). Tensors come in
+through DLPack (numpy >= 1.22 arrays, torch tensors, anything with ``__dlpack__``); outputs are
+allocated by the caller's framework: numpy in, numpy out; torch in, torch out on the same device.
+
+dtypes: bf16 is ``torch.bfloat16`` or, with numpy (which has no bfloat16), a ``uint16`` array of
+bf16 bit patterns; fp8 e4m3 is ``torch.float8_e4m3fn`` or a ``uint8`` array where fp8 is expected;
+``float32``, ``int32``, ``int64`` and ``bool`` are themselves. Outputs use the same conventions.
+
+Streams: for cuda tensors every call runs on torch's current stream unless ``stream=`` (a
+``cudaStream_t`` as int) is given; the host backend runs synchronously.
+
+Library failures raise ``EpxError`` subclasses carrying the library's message (``.message``), the
+result name (``.result``, e.g. ``"ERR_INVALID_ARG"``) and its code (``.code``).
+"""
+
+from . import _epx
+from ._epx import (  # noqa: F401  (re-exported)
+    CombineOutput,
+    DispatchOutput,
+    Handle,
+    Hook,
+    Layout,
+    LLCombineOutput,
+    LLDispatchOutput,
+    LLHandle,
+    RoutingDispatchOutput,
+    get_unique_id,
+)
+
+__all__ = [
+    "Buffer", "Comm", "EpxError", "get_unique_id", "version", "Handle", "LLHandle", "Hook", "Layout",
+    "DispatchOutput", "CombineOutput", "LLDispatchOutput", "LLCombineOutput", "RoutingDispatchOutput",
+    "bf16_to_float32", "float32_to_bf16",
+]
+
+__version__ = _epx.version()
+
+
+def version():
+    """Version of the linked library ("major.minor.patch")."""
+    return _epx.version()
+
+
+# ---------------------------------------------------------------------------------------- errors
+
+
+class EpxError(RuntimeError):
+    """A failure reported by libepx. ``message``: the library's detail; ``result``: the result
+    name ("ERR_TIMEOUT"); ``code``: its integer value."""
+
+    result = "ERR_INTERNAL"
+    code = 12
+    message = ""
+
+    def __str__(self):
+        return "%s [%s]" % (self.message or (self.args[0] if self.args else ""), self.result)
+
+
+class InvalidArgumentError(EpxError, ValueError):
+    """EPX_ERR_INVALID_ARG."""
+
+
+class UnsupportedError(EpxError):
+    """EPX_ERR_UNSUPPORTED: not supported by this build, backend or device."""
+
+
+class OutOfMemoryError(EpxError, MemoryError):
+    """EPX_ERR_OUT_OF_MEMORY."""
+
+
+class EpxTimeoutError(EpxError, TimeoutError):
+    """EPX_ERR_TIMEOUT: a wait exceeded its deadline (EPX_TIMEOUT_MS)."""
+
+
+class SystemCallError(EpxError, OSError):
+    """EPX_ERR_SYSTEM: a system call failed."""
+
+
+class CudaError(EpxError):
+    """EPX_ERR_CUDA."""
+
+
+class GraphCaptureError(EpxError):
+    """EPX_ERR_GRAPH_CAPTURE: not allowed while the stream is being captured."""
+
+
+class EpxOverflowError(EpxError):
+    """EPX_ERR_OVERFLOW: rows past a caller-given upper bound were dropped."""
+
+
+class MismatchError(EpxError):
+    """EPX_ERR_MISMATCH: collective arguments differ across ranks."""
+
+
+class RemoteError(EpxError):
+    """EPX_ERR_REMOTE: a peer rank failed or left the operation."""
+
+
+class BootstrapError(EpxError):
+    """EPX_ERR_BOOTSTRAP: rendezvous or bootstrap callback failed."""
+
+
+class InternalError(EpxError):
+    """EPX_ERR_INTERNAL."""
+
+
+_ERRORS = {
+    "ERR_INVALID_ARG": InvalidArgumentError,
+    "ERR_UNSUPPORTED": UnsupportedError,
+    "ERR_OUT_OF_MEMORY": OutOfMemoryError,
+    "ERR_TIMEOUT": EpxTimeoutError,
+    "ERR_SYSTEM": SystemCallError,
+    "ERR_CUDA": CudaError,
+    "ERR_GRAPH_CAPTURE": GraphCaptureError,
+    "ERR_OVERFLOW": EpxOverflowError,
+    "ERR_MISMATCH": MismatchError,
+    "ERR_REMOTE": RemoteError,
+    "ERR_BOOTSTRAP": BootstrapError,
+    "ERR_INTERNAL": InternalError,
+}
+for _code, (_name, _cls) in enumerate(_ERRORS.items(), start=1):  # the order of EPX_RESULT_MAP
+    _cls.result, _cls.code = _name, _code
+_epx._set_error_classes(EpxError, _ERRORS)
+
+# ---------------------------------------------------------------------------------------- comm
+
+
+class Comm(_epx.Comm):
+    """A communicator: this process's rank among ``nranks`` processes.
+
+    Properties: rank, nranks, local_rank, local_nranks, ranks_per_nvlink_domain, num_nvlink_domains,
+    backend ("host" or "cuda"), cuda_device. Destroyed when garbage-collected, or by destroy()."""
+
+    @classmethod
+    def from_unique_id(cls, unique_id, rank, nranks, backend="auto", cuda_device=-1, timeout_ms=0):
+        """Collective over ``nranks`` processes: rendezvous through ``unique_id`` (bytes from
+        get_unique_id(), created once and sent to every rank). backend: "auto", "host" or "cuda";
+        cuda_device -1 = the current device; timeout_ms 0 = EPX_TIMEOUT_MS."""
+        return _epx.comm_init(cls, bytes(unique_id), rank, nranks, backend, cuda_device, timeout_ms)
+
+    @classmethod
+    def from_callbacks(cls, allgather, barrier, rank, nranks, backend="auto", cuda_device=-1, timeout_ms=0):
+        """Collective; bootstraps through the caller's collectives. ``allgather(data: bytes) -> bytes``
+        returns every rank's ``data`` concatenated in rank order; ``barrier()`` returns when all ranks
+        called it. Both must stay usable while the communicator lives. An exception in a callback fails
+        the init with BootstrapError (the exception is its ``__cause__``)."""
+        return _epx.comm_init_callbacks(cls, allgather, barrier, rank, nranks, backend, cuda_device,
+                                        timeout_ms)
+
+    @classmethod
+    def from_torch(cls, group=None, backend="auto", timeout_ms=0):
+        """Collective over a torch.distributed process group (default: the world): bootstraps through
+        its all_gather and barrier (gloo on the CPU, NCCL on the current CUDA device)."""
+        import torch
+        import torch.distributed as dist
+
+        _epx._refresh_torch()
+        rank = dist.get_rank(group)
+        nranks = dist.get_world_size(group)
+        on_cuda = dist.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+
+        def allgather(data):
+            send = torch.tensor(list(data), dtype=torch.uint8, device=device)
+            parts = [torch.empty_like(send) for _ in range(nranks)]
+            dist.all_gather(parts, send, group=group)
+            return bytes(torch.cat(parts).cpu().tolist())
+
+        def barrier():
+            dist.barrier(group=group)
+
+        cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else -1
+        return cls.from_callbacks(allgather, barrier, rank, nranks, backend, cuda_device, timeout_ms)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.destroy()
+
+    def __repr__(self):
+        return "epx.Comm(rank=%d, nranks=%d, backend=%r)" % (self.rank, self.nranks, self.backend)
+
+
+# ---------------------------------------------------------------------------------------- buffer
+
+_MODES = {"ht": _epx.MODE_HT, "ll": _epx.MODE_LL, "permute": _epx.MODE_PERMUTE, "all": _epx.MODE_ALL}
+_DTYPES = {"bf16": 1, "fp32": 2, "fp8": 3, "fp8_e4m3": 3}
+
+
+def _mask(value, table, what):
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        value = [value]
+    mask = 0
+    for item in value:
+        if item not in table:
+            raise ValueError("epx: %s %r is unknown; use %s" % (what, item, ", ".join(sorted(table))))
+        bit = table[item]
+        mask |= bit if what == "mode" else (1 << bit)
+    return mask
+
+
+class Buffer(_epx.Buffer):
+    """A communication buffer, collective to create.
+
+    Buffer(comm, max_tokens, hidden, num_topk, num_experts, modes="all", dispatch_dtypes=None,
+           max_pad_multiple=0, num_sms=0, chunk_tokens=0)
+
+    modes: "all" or any of "ht", "ll", "permute" (a string, a list of them, or EPX_MODE_* bits).
+    dispatch_dtypes: dtypes of x allowed in dispatch, any of "bf16", "fp32", "fp8" (default all
+    three; fp8 needs hidden % 128 == 0). Every rank must pass the same values.
+
+    Methods (see each docstring): get_dispatch_layout, dispatch, combine, ll_dispatch, ll_combine,
+    get_combine_buffer, rm_dispatch, rm_combine, query_overflow, destroy."""
+
+    def __init__(self, comm, max_tokens, hidden, num_topk, num_experts, modes="all", dispatch_dtypes=None,
+                 max_pad_multiple=0, num_sms=0, chunk_tokens=0):
+        super().__init__(comm, max_tokens, hidden, num_topk, num_experts, _mask(modes, _MODES, "mode"),
+                         _mask(dispatch_dtypes, _DTYPES, "dtype"), max_pad_multiple, num_sms, chunk_tokens)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.destroy()
+
+    def __repr__(self):
+        return "epx.Buffer(T_max=%d, H=%d, K=%d, E=%d, ranks=%d)" % (
+            self.max_tokens, self.hidden, self.num_topk, self.num_experts, self.num_ranks)
+
+
+# ---------------------------------------------------------------------------------------- numpy helpers
+
+
+def float32_to_bf16(a):
+    """numpy float32 array -> uint16 array of bf16 bit patterns (round to nearest even)."""
+    import numpy as np
+
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    nan = np.isnan(np.asarray(a, dtype=np.float32))
+    out = rounded.astype(np.uint16)
+    out[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+    return out
+
+
+def bf16_to_float32(a):
+    """uint16 array of bf16 bit patterns -> numpy float32 array (exact)."""
+    import numpy as np
+
+    return (np.ascontiguousarray(a, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)

@@ -1,0 +1,63 @@
+"""Runs a test body on R forked ranks (multiprocessing, fork) that meet through one unique id, and
+reports every rank's failure with its traceback."""
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+
+import epx
+
+DEADLINE_S = 120
+
+
+def _child(fn, rank, nranks, uid, queue, kwargs):
+    try:
+        result = fn(rank, nranks, uid, **kwargs)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        # Flush the queue's feeder thread, then skip the atexit handlers inherited from pytest.
+        queue.close()
+        queue.join_thread()
+        os._exit(0)
+
+
+def run_ranks(nranks, fn, **kwargs):
+    """Calls fn(rank, nranks, uid, **kwargs) in nranks forked processes; returns their results by rank."""
+    ctx = mp.get_context("fork")
+    uid = epx.get_unique_id()
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(fn, r, nranks, uid, queue, kwargs)) for r in range(nranks)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    deadline = time.monotonic() + DEADLINE_S
+    while len(results) + len(errors) < nranks:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            rank, ok, value = queue.get(timeout=left)
+        except Exception:  # noqa: BLE001 - queue.Empty
+            break
+        if ok:
+            results[rank] = value
+        else:
+            errors.append("rank %d:\n%s" % (rank, value))
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    if len(results) != nranks:
+        raise AssertionError("ranks %s did not report within %d s" %
+                             (sorted(set(range(nranks)) - set(results)), DEADLINE_S))
+    return [results[r] for r in range(nranks)]
+
+
+def host_comm(rank, nranks, uid, **kw):
+    return epx.Comm.from_unique_id(uid, rank, nranks, backend="host", **kw)

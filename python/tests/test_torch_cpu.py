@@ -1,0 +1,138 @@
+"""torch CPU tensors through the binding and the compat fronts (DeepEP, HybridEP) with a gloo group,
+checked against the NumPy reference. Skipped where torch is not installed."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import epx  # noqa: E402
+from epx.compat import deep_ep, hybrid_ep  # noqa: E402
+from mp import run_ranks  # noqa: E402
+from npref import Problem  # noqa: E402
+from torchutil import bf16_bits, free_port, init_group, to_torch  # noqa: E402
+
+from test_ops import SEED, assert_equal  # noqa: E402
+
+
+def problem(nranks):
+    return Problem(SEED, nranks, 6, 128, 3, 4 * nranks)
+
+
+def _native(rank, nranks, uid):
+    p = problem(nranks)
+    comm = epx.Comm.from_unique_id(uid, rank, nranks, backend="host")
+    buf = epx.Buffer(comm, p.T_max, p.H, p.K, p.E)
+    x = to_torch(p.x[rank], "cpu", bf16=True)
+    idx = to_torch(p.topk_idx[rank], "cpu")
+    w = to_torch(p.weights[rank], "cpu")
+    out = buf.dispatch(x, idx, w)
+    assert isinstance(out.recv_x, torch.Tensor) and out.recv_x.dtype == torch.bfloat16
+    recv_x, recv_idx, _, _ = p.ht_dispatch(rank)
+    assert_equal(bf16_bits(out.recv_x), recv_x, "torch recv_x", rank)
+    assert_equal(out.recv_topk_idx.numpy(), recv_idx, "torch recv_topk_idx", rank)
+    y = (out.recv_x.float() * (rank + 1)).to(torch.bfloat16)
+    comb = buf.combine(y, out.handle)
+    assert_equal(bf16_bits(comb.combined_x), p.ht_combine(rank), "torch combined_x", rank)
+    ll = buf.ll_dispatch(x, idx)
+    _, count, _, _ = p.ll_dispatch(rank)
+    assert_equal(ll.recv_count.numpy(), count, "torch recv_count", rank)
+    return True
+
+
+@pytest.mark.parametrize("nranks", [1, 2])
+def test_torch_native(nranks):
+    run_ranks(nranks, _native)
+
+
+def _deep_ep(rank, nranks, uid, port):
+    dist = init_group(rank, nranks, port)
+    p = problem(nranks)
+    buf = deep_ep.Buffer(dist.group.WORLD, int(1e8), 0)
+    x = to_torch(p.x[rank], "cpu", bf16=True)
+    idx = to_torch(p.topk_idx[rank], "cpu")
+    w = to_torch(p.weights[rank], "cpu")
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, p.E)
+    want_rank, want_expert, want_in = p.layout(rank)
+    assert_equal(per_rank.numpy(), want_rank, "deep_ep num_tokens_per_rank", rank)
+    assert_equal(per_expert.numpy(), want_expert, "deep_ep num_tokens_per_expert", rank)
+    assert_equal(in_rank.numpy(), want_in, "deep_ep is_token_in_rank", rank)
+    recv_x, recv_idx, recv_w, counts, handle, event = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=idx, topk_weights=w, config=deep_ep.Buffer.get_dispatch_config(nranks))
+    want_x, want_idx, want_w, want_counts = p.ht_dispatch(rank)
+    assert_equal(bf16_bits(recv_x), want_x, "deep_ep recv_x", rank)
+    assert counts == want_counts.tolist()
+    y = (recv_x.float() * (rank + 1)).to(torch.bfloat16)
+    combined, _, _ = buf.combine(y, handle, async_finish=True)
+    assert_equal(bf16_bits(combined), p.ht_combine(rank), "deep_ep combined", rank)
+    # LL with hook and zero-copy combine.
+    rx, rcount, llh, _, hook = buf.low_latency_dispatch(x, idx, p.T_max, p.E, use_fp8=False,
+                                                        return_recv_hook=True)
+    hook()
+    _, count, _, _ = p.ll_dispatch(rank)
+    assert_equal(rcount.numpy(), count, "deep_ep recv_count", rank)
+    view = buf.get_next_low_latency_combine_buffer(llh)
+    for j in range(p.L):
+        view[j] = (rx[j].float() * ((rank * p.L + j) % 3 + 1)).to(torch.bfloat16)
+    out, _, _ = buf.low_latency_combine(view, idx, w, llh, zero_copy=True)
+    assert_equal(bf16_bits(out), p.ll_combine(rank), "deep_ep ll combined", rank)
+    with pytest.raises(NotImplementedError, match="use_logfmt"):
+        buf.low_latency_combine(view, idx, w, llh, use_logfmt=True)
+    buf.destroy()
+    dist.destroy_process_group()
+    return True
+
+
+@pytest.mark.parametrize("nranks", [1, 2])
+def test_deep_ep_front(nranks):
+    run_ranks(nranks, _deep_ep, port=free_port())
+
+
+def _hybrid_ep(rank, nranks, uid, port):
+    dist = init_group(rank, nranks, port)
+    p = problem(nranks)
+    buf = hybrid_ep.HybridEPBuffer(dist.group.WORLD, hidden_dim=p.H, max_num_of_tokens_per_rank=p.T_max,
+                                   num_local_experts=p.L, num_topk=p.K, max_pad_multiple=4)
+    x = to_torch(p.x[rank], "cpu", bf16=True)
+    idx = to_torch(p.topk_idx[rank], "cpu")
+    w = to_torch(p.weights[rank], "cpu")
+    tokens, probs, _, handle = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_of_experts=p.E)
+    want_tokens, want_probs, _, _ = p.rm_dispatch(rank, False, 1)
+    assert_equal(bf16_bits(tokens), want_tokens, "hybrid tokens", rank)
+    assert_equal(probs.numpy(), want_probs, "hybrid probs", rank)
+    combined, _ = buf.combine((tokens.float() * (rank + 1)).to(torch.bfloat16), handle=handle)
+    assert_equal(bf16_bits(combined), p.rm_combine(rank, False, False), "hybrid combined", rank)
+    tokens, probs, _, per_expert, handle = buf.dispatch_with_permute(
+        x, routing_map=to_torch(p.routing_map(rank), "cpu"), probs=to_torch(p.probs[rank], "cpu"),
+        pad_multiple=4)
+    want_tokens, want_probs, want_per_expert, rows = p.rm_dispatch(rank, True, 4)
+    assert_equal(bf16_bits(tokens), want_tokens, "hybrid permuted tokens", rank)
+    assert_equal(per_expert.numpy(), want_per_expert, "hybrid tokens_per_expert", rank)
+    y = torch.zeros_like(tokens)
+    for i, row in enumerate(rows):
+        if row is not None:
+            y[i] = (tokens[i].float() * (row[2] + 2)).to(torch.bfloat16)
+    combined, _ = buf.combine_with_unpermute(y, handle=handle, weighted=True)
+    assert_equal(bf16_bits(combined), p.rm_combine(rank, True, True), "hybrid unpermuted", rank)
+    with pytest.raises(NotImplementedError, match="probs"):
+        buf.combine_with_unpermute(y, probs=probs, handle=handle)
+    dist.destroy_process_group()
+    return True
+
+
+@pytest.mark.parametrize("nranks", [1, 2])
+def test_hybrid_ep_front(nranks):
+    run_ranks(nranks, _hybrid_ep, port=free_port())
+
+
+def _from_torch(rank, nranks, uid, port):
+    dist = init_group(rank, nranks, port)
+    comm = epx.Comm.from_torch(backend="host")
+    got = (comm.rank, comm.nranks, comm.backend)
+    comm.destroy()
+    dist.destroy_process_group()
+    return got
+
+
+def test_comm_from_torch_gloo():
+    assert run_ranks(2, _from_torch, port=free_port()) == [(0, 2, "host"), (1, 2, "host")]

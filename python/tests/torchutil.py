@@ -1,0 +1,40 @@
+"""Shared pieces of the torch tests: forked ranks with a torch.distributed group, and the same checks
+as the NumPy tests (npref.py) on torch tensors."""
+
+import os
+import socket
+
+import numpy as np
+
+from npref import f32
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_group(rank, nranks, port, backend="gloo"):
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group(backend, rank=rank, world_size=nranks)
+    return dist
+
+
+def to_torch(a, device, bf16=False):
+    """numpy -> torch; uint16 bf16 bit patterns become torch.bfloat16 when bf16 is set."""
+    import torch
+
+    if bf16:
+        return torch.from_numpy(f32(a)).to(torch.bfloat16).to(device)
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+
+def bf16_bits(t):
+    """torch.bfloat16 tensor -> numpy uint16 bit patterns."""
+    import torch
+
+    return t.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
