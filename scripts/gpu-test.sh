@@ -44,6 +44,20 @@ if command -v compute-sanitizer >/dev/null; then
             log "  $tool FAILED (see sanitizer-$tool.log)"; status=1
         fi
     done
+    log "compute-sanitizer memcheck, routing map, 2 ranks"
+    if timeout 150 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
+        env EPX_GPU_TEST_RANKS=2 EPX_GPU_TEST_QUICK=1 "$BUILD/tests/gpu_rm" >"$LOGDIR/sanitizer-rm.log" 2>&1; then
+        log "  rm memcheck clean"
+    else
+        log "  rm memcheck FAILED (see sanitizer-rm.log)"; status=1
+    fi
+    log "compute-sanitizer memcheck, ll, 2 ranks"
+    if timeout 150 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
+        env EPX_GPU_TEST_RANKS=2 EPX_GPU_TEST_QUICK=1 "$BUILD/tests/gpu_ll" >"$LOGDIR/sanitizer-ll.log" 2>&1; then
+        log "  ll memcheck clean"
+    else
+        log "  ll memcheck FAILED (see sanitizer-ll.log)"; status=1
+    fi
 fi
 
 if [ "${NGPU:-0}" -lt 8 ] && command -v nvidia-cuda-mps-control >/dev/null; then
@@ -76,6 +90,32 @@ if [ -x "$BUILD/tools/epx-bench" ]; then
             >"$LOGDIR/bench-ht-$d.log" 2>&1 || { log "  bench $d FAILED"; status=1; }
         tail -5 "$LOGDIR/bench-ht-$d.log" | tee -a "$LOGDIR/summary.log"
     done
+fi
+# Routing-map rows: dispatch with permute / combine with unpermute, 4096 tokens per rank, H 7168,
+# top-8, 8 local experts per rank (8 ranks, 16 SMs each); R = 1 with 256 local experts against torch.
+if [ -x "$BUILD/tools/epx-rm-bench" ]; then
+    log "epx-rm-bench 8 ranks"
+    timeout 120 "$BUILD/tools/epx-rm-bench" -r 8 -t 4096 -H 7168 -k 8 -L 8 -s 16 -n 20 \
+        >"$LOGDIR/rm-bench-r8.log" 2>&1 || { log "  epx-rm-bench r8 FAILED"; status=1; }
+    cat "$LOGDIR/rm-bench-r8.log" | tee -a "$LOGDIR/summary.log"
+    log "epx-rm-bench 1 rank, 256 experts"
+    timeout 60 "$BUILD/tools/epx-rm-bench" -r 1 -t 4096 -H 7168 -k 8 -L 256 -n 20 \
+        >"$LOGDIR/rm-bench-r1.log" 2>&1 || { log "  epx-rm-bench r1 FAILED"; status=1; }
+    cat "$LOGDIR/rm-bench-r1.log" | tee -a "$LOGDIR/summary.log"
+fi
+if python3 -c "import torch; assert torch.cuda.is_available()" >/dev/null 2>&1; then
+    log "torch permute baseline"
+    timeout 120 python3 "$ROOT/bench/torch_permute.py" >"$LOGDIR/torch-permute.log" 2>&1 ||
+        { log "  torch baseline FAILED"; status=1; }
+    cat "$LOGDIR/torch-permute.log" | tee -a "$LOGDIR/summary.log"
+fi
+# LL rows: 128 tokens per rank, H 7168, top-8, 256 experts, 8 ranks with 16 SMs each: dispatch fp8,
+# combine bf16, their hook halves and the same-run floor.
+if [ -x "$BUILD/tools/epx-ll-bench" ]; then
+    log "epx-ll-bench 8 ranks"
+    timeout 120 "$BUILD/tools/epx-ll-bench" -r 8 -t 128 -H 7168 -k 8 -E 256 -s 16 -n 50 -d fp8 \
+        >"$LOGDIR/ll-bench-r8.log" 2>&1 || { log "  epx-ll-bench FAILED"; status=1; }
+    cat "$LOGDIR/ll-bench-r8.log" | tee -a "$LOGDIR/summary.log"
 fi
 log "done, status $status"
 exit $status

@@ -92,6 +92,13 @@ static void compute_layout(epx_buffer_t b, epx_cuda_layout_t *lay)
     off = align_up(off + R * T * K * 4, 256);
     lay->expert_scratch = off;
     off = align_up(off + (uint64_t)b->num_local_experts * 4, 256);
+    /* ---- LL areas (src/cuda/ll.c) ---- */
+    lay->ll = off;
+    off = align_up(off + epx_cuda_ll_bytes(b), 256);
+    /* ---- end of LL areas ---- */
+    /* ---- routing-map areas (src/cuda/rm.c) ---- */
+    off = epx_cuda_rm_layout(b, lay, off);
+    /* ---- end of routing-map areas ---- */
     lay->total = off;
 }
 
@@ -107,7 +114,14 @@ epx_result_t epx_cuda_report_record(cuda_buffer_t *cb, uint64_t min_epoch, int s
                                        "combine rows", "expert id", "capacity"};
     int what = hb->err.what >= 0 && hb->err.what <= 6 ? hb->err.what : 0;
     char msg[512];
-    if (code == EPX_ERR_REMOTE)
+    if (code == EPX_ERR_MISMATCH)
+        snprintf(msg, sizeof(msg), "rank %d: routing-map dispatch arguments differ: rank %d passes dtype %llu, "
+                 "permute %llu, probs %llu; this rank dtype %llu, permute %llu, probs %llu (epoch %llu)",
+                 hb->err.rank, hb->err.peer, (unsigned long long)(hb->err.seen & 0xff),
+                 (unsigned long long)(hb->err.seen >> 8 & 1), (unsigned long long)(hb->err.seen >> 9 & 1),
+                 (unsigned long long)(hb->err.expected & 0xff), (unsigned long long)(hb->err.expected >> 8 & 1),
+                 (unsigned long long)(hb->err.expected >> 9 & 1), (unsigned long long)epoch);
+    else if (code == EPX_ERR_REMOTE)
         snprintf(msg, sizeof(msg), "rank %d: peer %d failed collective epoch %llu while this rank waited for its %s "
                  "(channel %d)", hb->err.rank, hb->err.peer, (unsigned long long)epoch, what_names[what],
                  hb->err.channel);
@@ -116,6 +130,10 @@ epx_result_t epx_cuda_report_record(cuda_buffer_t *cb, uint64_t min_epoch, int s
                  "seen %llu, expected %llu)", hb->err.rank, hb->err.peer, what_names[what],
                  (long long)comm->timeout_ms, hb->err.channel, (unsigned long long)epoch,
                  (unsigned long long)hb->err.seen, (unsigned long long)hb->err.expected);
+    if (hb->err.expert >= 0) {
+        size_t used = strlen(msg);
+        snprintf(msg + used, sizeof(msg) - used, " serving expert %d", hb->err.expert);
+    }
     pthread_mutex_lock(&cb->lock);
     int fresh = epoch > cb->reported_epoch;
     if (fresh) cb->reported_epoch = epoch;
@@ -277,6 +295,15 @@ static epx_result_t cuda_buffer_create(epx_buffer_t buffer)
         goto err_close_peers;
     }
     cb->poller_running = 1;
+    if (buffer->config.modes & EPX_MODE_LL) {
+        res = epx_cuda_ll_init(cb);
+        if (res != EPX_SUCCESS) {
+            atomic_store(&cb->poller_stop, 1);
+            pthread_join(cb->poller, NULL);
+            cb->poller_running = 0;
+            goto err_close_peers;
+        }
+    }
     buffer->backend_state = cb;
     EPX_INFO(EPX_SUBSYS_IPC, "rank %d: cuda buffer of %llu bytes, %d blocks per kernel", me,
              (unsigned long long)cb->lay.total, cb->num_blocks);
@@ -311,6 +338,8 @@ static void cuda_buffer_destroy(epx_buffer_t buffer)
         atomic_store(&cb->poller_stop, 1);
         pthread_join(cb->poller, NULL);
     }
+    epx_cuda_ll_fini(cb);
+    epx_cuda_rm_fini(cb);
     while (cb->free_handles) {
         cuda_handle_t *h = cb->free_handles;
         cb->free_handles = h->next_free;
@@ -364,6 +393,10 @@ epx_result_t epx_cuda_handle_get(cuda_buffer_t *cb, cuda_handle_t **out)
 
 static void cuda_handle_free(epx_handle_t handle)
 {
+    if (handle->kind == EPX_HANDLE_RM) {
+        epx_cuda_rm_handle_free(handle);
+        return;
+    }
     cuda_handle_t *h = handle->backend_state;
     cuda_buffer_t *cb = handle->buffer->backend_state;
     if (!h || !cb) return;
@@ -387,6 +420,7 @@ static void cuda_fail_collective(epx_buffer_t buffer, uint64_t seq, epx_result_t
     (void)cudaDeviceSynchronize();
     epx_cuda_common_t c;
     epx_cuda_fill_common(cb, &c);
+    epx_cuda_ll_on_fail(cb, cb->internal_stream);
     if (epx_cuda_launch_fail(&c, cb->internal_stream) == cudaSuccess) {
         cb->epoch++;
         (void)cudaStreamSynchronize((cudaStream_t)cb->internal_stream);
@@ -415,5 +449,11 @@ const epx_backend_ops_t epx_cuda_backend_ops = {
     .layout = epx_cuda_layout,
     .ht_dispatch = epx_cuda_ht_dispatch,
     .ht_combine = epx_cuda_ht_combine,
+    .rm_dispatch = epx_cuda_rm_dispatch,
+    .rm_combine = epx_cuda_rm_combine,
     .query_overflow = cuda_query_overflow,
+    .ll_dispatch = epx_cuda_ll_dispatch,
+    .ll_combine = epx_cuda_ll_combine,
+    .ll_get_combine_buffer = epx_cuda_ll_get_combine_buffer,
+    .hook_run = epx_cuda_hook_run,
 };

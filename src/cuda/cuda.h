@@ -41,6 +41,8 @@ typedef struct cuda_buffer {
     pthread_t poller;
     int32_t poller_running;
     atomic_int poller_stop;
+    void *ll;                              /* LL state (src/cuda/ll.c), NULL without EPX_MODE_LL */
+    void *rm_free;                         /* pooled routing-map handle slabs (src/cuda/rm.c) */
 } cuda_buffer_t;
 
 /* Converts a cudaError_t into an epx error naming `what` (EPX_SUCCESS for cudaSuccess). */
@@ -69,6 +71,35 @@ void epx_cuda_fill_common(cuda_buffer_t *cb, epx_cuda_common_t *c);
  * the same mappings with plain stores, no synchronisation. Not collective by itself: the
  * caller brackets it with barriers and must not overlap it with dispatches on this buffer. */
 epx_result_t epx_cuda_ht_ceiling(epx_buffer_t buffer, epx_handle_t handle, const epx_tensor_t *x, void *stream);
+
+/* LL operations (src/cuda/ll.c). */
+/* Bytes of the LL areas of a buffer (0 without EPX_MODE_LL); compute_layout places them at lay.ll. */
+uint64_t epx_cuda_ll_bytes(epx_buffer_t buffer);
+epx_result_t epx_cuda_ll_init(cuda_buffer_t *cb);
+void epx_cuda_ll_fini(cuda_buffer_t *cb);
+/* Called by fail_collective before the epoch of the failed call is closed. */
+void epx_cuda_ll_on_fail(cuda_buffer_t *cb, void *stream);
+epx_result_t epx_cuda_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ll_dispatch_args_t *args,
+                                  epx_ll_dispatch_outputs_t *outputs);
+epx_result_t epx_cuda_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll_combine_args_t *args,
+                                 epx_ll_combine_outputs_t *outputs);
+epx_result_t epx_cuda_ll_get_combine_buffer(epx_buffer_t buffer, const epx_ll_handle_t *handle,
+                                            epx_tensor_t *view_out);
+epx_result_t epx_cuda_hook_run(const epx_hook_t *hook, void *stream);
+/* Benchmark floor: the stores of an LL dispatch (kind 0) or combine (kind 1) of the last handle's
+ * routing, to the same peers' areas, with no wait, flag or epoch. Not collective. */
+epx_result_t epx_cuda_ll_floor(epx_buffer_t buffer, int kind, const epx_ll_dispatch_args_t *dargs,
+                               const epx_ll_handle_t *handle, void *stream);
+
+/* Routing-map operations (src/cuda/rm.c). */
+/* Appends the routing-map areas at `off` (buffers with EPX_MODE_PERMUTE); returns the new end. */
+uint64_t epx_cuda_rm_layout(epx_buffer_t b, epx_cuda_layout_t *lay, uint64_t off);
+epx_result_t epx_cuda_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_rm_dispatch_args_t *args,
+                                  epx_rm_dispatch_outputs_t *outputs, epx_handle_t handle);
+epx_result_t epx_cuda_rm_combine(epx_buffer_t buffer, uint64_t seq, const epx_rm_combine_args_t *args,
+                                 epx_rm_combine_outputs_t *outputs);
+void epx_cuda_rm_handle_free(epx_handle_t handle);
+void epx_cuda_rm_fini(cuda_buffer_t *cb); /* frees the pooled slabs (buffer teardown) */
 
 #ifdef __cplusplus
 }

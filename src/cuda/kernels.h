@@ -37,6 +37,8 @@ typedef struct epx_cuda_err_record {
     uint64_t epoch;
     uint64_t seen;
     uint64_t expected;
+    int32_t expert; /* expert the waiter served (LL), -1 = none */
+    int32_t pad2;
 } epx_cuda_err_record_t;
 
 /* Host-mapped per-buffer block (cudaHostAllocMapped). */
@@ -78,6 +80,14 @@ typedef struct epx_cuda_layout {
     uint64_t expert_scratch; /* [L] int32, owner only */
     uint64_t total;
     uint64_t x_stride;    /* bytes per dispatch row (16-aligned, widest allowed dtype) */
+    /* Routing-map areas (src/cuda/rm.c; 0 without EPX_MODE_PERMUTE). */
+    uint64_t rm_within;   /* [R][T_max][K] int32: row of (token, expert) among the source's */
+    uint64_t rm_cnt;      /* [R][L] int32: tokens of source s per local expert */
+    uint64_t rm_sig;      /* [R] uint64: source's dtype | permute << 8 | probs << 9 */
+    uint64_t rm_comb;     /* [T_max][K][H] bf16 unpermute rows (aliases comb_x when K <= R) */
+    uint64_t rm_scratch;  /* owner only: [T_max/32 + 1][E + R] int32 tile counts, totals */
+    /* Low-latency areas (src/cuda/ll.c; epx_cuda_ll_layout_t inside, 0 bytes without EPX_MODE_LL). */
+    uint64_t ll;
 } epx_cuda_layout_t;
 
 /* Per-handle device state (one slab). */
@@ -163,6 +173,120 @@ int epx_cuda_launch_fail(const epx_cuda_common_t *c, void *stream);
 /* Same-bytes ceiling: every row the dispatch would move, copied with plain 16-byte stores from
  * `src` rows to peers' dispatch areas through the same mappings, no flags. */
 int epx_cuda_launch_ceiling_copy(const epx_cuda_dispatch_args_t *args, void *stream);
+
+/* ------------------------------------------------ routing-map dispatch/combine (rm.cu) ---- */
+
+#define EPX_CUDA_RM_DONE_SEND 4 /* done_counter slots of the routing-map kernels */
+#define EPX_CUDA_RM_DONE_RECV 5
+#define EPX_CUDA_RM_DONE_COMB_SEND 6
+#define EPX_CUDA_RM_DONE_COMB_REDUCE 7
+#define EPX_CUDA_RM_DROPPED (-2)   /* perm_row: the row fell past the bound */
+
+/* Per-handle device state of a routing-map dispatch (one slab). */
+typedef struct epx_cuda_rm_handle_dev {
+    /* source side */
+    int32_t *send_row;    /* [T_max][R]: row of token t among this tile's tokens for r, -1 = not sent */
+    int32_t *src_sel;     /* [T_max][K]: selected experts ascending, -1 padded */
+    int32_t *src_within;  /* [T_max][K]: row of (t, expert) among this tile's tokens of that expert */
+    float *src_prob;      /* [T_max][K] */
+    /* receiver side, indexed by the row in HT order */
+    int32_t *recv_src;    /* [R*T_max]: source token */
+    int32_t *perm_row;    /* [R*T_max][K]: output row of (row, k), -1 = expert not here, -2 = dropped */
+    int32_t *recv_prefix; /* [R+1]: first row of each source */
+    int32_t *meta;        /* [2]: rows received (N_r), rows written without permute (min(N_r, limit)) */
+} epx_cuda_rm_handle_dev_t;
+
+typedef struct epx_cuda_rm_args {
+    epx_cuda_common_t c;
+    epx_cuda_rm_handle_dev_t h;
+    int64_t num_tokens;        /* T of this rank */
+    int32_t num_experts;
+    int32_t permute, pad_multiple;
+    uint64_t sig;              /* dtype | permute << 8 | probs << 9: must agree across ranks */
+    /* dispatch */
+    const uint8_t *hidden;     /* [T][row_bytes] */
+    int64_t row_bytes;
+    const float *scales;       /* [T][num_scales] or NULL */
+    int32_t num_scales;
+    const uint8_t *routing_map; /* [T][E] */
+    const float *probs;        /* [T][E] or NULL */
+    uint8_t *tokens;
+    float *out_scales;
+    float *out_probs;          /* [limit][L] without permute, [limit] with */
+    int32_t *tokens_per_expert;
+    int32_t *num_tokens_out;
+    int64_t limit;             /* the bound, or the outputs' capacity without one */
+    int32_t bounded;
+    /* combine */
+    const uint16_t *x;         /* [>= rows][H] bf16 */
+    uint16_t *combined;        /* [T][H] bf16 */
+    int32_t weighted;
+} epx_cuda_rm_args_t;
+
+int epx_cuda_launch_rm_dispatch(const epx_cuda_rm_args_t *args, void *stream);
+int epx_cuda_launch_rm_combine(const epx_cuda_rm_args_t *args, void *stream);
+
+/* ------------------------------------------------------ low-latency dispatch/combine (ll.cu) ---- */
+
+/* Flags of the LL operations, at lay.ll of every region. Words indexed [slot][peer] are written by
+ * that peer (system-scope release); the rest only by the owner. Values are collective epochs (the
+ * ctrl's epoch counter, which LL operations advance like every other collective). */
+typedef struct epx_cuda_ll_ctrl {
+    uint64_t disp_flag[2][EPX_CUDA_MAX_RANKS]; /* [slot][src] epoch whose rows src placed here */
+    uint64_t disp_ack[2][EPX_CUDA_MAX_RANKS];  /* [slot][dst] epoch dst finished reading our rows */
+    uint64_t comb_flag[2][EPX_CUDA_MAX_RANKS]; /* [slot][expert rank] epoch of its combine rows */
+    uint64_t comb_ack[2][EPX_CUDA_MAX_RANKS];  /* [slot][src] epoch src finished reading our rows */
+    uint64_t disp_epoch[2];                    /* owner: epoch of the slot's last dispatch */
+    uint64_t comb_epoch[2];                    /* owner: epoch of the slot's last combine */
+    uint32_t done_counter[4];                  /* owner: last-block detection per kernel */
+} epx_cuda_ll_ctrl_t;
+
+/* Absolute byte offsets of the LL areas inside a region (the same on every rank). */
+typedef struct epx_cuda_ll_layout {
+    uint64_t ctrl;       /* epx_cuda_ll_ctrl_t */
+    uint64_t cnt;        /* [2][R][L] int32: rows source s placed for each of our local experts */
+    uint64_t disp;       /* [2][L][R][T_max] rows of row_stride bytes: x, fp32 scales, int32 t, k */
+    uint64_t comb;       /* [2][T_max][K][H] bf16: the expert rows of our tokens, by (t, k) */
+    uint64_t zc;         /* [2][L][R*T_max][H] bf16: zero-copy combine input (owner only) */
+    uint64_t meta;       /* [2][L][R*T_max] int2 (t, s * 64 + k) of each packed row (owner only) */
+    uint64_t rcount;     /* [2][L] int32 rows received per local expert (owner only) */
+    uint64_t total;      /* bytes of all LL areas */
+    uint64_t row_stride; /* bytes per dispatch row; the last 16 hold t and k */
+} epx_cuda_ll_layout_t;
+
+typedef struct epx_cuda_ll_args {
+    epx_cuda_common_t c;
+    epx_cuda_ll_layout_t ll;
+    int32_t slot;
+    int32_t num_experts;
+    int32_t drop_disp;  /* release this slot's dispatch rows whose receive half never ran */
+    int32_t drop_comb;  /* release this slot's combine rows whose receive half never ran */
+    int32_t floor_only; /* benchmark floor: the same stores, no waits, flags or epochs */
+    int32_t use_fp8, round_scale, use_ue8m0;
+    int64_t num_tokens;
+    const void *topk_idx; /* [T][K] */
+    int32_t idx_is_64;
+    /* dispatch */
+    const uint16_t *x;    /* [T][H] bf16 */
+    void *recv_x;         /* [L][R*T_max][H] */
+    void *recv_scales;
+    int32_t *recv_count;  /* [L] */
+    int32_t *src_info;    /* [L][R*T_max] or NULL */
+    int64_t *layout_range; /* [L][R] or NULL */
+    int32_t *cumulative;  /* [L] or NULL */
+    /* combine */
+    const uint16_t *y;    /* [L][R*T_max][H] bf16 */
+    const float *topk_weights; /* [T][K] */
+    uint16_t *combined_x; /* [T][H] */
+} epx_cuda_ll_args_t;
+
+int epx_cuda_launch_ll_dispatch_send(const epx_cuda_ll_args_t *args, void *stream);
+int epx_cuda_launch_ll_dispatch_recv(const epx_cuda_ll_args_t *args, void *stream);
+int epx_cuda_launch_ll_combine_send(const epx_cuda_ll_args_t *args, void *stream);
+int epx_cuda_launch_ll_combine_recv(const epx_cuda_ll_args_t *args, void *stream);
+/* This rank fails the collective about to get the next epoch: release both combine slots and, with
+ * drop_disp, the dispatch slot `slot`, so the peers' next LL calls do not wait for us. */
+int epx_cuda_launch_ll_fail(const epx_cuda_ll_args_t *args, void *stream);
 
 #ifdef __cplusplus
 }

@@ -77,7 +77,7 @@ __device__ __forceinline__ epx_cuda_ctrl_t *ctrl_of(uint8_t *region) { return (e
 /* Records the first failure of `epoch` (the device-local claim word picks one writer), then
  * publishes it to the host with the code written last. */
 __device__ inline void record_error(const epx_cuda_common_t *c, uint64_t epoch, int code, int peer, int what,
-                                    uint64_t seen, uint64_t expected)
+                                    uint64_t seen, uint64_t expected, int expert = -1)
 {
     epx_cuda_ctrl_t *own = ctrl_of(c->peers[c->rank]);
     unsigned long long *claim = (unsigned long long *)&own->err_epoch;
@@ -94,6 +94,7 @@ __device__ inline void record_error(const epx_cuda_common_t *c, uint64_t epoch, 
             vrec->epoch = epoch;
             vrec->seen = seen;
             vrec->expected = expected;
+            vrec->expert = expert;
             __threadfence_system();
             vrec->code = code;
             __threadfence_system();
@@ -113,7 +114,7 @@ __device__ __forceinline__ bool epoch_failed(const epx_cuda_common_t *c, uint64_
  * failure word reaching `epoch` (EPX_ERR_REMOTE), on the abort flag, or when another block of
  * this rank already failed the epoch. Returns true when the flag arrived. */
 __device__ inline bool wait_flag_geq(const epx_cuda_common_t *c, const uint64_t *flag, uint64_t target,
-                                     uint64_t epoch, int peer, int what)
+                                     uint64_t epoch, int peer, int what, int expert = -1)
 {
     uint64_t v = ld_acquire_sys(flag);
     if (v >= target) return true;
@@ -124,12 +125,12 @@ __device__ inline bool wait_flag_geq(const epx_cuda_common_t *c, const uint64_t 
         if (v >= target) return true;
         if ((it & 63u) == 0) {
             if (ld_volatile_u64(fail) >= epoch) {
-                record_error(c, epoch, EPX_RES_REMOTE, peer, what, v, target);
+                record_error(c, epoch, EPX_RES_REMOTE, peer, what, v, target, expert);
                 return false;
             }
             if (epoch_failed(c, epoch) || ld_volatile_i32(&c->host->abort_flag)) return false;
             if (globaltimer_ns() - start > c->timeout_ns) {
-                record_error(c, epoch, EPX_RES_TIMEOUT, peer, what, v, target);
+                record_error(c, epoch, EPX_RES_TIMEOUT, peer, what, v, target, expert);
                 return false;
             }
         }

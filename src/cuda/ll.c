@@ -1,0 +1,388 @@
+/*
+ * cuda backend LL operations: the LL areas of the region, the two double-buffer slots with their
+ * pending receive halves (hooks), stale-handle checks, the zero-copy view, the failure path and the
+ * benchmark floor. No host synchronisation: device errors reach the comm through the poller.
+ * Kernels are in src/kernels/ll.cu.
+ */
+#include <cuda_runtime.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda/cuda.h"
+
+enum { LL_PENDING_NONE = 0, LL_PENDING_DISPATCH = 1, LL_PENDING_COMBINE = 2 };
+
+typedef struct ll_slot {
+    uint64_t seq;  /* dispatch that owns the slot (0: none) */
+    int valid;     /* its send half was launched */
+    int recv_done; /* its receive half was launched */
+    int32_t num_tokens;
+    int pending; /* LL_PENDING_*: a receive half waiting for its hook */
+    uint64_t pending_seq;
+    epx_cuda_ll_args_t recv_args; /* the pending receive half */
+    cudaEvent_t sent;             /* after the send half (eager calls), for a hook on another stream */
+    int sent_recorded;
+} ll_slot_t;
+
+typedef struct cuda_ll {
+    epx_cuda_ll_layout_t lay;
+    ll_slot_t slots[2];
+    uint64_t dispatches_seen; /* buffer->ll_dispatches at our last dispatch */
+} cuda_ll_t;
+
+static uint64_t ll_align(uint64_t v, uint64_t a)
+{
+    return (v + a - 1) / a * a;
+}
+
+/* Offsets relative to `base`; the same numbers on every rank. */
+static void ll_compute(epx_buffer_t b, uint64_t base, epx_cuda_ll_layout_t *l)
+{
+    const uint64_t R = (uint64_t)b->comm->nranks, T = (uint64_t)b->config.max_tokens;
+    const uint64_t H = (uint64_t)b->config.hidden, K = (uint64_t)b->config.num_topk;
+    const uint64_t L = (uint64_t)b->num_local_experts, RT = R * T;
+    memset(l, 0, sizeof(*l));
+    l->row_stride = ll_align(2 * H, 16) + 16; /* bf16 row, or fp8 row + H/128 fp32 scales; then t, k */
+    uint64_t off = base;
+    l->ctrl = off;
+    off = ll_align(off + sizeof(epx_cuda_ll_ctrl_t), 256);
+    l->cnt = off;
+    off = ll_align(off + 2 * R * L * 4, 256);
+    l->disp = off;
+    off = ll_align(off + 2 * L * RT * l->row_stride, 256);
+    l->comb = off;
+    off = ll_align(off + 2 * T * K * H * 2, 256);
+    l->zc = off;
+    off = ll_align(off + 2 * L * RT * H * 2, 256);
+    l->meta = off;
+    off = ll_align(off + 2 * L * RT * 8, 256);
+    l->rcount = off;
+    off = ll_align(off + 2 * L * 4, 256);
+    l->total = off - base;
+}
+
+uint64_t epx_cuda_ll_bytes(epx_buffer_t buffer)
+{
+    if (!(buffer->config.modes & EPX_MODE_LL)) return 0;
+    epx_cuda_ll_layout_t l;
+    ll_compute(buffer, 0, &l);
+    return l.total;
+}
+
+epx_result_t epx_cuda_ll_init(cuda_buffer_t *cb)
+{
+    epx_buffer_t b = cb->buffer;
+    const int me = b->comm->rank;
+    cuda_ll_t *ll = calloc(1, sizeof(*ll));
+    if (!ll) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: ll state", me);
+    ll_compute(b, cb->lay.ll, &ll->lay);
+    for (int i = 0; i < 2; i++) {
+        epx_result_t res =
+            epx_cuda_check(cudaEventCreateWithFlags(&ll->slots[i].sent, cudaEventDisableTiming),
+                           "cudaEventCreate(ll slot)", me);
+        if (res != EPX_SUCCESS) {
+            if (i == 1) (void)cudaEventDestroy(ll->slots[0].sent);
+            free(ll);
+            return res;
+        }
+    }
+    cb->ll = ll;
+    return EPX_SUCCESS;
+}
+
+void epx_cuda_ll_fini(cuda_buffer_t *cb)
+{
+    cuda_ll_t *ll = cb->ll;
+    if (!ll) return;
+    for (int i = 0; i < 2; i++) (void)cudaEventDestroy(ll->slots[i].sent);
+    free(ll);
+    cb->ll = NULL;
+}
+
+static int ll_capturing(void *stream)
+{
+    enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing((cudaStream_t)stream, &st) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return st != cudaStreamCaptureStatusNone;
+}
+
+/* After a launch: the buffer's last-operation event (outside capture; a graph orders itself). */
+static epx_result_t ll_launched(cuda_buffer_t *cb, int err, const char *what, void *stream)
+{
+    const int me = cb->buffer->comm->rank;
+    EPX_CHECK(epx_cuda_check(err, what, me));
+    if (ll_capturing(stream)) return EPX_SUCCESS;
+    return epx_cuda_check(cudaEventRecord((cudaEvent_t)cb->event, (cudaStream_t)stream), "cudaEventRecord",
+                          me);
+}
+
+static void ll_fill(cuda_buffer_t *cb, cuda_ll_t *ll, int slot, epx_cuda_ll_args_t *a)
+{
+    memset(a, 0, sizeof(*a));
+    epx_cuda_fill_common(cb, &a->c);
+    a->ll = ll->lay;
+    a->slot = slot;
+    a->num_experts = cb->buffer->config.num_experts;
+}
+
+/* A new call on `slot` drops the slot's receive half that never ran; the send kernel releases it. */
+static void ll_take_drops(ll_slot_t *sl, epx_cuda_ll_args_t *a)
+{
+    a->drop_disp = sl->pending == LL_PENDING_DISPATCH;
+    a->drop_comb = sl->pending == LL_PENDING_COMBINE;
+    sl->pending = LL_PENDING_NONE;
+}
+
+static void ll_mark_sent(ll_slot_t *sl, void *stream)
+{
+    sl->sent_recorded = 0;
+    if (ll_capturing(stream)) return;
+    if (cudaEventRecord(sl->sent, (cudaStream_t)stream) == cudaSuccess)
+        sl->sent_recorded = 1;
+    else
+        (void)cudaGetLastError();
+}
+
+/* A backend-level refusal of a collective call: tell the peers and keep the epochs in step. */
+static epx_result_t ll_refuse(epx_buffer_t buffer, uint64_t seq, epx_result_t res)
+{
+    char message[1024];
+    epx_error_copy(message, sizeof(message));
+    if (buffer->ops->fail_collective) buffer->ops->fail_collective(buffer, seq, res);
+    epx_error_set_message(message);
+    return res;
+}
+
+epx_result_t epx_cuda_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ll_dispatch_args_t *args,
+                                  epx_ll_dispatch_outputs_t *outputs)
+{
+    cuda_buffer_t *cb = buffer->backend_state;
+    cuda_ll_t *ll = cb->ll;
+    const int me = buffer->comm->rank;
+    if (!ll)
+        return ll_refuse(buffer, seq, epx_error(EPX_ERR_INTERNAL, "rank %d: buffer has no ll state", me));
+    const int slot = (int)((buffer->ll_dispatches - 1) % 2);
+    ll_slot_t *sl = &ll->slots[slot];
+    EPX_CHECK(epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me));
+
+    epx_cuda_ll_args_t a;
+    ll_fill(cb, ll, slot, &a);
+    ll_take_drops(sl, &a);
+    sl->seq = seq;
+    sl->valid = 0;
+    sl->recv_done = 0;
+    sl->num_tokens = (int32_t)args->x.shape[0];
+    a.use_fp8 = args->use_fp8 != 0;
+    a.round_scale = args->round_scale != 0;
+    a.use_ue8m0 = args->use_ue8m0 != 0;
+    a.num_tokens = args->x.shape[0];
+    a.topk_idx = args->topk_idx.data;
+    a.idx_is_64 = args->topk_idx.dtype == EPX_DTYPE_INT64;
+    a.x = args->x.data;
+    a.recv_x = outputs->recv_x.data;
+    a.recv_scales = outputs->recv_scales.data;
+    a.recv_count = outputs->recv_count.data;
+    a.src_info = outputs->src_info.data;
+    a.layout_range = outputs->layout_range.data;
+    a.cumulative = args->cumulative_recv_stats.data;
+
+    epx_result_t res =
+        epx_cuda_check(epx_cuda_launch_ll_dispatch_send(&a, args->stream), "ll dispatch send launch", me);
+    if (res != EPX_SUCCESS) return ll_refuse(buffer, seq, res);
+    ll->dispatches_seen = buffer->ll_dispatches;
+    const uint64_t epoch = ++cb->epoch;
+    ll_mark_sent(sl, args->stream);
+    sl->valid = 1;
+    EPX_TRACE(EPX_SUBSYS_LL, "rank %d: ll dispatch seq %llu epoch %llu slot %d T %lld%s%s", me,
+              (unsigned long long)seq, (unsigned long long)epoch, slot, (long long)a.num_tokens,
+              a.use_fp8 ? " fp8" : "", args->return_recv_hook ? " hook" : "");
+    epx_ll_handle_t handle = {seq, slot, sl->num_tokens};
+    a.drop_disp = a.drop_comb = 0;
+    if (args->return_recv_hook) {
+        sl->recv_args = a;
+        sl->pending = LL_PENDING_DISPATCH;
+        sl->pending_seq = seq;
+        outputs->handle = handle;
+        outputs->hook = (epx_hook_t){buffer, seq, LL_PENDING_DISPATCH, slot};
+        return ll_launched(cb, cudaSuccess, "ll dispatch send launch", args->stream);
+    }
+    EPX_CHECK(ll_launched(cb, epx_cuda_launch_ll_dispatch_recv(&a, args->stream), "ll dispatch recv launch",
+                          args->stream));
+    sl->recv_done = 1;
+    outputs->handle = handle;
+    return EPX_SUCCESS;
+}
+
+/* The handle must name the dispatch that still owns its slot, with its receive half launched. */
+static epx_result_t ll_check_handle(cuda_buffer_t *cb, const epx_ll_handle_t *handle, const char *what)
+{
+    cuda_ll_t *ll = cb->ll;
+    const int me = cb->buffer->comm->rank;
+    if (!ll) return epx_error(EPX_ERR_INTERNAL, "rank %d: %s: buffer has no ll state", me, what);
+    if (handle->slot < 0 || handle->slot > 1)
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: %s: handle slot %d is not 0 or 1", me, what,
+                         handle->slot);
+    const ll_slot_t *sl = &ll->slots[handle->slot];
+    if (sl->seq != handle->seq || !sl->valid)
+        return epx_error(EPX_ERR_INVALID_ARG,
+                         "rank %d: %s: stale ll handle (dispatch seq %llu, slot %d now holds seq %llu%s)", me,
+                         what, (unsigned long long)handle->seq, handle->slot, (unsigned long long)sl->seq,
+                         sl->valid ? "" : ", failed");
+    if (handle->num_tokens != sl->num_tokens)
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: %s: handle has T = %d, its dispatch had T = %d", me,
+                         what, handle->num_tokens, sl->num_tokens);
+    if (!sl->recv_done)
+        return epx_error(EPX_ERR_INVALID_ARG,
+                         "rank %d: %s: the receive hook of dispatch seq %llu has not run", me, what,
+                         (unsigned long long)handle->seq);
+    return EPX_SUCCESS;
+}
+
+static void *ll_zc_ptr(cuda_buffer_t *cb, int slot)
+{
+    cuda_ll_t *ll = cb->ll;
+    epx_buffer_t b = cb->buffer;
+    const uint64_t view = (uint64_t)b->num_local_experts * (uint64_t)b->comm->nranks *
+                          (uint64_t)b->config.max_tokens * (uint64_t)b->config.hidden * 2;
+    return cb->region + ll->lay.zc + (uint64_t)slot * view;
+}
+
+epx_result_t epx_cuda_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll_combine_args_t *args,
+                                 epx_ll_combine_outputs_t *outputs)
+{
+    cuda_buffer_t *cb = buffer->backend_state;
+    cuda_ll_t *ll = cb->ll;
+    const int me = buffer->comm->rank;
+    epx_result_t res = ll_check_handle(cb, &args->handle, "ll combine");
+    if (res == EPX_SUCCESS && args->topk_idx.shape[0] != args->handle.num_tokens)
+        res = epx_error(EPX_ERR_INVALID_ARG,
+                        "rank %d: ll combine: topk_idx has %lld rows, the dispatch had T = %d", me,
+                        (long long)args->topk_idx.shape[0], args->handle.num_tokens);
+    if (res != EPX_SUCCESS) return ll_refuse(buffer, seq, res);
+    EPX_CHECK(epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me));
+    const int slot = args->handle.slot;
+    ll_slot_t *sl = &ll->slots[slot];
+    epx_cuda_ll_args_t a;
+    ll_fill(cb, ll, slot, &a);
+    ll_take_drops(sl, &a);
+    a.num_tokens = args->handle.num_tokens;
+    a.topk_idx = args->topk_idx.data;
+    a.idx_is_64 = args->topk_idx.dtype == EPX_DTYPE_INT64;
+    a.y = args->zero_copy ? (const uint16_t *)ll_zc_ptr(cb, slot) : (const uint16_t *)args->y.data;
+    a.topk_weights = args->topk_weights.data;
+    a.combined_x = outputs->combined_x.data;
+    res = epx_cuda_check(epx_cuda_launch_ll_combine_send(&a, args->stream), "ll combine send launch", me);
+    if (res != EPX_SUCCESS) return ll_refuse(buffer, seq, res);
+    const uint64_t epoch = ++cb->epoch;
+    ll_mark_sent(sl, args->stream);
+    EPX_TRACE(EPX_SUBSYS_LL, "rank %d: ll combine seq %llu of dispatch %llu epoch %llu slot %d%s%s", me,
+              (unsigned long long)seq, (unsigned long long)args->handle.seq, (unsigned long long)epoch, slot,
+              args->zero_copy ? " zero-copy" : "", args->return_recv_hook ? " hook" : "");
+    a.drop_disp = a.drop_comb = 0;
+    if (args->return_recv_hook) {
+        sl->recv_args = a;
+        sl->pending = LL_PENDING_COMBINE;
+        sl->pending_seq = seq;
+        outputs->hook = (epx_hook_t){buffer, seq, LL_PENDING_COMBINE, slot};
+        return ll_launched(cb, cudaSuccess, "ll combine send launch", args->stream);
+    }
+    return ll_launched(cb, epx_cuda_launch_ll_combine_recv(&a, args->stream), "ll combine recv launch",
+                       args->stream);
+}
+
+epx_result_t epx_cuda_ll_get_combine_buffer(epx_buffer_t buffer, const epx_ll_handle_t *handle,
+                                            epx_tensor_t *view_out)
+{
+    cuda_buffer_t *cb = buffer->backend_state;
+    EPX_CHECK(ll_check_handle(cb, handle, "ll combine buffer"));
+    /* The view is this rank's own memory: no peer writes it, and the previous combine of the slot
+     * read it earlier on the caller's stream. */
+    epx_tensor_t v =
+        epx_tensor_3d(ll_zc_ptr(cb, handle->slot), EPX_DTYPE_BF16, buffer->num_local_experts,
+                      (int64_t)buffer->comm->nranks * buffer->config.max_tokens, buffer->config.hidden);
+    v.device_type = EPX_DEVICE_CUDA;
+    v.device_id = cb->device;
+    *view_out = v;
+    return EPX_SUCCESS;
+}
+
+epx_result_t epx_cuda_hook_run(const epx_hook_t *hook, void *stream)
+{
+    epx_buffer_t buffer = hook->buffer;
+    cuda_buffer_t *cb = buffer->backend_state;
+    cuda_ll_t *ll = cb->ll;
+    const int me = buffer->comm->rank;
+    if (!ll || hook->slot < 0 || hook->slot > 1 ||
+        (hook->kind != LL_PENDING_DISPATCH && hook->kind != LL_PENDING_COMBINE))
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: hook with slot %d, kind %d is not an ll hook", me,
+                         hook->slot, hook->kind);
+    ll_slot_t *sl = &ll->slots[hook->slot];
+    if (sl->pending != hook->kind || sl->pending_seq != hook->seq)
+        return epx_error(EPX_ERR_INVALID_ARG,
+                         "rank %d: hook of seq %llu already ran or its slot %d was reused", me,
+                         (unsigned long long)hook->seq, hook->slot);
+    EPX_CHECK(epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me));
+    /* A hook run on another stream than its send half still follows it. */
+    if (sl->sent_recorded && !ll_capturing(stream))
+        EPX_CHECK(epx_cuda_check(cudaStreamWaitEvent((cudaStream_t)stream, sl->sent, 0),
+                                 "cudaStreamWaitEvent", me));
+    const int is_dispatch = hook->kind == LL_PENDING_DISPATCH;
+    const int err = is_dispatch ? epx_cuda_launch_ll_dispatch_recv(&sl->recv_args, stream)
+                                : epx_cuda_launch_ll_combine_recv(&sl->recv_args, stream);
+    EPX_CHECK(
+        ll_launched(cb, err, is_dispatch ? "ll dispatch recv launch" : "ll combine recv launch", stream));
+    sl->pending = LL_PENDING_NONE;
+    if (is_dispatch) sl->recv_done = 1;
+    return EPX_SUCCESS;
+}
+
+void epx_cuda_ll_on_fail(cuda_buffer_t *cb, void *stream)
+{
+    cuda_ll_t *ll = cb->ll;
+    if (!ll) return;
+    epx_buffer_t b = cb->buffer;
+    epx_cuda_ll_args_t a;
+    ll_fill(cb, ll, 0, &a);
+    if (b->ll_dispatches != ll->dispatches_seen) {
+        /* The failed call was an LL dispatch: its slot's old contents are abandoned. */
+        ll->dispatches_seen = b->ll_dispatches;
+        a.slot = (int)((b->ll_dispatches - 1) % 2);
+        a.drop_disp = 1;
+        ll_slot_t *sl = &ll->slots[a.slot];
+        sl->pending = LL_PENDING_NONE;
+        sl->valid = 0;
+        sl->recv_done = 0;
+        sl->seq = 0;
+    }
+    if (epx_cuda_launch_ll_fail(&a, stream) != cudaSuccess) (void)cudaGetLastError();
+}
+
+epx_result_t epx_cuda_ll_floor(epx_buffer_t buffer, int kind, const epx_ll_dispatch_args_t *dargs,
+                               const epx_ll_handle_t *handle, void *stream)
+{
+    cuda_buffer_t *cb = buffer->backend_state;
+    cuda_ll_t *ll = cb ? cb->ll : NULL;
+    if (!ll) return epx_error(EPX_ERR_INVALID_ARG, "ll floor needs a cuda buffer created with EPX_MODE_LL");
+    epx_cuda_ll_args_t a;
+    int slot = handle ? handle->slot : 0;
+    if (slot < 0 || slot > 1) slot = 0;
+    ll_fill(cb, ll, slot, &a);
+    a.floor_only = 1;
+    if (kind == 0) {
+        if (!dargs) return epx_error(EPX_ERR_INVALID_ARG, "ll floor: dispatch arguments are NULL");
+        a.use_fp8 = dargs->use_fp8 != 0;
+        a.round_scale = dargs->round_scale != 0;
+        a.num_tokens = dargs->x.shape[0];
+        a.topk_idx = dargs->topk_idx.data;
+        a.idx_is_64 = dargs->topk_idx.dtype == EPX_DTYPE_INT64;
+        a.x = dargs->x.data;
+        return epx_cuda_check(epx_cuda_launch_ll_dispatch_send(&a, stream), "ll floor launch",
+                              buffer->comm->rank);
+    }
+    EPX_CHECK(ll_check_handle(cb, handle, "ll floor"));
+    a.y = ll_zc_ptr(cb, slot);
+    return epx_cuda_check(epx_cuda_launch_ll_combine_send(&a, stream), "ll floor launch", buffer->comm->rank);
+}

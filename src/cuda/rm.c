@@ -1,0 +1,273 @@
+/*
+ * cuda backend routing-map dispatch (with or without fused permute) and its combine: the
+ * region areas they add, pooled per-handle device slabs, launches, the host wait when no upper
+ * bound is given (refused under stream capture) and error reporting. Kernels: src/kernels/rm.cu.
+ */
+#include <cuda_runtime.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda/cuda.h"
+
+typedef struct rm_slab {
+    epx_cuda_rm_handle_dev_t dev;
+    void *mem;
+    int32_t bounded; /* dispatched with an upper bound: nothing waits on the host */
+    int32_t has_probs;
+    struct rm_slab *next_free;
+} rm_slab_t;
+
+static uint64_t rm_align(uint64_t v)
+{
+    return (v + 255) / 256 * 256;
+}
+
+uint64_t epx_cuda_rm_layout(epx_buffer_t b, epx_cuda_layout_t *lay, uint64_t off)
+{
+    if (!(b->config.modes & EPX_MODE_PERMUTE)) return off;
+    const uint64_t R = (uint64_t)b->comm->nranks, T = (uint64_t)b->config.max_tokens;
+    const uint64_t H = (uint64_t)b->config.hidden, K = (uint64_t)b->config.num_topk;
+    const uint64_t L = (uint64_t)b->num_local_experts, E = (uint64_t)b->config.num_experts;
+    lay->rm_within = off;
+    off = rm_align(off + R * T * K * 4);
+    lay->rm_cnt = off;
+    off = rm_align(off + R * L * 4);
+    lay->rm_sig = off;
+    off = rm_align(off + R * 8);
+    /* Unpermute rows are [token][k]; the HT combine area [R][T_max] holds them when K <= R. */
+    if (K <= R) {
+        lay->rm_comb = lay->comb_x;
+    } else {
+        lay->rm_comb = off;
+        off = rm_align(off + T * K * H * 2);
+    }
+    lay->rm_scratch = off;
+    off = rm_align(off + ((T + 31) / 32 + 1) * (E + R) * 4);
+    return off;
+}
+
+static epx_result_t rm_slab_get(cuda_buffer_t *cb, rm_slab_t **out)
+{
+    epx_buffer_t b = cb->buffer;
+    const uint64_t R = (uint64_t)b->comm->nranks, T = (uint64_t)b->config.max_tokens;
+    const uint64_t K = (uint64_t)b->config.num_topk;
+    pthread_mutex_lock(&cb->lock);
+    rm_slab_t *s = cb->rm_free;
+    if (s) cb->rm_free = s->next_free;
+    pthread_mutex_unlock(&cb->lock);
+    if (!s) {
+        s = calloc(1, sizeof(*s));
+        if (!s) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: routing-map handle state", b->comm->rank);
+        const uint64_t bytes = rm_align(T * R * 4) + 3 * rm_align(T * K * 4) + rm_align(R * T * 4) +
+                               rm_align(R * T * K * 4) + rm_align((R + 1) * 4) + 256;
+        epx_result_t res =
+            epx_cuda_check(cudaMalloc(&s->mem, bytes), "cudaMalloc(routing-map handle)", b->comm->rank);
+        if (res != EPX_SUCCESS) {
+            free(s);
+            return res;
+        }
+        uint8_t *p = s->mem;
+        s->dev.send_row = (int32_t *)p;
+        p += rm_align(T * R * 4);
+        s->dev.src_sel = (int32_t *)p;
+        p += rm_align(T * K * 4);
+        s->dev.src_within = (int32_t *)p;
+        p += rm_align(T * K * 4);
+        s->dev.src_prob = (float *)p;
+        p += rm_align(T * K * 4);
+        s->dev.recv_src = (int32_t *)p;
+        p += rm_align(R * T * 4);
+        s->dev.perm_row = (int32_t *)p;
+        p += rm_align(R * T * K * 4);
+        s->dev.recv_prefix = (int32_t *)p;
+        p += rm_align((R + 1) * 4);
+        s->dev.meta = (int32_t *)p;
+    }
+    s->next_free = NULL;
+    *out = s;
+    return EPX_SUCCESS;
+}
+
+void epx_cuda_rm_handle_free(epx_handle_t handle)
+{
+    rm_slab_t *s = handle->backend_state;
+    cuda_buffer_t *cb = handle->buffer->backend_state;
+    if (!s || !cb) return;
+    /* A kernel on another stream may still use the slab: wait for the buffer's last operation. */
+    (void)cudaEventSynchronize((cudaEvent_t)cb->event);
+    pthread_mutex_lock(&cb->lock);
+    s->next_free = cb->rm_free;
+    cb->rm_free = s;
+    pthread_mutex_unlock(&cb->lock);
+    handle->backend_state = NULL;
+}
+
+void epx_cuda_rm_fini(cuda_buffer_t *cb)
+{
+    while (cb->rm_free) {
+        rm_slab_t *s = cb->rm_free;
+        cb->rm_free = s->next_free;
+        (void)cudaFree(s->mem);
+        free(s);
+    }
+}
+
+static int rm_capturing(void *stream)
+{
+    enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing((cudaStream_t)stream, &st) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return st != cudaStreamCaptureStatusNone;
+}
+
+static epx_result_t rm_launched(cuda_buffer_t *cb, int err, const char *what, void *stream)
+{
+    EPX_CHECK(epx_cuda_check(err, what, cb->buffer->comm->rank));
+    if (rm_capturing(stream)) return EPX_SUCCESS; /* the graph orders its own replays */
+    return epx_cuda_check(cudaEventRecord((cudaEvent_t)cb->event, (cudaStream_t)stream), "cudaEventRecord",
+                          cb->buffer->comm->rank);
+}
+
+/* Waits for the operation of `epoch` and returns its device-side failure, if any. */
+static epx_result_t rm_wait(cuda_buffer_t *cb, uint64_t epoch, const char *what)
+{
+    EPX_CHECK(epx_cuda_wait_event(cb, what));
+    volatile epx_cuda_host_block_t *hb = cb->host;
+    if (hb->err.code != 0 && hb->err.epoch >= epoch) return epx_cuda_report_record(cb, epoch, 1);
+    return EPX_SUCCESS;
+}
+
+static int64_t rm_rows(const epx_tensor_t *t, int64_t cap)
+{
+    return t->data && t->shape[0] < cap ? t->shape[0] : cap;
+}
+
+epx_result_t epx_cuda_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_rm_dispatch_args_t *args,
+                                  epx_rm_dispatch_outputs_t *outputs, epx_handle_t handle)
+{
+    cuda_buffer_t *cb = buffer->backend_state;
+    const int me = buffer->comm->rank;
+    const int permute = args->permute != 0;
+    const int64_t bound = permute ? args->num_permuted_tokens : args->num_dispatched_tokens;
+    const int bounded = bound >= 0;
+    const char *bound_name = permute ? "num_permuted_tokens" : "num_dispatched_tokens";
+    EPX_CHECK(epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me));
+    if (!bounded && rm_capturing(args->stream))
+        return epx_error(EPX_ERR_GRAPH_CAPTURE,
+                         "rank %d: epx_rm_dispatch%s without args.%s waits on the host for the row count, "
+                         "which stream capture forbids; pass args.%s (an upper bound) to capture it",
+                         me, permute ? " with permute" : "", bound_name, bound_name);
+    if (!(buffer->config.modes & EPX_MODE_PERMUTE) || cb->lay.rm_scratch == 0)
+        return epx_error(EPX_ERR_INTERNAL, "rank %d: the buffer's region has no routing-map areas", me);
+    rm_slab_t *s = NULL;
+    EPX_CHECK(rm_slab_get(cb, &s));
+    s->bounded = bounded;
+    s->has_probs = args->probs.data != NULL;
+    handle->backend_state = s; /* freed through handle_free if this call fails */
+
+    const int64_t H = buffer->config.hidden;
+    const int fp8 = args->hidden.dtype == EPX_DTYPE_FP8_E4M3;
+    epx_cuda_rm_args_t a;
+    memset(&a, 0, sizeof(a));
+    epx_cuda_fill_common(cb, &a.c);
+    a.h = s->dev;
+    a.num_tokens = args->hidden.shape[0];
+    a.num_experts = buffer->config.num_experts;
+    a.permute = permute;
+    a.pad_multiple = permute && args->pad_multiple > 1 ? args->pad_multiple : 1;
+    a.sig = (uint64_t)args->hidden.dtype | (uint64_t)permute << 8 | (uint64_t)(s->has_probs != 0) << 9;
+    a.hidden = args->hidden.data;
+    a.row_bytes = H * (int64_t)epx_dtype_size(args->hidden.dtype);
+    if (fp8) {
+        a.scales = args->scaling_factor.data;
+        a.num_scales = (int32_t)(H / 128);
+        a.out_scales = outputs->scaling_factor.data;
+    }
+    a.routing_map = args->routing_map.data;
+    a.probs = args->probs.data;
+    a.tokens = outputs->tokens.data;
+    a.out_probs = outputs->probs.data;
+    a.tokens_per_expert = permute ? outputs->tokens_per_expert.data : NULL;
+    a.num_tokens_out = outputs->num_tokens.data;
+    int64_t cap = outputs->tokens.shape[0];
+    if (a.out_scales) cap = rm_rows(&outputs->scaling_factor, cap);
+    cap = rm_rows(&outputs->probs, cap);
+    a.limit = bounded ? bound : cap;
+    a.bounded = bounded;
+    if (!bounded) ((volatile epx_cuda_host_block_t *)cb->host)->num_recv = -1;
+    EPX_CHECK(rm_launched(cb, epx_cuda_launch_rm_dispatch(&a, args->stream), "routing-map dispatch launch",
+                          args->stream));
+    const uint64_t epoch = ++cb->epoch;
+    EPX_TRACE(EPX_SUBSYS_PERMUTE, "rank %d: routing-map dispatch seq %llu epoch %llu T %lld%s bound %lld", me,
+              (unsigned long long)seq, (unsigned long long)epoch, (long long)a.num_tokens,
+              permute ? " permute" : "", (long long)bound);
+    if (bounded) {
+        /* The bound decides the shape; the real count goes to the num_tokens tensor. */
+        outputs->num_tokens_host = bound;
+        handle->num_recv = bound;
+        return EPX_SUCCESS;
+    }
+    EPX_CHECK(rm_wait(cb, epoch, "epx_rm_dispatch"));
+    const int64_t n = ((volatile epx_cuda_host_block_t *)cb->host)->num_recv;
+    if (n < 0)
+        return epx_error(EPX_ERR_INTERNAL,
+                         "rank %d: routing-map dispatch epoch %llu finished without a row count", me,
+                         (unsigned long long)epoch);
+    if (n > cap)
+        return epx_error(
+            EPX_ERR_INVALID_ARG,
+            "rank %d: routing-map dispatch receives %lld rows (%s), the outputs hold %lld; nothing "
+            "was written",
+            me, (long long)n, permute ? "P" : "N_r", (long long)cap);
+    outputs->num_tokens_host = n;
+    handle->num_recv = n;
+    return EPX_SUCCESS;
+}
+
+epx_result_t epx_cuda_rm_combine(epx_buffer_t buffer, uint64_t seq, const epx_rm_combine_args_t *args,
+                                 epx_rm_combine_outputs_t *outputs)
+{
+    cuda_buffer_t *cb = buffer->backend_state;
+    const int me = buffer->comm->rank;
+    epx_handle_t handle = args->handle;
+    rm_slab_t *s = handle->backend_state;
+    const int capturing = rm_capturing(args->stream);
+    epx_result_t res = EPX_SUCCESS;
+    EPX_CHECK(epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me));
+    if (!s)
+        res =
+            epx_error(EPX_ERR_INVALID_ARG, "rank %d: routing-map combine: the handle holds no dispatch", me);
+    else if (handle->permute && args->weighted && !s->has_probs)
+        res = epx_error(EPX_ERR_INVALID_ARG, "rank %d: weighted routing-map combine needs probs at dispatch",
+                        me);
+    if (res != EPX_SUCCESS) {
+        /* Peers would wait for our rows: tell them (not under capture, where nothing runs yet). */
+        if (!capturing && buffer->ops->fail_collective) {
+            char msg[512];
+            epx_error_copy(msg, sizeof(msg));
+            buffer->ops->fail_collective(buffer, seq, res);
+            epx_error_set_message(msg);
+        }
+        return res;
+    }
+    epx_cuda_rm_args_t a;
+    memset(&a, 0, sizeof(a));
+    epx_cuda_fill_common(cb, &a.c);
+    a.h = s->dev;
+    a.num_tokens = handle->num_tokens;
+    a.num_experts = buffer->config.num_experts;
+    a.permute = handle->permute;
+    a.x = args->x.data;
+    a.combined = outputs->combined.data;
+    a.weighted = handle->permute && args->weighted;
+    EPX_CHECK(rm_launched(cb, epx_cuda_launch_rm_combine(&a, args->stream), "routing-map combine launch",
+                          args->stream));
+    const uint64_t epoch = ++cb->epoch;
+    EPX_TRACE(EPX_SUBSYS_PERMUTE, "rank %d: routing-map combine seq %llu epoch %llu%s", me,
+              (unsigned long long)seq, (unsigned long long)epoch, a.weighted ? " weighted" : "");
+    /* Bounded (capturable) handles report device errors through the poller, like captured calls. */
+    if (s->bounded || capturing) return EPX_SUCCESS;
+    return rm_wait(cb, epoch, "epx_rm_combine");
+}

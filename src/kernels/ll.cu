@@ -1,0 +1,464 @@
+/*
+ * LL dispatch and combine kernels of the cuda backend. Dispatch: one warp per expert scans the
+ * sender's tokens in order and writes each selected token (bf16, or cast to fp8 with its scales)
+ * into the receiver's per-(slot, local expert, source) slice, so every row's place is known without
+ * a count exchange; the receiver packs the slices in (source, token) order. Combine: the expert
+ * rank writes each row back into the source's (slot, token, k) area; the source sums in k order.
+ */
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "kernels/sync.cuh"
+
+#define LL_THREADS 512
+#define LL_WARPS   (LL_THREADS / 32)
+
+enum { LL_DONE_DISP_SEND = 0, LL_DONE_DISP_RECV = 1, LL_DONE_COMB_SEND = 2, LL_DONE_COMB_RECV = 3 };
+
+__device__ __forceinline__ epx_cuda_ll_ctrl_t *ll_ctrl(const epx_cuda_ll_args_t &a, int r)
+{
+    return (epx_cuda_ll_ctrl_t *)(a.c.peers[r] + a.ll.ctrl);
+}
+
+__device__ __forceinline__ int64_t ll_topk(const epx_cuda_ll_args_t &a, int64_t i)
+{
+    return a.idx_is_64 ? ((const int64_t *)a.topk_idx)[i] : (int64_t)((const int32_t *)a.topk_idx)[i];
+}
+
+/* Dispatch slice of (slot, local expert j, source s) in rank r's region. */
+__device__ __forceinline__ uint8_t *ll_slice(const epx_cuda_ll_args_t &a, int r, int j, int s)
+{
+    const int64_t T = a.c.max_tokens;
+    return a.c.peers[r] + a.ll.disp +
+           ((((int64_t)a.slot * a.c.num_local_experts + j) * a.c.nranks + s) * T) * (int64_t)a.ll.row_stride;
+}
+
+/* Warp copy of `bytes` (16-byte vectors when aligned). */
+__device__ __forceinline__ void warp_copy(uint8_t *dst, const uint8_t *src, int64_t bytes, int lane)
+{
+    if (((bytes | (int64_t)(uintptr_t)dst | (int64_t)(uintptr_t)src) & 15) == 0) {
+        const int64_t n16 = bytes >> 4;
+        int64_t i = lane;
+        for (; i + 96 < n16; i += 128) {
+            const int4 v0 = ld_nc_v4((const int4 *)src + i), v1 = ld_nc_v4((const int4 *)src + i + 32);
+            const int4 v2 = ld_nc_v4((const int4 *)src + i + 64), v3 = ld_nc_v4((const int4 *)src + i + 96);
+            st_na_v4((int4 *)dst + i, v0);
+            st_na_v4((int4 *)dst + i + 32, v1);
+            st_na_v4((int4 *)dst + i + 64, v2);
+            st_na_v4((int4 *)dst + i + 96, v3);
+        }
+        for (; i < n16; i += 32) st_na_v4((int4 *)dst + i, ld_nc_v4((const int4 *)src + i));
+    } else {
+        for (int64_t i = lane; i < bytes; i += 32) dst[i] = src[i];
+    }
+}
+
+/* fp32 -> fp8 e4m3 "fn", saturating, round to nearest even: the same bits as the host's
+ * epx_f32_to_fp8_e4m3 (NaN -> 0x7f). */
+__device__ __forceinline__ uint32_t ll_f32_to_e4m3(float f)
+{
+    const uint32_t u = __float_as_uint(f);
+    const uint32_t sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return 0x7fu;
+    if (a >= 0x43e00000u) return sign | 0x7eu;
+    if (a < 0x3c800000u) return sign | (uint32_t)__float2int_rn(__fmul_rn(__uint_as_float(a), 512.0f));
+    const uint32_t rounded = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;
+    const uint32_t code = rounded - (120u << 3);
+    return sign | (code > 0x7eu ? 0x7eu : code);
+}
+
+__device__ __forceinline__ float ll_bf16(uint32_t bits16)
+{
+    return __uint_as_float(bits16 << 16);
+}
+
+__device__ __forceinline__ uint32_t ll_f32_to_bf16(float f)
+{
+    const uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return ((u >> 16) | 0x40u) & 0xffffu;
+    return ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & 0xffffu;
+}
+
+/* Casts one bf16 row (H % 128 == 0) into dst: H fp8 bytes, then H/128 fp32 scale_inv. Each half
+ * warp takes one group of 128 channels, 8 per lane. */
+__device__ __forceinline__ void ll_cast_row(uint8_t *dst, const uint16_t *src, int64_t H, int round_scale,
+                                            int lane)
+{
+    const int64_t G = H / 128;
+    const int half = lane >> 4, sub = lane & 15;
+    for (int64_t g0 = 0; g0 < G; g0 += 2) {
+        const int64_t g = g0 + half;
+        const bool active = g < G;
+        int4 v = make_int4(0, 0, 0, 0);
+        if (active) v = ld_nc_v4((const int4 *)(src + g * 128 + sub * 8));
+        const uint32_t w[4] = {(uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w};
+        float f[8];
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            f[2 * q] = ll_bf16(w[q] & 0xffffu);
+            f[2 * q + 1] = ll_bf16(w[q] >> 16);
+        }
+        float amax = 0.0f;
+#pragma unroll
+        for (int q = 0; q < 8; q++) amax = fmaxf(amax, fabsf(f[q]));
+#pragma unroll
+        for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+        amax = fmaxf(amax, 1e-4f);
+        float scale_inv = __fdiv_rn(amax, 448.0f);
+        if (round_scale) {
+            uint32_t b = __float_as_uint(scale_inv);
+            if (b & 0x7fffffu) scale_inv = __uint_as_float((b & 0x7f800000u) + 0x00800000u);
+        }
+        if (active) {
+            uint32_t lo = 0, hi = 0;
+#pragma unroll
+            for (int q = 0; q < 4; q++) lo |= ll_f32_to_e4m3(__fdiv_rn(f[q], scale_inv)) << (8 * q);
+#pragma unroll
+            for (int q = 0; q < 4; q++) hi |= ll_f32_to_e4m3(__fdiv_rn(f[4 + q], scale_inv)) << (8 * q);
+            *(uint2 *)(dst + g * 128 + sub * 8) = make_uint2(lo, hi);
+            if (sub == 0) ((float *)(dst + H))[g] = scale_inv;
+        }
+    }
+}
+
+/* Releases what a receive half that never ran (or this rank's failed call) would have released. */
+__device__ __forceinline__ void ll_drops(const epx_cuda_ll_args_t &a)
+{
+    const int me = a.c.rank;
+    epx_cuda_ll_ctrl_t *own = ll_ctrl(a, me);
+    if ((int)threadIdx.x < a.c.nranks) {
+        epx_cuda_ll_ctrl_t *peer = ll_ctrl(a, threadIdx.x);
+        if (a.drop_disp)
+            st_release_sys(&peer->disp_ack[a.slot][me], ld_volatile_u64(&own->disp_epoch[a.slot]));
+        if (a.drop_comb)
+            st_release_sys(&peer->comb_ack[a.slot][me], ld_volatile_u64(&own->comb_epoch[a.slot]));
+    }
+}
+
+/* ---------------------------------------------------------------------------- dispatch ---- */
+
+/* Sender: wait until every receiver read the slot's previous rows, then one warp per expert e
+ * walks the tokens in order; the n-th token selecting e goes to row n of the slice (e's local
+ * expert, this source) on e's rank. The warp then writes the count; the last block publishes
+ * the epoch to every rank. */
+__global__ void __launch_bounds__(LL_THREADS)
+    ll_dispatch_send_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
+{
+    const epx_cuda_common_t *c = &a.c;
+    const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, me = c->rank, E = a.num_experts;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t H = c->hidden, T = a.num_tokens, stride = (int64_t)a.ll.row_stride;
+    epx_cuda_ctrl_t *own = ctrl_of(c->peers[me]);
+    epx_cuda_ll_ctrl_t *lown = ll_ctrl(a, me);
+    const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
+    const uint64_t prev = ld_volatile_u64(&lown->disp_epoch[a.slot]);
+    __shared__ int ok;
+    if (threadIdx.x == 0) ok = 1;
+    if (!a.floor_only) ll_drops(a);
+    __syncthreads();
+    if (!a.floor_only && (int)threadIdx.x < R &&
+        !wait_flag_geq(c, &lown->disp_ack[a.slot][threadIdx.x], prev, epoch, threadIdx.x,
+                       EPX_CUDA_WAIT_DISPATCH_ACK))
+        ok = 0;
+    __syncthreads();
+    if (ok) {
+        for (int e = blockIdx.x * LL_WARPS + warp; e < E; e += gridDim.x * LL_WARPS) {
+            const int dst = e / L, j = e % L;
+            uint8_t *slice = ll_slice(a, dst, j, me);
+            int n = 0;
+            for (int64_t t0 = 0; t0 < T; t0 += 32) {
+                const int64_t t = t0 + lane;
+                int kk = -1;
+                if (t < T)
+                    for (int k = 0; k < K; k++)
+                        if (ll_topk(a, t * K + k) == e) {
+                            kk = k;
+                            break;
+                        }
+                unsigned ballot = __ballot_sync(0xffffffffu, kk >= 0);
+                while (ballot) {
+                    const int src_lane = __ffs(ballot) - 1;
+                    ballot &= ballot - 1;
+                    const int k = __shfl_sync(0xffffffffu, kk, src_lane);
+                    const int64_t tt = t0 + src_lane;
+                    uint8_t *row = slice + (int64_t)n * stride;
+                    if (a.use_fp8)
+                        ll_cast_row(row, a.x + tt * H, H, a.round_scale, lane);
+                    else
+                        warp_copy(row, (const uint8_t *)(a.x + tt * H), H * 2, lane);
+                    if (lane == 0) *(int2 *)(row + stride - 16) = make_int2((int)tt, k);
+                    n++;
+                }
+            }
+            if (lane == 0) ((int32_t *)(c->peers[dst] + a.ll.cnt))[((int64_t)a.slot * R + me) * L + j] = n;
+        }
+    }
+    if (a.floor_only) return;
+    if (last_block_arrive(&lown->done_counter[LL_DONE_DISP_SEND])) {
+        if (ok && !epoch_failed(c, epoch) && (int)threadIdx.x < R)
+            st_release_sys(&ll_ctrl(a, threadIdx.x)->disp_flag[a.slot][me], epoch);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            lown->disp_epoch[a.slot] = epoch;
+            own->epoch = epoch;
+            __threadfence_system();
+        }
+    }
+}
+
+/* Receiver: block b serves local experts b, b + gridDim.x, ... After every source's epoch arrived,
+ * the counts give each source's first row; the block's warps copy the slice rows out packed, with
+ * scales in the grouped-GEMM layout, src_info and the private (t, s, k) map for the combine. The
+ * last block releases the slot to every source. */
+__global__ void __launch_bounds__(LL_THREADS)
+    ll_dispatch_recv_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
+{
+    const epx_cuda_common_t *c = &a.c;
+    const int R = c->nranks, L = c->num_local_experts, me = c->rank;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t H = c->hidden, RT = (int64_t)R * c->max_tokens, stride = (int64_t)a.ll.row_stride;
+    const int64_t G = H / 128, xb = a.use_fp8 ? H : 2 * H;
+    uint8_t *region = c->peers[me];
+    epx_cuda_ll_ctrl_t *lown = ll_ctrl(a, me);
+    const uint64_t epoch = ld_volatile_u64(&lown->disp_epoch[a.slot]);
+    __shared__ int ok;
+    __shared__ int prefix[EPX_CUDA_MAX_RANKS + 1];
+    __shared__ int cnt[EPX_CUDA_MAX_RANKS];
+    if (threadIdx.x == 0) ok = 1;
+    __syncthreads();
+    const int first_expert = (int)blockIdx.x < L ? me * L + (int)blockIdx.x : -1;
+    if ((int)threadIdx.x < R && !wait_flag_geq(c, &lown->disp_flag[a.slot][threadIdx.x], epoch, epoch,
+                                               threadIdx.x, EPX_CUDA_WAIT_DISPATCH_DATA, first_expert))
+        ok = 0;
+    __syncthreads();
+    const int32_t *counts = (const int32_t *)(region + a.ll.cnt) + (int64_t)a.slot * R * L;
+    int32_t *rcount = (int32_t *)(region + a.ll.rcount) + (int64_t)a.slot * L;
+    int2 *meta = (int2 *)(region + a.ll.meta) + (int64_t)a.slot * L * RT;
+    for (int j = blockIdx.x; j < L; j += gridDim.x) {
+        if ((int)threadIdx.x < R)
+            cnt[threadIdx.x] = ok ? ld_volatile_i32(&counts[(int64_t)threadIdx.x * L + j]) : 0;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            prefix[0] = 0;
+            for (int s = 0; s < R; s++) prefix[s + 1] = prefix[s] + cnt[s];
+            const int total = prefix[R];
+            a.recv_count[j] = total;
+            rcount[j] = total;
+            if (a.cumulative) a.cumulative[j] += total;
+        }
+        __syncthreads();
+        if (a.layout_range && (int)threadIdx.x < R) {
+            const int s = threadIdx.x;
+            a.layout_range[(int64_t)j * R + s] = cnt[s] ? ((int64_t)prefix[s] << 32) | cnt[s] : 0;
+        }
+        const int total = prefix[R];
+        for (int q = warp; q < total; q += LL_WARPS) {
+            int s = 0;
+            while (s + 1 < R && prefix[s + 1] <= q) s++;
+            const uint8_t *src = ll_slice(a, me, j, s) + (int64_t)(q - prefix[s]) * stride;
+            const int64_t out_row = (int64_t)j * RT + q;
+            warp_copy((uint8_t *)a.recv_x + out_row * xb, src, xb, lane);
+            if (a.use_fp8) {
+                const float *sc = (const float *)(src + H);
+                if (a.use_ue8m0) {
+                    for (int64_t g4 = lane; g4 < G / 4; g4 += 32) {
+                        uint32_t packed = 0;
+#pragma unroll
+                        for (int u = 0; u < 4; u++)
+                            packed |= ((__float_as_uint(sc[g4 * 4 + u]) >> 23) & 0xffu) << (8 * u);
+                        ((int32_t *)a.recv_scales)[((int64_t)j * (H / 512) + g4) * RT + q] = (int32_t)packed;
+                    }
+                } else {
+                    for (int64_t g = lane; g < G; g += 32)
+                        ((float *)a.recv_scales)[((int64_t)j * G + g) * RT + q] = sc[g];
+                }
+            }
+            if (lane == 0) {
+                const int2 tk = *(const int2 *)(src + stride - 16);
+                if (a.src_info) a.src_info[out_row] = tk.x;
+                meta[(int64_t)j * RT + q] = make_int2(tk.x, s * 64 + tk.y);
+            }
+        }
+        __syncthreads();
+    }
+    if (last_block_arrive(&lown->done_counter[LL_DONE_DISP_RECV])) {
+        if ((int)threadIdx.x < R) st_release_sys(&ll_ctrl(a, threadIdx.x)->disp_ack[a.slot][me], epoch);
+    }
+}
+
+extern "C" int epx_cuda_launch_ll_dispatch_send(const epx_cuda_ll_args_t *args, void *stream)
+{
+    ll_dispatch_send_kernel<<<args->c.num_blocks, LL_THREADS, 0, (cudaStream_t)stream>>>(*args);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int epx_cuda_launch_ll_dispatch_recv(const epx_cuda_ll_args_t *args, void *stream)
+{
+    ll_dispatch_recv_kernel<<<args->c.num_blocks, LL_THREADS, 0, (cudaStream_t)stream>>>(*args);
+    return (int)cudaGetLastError();
+}
+
+/* ----------------------------------------------------------------------------- combine ---- */
+
+/* Expert side: after every source read the slot's previous combine rows, block b's warps send the
+ * rows of local experts b, b + gridDim.x, ... to their sources' (slot, t, k) places. The last
+ * block publishes the epoch to every rank (a source may get no row from us). */
+__global__ void __launch_bounds__(LL_THREADS)
+    ll_combine_send_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
+{
+    const epx_cuda_common_t *c = &a.c;
+    const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, me = c->rank;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t H = c->hidden, RT = (int64_t)R * c->max_tokens;
+    uint8_t *region = c->peers[me];
+    epx_cuda_ctrl_t *own = ctrl_of(region);
+    epx_cuda_ll_ctrl_t *lown = ll_ctrl(a, me);
+    const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
+    const uint64_t prev = ld_volatile_u64(&lown->comb_epoch[a.slot]);
+    __shared__ int ok;
+    if (threadIdx.x == 0) ok = 1;
+    if (!a.floor_only) ll_drops(a);
+    __syncthreads();
+    if (!a.floor_only && (int)threadIdx.x < R &&
+        !wait_flag_geq(c, &lown->comb_ack[a.slot][threadIdx.x], prev, epoch, threadIdx.x,
+                       EPX_CUDA_WAIT_COMBINE_ACK))
+        ok = 0;
+    __syncthreads();
+    const int32_t *rcount = (const int32_t *)(region + a.ll.rcount) + (int64_t)a.slot * L;
+    const int2 *meta = (const int2 *)(region + a.ll.meta) + (int64_t)a.slot * L * RT;
+    if (ok) {
+        for (int j = blockIdx.x; j < L; j += gridDim.x) {
+            const int total = rcount[j];
+            for (int q = warp; q < total; q += LL_WARPS) {
+                const int2 m = meta[(int64_t)j * RT + q];
+                const int s = m.y >> 6, k = m.y & 63;
+                uint8_t *dst =
+                    c->peers[s] + a.ll.comb + ((((int64_t)a.slot * c->max_tokens + m.x) * K + k) * H) * 2;
+                warp_copy(dst, (const uint8_t *)(a.y + ((int64_t)j * RT + q) * H), H * 2, lane);
+            }
+        }
+    }
+    if (a.floor_only) return;
+    if (last_block_arrive(&lown->done_counter[LL_DONE_COMB_SEND])) {
+        if (ok && !epoch_failed(c, epoch) && (int)threadIdx.x < R)
+            st_release_sys(&ll_ctrl(a, threadIdx.x)->comb_flag[a.slot][me], epoch);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            lown->comb_epoch[a.slot] = epoch;
+            own->epoch = epoch;
+            __threadfence_system();
+        }
+    }
+}
+
+/* Source side: after every rank's epoch arrived, one warp per token sums w[t,k] * y(t, k) over
+ * the slots k ascending in one fp32 accumulator (no fma), one rounding to bf16. The last block
+ * releases the slot's combine area to every rank. */
+__global__ void __launch_bounds__(LL_THREADS)
+    ll_combine_recv_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
+{
+    const epx_cuda_common_t *c = &a.c;
+    const int R = c->nranks, K = c->num_topk, me = c->rank, E = a.num_experts;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t H = c->hidden;
+    uint8_t *region = c->peers[me];
+    epx_cuda_ll_ctrl_t *lown = ll_ctrl(a, me);
+    const uint64_t epoch = ld_volatile_u64(&lown->comb_epoch[a.slot]);
+    __shared__ int ok;
+    __shared__ float wsel[LL_WARPS][64];
+    __shared__ int ksel[LL_WARPS][64];
+    if (threadIdx.x == 0) ok = 1;
+    __syncthreads();
+    if ((int)threadIdx.x < R && !wait_flag_geq(c, &lown->comb_flag[a.slot][threadIdx.x], epoch, epoch,
+                                               threadIdx.x, EPX_CUDA_WAIT_COMBINE_DATA))
+        ok = 0;
+    __syncthreads();
+    const uint16_t *area = (const uint16_t *)(region + a.ll.comb) + (int64_t)a.slot * c->max_tokens * K * H;
+    const int64_t T = ok ? a.num_tokens : 0;
+    for (int64_t t = (int64_t)blockIdx.x * LL_WARPS + warp; t < T; t += (int64_t)gridDim.x * LL_WARPS) {
+        int n = 0;
+        for (int k0 = 0; k0 < K; k0 += 32) {
+            const int k = k0 + lane;
+            const int64_t e = k < K ? ll_topk(a, t * K + k) : -1;
+            const bool in = e >= 0 && e < E;
+            const unsigned b = __ballot_sync(0xffffffffu, in);
+            if (in) {
+                const int pos = n + __popc(b & ((1u << lane) - 1u));
+                ksel[warp][pos] = k;
+                wsel[warp][pos] = a.topk_weights[t * K + k];
+            }
+            n += __popc(b);
+        }
+        __syncwarp();
+        const uint16_t *rows = area + t * K * H;
+        if ((H & 7) == 0) {
+            for (int64_t i = lane; i < H / 8; i += 32) {
+                float acc[8];
+#pragma unroll
+                for (int q = 0; q < 8; q++) acc[q] = 0.0f;
+                for (int d = 0; d < n; d++) {
+                    const float w = wsel[warp][d];
+                    const int4 v = ld_nc_v4((const int4 *)(rows + (int64_t)ksel[warp][d] * H) + i);
+                    const uint32_t u[4] = {(uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w};
+#pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(w, ll_bf16(u[q] & 0xffffu)));
+                        acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(w, ll_bf16(u[q] >> 16)));
+                    }
+                }
+                int4 o;
+                o.x = (int)(ll_f32_to_bf16(acc[0]) | (ll_f32_to_bf16(acc[1]) << 16));
+                o.y = (int)(ll_f32_to_bf16(acc[2]) | (ll_f32_to_bf16(acc[3]) << 16));
+                o.z = (int)(ll_f32_to_bf16(acc[4]) | (ll_f32_to_bf16(acc[5]) << 16));
+                o.w = (int)(ll_f32_to_bf16(acc[6]) | (ll_f32_to_bf16(acc[7]) << 16));
+                st_na_v4((int4 *)(a.combined_x + t * H) + i, o);
+            }
+        } else {
+            for (int64_t h = lane; h < H; h += 32) {
+                float acc = 0.0f;
+                for (int d = 0; d < n; d++)
+                    acc = __fadd_rn(acc,
+                                    __fmul_rn(wsel[warp][d], ll_bf16(rows[(int64_t)ksel[warp][d] * H + h])));
+                a.combined_x[t * H + h] = (uint16_t)ll_f32_to_bf16(acc);
+            }
+        }
+        __syncwarp();
+    }
+    if (last_block_arrive(&lown->done_counter[LL_DONE_COMB_RECV])) {
+        if ((int)threadIdx.x < R) st_release_sys(&ll_ctrl(a, threadIdx.x)->comb_ack[a.slot][me], epoch);
+    }
+}
+
+extern "C" int epx_cuda_launch_ll_combine_send(const epx_cuda_ll_args_t *args, void *stream)
+{
+    ll_combine_send_kernel<<<args->c.num_blocks, LL_THREADS, 0, (cudaStream_t)stream>>>(*args);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int epx_cuda_launch_ll_combine_recv(const epx_cuda_ll_args_t *args, void *stream)
+{
+    ll_combine_recv_kernel<<<args->c.num_blocks, LL_THREADS, 0, (cudaStream_t)stream>>>(*args);
+    return (int)cudaGetLastError();
+}
+
+/* --------------------------------------------------------------------------- failure ---- */
+
+/* Runs before the ctrl's fail kernel closes the failed epoch: peers that ran the call recorded it
+ * as the slot's last use and will wait for our release of exactly that epoch. */
+__global__ void ll_fail_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
+{
+    const int me = a.c.rank;
+    const uint64_t epoch = ld_volatile_u64(&ctrl_of(a.c.peers[me])->epoch) + 1;
+    if ((int)threadIdx.x < a.c.nranks) {
+        epx_cuda_ll_ctrl_t *peer = ll_ctrl(a, threadIdx.x);
+        if (a.drop_disp) st_release_sys(&peer->disp_ack[a.slot][me], epoch);
+        st_release_sys(&peer->comb_ack[0][me], epoch);
+        st_release_sys(&peer->comb_ack[1][me], epoch);
+    }
+}
+
+extern "C" int epx_cuda_launch_ll_fail(const epx_cuda_ll_args_t *args, void *stream)
+{
+    ll_fail_kernel<<<1, EPX_CUDA_MAX_RANKS, 0, (cudaStream_t)stream>>>(*args);
+    return (int)cudaGetLastError();
+}

@@ -1,0 +1,630 @@
+/*
+ * LL dispatch and combine on the cuda backend, R ranks (processes) on the GPUs present: packed rows,
+ * fp8 bytes and scales (fp32 and ue8m0), recv_count, src_info, layout_range, cumulative stats and
+ * every combined value compared bit for bit with the single-process reference. Cases: bf16, fp8,
+ * fp8+round_scale, fp8+ue8m0, with and without hooks and zero-copy, full, ragged and zero-token
+ * ranks, E 64/256/288, K 1/8/9, H 2048/7168; double buffering with a stale handle; dispatch, stand-in
+ * expert and combine captured in one CUDA graph and replayed with new tokens and routing; repeated
+ * iterations with matching hashes (EPX_GPU_TEST_LL_ITERS, default 20). EPX_GPU_TEST_RANKS
+ * (default "2,4,8") and EPX_GPU_TEST_QUICK=1 (sanitizer runs) shrink it.
+ */
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "core/internal.h"
+#include "epx_test.h"
+#include "reference.h"
+
+typedef struct ctx {
+    uint64_t seed;
+    int quick;
+    int iters;
+} ctx_t;
+
+#define CUDA_OK(call)                                                                          \
+    do {                                                                                       \
+        cudaError_t e_ = (call);                                                               \
+        if (e_ != cudaSuccess) return ref_fail(rank, "%s: %s", #call, cudaGetErrorString(e_)); \
+    } while (0)
+
+static epx_tensor_t dten(void *data, epx_dtype_t dtype, int ndim, int64_t d0, int64_t d1, int64_t d2,
+                         int device)
+{
+    epx_tensor_t t = ndim == 1   ? epx_tensor_1d(data, dtype, d0)
+                     : ndim == 2 ? epx_tensor_2d(data, dtype, d0, d1)
+                                 : epx_tensor_3d(data, dtype, d0, d1, d2);
+    t.device_type = EPX_DEVICE_CUDA;
+    t.device_id = device;
+    return t;
+}
+
+static uint64_t fnv(const void *data, size_t n, uint64_t h)
+{
+    const uint8_t *b = data;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+    return h;
+}
+
+/* One buffer configuration and the device tensors sized for it. */
+typedef struct cfg {
+    int E, K;
+    int64_t H, T_max;
+    int R, L, device;
+    int64_t RT;
+    cudaStream_t st;
+    void *x, *topk, *w, *rx, *rs, *rc, *si, *lr, *cum, *y, *out;
+} cfg_t;
+
+typedef struct ll_case {
+    int fp8, round_scale, ue8m0;
+    int hook_dispatch, hook_combine, zero_copy;
+    int iter; /* token counts: 0 full, 1 zero-token ranks, >1 random */
+    ref_routing_t routing;
+    int idx64;
+    int repeats;
+} ll_case_t;
+
+static int cfg_alloc(cfg_t *g, int rank)
+{
+    const int64_t H = g->H, T = g->T_max, K = g->K, L = g->L, RT = g->RT;
+    void **ps[] = {&g->x, &g->topk, &g->w, &g->rx, &g->rs, &g->rc, &g->si, &g->lr, &g->cum, &g->y, &g->out};
+    size_t sz[] = {(size_t)(T * H) * 2 + 16,
+                   (size_t)(T * K) * 8 + 16,
+                   (size_t)(T * K) * 4 + 16,
+                   (size_t)(L * RT * H) * 2,
+                   (size_t)(L * (H / 128) * RT) * 4 + 16,
+                   (size_t)L * 4,
+                   (size_t)(L * RT) * 4,
+                   (size_t)(L * g->R) * 8,
+                   (size_t)L * 4,
+                   (size_t)(L * RT * H) * 2,
+                   (size_t)(T * H) * 2 + 16};
+    for (size_t i = 0; i < sizeof(ps) / sizeof(ps[0]); i++) {
+        if (cudaMalloc(ps[i], sz[i]) != cudaSuccess) return ref_fail(rank, "cudaMalloc of %zu bytes", sz[i]);
+        cudaMemset(*ps[i], 0xa5, sz[i]);
+    }
+    CUDA_OK(cudaStreamCreateWithFlags(&g->st, cudaStreamNonBlocking));
+    return 0;
+}
+
+static void cfg_free(cfg_t *g)
+{
+    void *ps[] = {g->x, g->topk, g->w, g->rx, g->rs, g->rc, g->si, g->lr, g->cum, g->y, g->out};
+    for (size_t i = 0; i < sizeof(ps) / sizeof(ps[0]); i++) cudaFree(ps[i]);
+    if (g->st) cudaStreamDestroy(g->st);
+}
+
+/* Uploads rank `me`'s x (tag REF_TAG_X), topk_idx and weights of problem p. */
+static int upload_inputs(const cfg_t *g, const ref_problem_t *p, int rank, int idx64)
+{
+    const int64_t T = p->T[rank], H = g->H, K = g->K;
+    uint16_t *hx = malloc((size_t)(T * H) * 2 + 16);
+    void *ht = malloc((size_t)(T * K) * 8 + 16);
+    if (!hx || !ht) {
+        free(hx);
+        free(ht);
+        return ref_fail(rank, "malloc");
+    }
+    for (int64_t t = 0; t < T; t++) ref_x_row(p, rank, t, REF_TAG_X, hx + t * H);
+    ref_fill_topk(p, rank, idx64 ? EPX_DTYPE_INT64 : EPX_DTYPE_INT32, ht);
+    cudaMemcpy(g->x, hx, (size_t)(T * H) * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(g->topk, ht, (size_t)(T * K) * (idx64 ? 8 : 4), cudaMemcpyHostToDevice);
+    cudaMemcpy(g->w, p->weights[rank], (size_t)(T * K) * 4, cudaMemcpyHostToDevice);
+    free(hx);
+    free(ht);
+    return 0;
+}
+
+static void dispatch_args(const cfg_t *g, const ll_case_t *cs, int64_t T, epx_ll_dispatch_args_t *a,
+                          epx_ll_dispatch_outputs_t *o)
+{
+    const int d = g->device;
+    const int64_t H = g->H, L = g->L, RT = g->RT;
+    a->x = dten(g->x, EPX_DTYPE_BF16, 2, T, H, 0, d);
+    a->topk_idx = dten(g->topk, cs->idx64 ? EPX_DTYPE_INT64 : EPX_DTYPE_INT32, 2, T, g->K, 0, d);
+    a->cumulative_recv_stats = dten(g->cum, EPX_DTYPE_INT32, 1, L, 0, 0, d);
+    a->use_fp8 = cs->fp8;
+    a->round_scale = cs->round_scale;
+    a->use_ue8m0 = cs->ue8m0;
+    a->return_recv_hook = cs->hook_dispatch;
+    a->stream = g->st;
+    o->recv_x = dten(g->rx, cs->fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16, 3, L, RT, H, d);
+    if (cs->ue8m0)
+        o->recv_scales = dten(g->rs, EPX_DTYPE_INT32, 3, L, H / 512, RT, d);
+    else if (cs->fp8)
+        o->recv_scales = dten(g->rs, EPX_DTYPE_FP32, 3, L, H / 128, RT, d);
+    o->recv_count = dten(g->rc, EPX_DTYPE_INT32, 1, L, 0, 0, d);
+    o->src_info = dten(g->si, EPX_DTYPE_INT32, 2, L, RT, 0, d);
+    o->layout_range = dten(g->lr, EPX_DTYPE_INT64, 2, L, g->R, 0, d);
+}
+
+/* Checks rank's received rows, scales and metadata against the reference; hashes recv_x. */
+static int check_dispatch(const cfg_t *g, const ref_problem_t *p, const ll_case_t *cs, int rank,
+                          const ref_ll_recv_t *ref, uint64_t *hash)
+{
+    const int64_t H = g->H, L = g->L, RT = g->RT, G = H / 128, R = g->R;
+    const size_t es = cs->fp8 ? 1 : 2;
+    int rc = 1;
+    int32_t *cnt = malloc((size_t)L * 4), *si = malloc((size_t)(L * RT) * 4);
+    int64_t *lr = malloc((size_t)(L * R) * 8);
+    uint8_t *row = malloc((size_t)RT * H * es + 16), *exp = malloc((size_t)H * 2 + 16);
+    uint16_t *xrow = malloc((size_t)H * 2 + 16);
+    float *sc = malloc((size_t)(L * G * RT) * 4 + 16), *esc = malloc((size_t)G * 4 + 16);
+    if (!cnt || !si || !lr || !row || !exp || !xrow || !sc || !esc) {
+        rc = ref_fail(rank, "malloc");
+        goto out;
+    }
+    cudaMemcpy(cnt, g->rc, (size_t)L * 4, cudaMemcpyDeviceToHost);
+    if (ref_check_bits(rank, "recv_count", cnt, ref->count, L, 4, L)) goto out;
+    cudaMemcpy(lr, g->lr, (size_t)(L * R) * 8, cudaMemcpyDeviceToHost);
+    if (ref_check_bits(rank, "layout_range", lr, ref->range, L * R, 8, R)) goto out;
+    cudaMemcpy(si, g->si, (size_t)(L * RT) * 4, cudaMemcpyDeviceToHost);
+    if (cs->fp8) cudaMemcpy(sc, g->rs, (size_t)(L * G * RT) * 4, cudaMemcpyDeviceToHost);
+    for (int64_t j = 0; j < L; j++) {
+        const int64_t n = cnt[j];
+        if (ref_check_bits(rank, "src_info", si + j * RT, ref->tok + j * RT, n, 4, RT)) goto out;
+        cudaMemcpy(row, (uint8_t *)g->rx + (size_t)(j * RT * H) * es, (size_t)(n * H) * es,
+                   cudaMemcpyDeviceToHost);
+        *hash = fnv(row, (size_t)(n * H) * es, *hash);
+        for (int64_t q = 0; q < n; q++) {
+            ref_x_row(p, ref->src[j * RT + q], ref->tok[j * RT + q], REF_TAG_X, xrow);
+            char what[64];
+            snprintf(what, sizeof(what), "recv_x[%lld][%lld]", (long long)j, (long long)q);
+            if (!cs->fp8) {
+                if (ref_check_bits(rank, what, row + (size_t)(q * H) * 2, xrow, H, 2, H)) goto out;
+                continue;
+            }
+            ref_ll_cast(xrow, H, cs->round_scale != 0, exp, esc);
+            if (ref_check_bits(rank, what, row + (size_t)(q * H), exp, H, 1, H)) goto out;
+            for (int64_t gi = 0; gi < G; gi++) {
+                if (cs->ue8m0) {
+                    const uint32_t word = ((const uint32_t *)sc)[(j * (H / 512) + gi / 4) * RT + q];
+                    uint32_t bits;
+                    memcpy(&bits, &esc[gi], 4);
+                    if (((word >> (8 * (gi % 4))) & 0xffu) != ((bits >> 23) & 0xffu)) {
+                        rc = ref_fail(rank,
+                                      "ue8m0 scale of expert %lld row %lld group %lld: byte %u, expected %u",
+                                      (long long)j, (long long)q, (long long)gi,
+                                      (word >> (8 * (gi % 4))) & 0xffu, (bits >> 23) & 0xffu);
+                        goto out;
+                    }
+                } else if (ref_check_bits(rank, "recv_scales", &sc[(j * G + gi) * RT + q], &esc[gi], 1, 4,
+                                          1)) {
+                    goto out;
+                }
+            }
+        }
+    }
+    rc = 0;
+out:
+    free(cnt);
+    free(si);
+    free(lr);
+    free(row);
+    free(exp);
+    free(xrow);
+    free(sc);
+    free(esc);
+    return rc;
+}
+
+/* y rows of rank's local experts as ref_ll_combine expects them, written to `dst` (device). */
+static int upload_y(const cfg_t *g, int rank, const ref_ll_recv_t *ref, uint64_t yseed, void *dst)
+{
+    const int64_t H = g->H, RT = g->RT;
+    uint16_t *rows = malloc((size_t)RT * H * 2 + 16);
+    if (!rows) return ref_fail(rank, "malloc");
+    for (int j = 0; j < g->L; j++) {
+        const int64_t n = ref->count[j];
+        for (int64_t q = 0; q < n; q++)
+            for (int64_t c = 0; c < H; c++)
+                rows[q * H + c] = ref_y_bf16(yseed, rank, j, ref->src[j * RT + q], ref->tok[j * RT + q], c);
+        cudaMemcpy((uint16_t *)dst + (size_t)(j * RT * H), rows, (size_t)(n * H) * 2, cudaMemcpyHostToDevice);
+    }
+    free(rows);
+    return 0;
+}
+
+static int run_case(epx_buffer_t buf, cfg_t *g, int rank, const ll_case_t *cs, uint64_t seed)
+{
+    ref_problem_t p;
+    ref_ll_recv_t ref = {0};
+    int64_t T[REF_MAX_RANKS];
+    int rc = 1;
+    uint16_t *eout = NULL, *got = NULL;
+    ref_gen_token_counts(seed, cs->iter, g->R, g->T_max, T);
+    if (ref_problem_init(&p, g->R, g->E, g->K, g->H, g->T_max, EPX_DTYPE_BF16, seed, T, cs->routing) != 0)
+        return ref_fail(rank, "problem init");
+    ref_set_case("R=%d E=%d K=%d H=%lld %s%s%s hook %d/%d zc %d iter %d %s idx%s x%d", g->R, g->E, g->K,
+                 (long long)g->H, cs->fp8 ? "fp8" : "bf16", cs->round_scale ? "+round_scale" : "",
+                 cs->ue8m0 ? "+ue8m0" : "", cs->hook_dispatch, cs->hook_combine, cs->zero_copy, cs->iter,
+                 ref_routing_name(cs->routing), cs->idx64 ? "64" : "32", cs->repeats);
+    const int64_t H = g->H, Tm = T[rank];
+    const uint64_t yseed = seed ^ 0x11ull;
+    if (ref_ll_dispatch(&p, rank, &ref) != 0 || upload_inputs(g, &p, rank, cs->idx64) != 0) {
+        rc = ref_fail(rank, "reference or upload");
+        goto out;
+    }
+    eout = malloc((size_t)(Tm * H) * 2 + 16);
+    got = malloc((size_t)(Tm * H) * 2 + 16);
+    if (!eout || !got) {
+        rc = ref_fail(rank, "malloc");
+        goto out;
+    }
+    ref_ll_combine(&p, rank, yseed, eout);
+    cudaMemset(g->cum, 0, (size_t)g->L * 4);
+    if (!cs->zero_copy && upload_y(g, rank, &ref, yseed, g->y) != 0) goto out;
+    uint64_t first = 0;
+    const int reps = cs->repeats > 0 ? cs->repeats : 1;
+    for (int it = 0; it < reps; it++) {
+        epx_ll_dispatch_args_t a = EPX_LL_DISPATCH_ARGS_INIT;
+        epx_ll_dispatch_outputs_t o = EPX_LL_DISPATCH_OUTPUTS_INIT;
+        dispatch_args(g, cs, Tm, &a, &o);
+        EXPECT_OK(epx_ll_dispatch(buf, &a, &o));
+        if (cs->hook_dispatch) EXPECT_OK(epx_hook_run(&o.hook, g->st));
+        CUDA_OK(cudaStreamSynchronize(g->st));
+        uint64_t hash = 1469598103934665603ull;
+        if (it == 0 || it == reps - 1) {
+            if (check_dispatch(g, &p, cs, rank, &ref, &hash)) goto out;
+        } else {
+            /* Between the first and last iteration only the hash of the packed rows is compared. */
+            for (int j = 0; j < g->L; j++) {
+                uint8_t *tmp = malloc((size_t)ref.count[j] * (size_t)H * 2 + 16);
+                if (!tmp) return ref_fail(rank, "malloc");
+                const size_t es = cs->fp8 ? 1 : 2;
+                cudaMemcpy(tmp, (uint8_t *)g->rx + (size_t)(j * g->RT * H) * es,
+                           (size_t)(ref.count[j] * H) * es, cudaMemcpyDeviceToHost);
+                hash = fnv(tmp, (size_t)(ref.count[j] * H) * es, hash);
+                free(tmp);
+            }
+        }
+        epx_ll_combine_args_t ca = EPX_LL_COMBINE_ARGS_INIT;
+        ca.handle = o.handle;
+        if (cs->zero_copy) {
+            epx_tensor_t view;
+            EXPECT_OK(epx_ll_get_combine_buffer(buf, &o.handle, &view));
+            if (view.shape[0] != g->L || view.shape[1] != g->RT || view.shape[2] != H ||
+                view.dtype != EPX_DTYPE_BF16)
+                return ref_fail(rank, "combine view has shape [%lld, %lld, %lld]", (long long)view.shape[0],
+                                (long long)view.shape[1], (long long)view.shape[2]);
+            if (upload_y(g, rank, &ref, yseed, view.data) != 0) goto out;
+            ca.zero_copy = 1;
+        } else {
+            ca.y = dten(g->y, EPX_DTYPE_BF16, 3, g->L, g->RT, H, g->device);
+        }
+        ca.topk_idx = a.topk_idx;
+        ca.topk_weights = dten(g->w, EPX_DTYPE_FP32, 2, Tm, g->K, 0, g->device);
+        ca.return_recv_hook = cs->hook_combine;
+        ca.stream = g->st;
+        epx_ll_combine_outputs_t co = EPX_LL_COMBINE_OUTPUTS_INIT;
+        co.combined_x = dten(g->out, EPX_DTYPE_BF16, 2, Tm, H, 0, g->device);
+        EXPECT_OK(epx_ll_combine(buf, &ca, &co));
+        if (cs->hook_combine) {
+            EXPECT_OK(epx_hook_run(&co.hook, g->st));
+            EXPECT_RES(epx_hook_run(&co.hook, g->st), EPX_ERR_INVALID_ARG); /* a hook runs once */
+        }
+        CUDA_OK(cudaStreamSynchronize(g->st));
+        EXPECT_OK(epx_get_async_error(buf->comm));
+        cudaMemcpy(got, g->out, (size_t)(Tm * H) * 2, cudaMemcpyDeviceToHost);
+        if (ref_check_bits(rank, "combined_x", got, eout, Tm * H, 2, H)) goto out;
+        hash = fnv(got, (size_t)(Tm * H) * 2, hash);
+        if (it == 0) first = hash;
+        if (hash != first) {
+            rc = ref_fail(rank, "iteration %d: hash %016llx differs from iteration 0's %016llx", it,
+                          (unsigned long long)hash, (unsigned long long)first);
+            goto out;
+        }
+    }
+    /* Cumulative stats: every iteration added recv_count. */
+    {
+        int32_t cum[1024];
+        const int n = g->L < 1024 ? g->L : 1024;
+        cudaMemcpy(cum, g->cum, (size_t)n * 4, cudaMemcpyDeviceToHost);
+        for (int j = 0; j < n; j++)
+            if (cum[j] != ref.count[j] * reps) {
+                rc = ref_fail(rank, "cumulative_recv_stats[%d] = %d, expected %d", j, cum[j],
+                              ref.count[j] * reps);
+                goto out;
+            }
+    }
+    rc = 0;
+out:
+    free(eout);
+    free(got);
+    ref_ll_recv_free(&ref);
+    ref_problem_free(&p);
+    return rc;
+}
+
+/* Two dispatches in flight (hooks run later, in order), their combines, then a third dispatch
+ * that reuses the first slot: the first handle is stale on every rank, and the calls after it
+ * still work. Outputs of the two batches land in different tensors. */
+static int run_double(epx_buffer_t buf, cfg_t *g, int rank, uint64_t seed)
+{
+    const int64_t H = g->H, K = g->K, L = g->L, RT = g->RT, Tm = g->T_max;
+    int64_t T[REF_MAX_RANKS];
+    for (int r = 0; r < g->R; r++) T[r] = Tm;
+    ref_problem_t p;
+    ref_set_case("double buffering R=%d E=%d H=%lld", g->R, g->E, (long long)H);
+    if (ref_problem_init(&p, g->R, g->E, g->K, H, Tm, EPX_DTYPE_BF16, seed, T, REF_ROUTE_RANDOM) != 0)
+        return ref_fail(rank, "problem init");
+    int rc = 1;
+    void *rx2 = NULL, *rc2 = NULL, *out2 = NULL;
+    uint16_t *eout = malloc((size_t)(Tm * H) * 2 + 16), *got = malloc((size_t)(Tm * H) * 2 + 16);
+    ref_ll_recv_t ref = {0};
+    if (!eout || !got || ref_ll_dispatch(&p, rank, &ref) != 0 || upload_inputs(g, &p, rank, 0) != 0 ||
+        cudaMalloc(&rx2, (size_t)(L * RT * H) * 2) != cudaSuccess ||
+        cudaMalloc(&rc2, (size_t)L * 4) != cudaSuccess ||
+        cudaMalloc(&out2, (size_t)(Tm * H) * 2) != cudaSuccess) {
+        rc = ref_fail(rank, "setup");
+        goto out;
+    }
+    const uint64_t yseed = seed ^ 0x22ull;
+    ref_ll_combine(&p, rank, yseed, eout);
+    if (upload_y(g, rank, &ref, yseed, g->y) != 0) goto out;
+    ll_case_t cs = {0};
+    cs.hook_dispatch = 1;
+    epx_ll_dispatch_args_t a = EPX_LL_DISPATCH_ARGS_INIT;
+    epx_ll_dispatch_outputs_t o1 = EPX_LL_DISPATCH_OUTPUTS_INIT, o2 = EPX_LL_DISPATCH_OUTPUTS_INIT;
+    dispatch_args(g, &cs, Tm, &a, &o1);
+    dispatch_args(g, &cs, Tm, &a, &o2);
+    a.cumulative_recv_stats.data = NULL;
+    o2.recv_x.data = rx2;
+    o2.recv_count.data = rc2;
+    o2.src_info.data = NULL;
+    o2.layout_range.data = NULL;
+    EXPECT_OK(epx_ll_dispatch(buf, &a, &o1));
+    EXPECT_OK(epx_ll_dispatch(buf, &a, &o2));
+    if (o1.handle.slot == o2.handle.slot)
+        return ref_fail(rank, "two dispatches in flight share slot %d", o1.handle.slot);
+    EXPECT_OK(epx_hook_run(&o1.hook, g->st));
+    EXPECT_OK(epx_hook_run(&o2.hook, g->st));
+    epx_ll_combine_args_t ca = EPX_LL_COMBINE_ARGS_INIT;
+    ca.y = dten(g->y, EPX_DTYPE_BF16, 3, L, RT, H, g->device);
+    ca.topk_idx = a.topk_idx;
+    ca.topk_weights = dten(g->w, EPX_DTYPE_FP32, 2, Tm, K, 0, g->device);
+    ca.stream = g->st;
+    epx_ll_combine_outputs_t co = EPX_LL_COMBINE_OUTPUTS_INIT;
+    co.combined_x = dten(g->out, EPX_DTYPE_BF16, 2, Tm, H, 0, g->device);
+    ca.handle = o1.handle;
+    EXPECT_OK(epx_ll_combine(buf, &ca, &co));
+    ca.handle = o2.handle;
+    co.combined_x.data = out2;
+    EXPECT_OK(epx_ll_combine(buf, &ca, &co));
+    CUDA_OK(cudaStreamSynchronize(g->st));
+    EXPECT_OK(epx_get_async_error(buf->comm));
+    void *outs[2] = {g->out, out2};
+    for (int i = 0; i < 2; i++) {
+        cudaMemcpy(got, outs[i], (size_t)(Tm * H) * 2, cudaMemcpyDeviceToHost);
+        if (ref_check_bits(rank, i ? "combined_x (second batch)" : "combined_x (first batch)", got, eout,
+                           Tm * H, 2, H))
+            goto out;
+    }
+    int32_t cnt[1024];
+    cudaMemcpy(cnt, rc2, (size_t)(L < 1024 ? L : 1024) * 4, cudaMemcpyDeviceToHost);
+    if (ref_check_bits(rank, "recv_count (second batch)", cnt, ref.count, L < 1024 ? L : 1024, 4, L))
+        goto out;
+
+    /* A third dispatch reuses the first slot: the first handle is stale. */
+    epx_ll_dispatch_outputs_t o3 = EPX_LL_DISPATCH_OUTPUTS_INIT;
+    cs.hook_dispatch = 0;
+    dispatch_args(g, &cs, Tm, &a, &o3);
+    a.cumulative_recv_stats.data = NULL;
+    EXPECT_OK(epx_ll_dispatch(buf, &a, &o3));
+    if (o3.handle.slot != o1.handle.slot)
+        return ref_fail(rank, "third dispatch took slot %d", o3.handle.slot);
+    ca.handle = o1.handle;
+    co.combined_x.data = g->out;
+    EXPECT_RES(epx_ll_combine(buf, &ca, &co), EPX_ERR_INVALID_ARG);
+    EXPECT_MSG_HAS("stale");
+    ca.handle = o3.handle;
+    EXPECT_OK(epx_ll_combine(buf, &ca, &co));
+    CUDA_OK(cudaStreamSynchronize(g->st));
+    EXPECT_OK(epx_get_async_error(buf->comm));
+    cudaMemcpy(got, g->out, (size_t)(Tm * H) * 2, cudaMemcpyDeviceToHost);
+    if (ref_check_bits(rank, "combined_x after a stale handle", got, eout, Tm * H, 2, H)) goto out;
+    rc = 0;
+out:
+    cudaFree(rx2);
+    cudaFree(rc2);
+    cudaFree(out2);
+    free(eout);
+    free(got);
+    ref_ll_recv_free(&ref);
+    ref_problem_free(&p);
+    return rc;
+}
+
+/* Dispatch, a stand-in expert (y = recv_x) and combine captured in one graph, replayed with new
+ * tokens and routing written into the same input tensors; checked after every replay. */
+static int run_graph(epx_buffer_t buf, cfg_t *g, int rank, uint64_t seed)
+{
+    const int64_t H = g->H, K = g->K, L = g->L, RT = g->RT, Tm = g->T_max;
+    int64_t T[REF_MAX_RANKS];
+    for (int r = 0; r < g->R; r++) T[r] = Tm; /* shapes are fixed by the graph */
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    int rc = 1;
+    ll_case_t cs = {0};
+    epx_ll_dispatch_args_t a = EPX_LL_DISPATCH_ARGS_INIT;
+    epx_ll_dispatch_outputs_t o = EPX_LL_DISPATCH_OUTPUTS_INIT;
+    dispatch_args(g, &cs, Tm, &a, &o);
+    a.cumulative_recv_stats.data = NULL;
+    epx_ll_combine_args_t ca = EPX_LL_COMBINE_ARGS_INIT;
+    ca.y = dten(g->y, EPX_DTYPE_BF16, 3, L, RT, H, g->device);
+    ca.topk_idx = a.topk_idx;
+    ca.topk_weights = dten(g->w, EPX_DTYPE_FP32, 2, Tm, K, 0, g->device);
+    ca.stream = g->st;
+    epx_ll_combine_outputs_t co = EPX_LL_COMBINE_OUTPUTS_INIT;
+    co.combined_x = dten(g->out, EPX_DTYPE_BF16, 2, Tm, H, 0, g->device);
+    CUDA_OK(cudaStreamBeginCapture(g->st, cudaStreamCaptureModeThreadLocal));
+    epx_result_t res = epx_ll_dispatch(buf, &a, &o);
+    if (res == EPX_SUCCESS) {
+        cudaMemcpyAsync(g->y, g->rx, (size_t)(L * RT * H) * 2, cudaMemcpyDeviceToDevice, g->st);
+        ca.handle = o.handle;
+        res = epx_ll_combine(buf, &ca, &co);
+    }
+    CUDA_OK(cudaStreamEndCapture(g->st, &graph));
+    if (res != EPX_SUCCESS)
+        return ref_fail(rank, "capture: %s (%s)", epx_result_name(res), epx_last_error_message());
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    uint16_t *hx = malloc((size_t)(Tm * H) * 2 + 16), *eout = malloc((size_t)(Tm * H) * 2 + 16);
+    uint16_t *got = malloc((size_t)(Tm * H) * 2 + 16);
+    for (int replay = 0; replay < 3; replay++) {
+        ref_problem_t p;
+        ref_ll_recv_t ref = {0};
+        ref_set_case("graph R=%d E=%d H=%lld replay %d", g->R, g->E, (long long)H, replay);
+        if (!hx || !eout || !got ||
+            ref_problem_init(&p, g->R, g->E, g->K, H, Tm, EPX_DTYPE_BF16,
+                             seed + 7919ull * (uint64_t)(replay + 1), T,
+                             replay == 1 ? REF_ROUTE_SKEWED : REF_ROUTE_RANDOM) != 0) {
+            rc = ref_fail(rank, "setup");
+            goto out;
+        }
+        int fail = ref_ll_dispatch(&p, rank, &ref) != 0 || upload_inputs(g, &p, rank, 0) != 0;
+        if (!fail && cudaGraphLaunch(exec, g->st) != cudaSuccess) fail = ref_fail(rank, "cudaGraphLaunch");
+        if (!fail && cudaStreamSynchronize(g->st) != cudaSuccess)
+            fail = ref_fail(rank, "cudaStreamSynchronize");
+        if (!fail && epx_get_async_error(buf->comm) != EPX_SUCCESS)
+            fail = ref_fail(rank, "async error: %s", epx_last_error_message());
+        if (!fail) {
+            uint64_t h = 0;
+            fail = check_dispatch(g, &p, &cs, rank, &ref, &h);
+        }
+        if (!fail) {
+            /* y row of (s, t) is t's own x row: out[t] = sum_k w[t,k] * x[t] in k order. */
+            for (int64_t t = 0; t < Tm; t++) ref_x_row(&p, rank, t, REF_TAG_X, hx + t * H);
+            for (int64_t t = 0; t < Tm; t++)
+                for (int64_t c = 0; c < H; c++) {
+                    float acc = 0.0f;
+                    for (int64_t k = 0; k < K; k++)
+                        if (p.topk[rank][t * K + k] >= 0)
+                            acc = ref_fadd(
+                                acc, ref_fmul(p.weights[rank][t * K + k], ref_bf16_to_f32(hx[t * H + c])));
+                    eout[t * H + c] = ref_f32_to_bf16(acc);
+                }
+            cudaMemcpy(got, g->out, (size_t)(Tm * H) * 2, cudaMemcpyDeviceToHost);
+            fail = ref_check_bits(rank, "graph combined_x", got, eout, Tm * H, 2, H);
+        }
+        ref_ll_recv_free(&ref);
+        ref_problem_free(&p);
+        if (fail) goto out;
+    }
+    rc = 0;
+out:
+    free(hx);
+    free(eout);
+    free(got);
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+    return rc;
+}
+
+static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx)
+{
+    const ctx_t *ctx = vctx;
+    ref_set_seed(ctx->seed);
+    epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
+    cc.backend = EPX_BACKEND_CUDA;
+    int ngpu = 0;
+    cudaGetDeviceCount(&ngpu);
+    cc.cuda_device = ngpu > 0 ? rank % ngpu : 0;
+    epx_comm_t comm;
+    EXPECT_OK(epx_comm_init(id, rank, nranks, &cc, &comm));
+    /* E, K, H, T_max. */
+    static const int64_t cfgs[][4] = {{256, 8, 7168, 128}, {288, 9, 2048, 128}, {64, 1, 2048, 96}};
+    static const int64_t quick_cfg[4] = {64, 8, 2048, 16};
+    const int ncfg = ctx->quick ? 1 : (int)(sizeof(cfgs) / sizeof(cfgs[0]));
+    int rc = 0;
+    for (int ci = 0; ci < ncfg && rc == 0; ci++) {
+        const int64_t *cf = ctx->quick ? quick_cfg : cfgs[ci];
+        cfg_t g;
+        memset(&g, 0, sizeof(g));
+        g.E = (int)cf[0];
+        g.K = (int)cf[1];
+        g.H = cf[2];
+        g.T_max = cf[3];
+        g.R = nranks;
+        g.L = g.E / nranks;
+        g.RT = (int64_t)nranks * g.T_max;
+        g.device = cc.cuda_device;
+        epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
+        bc.max_tokens = g.T_max;
+        bc.hidden = g.H;
+        bc.num_topk = g.K;
+        bc.num_experts = g.E;
+        bc.modes = EPX_MODE_LL;
+        bc.dispatch_dtypes = EPX_DTYPE_BIT(EPX_DTYPE_BF16);
+        epx_buffer_t buf;
+        EXPECT_OK(epx_buffer_create(comm, &bc, &buf));
+        rc = cfg_alloc(&g, rank);
+        /* fp8, round_scale, ue8m0, hook d/c, zero-copy, iter, routing, idx64, repeats */
+        const ll_case_t cases[] = {
+            {0, 0, 0, 0, 0, 0, 0, REF_ROUTE_RANDOM, 0, 1}, {1, 0, 0, 1, 0, 1, 1, REF_ROUTE_SKEWED, 1, 1},
+            {1, 1, 0, 0, 1, 1, 2, REF_ROUTE_RANDOM, 0, 1}, {1, 1, 1, 1, 1, 0, 3, REF_ROUTE_GROUPED, 1, 1},
+            {0, 0, 0, 1, 1, 1, 4, REF_ROUTE_RANDOM, 0, 1}, {1, 1, 1, 0, 0, 0, 1, REF_ROUTE_RANDOM, 0, 1},
+        };
+        const int ncases = ctx->quick ? 2 : (int)(sizeof(cases) / sizeof(cases[0]));
+        for (int i = 0; i < ncases && rc == 0; i++)
+            rc = run_case(buf, &g, rank, &cases[i], ctx->seed + (uint64_t)ci * 100 + (uint64_t)i);
+        if (rc == 0) rc = run_double(buf, &g, rank, ctx->seed + 77);
+        if (rc == 0 && (ctx->quick || ci == 2)) rc = run_graph(buf, &g, rank, ctx->seed + 99);
+        if (rc == 0 && !ctx->quick && ci == 2) {
+            const ll_case_t rep = {0, 0, 0, 1, 1, 1, 2, REF_ROUTE_RANDOM, 0, ctx->iters};
+            rc = run_case(buf, &g, rank, &rep, ctx->seed + 1234);
+        }
+        if (rc == 0) EXPECT_OK(epx_get_async_error(comm));
+        cfg_free(&g);
+        EXPECT_OK(epx_buffer_destroy(buf));
+    }
+    EXPECT_OK(epx_comm_destroy(comm));
+    return rc;
+}
+
+/* Probes for a GPU in a child so the parent never initialises CUDA before forking ranks. */
+static int gpu_count(void)
+{
+    pid_t pid = fork();
+    if (pid < 0) return 0;
+    if (pid == 0) {
+        int n = 0;
+        if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
+        _exit(n > 100 ? 100 : n);
+    }
+    int status = 0;
+    if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return 0;
+    return WEXITSTATUS(status);
+}
+
+int main(void)
+{
+    if (gpu_count() <= 0) {
+        printf("no usable GPU: skipped\n");
+        return EPX_TEST_SKIP;
+    }
+    const char *q = getenv("EPX_GPU_TEST_QUICK"), *it = getenv("EPX_GPU_TEST_LL_ITERS");
+    ctx_t ctx = {epx_test_seed(), q && atoi(q) != 0, it && atoi(it) > 0 ? atoi(it) : 20};
+    const char *ranks = getenv("EPX_GPU_TEST_RANKS");
+    if (!ranks) ranks = "2,4,8";
+    int failed = 0;
+    for (const char *p = ranks; *p;) {
+        int R = atoi(p);
+        if (R >= 1 && R <= REF_MAX_RANKS) {
+            printf("ll: %d ranks\n", R);
+            fflush(stdout);
+            if (epx_test_run_ranks(R, rank_main, &ctx, 500) != 0) {
+                fprintf(stderr, "ll: %d ranks failed\n", R);
+                failed = 1;
+                break;
+            }
+        }
+        while (*p && *p != ',') p++;
+        if (*p == ',') p++;
+    }
+    if (!failed) printf("ll: all passed\n");
+    return failed;
+}
