@@ -45,12 +45,12 @@ static epx_tensor_t dt(void *p, epx_dtype_t d, int64_t a, int64_t b, int dev)
     return t;
 }
 
-#define CK(call)                                                                                        \
-    do {                                                                                                \
-        if ((call) != 0) {                                                                              \
-            fprintf(stderr, "rank %d: %s failed: %s\n", rank, #call, epx_last_error_message());          \
-            return 1;                                                                                   \
-        }                                                                                               \
+#define CK(call)                                                                                \
+    do {                                                                                        \
+        if ((call) != 0) {                                                                      \
+            fprintf(stderr, "rank %d: %s failed: %s\n", rank, #call, epx_last_error_message()); \
+            return 1;                                                                           \
+        }                                                                                       \
     } while (0)
 
 static int rank_main(int rank, const opts_t *o, const epx_unique_id_t *id, result_t *res)
@@ -193,15 +193,19 @@ int main(int argc, char **argv)
         case 'n': o.iters = atoi(optarg); break;
         case 'd': o.fp8 = strcmp(optarg, "fp8") == 0; break;
         default:
-            fprintf(stderr, "usage: epx-ceiling [-r R] [-t T] [-H H] [-k K] [-E E] [-s sms] [-n iters] [-d bf16|fp8]\n");
+            fprintf(
+                stderr,
+                "usage: epx-ceiling [-r R] [-t T] [-H H] [-k K] [-E E] [-s sms] [-n iters] [-d bf16|fp8]\n");
             return c == 'h' ? 0 : 2;
         }
     }
-    if (o.R < 1 || o.R > 64 || o.T < 1 || o.H < 128 || o.H % 128 || o.K < 1 || o.E % o.R || o.iters < 1) {
+    if (o.R < 1 || o.R > 64 || o.T < 1 || o.H < 128 || o.H % 128 || o.K < 1 || o.K > o.E || o.E % o.R ||
+        o.iters < 1) {
         fprintf(stderr, "epx-ceiling: bad options\n");
         return 2;
     }
-    result_t *res = mmap(NULL, sizeof(result_t) * (size_t)o.R, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    result_t *res =
+        mmap(NULL, sizeof(result_t) * (size_t)o.R, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (res == MAP_FAILED) return 1;
     memset(res, 0, sizeof(result_t) * (size_t)o.R);
     epx_unique_id_t id;
@@ -228,9 +232,11 @@ int main(int argc, char **argv)
         bcl += res[r].bytes_ceil / o.R;
     }
     const char *d = o.fp8 ? "fp8" : "bf16";
-    printf("# R %d, T %lld, H %lld, top-%d, %d experts, %d SMs per rank, %d iterations (median of the slowest rank)\n",
+    printf("# R %d, T %lld, H %lld, top-%d, %d experts, %d SMs per rank, %d iterations (median of the "
+           "slowest rank)\n",
            o.R, (long long)o.T, (long long)o.H, o.K, o.E, o.sms, o.iters);
-    printf("%-22s %10s %12s %14s %12s %8s\n", "operation", "us", "GB/s/rank", "ceiling_us", "ceil_GB/s", "ratio");
+    printf("%-22s %10s %12s %14s %12s %8s\n", "operation", "us", "GB/s/rank", "ceiling_us", "ceil_GB/s",
+           "ratio");
     const double ceil_gbs = bcl / (us[3] * 1e3);
     const char *names[3] = {"dispatch", "cached dispatch", "combine (bf16)"};
     for (int i = 0; i < 3; i++) {
@@ -238,8 +244,8 @@ int main(int argc, char **argv)
         double gbs = bytes / (us[i] * 1e3);
         /* The ceiling moves the dispatch's token bytes; combine moves bf16 rows, scaled alike. */
         double cgbs = ceil_gbs;
-        printf("%-6s %-15s %10.1f %12.1f %14.1f %12.1f %8.2f\n", i == 2 ? "bf16" : d, names[i], us[i], gbs, us[3],
-               cgbs, gbs / cgbs);
+        printf("%-6s %-15s %10.1f %12.1f %14.1f %12.1f %8.2f\n", i == 2 ? "bf16" : d, names[i], us[i], gbs,
+               us[3], cgbs, gbs / cgbs);
     }
     return 0;
 }

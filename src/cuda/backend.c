@@ -165,7 +165,9 @@ static void *poller_main(void *arg)
     return NULL;
 }
 
-static epx_result_t default_num_sms(epx_buffer_t b, int *out)
+/* SMs per rank for kernels that wait on each other; with `cap` 0, the most that keeps every
+ * sharing rank's blocks co-resident. */
+static epx_result_t default_num_sms(epx_buffer_t b, int *out, int cap)
 {
     epx_comm_t comm = b->comm;
     int sms = 0;
@@ -180,7 +182,17 @@ static epx_result_t default_num_sms(epx_buffer_t b, int *out)
     /* Kernels of ranks that wait on each other must be co-resident: split the SMs (8 ranks on a
      * 132-SM H200 get 16 each); ranks with a GPU each take 24. */
     int n = sms / sharing;
-    if (n > 24) n = 24;
+    if (cap > 0) {
+        /* An explicit num_sms above the share would let waiting blocks of one rank keep another
+         * rank's blocks off the GPU until the timeout. */
+        if (cap > n && n >= 1)
+            EPX_INFO(EPX_SUBSYS_IPC, "rank %d: num_sms %d lowered to %d (%d SMs shared by %d ranks)",
+                     comm->rank, cap, n, sms, sharing);
+        else
+            n = cap;
+    } else if (n > 24) {
+        n = 24;
+    }
     if (n < 1) n = 1;
     *out = n;
     return EPX_SUCCESS;
@@ -225,8 +237,9 @@ static epx_result_t cuda_buffer_create(epx_buffer_t buffer)
         free(uuids);
         if (res != EPX_SUCCESS) goto err_free_state;
     }
-    int num_sms = buffer->config.num_sms;
-    if (num_sms <= 0) EPX_CHECK_GOTO(default_num_sms(buffer, &num_sms), res, err_free_state);
+    int num_sms = 0;
+    const int asked = buffer->config.num_sms > 0 ? buffer->config.num_sms : 0;
+    EPX_CHECK_GOTO(default_num_sms(buffer, &num_sms, asked), res, err_free_state);
     cb->num_blocks = num_sms;
 
     EPX_CHECK_GOTO(epx_cuda_check(cudaMalloc((void **)&cb->region, cb->lay.total), "cudaMalloc(region)", me), res,
@@ -369,8 +382,14 @@ epx_result_t epx_cuda_handle_get(cuda_buffer_t *cb, cuda_handle_t **out)
     if (!h) {
         h = calloc(1, sizeof(*h));
         if (!h) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: handle state", b->comm->rank);
+        /* A static dispatch may be captured into a graph: cudaMalloc is refused (and the capture
+         * invalidated) in the capturing thread unless its capture mode is relaxed. The slab lives
+         * with the handle, outside the graph. */
+        enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+        (void)cudaThreadExchangeStreamCaptureMode(&mode);
         epx_result_t res = epx_cuda_check(cudaMalloc(&h->slab, cb->handle_slab_bytes), "cudaMalloc(handle)",
                                           b->comm->rank);
+        (void)cudaThreadExchangeStreamCaptureMode(&mode);
         if (res != EPX_SUCCESS) {
             free(h);
             return res;
@@ -402,7 +421,10 @@ static void cuda_handle_free(epx_handle_t handle)
     if (!h || !cb) return;
     /* Kernels still using the slab are ordered before any later reuse on a stream, but not
      * across streams: wait for the buffer's last operation first (bounded by device deadlines). */
+    enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    (void)cudaThreadExchangeStreamCaptureMode(&mode); /* legal while the caller captures */
     (void)cudaEventSynchronize((cudaEvent_t)cb->event);
+    (void)cudaThreadExchangeStreamCaptureMode(&mode);
     pthread_mutex_lock(&cb->lock);
     h->next_free = cb->free_handles;
     cb->free_handles = h;

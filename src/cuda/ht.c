@@ -21,8 +21,8 @@ epx_result_t epx_cuda_wait_event(cuda_buffer_t *cb, const char *what)
         if (err == cudaSuccess) return EPX_SUCCESS;
         if (err != cudaErrorNotReady) return epx_cuda_check(err, what, comm->rank);
         if (epx_time_ns() > deadline)
-            return epx_error(EPX_ERR_TIMEOUT, "rank %d: %s: the device did not finish within %lld ms", comm->rank,
-                             what, (long long)comm->timeout_ms + 10000);
+            return epx_error(EPX_ERR_TIMEOUT, "rank %d: %s: the device did not finish within %lld ms",
+                             comm->rank, what, (long long)comm->timeout_ms + 10000);
         if (it < 20000) {
             sched_yield();
         } else {
@@ -42,22 +42,44 @@ static int capturing(void *stream)
     return st != cudaStreamCaptureStatusNone;
 }
 
-/* After a synchronous wait: the error of this epoch, or a bad expert id, as the call's result. */
-static epx_result_t check_epoch(cuda_buffer_t *cb, uint64_t epoch)
+/* Epoch of the last device error record before a call. The device records an epoch only when it
+ * is above every recorded one, so a record above this mark belongs to the call (or to work queued
+ * before it). Counting on the host's own epoch would not do: graph replays advance the device's
+ * epochs without the host, and a captured call advances the host's without the device. */
+static uint64_t err_mark(const cuda_buffer_t *cb)
+{
+    const volatile epx_cuda_host_block_t *hb = cb->host;
+    return hb->err.code != 0 ? hb->err.epoch : 0;
+}
+
+/* After a synchronous wait: an error recorded since `mark`, or a bad expert id, as the call's
+ * result. */
+static epx_result_t check_epoch(cuda_buffer_t *cb, uint64_t mark)
 {
     volatile epx_cuda_host_block_t *hb = cb->host;
-    if (hb->err.code != 0 && hb->err.epoch >= epoch) return epx_cuda_report_record(cb, epoch, 1);
+    if (hb->err.code != 0 && hb->err.epoch > mark) return epx_cuda_report_record(cb, mark + 1, 1);
     if (hb->bad_where) {
         int64_t w = hb->bad_where - 1;
         hb->bad_where = 0;
-        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: topk_idx[%lld][%lld] = %lld is out of range [0, %d) or "
-                         "repeated", cb->buffer->comm->rank, (long long)(w / 64), (long long)(w % 64),
+        return epx_error(EPX_ERR_INVALID_ARG,
+                         "rank %d: topk_idx[%lld][%lld] = %lld is out of range [0, %d) or "
+                         "repeated",
+                         cb->buffer->comm->rank, (long long)(w / 64), (long long)(w % 64),
                          (long long)hb->bad_value, cb->buffer->config.num_experts);
     }
     return EPX_SUCCESS;
 }
 
-static int capturing(void *stream);
+/* A backend-level failure before the kernels were queued: tell the peers (they return
+ * EPX_ERR_REMOTE instead of waiting out the timeout) and keep the epochs in step. */
+static epx_result_t refuse(epx_buffer_t buffer, uint64_t seq, epx_result_t res)
+{
+    char message[1024];
+    epx_error_copy(message, sizeof(message));
+    if (buffer->ops->fail_collective) buffer->ops->fail_collective(buffer, seq, res);
+    epx_error_set_message(message);
+    return res;
+}
 
 static epx_result_t launched(cuda_buffer_t *cb, int err, const char *what, void *stream)
 {
@@ -107,15 +129,24 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
     const int cached = args->cached_handle != NULL;
     EPX_CHECK(epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me));
     if (!is_static && capturing(args->stream))
-        return epx_error(EPX_ERR_GRAPH_CAPTURE, "rank %d: epx_ht_dispatch without num_worst_tokens waits on the host "
-                         "for N_r, which stream capture forbids; pass num_worst_tokens > 0 (static mode) to capture "
-                         "it", me);
+        return epx_error(
+            EPX_ERR_GRAPH_CAPTURE,
+            "rank %d: epx_ht_dispatch without num_worst_tokens waits on the host "
+            "for N_r, which stream capture forbids; pass num_worst_tokens > 0 (static mode) to capture "
+            "it",
+            me);
     const int64_t T = args->x.shape[0], H = buffer->config.hidden;
     cuda_handle_t *h = NULL;
+    epx_result_t res = EPX_SUCCESS;
     if (cached) {
         h = handle->backend_state;
+        if (!h)
+            return refuse(
+                buffer, seq,
+                epx_error(EPX_ERR_INVALID_ARG, "rank %d: args.cached_handle has no device state", me));
     } else {
-        EPX_CHECK(epx_cuda_handle_get(cb, &h));
+        res = epx_cuda_handle_get(cb, &h);
+        if (res != EPX_SUCCESS) return refuse(buffer, seq, res);
         h->static_mode = is_static;
         handle->backend_state = h;
         epx_cuda_layout_args_t la;
@@ -132,7 +163,8 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
         la.ranks_per_domain = comm->nranks;
         la.host = cb->host_dev;
         la.rank = me;
-        EPX_CHECK(epx_cuda_check(epx_cuda_launch_layout(&la, args->stream), "layout kernel launch", me));
+        res = epx_cuda_check(epx_cuda_launch_layout(&la, args->stream), "layout kernel launch", me);
+        if (res != EPX_SUCCESS) return refuse(buffer, seq, res);
     }
 
     epx_cuda_dispatch_args_t a;
@@ -168,7 +200,9 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
     a.static_mode = is_static;
     a.expert_alignment = args->expert_alignment > 0 ? args->expert_alignment : 1;
     if (!is_static) ((volatile epx_cuda_host_block_t *)cb->host)->num_recv = -1;
-    EPX_CHECK(launched(cb, epx_cuda_launch_dispatch(&a, args->stream), "dispatch kernel launch", args->stream));
+    const uint64_t mark = err_mark(cb);
+    EPX_CHECK(
+        launched(cb, epx_cuda_launch_dispatch(&a, args->stream), "dispatch kernel launch", args->stream));
     const uint64_t epoch = ++cb->epoch;
     EPX_TRACE(EPX_SUBSYS_HT, "rank %d: dispatch seq %llu epoch %llu T %lld%s%s", me, (unsigned long long)seq,
               (unsigned long long)epoch, (long long)T, cached ? " cached" : "", is_static ? " static" : "");
@@ -180,11 +214,16 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
         return EPX_SUCCESS;
     }
     EPX_CHECK(epx_cuda_wait_event(cb, "epx_ht_dispatch"));
-    EPX_CHECK(check_epoch(cb, epoch));
+    EPX_CHECK(check_epoch(cb, mark));
     const int64_t n = ((volatile epx_cuda_host_block_t *)cb->host)->num_recv;
+    if (n < 0) /* the device gave up without a record of its own: teardown's abort flag */
+        return epx_error(EPX_ERR_REMOTE, "rank %d: dispatch epoch %llu was abandoned on the device", me,
+                         (unsigned long long)epoch);
     if (n > cap)
-        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: outputs hold %lld rows but N_r = %lld tokens arrived; nothing "
-                         "was written", me, (long long)cap, (long long)n);
+        return epx_error(EPX_ERR_INVALID_ARG,
+                         "rank %d: outputs hold %lld rows but N_r = %lld tokens arrived; nothing "
+                         "was written",
+                         me, (long long)cap, (long long)n);
     outputs->num_recv_tokens_host = n;
     if (!cached) handle->num_recv = n;
     return EPX_SUCCESS;
@@ -197,7 +236,9 @@ epx_result_t epx_cuda_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht
     epx_comm_t comm = buffer->comm;
     const int me = comm->rank;
     cuda_handle_t *h = args->handle->backend_state;
-    if (!h) return epx_error(EPX_ERR_INVALID_ARG, "rank %d: args.handle has no device state", me);
+    if (!h)
+        return refuse(buffer, seq,
+                      epx_error(EPX_ERR_INVALID_ARG, "rank %d: args.handle has no device state", me));
     EPX_CHECK(epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me));
     epx_cuda_combine_args_t a;
     memset(&a, 0, sizeof(a));
@@ -210,6 +251,7 @@ epx_result_t epx_cuda_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht
     a.bias1 = args->bias1.data;
     a.combined_x = outputs->combined_x.data;
     a.combined_topk_weights = outputs->combined_topk_weights.data;
+    const uint64_t mark = err_mark(cb);
     EPX_CHECK(launched(cb, epx_cuda_launch_combine(&a, args->stream), "combine kernel launch", args->stream));
     const uint64_t epoch = ++cb->epoch;
     EPX_TRACE(EPX_SUBSYS_HT, "rank %d: combine seq %llu epoch %llu", me, (unsigned long long)seq,
@@ -217,23 +259,31 @@ epx_result_t epx_cuda_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht
     /* Eager (non-static) handles report errors synchronously; static ones through the poller. */
     if (h->static_mode || capturing(args->stream)) return EPX_SUCCESS;
     EPX_CHECK(epx_cuda_wait_event(cb, "epx_ht_combine"));
-    return check_epoch(cb, epoch);
+    return check_epoch(cb, mark);
 }
 
-epx_result_t epx_cuda_ht_ceiling(epx_buffer_t buffer, epx_handle_t handle, const epx_tensor_t *x, void *stream)
+epx_result_t epx_cuda_ht_ceiling(epx_buffer_t buffer, epx_handle_t handle, const epx_tensor_t *x,
+                                 void *stream)
 {
     cuda_buffer_t *cb = buffer->backend_state;
     cuda_handle_t *h = handle ? handle->backend_state : NULL;
-    if (!cb || !h) return epx_error(EPX_ERR_INVALID_ARG, "ceiling needs a cuda buffer and one of its HT handles");
+    if (!cb || !h)
+        return epx_error(EPX_ERR_INVALID_ARG, "ceiling needs a cuda buffer and one of its HT handles");
     if (x->shape[0] != handle->num_tokens)
-        return epx_error(EPX_ERR_INVALID_ARG, "ceiling: x has %lld rows, the handle %lld", (long long)x->shape[0],
-                         (long long)handle->num_tokens);
+        return epx_error(EPX_ERR_INVALID_ARG, "ceiling: x has %lld rows, the handle %lld",
+                         (long long)x->shape[0], (long long)handle->num_tokens);
+    const int64_t row_bytes = buffer->config.hidden * (int64_t)epx_dtype_size(x->dtype);
+    if ((uint64_t)row_bytes > cb->lay.x_stride) /* the slots are sized for the buffer's dtypes */
+        return epx_error(EPX_ERR_INVALID_ARG, "ceiling: rows of %s are %lld bytes, the dispatch slots %llu",
+                         epx_dtype_name(x->dtype), (long long)row_bytes,
+                         (unsigned long long)cb->lay.x_stride);
     epx_cuda_dispatch_args_t a;
     memset(&a, 0, sizeof(a));
     epx_cuda_fill_common(cb, &a.c);
     a.h = h->dev;
     a.num_tokens = handle->num_tokens;
     a.x = x->data;
-    a.row_bytes = buffer->config.hidden * (int64_t)epx_dtype_size(x->dtype);
-    return epx_cuda_check(epx_cuda_launch_ceiling_copy(&a, stream), "ceiling kernel launch", buffer->comm->rank);
+    a.row_bytes = row_bytes;
+    return epx_cuda_check(epx_cuda_launch_ceiling_copy(&a, stream), "ceiling kernel launch",
+                          buffer->comm->rank);
 }

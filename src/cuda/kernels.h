@@ -238,7 +238,8 @@ typedef struct epx_cuda_ll_ctrl {
     uint64_t comb_ack[2][EPX_CUDA_MAX_RANKS];  /* [slot][src] epoch src finished reading our rows */
     uint64_t disp_epoch[2];                    /* owner: epoch of the slot's last dispatch */
     uint64_t comb_epoch[2];                    /* owner: epoch of the slot's last combine */
-    uint32_t done_counter[4];                  /* owner: last-block detection per kernel */
+    uint32_t done_counter[2][4];               /* owner: [slot][kernel] last-block detection (hooks of
+                                                  both slots may run at once on two streams) */
 } epx_cuda_ll_ctrl_t;
 
 /* Absolute byte offsets of the LL areas inside a region (the same on every rank). */

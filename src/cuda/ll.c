@@ -166,7 +166,8 @@ epx_result_t epx_cuda_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_l
         return ll_refuse(buffer, seq, epx_error(EPX_ERR_INTERNAL, "rank %d: buffer has no ll state", me));
     const int slot = (int)((buffer->ll_dispatches - 1) % 2);
     ll_slot_t *sl = &ll->slots[slot];
-    EPX_CHECK(epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me));
+    epx_result_t res = epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me);
+    if (res != EPX_SUCCESS) return ll_refuse(buffer, seq, res); /* peers must not wait for us */
 
     epx_cuda_ll_args_t a;
     ll_fill(cb, ll, slot, &a);
@@ -189,8 +190,7 @@ epx_result_t epx_cuda_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_l
     a.layout_range = outputs->layout_range.data;
     a.cumulative = args->cumulative_recv_stats.data;
 
-    epx_result_t res =
-        epx_cuda_check(epx_cuda_launch_ll_dispatch_send(&a, args->stream), "ll dispatch send launch", me);
+    res = epx_cuda_check(epx_cuda_launch_ll_dispatch_send(&a, args->stream), "ll dispatch send launch", me);
     if (res != EPX_SUCCESS) return ll_refuse(buffer, seq, res);
     ll->dispatches_seen = buffer->ll_dispatches;
     const uint64_t epoch = ++cb->epoch;
@@ -261,8 +261,8 @@ epx_result_t epx_cuda_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll
         res = epx_error(EPX_ERR_INVALID_ARG,
                         "rank %d: ll combine: topk_idx has %lld rows, the dispatch had T = %d", me,
                         (long long)args->topk_idx.shape[0], args->handle.num_tokens);
+    if (res == EPX_SUCCESS) res = epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me);
     if (res != EPX_SUCCESS) return ll_refuse(buffer, seq, res);
-    EPX_CHECK(epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me));
     const int slot = args->handle.slot;
     ll_slot_t *sl = &ll->slots[slot];
     epx_cuda_ll_args_t a;

@@ -139,6 +139,18 @@ static epx_result_t rm_wait(cuda_buffer_t *cb, uint64_t epoch, const char *what)
     return EPX_SUCCESS;
 }
 
+/* A refusal before the kernels ran: peers would wait for our rows until the timeout, so tell
+ * them (not under capture, where nothing runs yet and a device synchronisation is illegal). */
+static epx_result_t rm_refuse(epx_buffer_t buffer, uint64_t seq, epx_result_t res, int capturing)
+{
+    if (capturing || !buffer->ops->fail_collective) return res;
+    char msg[512];
+    epx_error_copy(msg, sizeof(msg));
+    buffer->ops->fail_collective(buffer, seq, res);
+    epx_error_set_message(msg);
+    return res;
+}
+
 static int64_t rm_rows(const epx_tensor_t *t, int64_t cap)
 {
     return t->data && t->shape[0] < cap ? t->shape[0] : cap;
@@ -153,16 +165,21 @@ epx_result_t epx_cuda_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_r
     const int64_t bound = permute ? args->num_permuted_tokens : args->num_dispatched_tokens;
     const int bounded = bound >= 0;
     const char *bound_name = permute ? "num_permuted_tokens" : "num_dispatched_tokens";
-    EPX_CHECK(epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me));
-    if (!bounded && rm_capturing(args->stream))
+    const int capturing = rm_capturing(args->stream);
+    epx_result_t res = epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me);
+    if (res != EPX_SUCCESS) return rm_refuse(buffer, seq, res, capturing);
+    if (!bounded && capturing)
         return epx_error(EPX_ERR_GRAPH_CAPTURE,
                          "rank %d: epx_rm_dispatch%s without args.%s waits on the host for the row count, "
                          "which stream capture forbids; pass args.%s (an upper bound) to capture it",
                          me, permute ? " with permute" : "", bound_name, bound_name);
     if (!(buffer->config.modes & EPX_MODE_PERMUTE) || cb->lay.rm_scratch == 0)
-        return epx_error(EPX_ERR_INTERNAL, "rank %d: the buffer's region has no routing-map areas", me);
+        return rm_refuse(buffer, seq,
+                         epx_error(EPX_ERR_INTERNAL, "rank %d: the buffer's region has no routing-map areas", me),
+                         capturing);
     rm_slab_t *s = NULL;
-    EPX_CHECK(rm_slab_get(cb, &s));
+    res = rm_slab_get(cb, &s);
+    if (res != EPX_SUCCESS) return rm_refuse(buffer, seq, res, capturing);
     s->bounded = bounded;
     s->has_probs = args->probs.data != NULL;
     handle->backend_state = s; /* freed through handle_free if this call fails */
@@ -197,8 +214,9 @@ epx_result_t epx_cuda_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_r
     a.limit = bounded ? bound : cap;
     a.bounded = bounded;
     if (!bounded) ((volatile epx_cuda_host_block_t *)cb->host)->num_recv = -1;
-    EPX_CHECK(rm_launched(cb, epx_cuda_launch_rm_dispatch(&a, args->stream), "routing-map dispatch launch",
-                          args->stream));
+    res = epx_cuda_check(epx_cuda_launch_rm_dispatch(&a, args->stream), "routing-map dispatch launch", me);
+    if (res != EPX_SUCCESS) return rm_refuse(buffer, seq, res, capturing);
+    EPX_CHECK(rm_launched(cb, cudaSuccess, "routing-map dispatch launch", args->stream));
     const uint64_t epoch = ++cb->epoch;
     EPX_TRACE(EPX_SUBSYS_PERMUTE, "rank %d: routing-map dispatch seq %llu epoch %llu T %lld%s bound %lld", me,
               (unsigned long long)seq, (unsigned long long)epoch, (long long)a.num_tokens,
@@ -234,24 +252,14 @@ epx_result_t epx_cuda_rm_combine(epx_buffer_t buffer, uint64_t seq, const epx_rm
     epx_handle_t handle = args->handle;
     rm_slab_t *s = handle->backend_state;
     const int capturing = rm_capturing(args->stream);
-    epx_result_t res = EPX_SUCCESS;
-    EPX_CHECK(epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me));
-    if (!s)
+    epx_result_t res = epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me);
+    if (res == EPX_SUCCESS && !s)
         res =
             epx_error(EPX_ERR_INVALID_ARG, "rank %d: routing-map combine: the handle holds no dispatch", me);
-    else if (handle->permute && args->weighted && !s->has_probs)
+    else if (res == EPX_SUCCESS && handle->permute && args->weighted && !s->has_probs)
         res = epx_error(EPX_ERR_INVALID_ARG, "rank %d: weighted routing-map combine needs probs at dispatch",
                         me);
-    if (res != EPX_SUCCESS) {
-        /* Peers would wait for our rows: tell them (not under capture, where nothing runs yet). */
-        if (!capturing && buffer->ops->fail_collective) {
-            char msg[512];
-            epx_error_copy(msg, sizeof(msg));
-            buffer->ops->fail_collective(buffer, seq, res);
-            epx_error_set_message(msg);
-        }
-        return res;
-    }
+    if (res != EPX_SUCCESS) return rm_refuse(buffer, seq, res, capturing);
     epx_cuda_rm_args_t a;
     memset(&a, 0, sizeof(a));
     epx_cuda_fill_common(cb, &a.c);
@@ -262,8 +270,9 @@ epx_result_t epx_cuda_rm_combine(epx_buffer_t buffer, uint64_t seq, const epx_rm
     a.x = args->x.data;
     a.combined = outputs->combined.data;
     a.weighted = handle->permute && args->weighted;
-    EPX_CHECK(rm_launched(cb, epx_cuda_launch_rm_combine(&a, args->stream), "routing-map combine launch",
-                          args->stream));
+    res = epx_cuda_check(epx_cuda_launch_rm_combine(&a, args->stream), "routing-map combine launch", me);
+    if (res != EPX_SUCCESS) return rm_refuse(buffer, seq, res, capturing);
+    EPX_CHECK(rm_launched(cb, cudaSuccess, "routing-map combine launch", args->stream));
     const uint64_t epoch = ++cb->epoch;
     EPX_TRACE(EPX_SUBSYS_PERMUTE, "rank %d: routing-map combine seq %llu epoch %llu%s", me,
               (unsigned long long)seq, (unsigned long long)epoch, a.weighted ? " weighted" : "");

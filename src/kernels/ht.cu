@@ -12,8 +12,8 @@
 #include "kernels/sync.cuh"
 
 #define EPX_THREADS 512
-#define EPX_WARPS (EPX_THREADS / 32)
-#define EPX_UNROLL 4
+#define EPX_WARPS   (EPX_THREADS / 32)
+#define EPX_UNROLL  4
 
 enum { DONE_SEND = 0, DONE_RECV = 1, DONE_COMB_SEND = 2, DONE_COMB_REDUCE = 3 };
 
@@ -30,10 +30,14 @@ __device__ __forceinline__ unsigned lanemask_lt(void)
 }
 
 /* Expert id valid for routing (invalid device ids are reported and treated as -1). */
-__device__ __forceinline__ bool expert_ok(int64_t e, int E) { return e >= 0 && e < E; }
+__device__ __forceinline__ bool expert_ok(int64_t e, int E)
+{
+    return e >= 0 && e < E;
+}
 
 /* Copies `bytes` from src to each of n destinations, reading every 16-byte vector once. */
-__device__ __forceinline__ void copy_fanout(const uint8_t *src, uint8_t *const *dst, int n, int64_t bytes, int lane)
+__device__ __forceinline__ void copy_fanout(const uint8_t *src, uint8_t *const *dst, int n, int64_t bytes,
+                                            int lane)
 {
     if (n == 0) return;
     uintptr_t align = (uintptr_t)src;
@@ -146,7 +150,8 @@ extern "C" int epx_cuda_launch_layout(const epx_cuda_layout_args_t *args, void *
 /* Sender. Block prologue: wait until every receiver released our slice of its area (previous
  * dispatch). Then one warp per token: collect its destinations, write metadata and the row into
  * each destination's slice. The last block publishes counts and the epoch to every receiver. */
-__global__ void __launch_bounds__(EPX_THREADS) dispatch_send_kernel(const __grid_constant__ epx_cuda_dispatch_args_t a)
+__global__ void __launch_bounds__(EPX_THREADS)
+    dispatch_send_kernel(const __grid_constant__ epx_cuda_dispatch_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, me = c->rank;
@@ -167,7 +172,8 @@ __global__ void __launch_bounds__(EPX_THREADS) dispatch_send_kernel(const __grid
     __syncthreads();
     const int ns = a.x_scales ? a.num_scales : 0;
     if (ok) {
-        for (int64_t t = (int64_t)blockIdx.x * EPX_WARPS + warp; t < a.num_tokens; t += (int64_t)gridDim.x * EPX_WARPS) {
+        for (int64_t t = (int64_t)blockIdx.x * EPX_WARPS + warp; t < a.num_tokens;
+             t += (int64_t)gridDim.x * EPX_WARPS) {
             int n = 0;
             for (int r0 = 0; r0 < R; r0 += 32) {
                 const int r = r0 + lane;
@@ -217,7 +223,8 @@ __global__ void __launch_bounds__(EPX_THREADS) dispatch_send_kernel(const __grid
  * output row copies it out of its source slice. The last block writes N_r, the per-expert
  * counts, releases every source's slice and closes the epoch (also after a failure, so all
  * ranks stay in step). */
-__global__ void __launch_bounds__(EPX_THREADS) dispatch_recv_kernel(const __grid_constant__ epx_cuda_dispatch_args_t a)
+__global__ void __launch_bounds__(EPX_THREADS)
+    dispatch_recv_kernel(const __grid_constant__ epx_cuda_dispatch_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, me = c->rank;
@@ -235,7 +242,8 @@ __global__ void __launch_bounds__(EPX_THREADS) dispatch_recv_kernel(const __grid
         for (int j = threadIdx.x; j < L; j += blockDim.x) expert_cnt[j] = 0;
     __syncthreads();
     if (threadIdx.x < R) {
-        if (wait_flag_geq(c, &own->disp_flag[threadIdx.x], epoch, epoch, threadIdx.x, EPX_CUDA_WAIT_DISPATCH_DATA))
+        if (wait_flag_geq(c, &own->disp_flag[threadIdx.x], epoch, epoch, threadIdx.x,
+                          EPX_CUDA_WAIT_DISPATCH_DATA))
             cnt[threadIdx.x] = (int)ld_volatile_u64(&own->disp_count[threadIdx.x]);
         else
             ok = 0;
@@ -247,27 +255,36 @@ __global__ void __launch_bounds__(EPX_THREADS) dispatch_recv_kernel(const __grid
     }
     __syncthreads();
     const int64_t total = prefix[R];
-    int64_t rows = 0;
-    if (ok) rows = a.static_mode ? (total < a.capacity ? total : a.capacity) : (total <= a.capacity ? total : 0);
+    /* The default mode writes nothing when N_r exceeds the outputs (the host call fails); static
+     * mode keeps the first `capacity` rows. */
+    const bool fits = ok && (a.static_mode || total <= a.capacity);
+    const int64_t rows = fits ? (total < a.capacity ? total : a.capacity) : 0;
+    /* Rows dropped by the static bound still count per expert (pinned) and keep their source
+     * token, so combine can clear their slot on the source. */
+    const int64_t meta_rows = (fits && !a.cached) ? total : rows;
     const int ns = a.x_scales ? a.num_scales : 0;
-    for (int64_t i = (int64_t)blockIdx.x * EPX_WARPS + warp; i < rows; i += (int64_t)gridDim.x * EPX_WARPS) {
+    for (int64_t i = (int64_t)blockIdx.x * EPX_WARPS + warp; i < meta_rows;
+         i += (int64_t)gridDim.x * EPX_WARPS) {
         int s = 0;
         while (s + 1 < R && prefix[s + 1] <= i) s++;
         const int64_t slot = (int64_t)s * c->max_tokens + (i - prefix[s]);
-        uint8_t *dst = a.recv_x + i * a.row_bytes;
-        copy_fanout(region + c->lay.disp_x + slot * c->lay.x_stride, &dst, 1, a.row_bytes, lane);
-        for (int j = lane; j < ns; j += 32)
-            a.recv_scales[i * ns + j] = ((const float *)(region + c->lay.disp_scales))[slot * ns + j];
+        const bool kept = i < rows;
+        if (kept) {
+            uint8_t *dst = a.recv_x + i * a.row_bytes;
+            copy_fanout(region + c->lay.disp_x + slot * c->lay.x_stride, &dst, 1, a.row_bytes, lane);
+            for (int j = lane; j < ns; j += 32)
+                a.recv_scales[i * ns + j] = ((const float *)(region + c->lay.disp_scales))[slot * ns + j];
+        }
         if (!a.cached) {
             for (int k = lane; k < K; k += 32) {
                 const int32_t loc = ((const int32_t *)(region + c->lay.disp_idx))[slot * K + k];
-                if (a.recv_topk_idx) {
+                if (kept && a.recv_topk_idx) {
                     if (a.recv_idx_is_64)
                         ((int64_t *)a.recv_topk_idx)[i * K + k] = loc;
                     else
                         ((int32_t *)a.recv_topk_idx)[i * K + k] = loc;
                 }
-                if (a.recv_topk_weights)
+                if (kept && a.recv_topk_weights)
                     a.recv_topk_weights[i * K + k] = ((const float *)(region + c->lay.disp_w))[slot * K + k];
                 if (want_counts && loc >= 0 && loc < L) atomicAdd(&expert_cnt[loc], 1);
             }
@@ -284,16 +301,16 @@ __global__ void __launch_bounds__(EPX_THREADS) dispatch_recv_kernel(const __grid
         if (threadIdx.x == 0) {
             c->host->num_recv = ok ? total : -1;
             if (ok && a.static_mode && total > a.capacity) c->host->overflow = 1;
-            if (a.num_recv_tokens && ok) *a.num_recv_tokens = (int32_t)total;
+            if (a.num_recv_tokens && fits) *a.num_recv_tokens = (int32_t)total;
             if (!a.cached) *a.h.rows_valid = (int32_t)rows;
         }
         if (!a.cached)
-            for (int r = threadIdx.x; r <= R; r += blockDim.x) a.h.recv_prefix[r] = ok ? prefix[r] : 0;
+            for (int r = threadIdx.x; r <= R; r += blockDim.x) a.h.recv_prefix[r] = fits ? prefix[r] : 0;
         if (want_counts) {
             const int al = a.expert_alignment > 1 ? a.expert_alignment : 1;
             for (int j = threadIdx.x; j < L; j += blockDim.x) {
                 const int v = ld_volatile_i32(&scratch[j]);
-                if (ok) a.num_recv_tokens_per_expert[j] = (v + al - 1) / al * al;
+                if (fits) a.num_recv_tokens_per_expert[j] = (v + al - 1) / al * al;
                 scratch[j] = 0;
             }
         }
@@ -315,7 +332,8 @@ extern "C" int epx_cuda_launch_dispatch(const epx_cuda_dispatch_args_t *args, vo
     if (err != cudaSuccess) return (int)err;
     const size_t smem = (size_t)args->c.num_local_experts * sizeof(int);
     if (smem > 48 * 1024) {
-        err = cudaFuncSetAttribute(dispatch_recv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        err = cudaFuncSetAttribute(dispatch_recv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)smem);
         if (err != cudaSuccess) return (int)err;
     }
     dispatch_recv_kernel<<<args->c.num_blocks, EPX_THREADS, smem, s>>>(*args);
@@ -326,7 +344,8 @@ extern "C" int epx_cuda_launch_dispatch(const epx_cuda_dispatch_args_t *args, vo
 
 /* Sender of combine (rank holding received rows): after each source released its combine area,
  * one warp per received row writes it into the source's slice [me][source token]. */
-__global__ void __launch_bounds__(EPX_THREADS) combine_send_kernel(const __grid_constant__ epx_cuda_combine_args_t a)
+__global__ void __launch_bounds__(EPX_THREADS)
+    combine_send_kernel(const __grid_constant__ epx_cuda_combine_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, K = c->num_topk, me = c->rank;
@@ -345,17 +364,27 @@ __global__ void __launch_bounds__(EPX_THREADS) combine_send_kernel(const __grid_
         ok = 0;
     __syncthreads();
     const int64_t rows = ok ? *a.h.rows_valid : 0;
-    for (int64_t i = (int64_t)blockIdx.x * EPX_WARPS + warp; i < rows; i += (int64_t)gridDim.x * EPX_WARPS) {
+    /* Rows past rows_valid were dropped by a static bound: the source still counts us among the
+     * token's ranks, so its slot gets zeros (+0.0f leaves an fp32 sum that started at +0.0f
+     * unchanged, so the result equals skipping the rank). */
+    const int64_t arrived = ok ? prefix[R] : 0;
+    for (int64_t i = (int64_t)blockIdx.x * EPX_WARPS + warp; i < arrived;
+         i += (int64_t)gridDim.x * EPX_WARPS) {
         int s = 0;
         while (s + 1 < R && prefix[s + 1] <= i) s++;
         const int64_t t = a.h.recv_src[i];
         const int64_t slot = (int64_t)me * c->max_tokens + t;
         uint8_t *base = c->peers[s];
         uint8_t *dst = base + c->lay.comb_x + slot * row_bytes;
-        copy_fanout((const uint8_t *)(a.x + i * c->hidden), &dst, 1, row_bytes, lane);
-        if (a.topk_weights)
-            for (int k = lane; k < K; k += 32)
-                ((float *)(base + c->lay.comb_w))[slot * K + k] = a.topk_weights[i * K + k];
+        float *dst_w = (float *)(base + c->lay.comb_w) + slot * K;
+        if (i < rows) {
+            copy_fanout((const uint8_t *)(a.x + i * c->hidden), &dst, 1, row_bytes, lane);
+            if (a.topk_weights)
+                for (int k = lane; k < K; k += 32) dst_w[k] = a.topk_weights[i * K + k];
+        } else {
+            for (int64_t b = lane; b < row_bytes / 2; b += 32) ((uint16_t *)dst)[b] = 0;
+            for (int k = lane; k < K; k += 32) dst_w[k] = 0.0f;
+        }
     }
     if (last_block_arrive(&own->done_counter[DONE_COMB_SEND])) {
         if (!epoch_failed(c, epoch) && threadIdx.x < R)
@@ -363,8 +392,14 @@ __global__ void __launch_bounds__(EPX_THREADS) combine_send_kernel(const __grid_
     }
 }
 
-__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
+__device__ __forceinline__ float bf16_lo(uint32_t v)
+{
+    return __uint_as_float(v << 16);
+}
+__device__ __forceinline__ float bf16_hi(uint32_t v)
+{
+    return __uint_as_float(v & 0xffff0000u);
+}
 
 /* Round to nearest even, quiet NaN kept (same bits as the host backend's epx_f32_to_bf16). */
 __device__ __forceinline__ uint32_t f32_to_bf16_bits(float f)
@@ -387,7 +422,8 @@ __device__ __forceinline__ void acc_add8(float *acc, int4 v)
 /* Source side: wait for every rank's rows, then one warp per token sums its ranks' rows
  * ascending, + bias0, + bias1, in one fp32 accumulator, one rounding. The last block releases
  * every rank's slice of our area and closes the epoch. */
-__global__ void __launch_bounds__(EPX_THREADS) combine_reduce_kernel(const __grid_constant__ epx_cuda_combine_args_t a)
+__global__ void __launch_bounds__(EPX_THREADS)
+    combine_reduce_kernel(const __grid_constant__ epx_cuda_combine_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, K = c->num_topk, me = c->rank;
@@ -400,8 +436,8 @@ __global__ void __launch_bounds__(EPX_THREADS) combine_reduce_kernel(const __gri
     __shared__ int src_rank[EPX_WARPS][EPX_CUDA_MAX_RANKS];
     if (threadIdx.x == 0) ok = 1;
     __syncthreads();
-    if (threadIdx.x < R &&
-        !wait_flag_geq(c, &own->comb_flag[threadIdx.x], epoch, epoch, threadIdx.x, EPX_CUDA_WAIT_COMBINE_DATA))
+    if (threadIdx.x < R && !wait_flag_geq(c, &own->comb_flag[threadIdx.x], epoch, epoch, threadIdx.x,
+                                          EPX_CUDA_WAIT_COMBINE_DATA))
         ok = 0;
     __syncthreads();
     const uint16_t *comb = (const uint16_t *)(region + c->lay.comb_x);
@@ -507,13 +543,15 @@ extern "C" int epx_cuda_launch_fail(const epx_cuda_common_t *c, void *stream)
 
 /* The same token rows as dispatch_send_kernel to the same slots through the same mappings,
  * with plain copies: no waits, no metadata, no flags. */
-__global__ void __launch_bounds__(EPX_THREADS) ceiling_copy_kernel(const __grid_constant__ epx_cuda_dispatch_args_t a)
+__global__ void __launch_bounds__(EPX_THREADS)
+    ceiling_copy_kernel(const __grid_constant__ epx_cuda_dispatch_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, me = c->rank;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     __shared__ uint8_t *dst_ptr[EPX_WARPS][EPX_CUDA_MAX_RANKS];
-    for (int64_t t = (int64_t)blockIdx.x * EPX_WARPS + warp; t < a.num_tokens; t += (int64_t)gridDim.x * EPX_WARPS) {
+    for (int64_t t = (int64_t)blockIdx.x * EPX_WARPS + warp; t < a.num_tokens;
+         t += (int64_t)gridDim.x * EPX_WARPS) {
         int n = 0;
         for (int r0 = 0; r0 < R; r0 += 32) {
             const int r = r0 + lane;

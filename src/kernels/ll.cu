@@ -161,6 +161,20 @@ __global__ void __launch_bounds__(LL_THREADS)
                        EPX_CUDA_WAIT_DISPATCH_ACK))
         ok = 0;
     __syncthreads();
+    /* The host cannot read device topk_idx: an id out of range or repeated goes to the poller as
+     * the call's async error (a repeated id would otherwise make the combine sum a stale row). */
+    if (!a.floor_only)
+        for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < T;
+             t += (int64_t)gridDim.x * blockDim.x)
+            for (int k = 0; k < K; k++) {
+                const int64_t v = ll_topk(a, t * K + k);
+                bool bad = v < -1 || v >= E;
+                for (int q = 0; q < k && !bad && v >= 0; q++) bad = ll_topk(a, t * K + q) == v;
+                if (bad) {
+                    c->host->bad_value = v;
+                    c->host->bad_where = 1 + t * 64 + k;
+                }
+            }
     if (ok) {
         for (int e = blockIdx.x * LL_WARPS + warp; e < E; e += gridDim.x * LL_WARPS) {
             const int dst = e / L, j = e % L;
@@ -194,7 +208,7 @@ __global__ void __launch_bounds__(LL_THREADS)
         }
     }
     if (a.floor_only) return;
-    if (last_block_arrive(&lown->done_counter[LL_DONE_DISP_SEND])) {
+    if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_DISP_SEND])) {
         if (ok && !epoch_failed(c, epoch) && (int)threadIdx.x < R)
             st_release_sys(&ll_ctrl(a, threadIdx.x)->disp_flag[a.slot][me], epoch);
         __syncthreads();
@@ -281,7 +295,7 @@ __global__ void __launch_bounds__(LL_THREADS)
         }
         __syncthreads();
     }
-    if (last_block_arrive(&lown->done_counter[LL_DONE_DISP_RECV])) {
+    if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_DISP_RECV])) {
         if ((int)threadIdx.x < R) st_release_sys(&ll_ctrl(a, threadIdx.x)->disp_ack[a.slot][me], epoch);
     }
 }
@@ -339,7 +353,7 @@ __global__ void __launch_bounds__(LL_THREADS)
         }
     }
     if (a.floor_only) return;
-    if (last_block_arrive(&lown->done_counter[LL_DONE_COMB_SEND])) {
+    if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_COMB_SEND])) {
         if (ok && !epoch_failed(c, epoch) && (int)threadIdx.x < R)
             st_release_sys(&ll_ctrl(a, threadIdx.x)->comb_flag[a.slot][me], epoch);
         __syncthreads();
@@ -424,7 +438,7 @@ __global__ void __launch_bounds__(LL_THREADS)
         }
         __syncwarp();
     }
-    if (last_block_arrive(&lown->done_counter[LL_DONE_COMB_RECV])) {
+    if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_COMB_RECV])) {
         if ((int)threadIdx.x < R) st_release_sys(&ll_ctrl(a, threadIdx.x)->comb_ack[a.slot][me], epoch);
     }
 }

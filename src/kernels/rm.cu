@@ -428,7 +428,10 @@ extern "C" int epx_cuda_launch_rm_dispatch(const epx_cuda_rm_args_t *args, void 
     rm_send_kernel<<<nb, RM_THREADS, 0, s>>>(*args);
     if ((err = cudaGetLastError()) != cudaSuccess) return (int)err;
     const size_t smem = rm_recv_smem(args);
-    if (smem > 48 * 1024) {
+    /* The 48 KB that need no opt-in cover static and dynamic shared memory together. */
+    cudaFuncAttributes fa;
+    if ((err = cudaFuncGetAttributes(&fa, rm_recv_kernel)) != cudaSuccess) return (int)err;
+    if (smem + fa.sharedSizeBytes > 48 * 1024) {
         err = cudaFuncSetAttribute(rm_recv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         if (err != cudaSuccess) return (int)err;
     }

@@ -87,6 +87,10 @@ __device__ inline void record_error(const epx_cuda_common_t *c, uint64_t epoch, 
         if (prev == old) {
             epx_cuda_err_record_t *rec = &c->host->err;
             volatile epx_cuda_err_record_t *vrec = rec;
+            /* A record of an earlier epoch may be there: hide it while the fields change, so the
+             * host never pairs its code with our fields. */
+            vrec->code = 0;
+            __threadfence_system();
             vrec->rank = c->rank;
             vrec->peer = peer;
             vrec->channel = (int32_t)blockIdx.x;

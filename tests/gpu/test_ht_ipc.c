@@ -3,7 +3,8 @@
  * received row, scale, index, weight and count and every combined value is compared bit for bit
  * with the single-process reference (tests/common/reference.c). Cases: bf16 and fp8, H 7168 and
  * 2048, E 256, K 8, random and skewed routing with ragged and zero-token ranks, cached dispatch,
- * static mode captured in a CUDA graph and replayed with new inputs, 200 repeated iterations.
+ * static mode captured in a CUDA graph and replayed with new inputs, static mode with rows dropped
+ * past num_worst_tokens, 200 repeated iterations.
  * EPX_GPU_TEST_RANKS (default "2,4,8") and EPX_GPU_TEST_QUICK=1 (sanitizer runs) shrink it.
  */
 #include <cuda_runtime.h>
@@ -18,7 +19,7 @@
 #include "reference.h"
 
 #define E_EXPERTS 256
-#define TOPK 8
+#define TOPK      8
 #define ALIGNMENT 4
 
 static epx_comm_t epx_test_current_comm; /* the rank's comm, for epx_get_async_error */
@@ -28,10 +29,10 @@ typedef struct ctx {
     int quick;
 } ctx_t;
 
-#define CUDA_OK(call)                                                                                   \
-    do {                                                                                                \
-        cudaError_t e_ = (call);                                                                        \
-        if (e_ != cudaSuccess) return ref_fail(rank, "%s: %s", #call, cudaGetErrorString(e_));           \
+#define CUDA_OK(call)                                                                          \
+    do {                                                                                       \
+        cudaError_t e_ = (call);                                                               \
+        if (e_ != cudaSuccess) return ref_fail(rank, "%s: %s", #call, cudaGetErrorString(e_)); \
     } while (0)
 
 static epx_tensor_t dev_tensor(void *data, epx_dtype_t dtype, int64_t d0, int64_t d1, int ndim, int device)
@@ -88,8 +89,8 @@ typedef struct inputs {
     uint16_t *bias0, *bias1;
 } inputs_t;
 
-static void make_inputs(const ref_problem_t *p, int me, uint64_t tag, uint64_t yseed, int idx64, ref_arena_t *ar,
-                        inputs_t *in)
+static void make_inputs(const ref_problem_t *p, int me, uint64_t tag, uint64_t yseed, int idx64,
+                        ref_arena_t *ar, inputs_t *in)
 {
     const int64_t T = p->T[me], H = p->H;
     const size_t es = epx_dtype_size(p->dtype);
@@ -209,7 +210,8 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
         cudaMemcpy(got, dpr, (size_t)R * 4, cudaMemcpyDeviceToHost);
         if (ref_check_bits(rank, "num_tokens_per_rank", got, eper_rank, R, 4, R)) goto out;
         cudaMemcpy(got, dpx, (size_t)E_EXPERTS * 4, cudaMemcpyDeviceToHost);
-        if (ref_check_bits(rank, "num_tokens_per_expert", got, eper_expert, E_EXPERTS, 4, E_EXPERTS)) goto out;
+        if (ref_check_bits(rank, "num_tokens_per_expert", got, eper_expert, E_EXPERTS, 4, E_EXPERTS))
+            goto out;
         cudaMemcpy(got, din, (size_t)(Tm * R), cudaMemcpyDeviceToHost);
         if (ref_check_bits(rank, "is_token_in_rank", got, ein, Tm * R, 1, R)) goto out;
     }
@@ -299,6 +301,146 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
         EXPECT_OK(epx_handle_destroy(handle));
         handle = NULL;
     }
+    rc = 0;
+out:
+    if (handle) epx_handle_destroy(handle);
+    dfree(&da);
+    ref_ht_recv_free(&ref);
+    ref_arena_free(&ar);
+    ref_problem_free(&p);
+    return rc;
+}
+
+/* Static mode with num_worst_tokens below N_r (not captured): rows past the bound are dropped,
+ * counts stay the real ones, the overflow flag is set, and combine (x with num_worst_tokens rows)
+ * sums only the rows kept, weights included. */
+static int run_overflow(epx_buffer_t buf, int rank, int R, int64_t H, int64_t T_max, uint64_t seed,
+                        int device)
+{
+    int rc = 1;
+    ref_arena_t ar = {0};
+    dev_arena_t da = {0};
+    ref_problem_t p;
+    ref_ht_recv_t ref = {0};
+    epx_handle_t handle = NULL;
+    int64_t T[REF_MAX_RANKS], worst[REF_MAX_RANKS], nrecv[REF_MAX_RANKS];
+    ref_gen_token_counts(seed, 2, R, T_max, T);
+    if (ref_problem_init(&p, R, E_EXPERTS, TOPK, H, T_max, EPX_DTYPE_BF16, seed, T, REF_ROUTE_RANDOM) != 0)
+        return ref_fail(rank, "problem init");
+    ref_set_case("overflow R=%d H=%lld", R, (long long)H);
+    const int64_t K = TOPK, L = E_EXPERTS / R, Tm = T[rank];
+    const uint64_t yseed = seed ^ 0x0fe1ull;
+    /* Every rank's bound (3/4 of its N_r) and each source's rows per destination. */
+    int32_t *per_rank = ref_arena_alloc(&ar, (size_t)(R * R) * 4);
+    int32_t per_expert[E_EXPERTS];
+    uint8_t *in_rank = ref_arena_alloc(&ar, (size_t)(Tm * R) + 16);
+    for (int r = 0; r < R; r++) nrecv[r] = 0;
+    for (int s = 0; s < R; s++) {
+        uint8_t *tmp = ref_arena_alloc(&ar, (size_t)(T[s] * R) + 16);
+        ref_layout(&p, s, R, per_rank + s * R, per_expert, tmp, NULL);
+        for (int r = 0; r < R; r++) nrecv[r] += per_rank[s * R + r];
+        if (s == rank) memcpy(in_rank, tmp, (size_t)(Tm * R));
+    }
+    for (int r = 0; r < R; r++) worst[r] = nrecv[r] * 3 / 4 > 0 ? nrecv[r] * 3 / 4 : 1;
+    if (ref_ht_dispatch(&p, rank, 1, &ref) != 0 || ref.n != nrecv[rank]) {
+        rc = ref_fail(rank, "reference dispatch");
+        goto out;
+    }
+    const int64_t W = worst[rank], kept = ref.n < W ? ref.n : W;
+    void *dx = dalloc(&da, (size_t)(Tm * H) * 2), *dtopk = dalloc(&da, (size_t)(Tm * K) * 4);
+    void *dw = dalloc(&da, (size_t)(Tm * K) * 4), *drx = dalloc(&da, (size_t)(W * H) * 2);
+    void *dridx = dalloc(&da, (size_t)(W * K) * 4), *drw = dalloc(&da, (size_t)(W * K) * 4);
+    void *dpe = dalloc(&da, (size_t)L * 4), *dn = dalloc(&da, 4), *dy = dalloc(&da, (size_t)(W * H) * 2);
+    void *dout = dalloc(&da, (size_t)(Tm * H) * 2), *doutw = dalloc(&da, (size_t)(Tm * K) * 4);
+    if (!doutw) {
+        rc = ref_fail(rank, "cudaMalloc");
+        goto out;
+    }
+    uint16_t *hx = ref_arena_alloc(&ar, (size_t)(Tm * H) * 2 + 16);
+    int32_t *htopk = ref_arena_alloc(&ar, (size_t)(Tm * K) * 4 + 16);
+    for (int64_t t = 0; t < Tm; t++) ref_x_row(&p, rank, t, REF_TAG_X, hx + t * H);
+    ref_fill_topk(&p, rank, EPX_DTYPE_INT32, htopk);
+    cudaMemcpy(dx, hx, (size_t)(Tm * H) * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(dtopk, htopk, (size_t)(Tm * K) * 4, cudaMemcpyHostToDevice);
+    cudaMemcpy(dw, p.weights[rank], (size_t)(Tm * K) * 4, cudaMemcpyHostToDevice);
+    uint16_t *y = ref_arena_alloc(&ar, (size_t)(W * H) * 2 + 16);
+    for (int64_t i = 0; i < kept; i++)
+        for (int64_t c = 0; c < H; c++) y[i * H + c] = ref_y_bf16(yseed, rank, -1, ref.src[i], ref.tok[i], c);
+    cudaMemcpy(dy, y, (size_t)(W * H) * 2, cudaMemcpyHostToDevice);
+
+    epx_ht_dispatch_args_t a = EPX_HT_DISPATCH_ARGS_INIT;
+    a.x = dev_tensor(dx, EPX_DTYPE_BF16, Tm, H, 2, device);
+    a.topk_idx = dev_tensor(dtopk, EPX_DTYPE_INT32, Tm, K, 2, device);
+    a.topk_weights = dev_tensor(dw, EPX_DTYPE_FP32, Tm, K, 2, device);
+    a.num_worst_tokens = W;
+    epx_ht_dispatch_outputs_t o = EPX_HT_DISPATCH_OUTPUTS_INIT;
+    o.recv_x = dev_tensor(drx, EPX_DTYPE_BF16, W, H, 2, device);
+    o.recv_topk_idx = dev_tensor(dridx, EPX_DTYPE_INT32, W, K, 2, device);
+    o.recv_topk_weights = dev_tensor(drw, EPX_DTYPE_FP32, W, K, 2, device);
+    o.num_recv_tokens_per_expert = dev_tensor(dpe, EPX_DTYPE_INT32, L, 0, 1, device);
+    o.num_recv_tokens = dev_tensor(dn, EPX_DTYPE_INT32, 1, 0, 1, device);
+    EXPECT_OK(epx_ht_dispatch(buf, &a, &o));
+    handle = o.handle;
+    epx_ht_combine_args_t ca = EPX_HT_COMBINE_ARGS_INIT;
+    ca.handle = handle;
+    ca.x = dev_tensor(dy, EPX_DTYPE_BF16, W, H, 2, device);
+    ca.topk_weights = dev_tensor(drw, EPX_DTYPE_FP32, W, K, 2, device);
+    epx_ht_combine_outputs_t co = EPX_HT_COMBINE_OUTPUTS_INIT;
+    co.combined_x = dev_tensor(dout, EPX_DTYPE_BF16, Tm, H, 2, device);
+    co.combined_topk_weights = dev_tensor(doutw, EPX_DTYPE_FP32, Tm, K, 2, device);
+    EXPECT_OK(epx_ht_combine(buf, &ca, &co));
+    if (cudaDeviceSynchronize() != cudaSuccess) {
+        rc = ref_fail(rank, "cudaDeviceSynchronize");
+        goto out;
+    }
+    EXPECT_RES(epx_buffer_query_overflow(buf), ref.n > W ? EPX_ERR_OVERFLOW : EPX_SUCCESS);
+
+    int32_t nd = -1;
+    cudaMemcpy(&nd, dn, 4, cudaMemcpyDeviceToHost);
+    if (nd != ref.n) {
+        rc = ref_fail(rank, "num_recv_tokens tensor %d, expected the real N_r %lld", nd, (long long)ref.n);
+        goto out;
+    }
+    uint8_t *got = ref_arena_alloc(&ar, (size_t)(W * H) * 2 + (size_t)(Tm * H) * 2 + 16);
+    uint16_t *ex = ref_arena_alloc(&ar, (size_t)(W * H) * 2 + (size_t)(Tm * H) * 2 + 16);
+    cudaMemcpy(got, dpe, (size_t)L * 4, cudaMemcpyDeviceToHost);
+    if (ref_check_bits(rank, "num_recv_tokens_per_expert (every arriving token)", got, ref.per_expert, L, 4,
+                       L))
+        goto out;
+    cudaMemcpy(got, drx, (size_t)(kept * H) * 2, cudaMemcpyDeviceToHost);
+    for (int64_t i = 0; i < kept; i++) ref_x_row(&p, ref.src[i], ref.tok[i], REF_TAG_X, ex + i * H);
+    if (ref_check_bits(rank, "recv_x (kept rows)", got, ex, kept * H, 2, H)) goto out;
+    int32_t *eidx = ref_arena_alloc(&ar, (size_t)(kept * K) * 4 + 16);
+    for (int64_t i = 0; i < kept * K; i++) eidx[i] = (int32_t)ref.idx[i];
+    cudaMemcpy(got, dridx, (size_t)(kept * K) * 4, cudaMemcpyDeviceToHost);
+    if (ref_check_bits(rank, "recv_topk_idx (kept rows)", got, eidx, kept * K, 4, K)) goto out;
+
+    /* Combine: rank r's row of our token t counts when it landed below r's bound. */
+    int64_t *run = ref_arena_alloc(&ar, (size_t)R * 8);
+    for (int r = 0; r < R; r++)
+        for (int s = 0; s < rank; s++) run[r] += per_rank[s * R + r];
+    float *eoutw = ref_arena_alloc(&ar, (size_t)(Tm * K) * 4 + 16);
+    for (int64_t t = 0; t < Tm; t++) {
+        uint8_t landed[REF_MAX_RANKS];
+        for (int r = 0; r < R; r++) landed[r] = in_rank[t * R + r] && run[r]++ < worst[r];
+        for (int64_t c = 0; c < H; c++) {
+            float acc = 0.0f;
+            for (int r = 0; r < R; r++)
+                if (landed[r]) acc = ref_fadd(acc, ref_bf16_to_f32(ref_y_bf16(yseed, r, -1, rank, t, c)));
+            ex[t * H + c] = ref_f32_to_bf16(acc);
+        }
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t e = p.topk[rank][t * K + k];
+            float acc = 0.0f;
+            for (int r = 0; r < R; r++)
+                if (landed[r]) acc = ref_fadd(acc, e >= 0 && e / L == r ? p.weights[rank][t * K + k] : 0.0f);
+            eoutw[t * K + k] = acc;
+        }
+    }
+    cudaMemcpy(got, dout, (size_t)(Tm * H) * 2, cudaMemcpyDeviceToHost);
+    if (ref_check_bits(rank, "combined_x after overflow", got, ex, Tm * H, 2, H)) goto out;
+    cudaMemcpy(got, doutw, (size_t)(Tm * K) * 4, cudaMemcpyDeviceToHost);
+    if (ref_check_bits(rank, "combined_topk_weights after overflow", got, eoutw, Tm * K, 4, K)) goto out;
     rc = 0;
 out:
     if (handle) epx_handle_destroy(handle);
@@ -477,10 +619,17 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
         const int ncases = ctx->quick ? 2 : (int)(sizeof(cases) / sizeof(cases[0]));
         for (int i = 0; i < ncases && rc == 0; i++) {
             if (cases[i].repeats > 1 && H != 2048) continue; /* 200 iterations at the smaller H */
-            rc = run_eager(buf, rank, nranks, &cases[i], ctx->seed + (uint64_t)i * 1000 + (uint64_t)H, cfg.cuda_device);
+            rc = run_eager(buf, rank, nranks, &cases[i], ctx->seed + (uint64_t)i * 1000 + (uint64_t)H,
+                           cfg.cuda_device);
         }
-        if (rc == 0 && !ctx->quick && H == 2048) rc = run_graph(buf, rank, nranks, H, T_max, ctx->seed, cfg.cuda_device);
+        if (rc == 0 && H == 2048)
+            rc = run_overflow(buf, rank, nranks, H, T_max, ctx->seed + 77, cfg.cuda_device);
+        if (rc == 0 && !ctx->quick && H == 2048)
+            rc = run_graph(buf, rank, nranks, H, T_max, ctx->seed, cfg.cuda_device);
         if (rc == 0) EXPECT_OK(epx_get_async_error(comm));
+        /* Peers' last kernels may still write acks into our region: free it only after every rank
+         * has synchronised its device work (destroy itself never waits on a peer). */
+        if (rc == 0) EXPECT_OK(epx_comm_barrier(comm));
         EXPECT_OK(epx_buffer_destroy(buf));
     }
     EXPECT_OK(epx_comm_destroy(comm));

@@ -15,12 +15,12 @@
 #include "core/internal.h"
 #include "epx_test.h"
 
-#define NRANKS 4
+#define NRANKS     4
 #define TIMEOUT_MS 3000
-#define H 2048
-#define TM 64
-#define K 8
-#define E 64
+#define H          2048
+#define TM         64
+#define K          8
+#define E          64
 
 static double now_s(void)
 {
