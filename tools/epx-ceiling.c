@@ -25,8 +25,9 @@ typedef struct opts {
 } opts_t;
 
 /* Per-rank medians written into shared memory for the parent's table. */
+#define NUM_ROWS 7
 typedef struct result {
-    double us[4]; /* dispatch, cached dispatch, combine, ceiling */
+    double us[NUM_ROWS]; /* dispatch, cached dispatch, combine, ceiling, and view mode's three */
     double bytes_disp, bytes_comb, bytes_ceil;
     int ok;
 } result_t;
@@ -131,7 +132,12 @@ static int rank_main(int rank, const opts_t *o, const epx_unique_id_t *id, resul
     epx_tensor_t xs = a.x;
     const int n = o->iters, warm = 3;
     double *samples = malloc(sizeof(double) * (size_t)(n + warm));
-    for (int which = 0; which < 4; which++) {
+    epx_ht_dispatch_args_t av = a; /* view mode: outputs in the library's buffer */
+    av.recv_in_buffer = 1;
+    epx_ht_dispatch_outputs_t ov = EPX_HT_DISPATCH_OUTPUTS_INIT;
+    ov.num_recv_tokens = out.num_recv_tokens;
+    epx_handle_t vhandle = NULL;
+    for (int which = 0; which < NUM_ROWS; which++) {
         for (int it = 0; it < n + warm; it++) {
             CK(epx_comm_barrier(comm));
             cudaEventRecord(e0, stream);
@@ -152,8 +158,29 @@ static int rank_main(int rank, const opts_t *o, const epx_unique_id_t *id, resul
                 epx_ht_combine_outputs_t co = EPX_HT_COMBINE_OUTPUTS_INIT;
                 co.combined_x = dt(dout, EPX_DTYPE_BF16, T, H, dev);
                 CK(epx_ht_combine(buf, &ca, &co));
-            } else {
+            } else if (which == 3) {
                 CK(epx_cuda_ht_ceiling(buf, handle, o->fp8 ? &xs : &xb, stream));
+            } else if (which == 4) {
+                if (vhandle) epx_handle_destroy(vhandle);
+                epx_ht_dispatch_outputs_t ovn = ov;
+                CK(epx_ht_dispatch(buf, &av, &ovn));
+                vhandle = ovn.handle;
+            } else if (which == 5) {
+                epx_ht_dispatch_args_t ac = av;
+                ac.cached_handle = vhandle;
+                ac.topk_idx.data = NULL;
+                epx_ht_dispatch_outputs_t ovc = EPX_HT_DISPATCH_OUTPUTS_INIT;
+                CK(epx_ht_dispatch(buf, &ac, &ovc));
+            } else {
+                epx_tensor_t in_view;
+                CK(epx_ht_get_combine_input(buf, vhandle, &in_view));
+                epx_ht_combine_args_t ca = EPX_HT_COMBINE_ARGS_INIT;
+                ca.handle = vhandle;
+                ca.x_in_buffer = 1;
+                ca.stream = stream;
+                epx_ht_combine_outputs_t co = EPX_HT_COMBINE_OUTPUTS_INIT;
+                co.combined_x = dt(dout, EPX_DTYPE_BF16, T, H, dev);
+                CK(epx_ht_combine(buf, &ca, &co));
             }
             cudaEventRecord(e1, stream);
             if (cudaEventSynchronize(e1) != cudaSuccess) return 1;
@@ -173,6 +200,7 @@ static int rank_main(int rank, const opts_t *o, const epx_unique_id_t *id, resul
     res->ok = 1;
     CK(epx_comm_barrier(comm));
     epx_handle_destroy(handle);
+    epx_handle_destroy(vhandle);
     CK(epx_buffer_destroy(buf));
     CK(epx_comm_destroy(comm));
     return 0;
@@ -224,9 +252,9 @@ int main(int argc, char **argv)
         return 1;
     }
     /* Per-rank medians; the table shows the slowest rank (every rank waits for it). */
-    double us[4] = {0}, bd = 0, bc = 0, bcl = 0;
+    double us[NUM_ROWS] = {0}, bd = 0, bc = 0, bcl = 0;
     for (int r = 0; r < o.R; r++) {
-        for (int i = 0; i < 4; i++) us[i] = res[r].us[i] > us[i] ? res[r].us[i] : us[i];
+        for (int i = 0; i < NUM_ROWS; i++) us[i] = res[r].us[i] > us[i] ? res[r].us[i] : us[i];
         bd += res[r].bytes_disp / o.R;
         bc += res[r].bytes_comb / o.R;
         bcl += res[r].bytes_ceil / o.R;
@@ -238,13 +266,17 @@ int main(int argc, char **argv)
     printf("%-22s %10s %12s %14s %12s %8s\n", "operation", "us", "GB/s/rank", "ceiling_us", "ceil_GB/s",
            "ratio");
     const double ceil_gbs = bcl / (us[3] * 1e3);
-    const char *names[3] = {"dispatch", "cached dispatch", "combine (bf16)"};
-    for (int i = 0; i < 3; i++) {
-        double bytes = i == 2 ? bc : bd;
+    /* Rows 4-6: view mode (recv_in_buffer / x_in_buffer), one pass over the bytes. */
+    const char *names[NUM_ROWS] = {"dispatch", "cached dispatch", "combine (bf16)", "",
+                                   "view dispatch", "view cached", "view combine"};
+    for (int i = 0; i < NUM_ROWS; i++) {
+        if (i == 3) continue; /* the ceiling itself */
+        const int comb = i == 2 || i == 6;
+        double bytes = comb ? bc : bd;
         double gbs = bytes / (us[i] * 1e3);
         /* The ceiling moves the dispatch's token bytes; combine moves bf16 rows, scaled alike. */
         double cgbs = ceil_gbs;
-        printf("%-6s %-15s %10.1f %12.1f %14.1f %12.1f %8.2f\n", i == 2 ? "bf16" : d, names[i], us[i], gbs,
+        printf("%-6s %-15s %10.1f %12.1f %14.1f %12.1f %8.2f\n", comb ? "bf16" : d, names[i], us[i], gbs,
                us[3], cgbs, gbs / cgbs);
     }
     return 0;

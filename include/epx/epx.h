@@ -328,6 +328,12 @@ typedef struct epx_ht_dispatch_args {
     int32_t expert_alignment;    /* round num_recv_tokens_per_expert up to this (>= 1) */
     int64_t num_worst_tokens;    /* > 0: static-shape mode, outputs have this many rows */
     void *stream;
+    /* Since 0.1 (read only when `size` covers it): non-zero = view mode. recv_x, recv_x_scales,
+     * recv_topk_idx and recv_topk_weights are not caller memory: pass them with data == NULL and
+     * the library sets them to views of its own buffer (device memory on cuda; recv_topk_idx is
+     * int32; recv_topk_weights only when topk_weights is given), so each row is written once,
+     * straight into its final place. Every rank must pass the same value. */
+    int32_t recv_in_buffer;
 } epx_ht_dispatch_args_t;
 
 #define EPX_HT_DISPATCH_ARGS_INIT EPX_STRUCT_INIT_(epx_ht_dispatch_args_t)
@@ -356,7 +362,10 @@ typedef struct epx_ht_dispatch_outputs {
  * Errors: EPX_ERR_INVALID_ARG (shapes, dtypes, ids, T > T_max, null pointers, capacity below
  * N_r), EPX_ERR_MISMATCH (ranks disagree on the dtype), EPX_ERR_REMOTE, EPX_ERR_TIMEOUT.
  * In static mode, rows past num_worst_tokens are dropped and the buffer's overflow flag is set
- * (epx_buffer_query_overflow); the call itself succeeds. */
+ * (epx_buffer_query_overflow); the call itself succeeds.
+ * View mode (args->recv_in_buffer): the output views stay valid until the next dispatch (HT or
+ * routing-map) on this buffer; on cuda, work that reads them must be ordered before that
+ * dispatch on its stream. num_worst_tokens must then be <= R * max_tokens. */
 EPX_API epx_result_t epx_ht_dispatch(epx_buffer_t buffer, const epx_ht_dispatch_args_t *args,
                                      epx_ht_dispatch_outputs_t *outputs);
 
@@ -369,6 +378,10 @@ typedef struct epx_ht_combine_args {
     epx_tensor_t bias0;        /* optional [T, H] bf16 */
     epx_tensor_t bias1;        /* optional [T, H] bf16 */
     void *stream;
+    /* Since 0.1 (read only when `size` covers it): non-zero = the expert outputs were written
+     * into epx_ht_get_combine_input()'s view and `x` is ignored (zero-copy: source ranks read
+     * the rows straight from the peers' buffers). Every rank must pass the same value. */
+    int32_t x_in_buffer;
 } epx_ht_combine_args_t;
 
 #define EPX_HT_COMBINE_ARGS_INIT EPX_STRUCT_INIT_(epx_ht_combine_args_t)
@@ -381,6 +394,16 @@ typedef struct epx_ht_combine_outputs {
 } epx_ht_combine_outputs_t;
 
 #define EPX_HT_COMBINE_OUTPUTS_INIT EPX_STRUCT_INIT_(epx_ht_combine_outputs_t)
+
+/* [out] view_out: the [N_r, H] bf16 rows in the library's buffer (device memory on cuda) that
+ * the next epx_ht_combine of `handle` with x_in_buffer reads; N_r is the handle's row count
+ * (num_worst_tokens in static mode). Write row i of the expert outputs to row i, then call the
+ * combine (on cuda, order the writes before it on its stream). Valid until the next HT or
+ * routing-map combine on this buffer; the combine that reads it returns (on its stream) only
+ * after every peer finished reading it. Not collective; the host backend may wait (bounded)
+ * until peers released the rows of the previous combine. Errors: EPX_ERR_INVALID_ARG. */
+EPX_API epx_result_t epx_ht_get_combine_input(epx_buffer_t buffer, epx_handle_t handle,
+                                              epx_tensor_t *view_out);
 
 /* Reduces each token's rows back on its source rank: out[t] = sum over ranks that received t
  * (+ bias0[t] + bias1[t]), fp32 accumulation, one rounding to bf16. Collective. Errors:

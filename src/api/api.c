@@ -460,6 +460,34 @@ static epx_result_t ht_dispatch_check(epx_buffer_t buffer, const epx_ht_dispatch
         CHECK_TENSOR(&a->topk_weights, "topk_weights", BIT(FP32), 2, {T, K}, "T,K", EPX_TENSOR_OPTIONAL);
     }
 
+    if (a->recv_in_buffer) {
+        /* View mode: the library sets these four to views of its buffer. */
+        const epx_tensor_t *views[] = {&o->recv_x, &o->recv_x_scales, &o->recv_topk_idx,
+                                       &o->recv_topk_weights};
+        const char *names[] = {"recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights"};
+        for (int i = 0; i < 4; i++)
+            if (views[i]->data)
+                return ARG_ERR("outputs.%s.data = %p must be NULL with args.recv_in_buffer (the library "
+                               "sets it to a view of its buffer)",
+                               names[i], views[i]->data);
+        const int64_t cap = (int64_t)comm->nranks * cfg->max_tokens;
+        if (a->num_worst_tokens > cap)
+            return ARG_ERR("args.num_worst_tokens = %lld is above the %lld rows (R * max_tokens) the buffer "
+                           "holds for args.recv_in_buffer",
+                           (long long)a->num_worst_tokens, (long long)cap);
+        if (!cached) {
+            CHECK_TENSOR(&o->num_recv_tokens_per_expert, "outputs.num_recv_tokens_per_expert", BIT(INT32), 1,
+                         {L}, "L", EPX_TENSOR_OPTIONAL);
+            CHECK_TENSOR(&o->num_recv_tokens, "outputs.num_recv_tokens", BIT(INT32), 1, {1}, "1",
+                         EPX_TENSOR_OPTIONAL);
+            EPX_CHECK(epx_api_check_topk_idx(comm, &a->topk_idx, cfg->num_experts, "topk_idx"));
+        } else {
+            memset(&o->num_recv_tokens_per_expert, 0, sizeof(o->num_recv_tokens_per_expert));
+            memset(&o->num_recv_tokens, 0, sizeof(o->num_recv_tokens));
+        }
+        return EPX_SUCCESS;
+    }
+
     /* Rows the outputs need when that is known before communicating. */
     const bool is_static = a->num_worst_tokens > 0;
     const int64_t rows =
@@ -525,6 +553,12 @@ EPX_API epx_result_t epx_ht_dispatch(epx_buffer_t buffer, const epx_ht_dispatch_
         atomic_fetch_add(&buffer->live_handles, 1);
         o.handle = handle;
     }
+    if (a.recv_in_buffer) {
+        WRITE_OUT(outputs, &o, epx_ht_dispatch_outputs_t, recv_x);
+        WRITE_OUT(outputs, &o, epx_ht_dispatch_outputs_t, recv_x_scales);
+        WRITE_OUT(outputs, &o, epx_ht_dispatch_outputs_t, recv_topk_idx);
+        WRITE_OUT(outputs, &o, epx_ht_dispatch_outputs_t, recv_topk_weights);
+    }
     WRITE_OUT(outputs, &o, epx_ht_dispatch_outputs_t, num_recv_tokens_host);
     WRITE_OUT(outputs, &o, epx_ht_dispatch_outputs_t, handle);
     return EPX_SUCCESS;
@@ -542,7 +576,12 @@ static epx_result_t ht_combine_check(epx_buffer_t buffer, const epx_ht_combine_a
     if (!buffer->ops->ht_combine) return unsupported(buffer, "epx_ht_combine");
     EPX_CHECK(check_handle(buffer, a->handle, EPX_HANDLE_HT, "args.handle"));
     const int64_t T = a->handle->num_tokens, N = a->handle->num_recv > 0 ? a->handle->num_recv : 0;
-    CHECK_TENSOR(&a->x, "x", BIT(BF16), 2, {N, H}, "N_r,H", EPX_TENSOR_MIN_ROWS | EPX_TENSOR_TOKENS);
+    if (a->x_in_buffer) {
+        if (!buffer->ops->ht_get_combine_input) return unsupported(buffer, "args.x_in_buffer");
+        memset(&a->x, 0, sizeof(a->x)); /* ignored: the rows are in the buffer */
+    } else {
+        CHECK_TENSOR(&a->x, "x", BIT(BF16), 2, {N, H}, "N_r,H", EPX_TENSOR_MIN_ROWS | EPX_TENSOR_TOKENS);
+    }
     CHECK_TENSOR(&a->topk_weights, "topk_weights", BIT(FP32), 2, {N, K}, "N_r,K",
                  EPX_TENSOR_MIN_ROWS | EPX_TENSOR_OPTIONAL);
     CHECK_TENSOR(&a->bias0, "bias0", BIT(BF16), 2, {T, H}, "T,H", EPX_TENSOR_OPTIONAL | EPX_TENSOR_TOKENS);
@@ -567,6 +606,23 @@ EPX_API epx_result_t epx_ht_combine(epx_buffer_t buffer, const epx_ht_combine_ar
     epx_result_t res = ht_combine_check(buffer, args, outputs, &a, &o);
     if (res != EPX_SUCCESS) return fail_collective(buffer, seq, res);
     return buffer->ops->ht_combine(buffer, seq, &a, &o);
+}
+
+EPX_API epx_result_t epx_ht_get_combine_input(epx_buffer_t buffer, epx_handle_t handle,
+                                              epx_tensor_t *view_out)
+{
+    epx_error_clear();
+    EPX_CHECK(check_buffer(buffer));
+    epx_comm_t comm = buffer->comm;
+    EPX_CHECK(check_mode(buffer, EPX_MODE_HT, "epx_ht_get_combine_input"));
+    if (!buffer->ops->ht_get_combine_input) return unsupported(buffer, "epx_ht_get_combine_input");
+    if (!view_out) return ARG_ERR("view_out is NULL");
+    EPX_CHECK(check_handle(buffer, handle, EPX_HANDLE_HT, "handle"));
+    epx_tensor_t view;
+    memset(&view, 0, sizeof(view));
+    EPX_CHECK(buffer->ops->ht_get_combine_input(buffer, handle, &view));
+    *view_out = view;
+    return EPX_SUCCESS;
 }
 
 /* ----------------------------------------------------------------------------------- LL ---- */

@@ -247,6 +247,8 @@ struct epx_backend_ops {
                                epx_rm_combine_outputs_t *outputs);
     /* Reads and clears the buffer's overflow flag (device-side flag for cuda). */
     epx_result_t (*query_overflow)(epx_buffer_t buffer, int *overflowed_out);
+    /* [N_r, H] bf16 view of this rank's HT combine input rows (may be NULL: unsupported). */
+    epx_result_t (*ht_get_combine_input)(epx_buffer_t buffer, epx_handle_t handle, epx_tensor_t *view_out);
 };
 
 extern const epx_backend_ops_t epx_host_backend_ops;

@@ -92,6 +92,18 @@ static void compute_layout(epx_buffer_t b, epx_cuda_layout_t *lay)
     off = align_up(off + R * T * K * 4, 256);
     lay->expert_scratch = off;
     off = align_up(off + (uint64_t)b->num_local_experts * 4, 256);
+    /* ---- HT view-mode areas (src/cuda/ht.c) ---- */
+    lay->view_x = off;
+    off = align_up(off + R * T * lay->x_stride, 256);
+    lay->view_scales = off;
+    off = align_up(off + R * T * scales * 4, 256);
+    lay->view_idx = off;
+    off = align_up(off + R * T * K * 4, 256);
+    lay->view_w = off;
+    off = align_up(off + R * T * K * 4, 256);
+    lay->view_src = off;
+    off = align_up(off + R * T * 4, 256);
+    /* ---- end of HT view-mode areas ---- */
     /* ---- LL areas (src/cuda/ll.c) ---- */
     lay->ll = off;
     off = align_up(off + epx_cuda_ll_bytes(b), 256);
@@ -478,4 +490,5 @@ const epx_backend_ops_t epx_cuda_backend_ops = {
     .ll_combine = epx_cuda_ll_combine,
     .ll_get_combine_buffer = epx_cuda_ll_get_combine_buffer,
     .hook_run = epx_cuda_hook_run,
+    .ht_get_combine_input = epx_cuda_ht_get_combine_input,
 };

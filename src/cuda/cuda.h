@@ -62,6 +62,8 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
                                   epx_ht_dispatch_outputs_t *outputs, epx_handle_t handle);
 epx_result_t epx_cuda_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht_combine_args_t *args,
                                  epx_ht_combine_outputs_t *outputs);
+/* [rows, H] bf16 view of our comb_x area (rows: the handle's N_r or num_worst_tokens). */
+epx_result_t epx_cuda_ht_get_combine_input(epx_buffer_t buffer, epx_handle_t handle, epx_tensor_t *view_out);
 
 /* Fills the arguments every collective kernel shares. */
 void epx_cuda_fill_common(cuda_buffer_t *cb, epx_cuda_common_t *c);

@@ -1,7 +1,7 @@
 /*
  * cuda backend HT operations: layout, dispatch and combine launches, the host wait of the
- * default (non-static) dispatch mode, error reporting, and the same-bytes ceiling for the
- * benchmark. Kernels are in src/kernels/ht.cu.
+ * default (non-static) dispatch mode, error reporting, view mode (outputs and combine input in
+ * the registered region), and the same-bytes ceiling for the benchmark. Kernels are in src/kernels/ht.cu.
  */
 #include <cuda_runtime.h>
 #include <sched.h>
@@ -119,6 +119,73 @@ static int64_t rows_of(const epx_tensor_t *t, int64_t cap)
     return t->data && t->shape[0] < cap ? t->shape[0] : cap;
 }
 
+static epx_tensor_t device_view(const cuda_buffer_t *cb, void *data, epx_dtype_t dtype, int64_t rows,
+                                int64_t cols)
+{
+    epx_tensor_t t = epx_tensor_2d(data, dtype, rows, cols);
+    t.device_type = EPX_DEVICE_CUDA;
+    t.device_id = cb->device;
+    return t;
+}
+
+/* The four row outputs of a view-mode dispatch: views of our region's final-layout areas. */
+static void set_views(const cuda_buffer_t *cb, const epx_ht_dispatch_args_t *args,
+                      epx_ht_dispatch_outputs_t *o, int64_t rows)
+{
+    const epx_buffer_config_t *cfg = &cb->buffer->config;
+    const int64_t H = cfg->hidden, K = cfg->num_topk;
+    o->recv_x = device_view(cb, cb->region + cb->lay.view_x, args->x.dtype, rows, H);
+    if (args->x.dtype == EPX_DTYPE_FP8_E4M3)
+        o->recv_x_scales = device_view(cb, cb->region + cb->lay.view_scales, EPX_DTYPE_FP32, rows, H / 128);
+    if (args->cached_handle) return;
+    o->recv_topk_idx = device_view(cb, cb->region + cb->lay.view_idx, EPX_DTYPE_INT32, rows, K);
+    if (args->topk_weights.data)
+        o->recv_topk_weights = device_view(cb, cb->region + cb->lay.view_w, EPX_DTYPE_FP32, rows, K);
+}
+
+/* View mode (recv_in_buffer): one kernel pair writes every row once into its final place. */
+static epx_result_t ht_dispatch_view(epx_buffer_t buffer, const epx_ht_dispatch_args_t *args,
+                                     epx_ht_dispatch_outputs_t *outputs, epx_handle_t handle,
+                                     cuda_handle_t *h, epx_cuda_dispatch_args_t *a)
+{
+    cuda_buffer_t *cb = buffer->backend_state;
+    const int me = buffer->comm->rank, cached = args->cached_handle != NULL;
+    const int is_static = args->num_worst_tokens > 0;
+    const int64_t cap_rows = (int64_t)buffer->comm->nranks * buffer->config.max_tokens;
+    a->view = 1;
+    if (!cached) {
+        a->num_recv_tokens_per_expert = outputs->num_recv_tokens_per_expert.data;
+        a->num_recv_tokens = outputs->num_recv_tokens.data;
+    }
+    a->capacity = is_static && args->num_worst_tokens < cap_rows ? args->num_worst_tokens : cap_rows;
+    a->static_mode = is_static;
+    a->expert_alignment = args->expert_alignment > 0 ? args->expert_alignment : 1;
+    if (!is_static) ((volatile epx_cuda_host_block_t *)cb->host)->num_recv = -1;
+    const uint64_t mark = err_mark(cb);
+    EPX_CHECK(launched(cb, epx_cuda_launch_dispatch_view(a, args->stream), "view dispatch kernel launch",
+                       args->stream));
+    const uint64_t epoch = ++cb->epoch;
+    EPX_TRACE(EPX_SUBSYS_HT, "rank %d: view dispatch epoch %llu T %lld%s%s", me, (unsigned long long)epoch,
+              (long long)args->x.shape[0], cached ? " cached" : "", is_static ? " static" : "");
+    if (is_static) {
+        outputs->num_recv_tokens_host = -1;
+        if (!cached) handle->num_recv = args->num_worst_tokens;
+        set_views(cb, args, outputs, args->num_worst_tokens);
+        return EPX_SUCCESS;
+    }
+    EPX_CHECK(epx_cuda_wait_event(cb, "epx_ht_dispatch"));
+    EPX_CHECK(check_epoch(cb, mark));
+    const int64_t n = ((volatile epx_cuda_host_block_t *)cb->host)->num_recv;
+    if (n < 0)
+        return epx_error(EPX_ERR_REMOTE, "rank %d: view dispatch epoch %llu was abandoned on the device", me,
+                         (unsigned long long)epoch);
+    (void)h;
+    outputs->num_recv_tokens_host = n;
+    if (!cached) handle->num_recv = n;
+    set_views(cb, args, outputs, n);
+    return EPX_SUCCESS;
+}
+
 epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ht_dispatch_args_t *args,
                                   epx_ht_dispatch_outputs_t *outputs, epx_handle_t handle)
 {
@@ -183,6 +250,7 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
     a.topk_idx = args->topk_idx.data;
     a.idx_is_64 = args->topk_idx.dtype == EPX_DTYPE_INT64;
     a.topk_weights = args->topk_weights.data;
+    if (args->recv_in_buffer) return ht_dispatch_view(buffer, args, outputs, handle, h, &a);
     a.recv_x = outputs->recv_x.data;
     int64_t cap = outputs->recv_x.shape[0];
     if (a.recv_scales) cap = rows_of(&outputs->recv_x_scales, cap);
@@ -251,8 +319,14 @@ epx_result_t epx_cuda_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht
     a.bias1 = args->bias1.data;
     a.combined_x = outputs->combined_x.data;
     a.combined_topk_weights = outputs->combined_topk_weights.data;
+    a.in_buffer = args->x_in_buffer != 0;
     const uint64_t mark = err_mark(cb);
-    EPX_CHECK(launched(cb, epx_cuda_launch_combine(&a, args->stream), "combine kernel launch", args->stream));
+    if (a.in_buffer)
+        EPX_CHECK(launched(cb, epx_cuda_launch_combine_view(&a, args->stream), "view combine kernel launch",
+                           args->stream));
+    else
+        EPX_CHECK(
+            launched(cb, epx_cuda_launch_combine(&a, args->stream), "combine kernel launch", args->stream));
     const uint64_t epoch = ++cb->epoch;
     EPX_TRACE(EPX_SUBSYS_HT, "rank %d: combine seq %llu epoch %llu", me, (unsigned long long)seq,
               (unsigned long long)epoch);
@@ -260,6 +334,21 @@ epx_result_t epx_cuda_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht
     if (h->static_mode || capturing(args->stream)) return EPX_SUCCESS;
     EPX_CHECK(epx_cuda_wait_event(cb, "epx_ht_combine"));
     return check_epoch(cb, mark);
+}
+
+epx_result_t epx_cuda_ht_get_combine_input(epx_buffer_t buffer, epx_handle_t handle, epx_tensor_t *view_out)
+{
+    cuda_buffer_t *cb = buffer->backend_state;
+    const int64_t rows = handle->num_recv > 0 ? handle->num_recv : 0;
+    if (!handle->backend_state)
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: the handle has no device state", buffer->comm->rank);
+    if (rows > (int64_t)buffer->comm->nranks * buffer->config.max_tokens)
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: the handle's %lld rows exceed the %lld combine rows",
+                         buffer->comm->rank, (long long)rows,
+                         (long long)buffer->comm->nranks * buffer->config.max_tokens);
+    /* No wait: the combine that read the previous rows ended (on its stream) after every source. */
+    *view_out = device_view(cb, cb->region + cb->lay.comb_x, EPX_DTYPE_BF16, rows, buffer->config.hidden);
+    return EPX_SUCCESS;
 }
 
 epx_result_t epx_cuda_ht_ceiling(epx_buffer_t buffer, epx_handle_t handle, const epx_tensor_t *x,

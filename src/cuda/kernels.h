@@ -66,6 +66,15 @@ typedef struct epx_cuda_ctrl {
     uint64_t comb_last;                      /* epoch of the last combine */
     uint64_t err_epoch;                      /* epoch of the last recorded error */
     uint32_t done_counter[8];                /* last-block detection, one per kernel kind */
+    /* HT view mode (appended): */
+    uint64_t cnt_flag[EPX_CUDA_MAX_RANKS];    /* [src] epoch whose disp_count src posted before sending */
+    uint64_t view_ack[EPX_CUDA_MAX_RANKS];    /* [dst] epoch before dst's next view dispatch: dst's
+                                                 views of our earlier rows are dead */
+    uint64_t comb_rows[EPX_CUDA_MAX_RANKS];   /* [rank] rows of rank's combine input (before comb_flag) */
+    uint64_t comb_base[EPX_CUDA_MAX_RANKS];   /* [rank] first row of our tokens there (before comb_flag) */
+    uint64_t comb_pulled[EPX_CUDA_MAX_RANKS]; /* [src] epoch src finished reading our combine input */
+    uint64_t view_last;                       /* epoch of the last view dispatch */
+    uint32_t view_done_counter[4];            /* last-block detection of the view kernels */
 } epx_cuda_ctrl_t;
 
 /* Byte offsets inside a region (all ranks use the same numbers). */
@@ -88,6 +97,12 @@ typedef struct epx_cuda_layout {
     uint64_t rm_scratch;  /* owner only: [T_max/32 + 1][E + R] int32 tile counts, totals */
     /* Low-latency areas (src/cuda/ll.c; epx_cuda_ll_layout_t inside, 0 bytes without EPX_MODE_LL). */
     uint64_t ll;
+    /* HT view-mode final layout (rows in HT order, R*T_max of them; views point here). */
+    uint64_t view_x;      /* [R*T_max][row_bytes of the call's dtype] */
+    uint64_t view_scales; /* [R*T_max][H/128] fp32 */
+    uint64_t view_idx;    /* [R*T_max][K] int32 remapped */
+    uint64_t view_w;      /* [R*T_max][K] fp32 */
+    uint64_t view_src;    /* [R*T_max] int32 */
 } epx_cuda_layout_t;
 
 /* Per-handle device state (one slab). */
@@ -151,6 +166,7 @@ typedef struct epx_cuda_dispatch_args {
     int64_t capacity;
     int32_t static_mode;
     int32_t expert_alignment;
+    int32_t view; /* recv_in_buffer: rows go to their final place in the receiver's disp_* areas */
 } epx_cuda_dispatch_args_t;
 
 typedef struct epx_cuda_combine_args {
@@ -162,6 +178,7 @@ typedef struct epx_cuda_combine_args {
     const uint16_t *bias0, *bias1;
     uint16_t *combined_x;
     float *combined_topk_weights;
+    int32_t in_buffer;        /* x_in_buffer: x is our comb_x area; sources pull it */
 } epx_cuda_combine_args_t;
 
 /* Launchers: each enqueues on `stream` and returns a cudaError_t value (0 = success). */
@@ -173,6 +190,16 @@ int epx_cuda_launch_fail(const epx_cuda_common_t *c, void *stream);
 /* Same-bytes ceiling: every row the dispatch would move, copied with plain 16-byte stores from
  * `src` rows to peers' dispatch areas through the same mappings, no flags. */
 int epx_cuda_launch_ceiling_copy(const epx_cuda_dispatch_args_t *args, void *stream);
+/* HT view mode (recv_in_buffer / x_in_buffer): one pass over the bytes.
+ * Dispatch: the sender posts its per-destination counts, reads the lower sources' counts from
+ * each destination to get its rows' final positions, and writes every row (scales, remapped ids,
+ * weights, source index) there; the receiver waits and computes counts. A receiver's areas are
+ * released at its next dispatch (the views live until then).
+ * Combine: every rank posts its input rows (comb_x, written by the caller); each source pulls
+ * the rows of its tokens from the peers and reduces; the kernel ends when every source is done
+ * with our rows. */
+int epx_cuda_launch_dispatch_view(const epx_cuda_dispatch_args_t *args, void *stream);
+int epx_cuda_launch_combine_view(const epx_cuda_combine_args_t *args, void *stream);
 
 /* ------------------------------------------------ routing-map dispatch/combine (rm.cu) ---- */
 

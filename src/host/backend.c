@@ -37,6 +37,7 @@ static void host_buffer_destroy(epx_buffer_t buffer)
     if (!hb) return;
     if (buffer->config.modes & EPX_MODE_LL) host_ll_fini(hb);
     host_shm_fini(hb);
+    free(hb->ht_view);
     free(hb);
     buffer->backend_state = NULL;
 }
@@ -78,4 +79,5 @@ const epx_backend_ops_t epx_host_backend_ops = {
     .rm_dispatch = host_rm_dispatch,
     .rm_combine = host_rm_combine,
     .query_overflow = host_query_overflow,
+    .ht_get_combine_input = host_ht_get_combine_input,
 };

@@ -78,6 +78,8 @@ typedef struct host_buffer {
     uint64_t last_pub_seq[HOST_AREA_COUNT]; /* what we last published into each area */
     void *ll_state;                    /* owned by ll.c (slots, pending hooks) */
     void *pool;                        /* thread pool (host_parallel_for) */
+    uint8_t *ht_view;                  /* HT dispatch outputs of view mode (private, src/host/ht.c) */
+    size_t ht_view_bytes;
 } host_buffer_t;
 
 static inline host_region_hdr_t *host_hdr(const host_buffer_t *hb, int rank)
@@ -136,6 +138,7 @@ epx_result_t host_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ht_di
 epx_result_t host_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht_combine_args_t *args,
                              epx_ht_combine_outputs_t *outputs);
 void host_ht_handle_free(epx_handle_t handle);
+epx_result_t host_ht_get_combine_input(epx_buffer_t buffer, epx_handle_t handle, epx_tensor_t *view_out);
 
 /* Implemented in src/host/ll.c. */
 epx_result_t host_ll_init(host_buffer_t *hb);

@@ -1,7 +1,8 @@
 /*
  * Host backend: dispatch layout, HT dispatch (routed and cached) and HT combine. Each source
  * publishes its tokens in its IN area; every rank pulls the rows routed to it, in (source rank,
- * source token) order. Combine is the mirror image through the COMBINE areas.
+ * source token) order. Combine is the mirror image through the COMBINE areas. View mode puts the
+ * dispatch outputs in a private per-buffer array and takes combine rows straight from the area.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -9,9 +10,19 @@
 #include "host/host.h"
 
 /* Publication words of HT dispatch. */
-enum { W_T = 0, W_DTYPE, W_HAS_WEIGHTS, W_CACHED, W_HANDLE_SEQ, W_WANTS_WEIGHTS, W_WORST, W_DISPATCH_COUNT };
+enum {
+    W_T = 0,
+    W_DTYPE,
+    W_HAS_WEIGHTS,
+    W_CACHED,
+    W_HANDLE_SEQ,
+    W_WANTS_WEIGHTS,
+    W_WORST,
+    W_VIEW,
+    W_DISPATCH_COUNT
+};
 /* Publication words of HT combine. */
-enum { C_ROWS = 0, C_HAS_WEIGHTS, C_HANDLE_SEQ, C_WANTS_WEIGHTS, C_COUNT };
+enum { C_ROWS = 0, C_HAS_WEIGHTS, C_HANDLE_SEQ, C_WANTS_WEIGHTS, C_IN_BUFFER, C_COUNT };
 
 /* What an HT handle keeps on this rank. */
 typedef struct host_ht_state {
@@ -39,6 +50,34 @@ static in_layout_t in_layout_of(const epx_buffer_config_t *cfg)
     l.topk = (l.scales + Tm * (H / 128) * 4 + 7) / 8 * 8;
     l.weights = l.topk + Tm * K * 8;
     return l;
+}
+
+/* View mode: points the four row outputs at the buffer's private array (grown to R*T_max rows
+ * of this dtype when needed), `rows` rows each. */
+static epx_result_t set_views(host_buffer_t *hb, const epx_ht_dispatch_args_t *args,
+                              epx_ht_dispatch_outputs_t *o, int64_t rows, int routed)
+{
+    const epx_buffer_config_t *cfg = &hb->buffer->config;
+    const size_t cap = (size_t)hb->nranks * (size_t)cfg->max_tokens, H = (size_t)cfg->hidden;
+    const size_t K = (size_t)cfg->num_topk, elem = epx_dtype_size(args->x.dtype);
+    const size_t ns = args->x.dtype == EPX_DTYPE_FP8_E4M3 ? H / 128 : 0;
+    const size_t off_scales = (cap * H * elem + 15) / 16 * 16, off_idx = off_scales + cap * ns * 4;
+    const size_t off_w = off_idx + cap * K * 4, bytes = off_w + cap * K * 4;
+    if (hb->ht_view_bytes < bytes) {
+        uint8_t *p = realloc(hb->ht_view, bytes);
+        if (!p)
+            return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate %zu bytes of dispatch views",
+                             hb->rank, bytes);
+        hb->ht_view = p;
+        hb->ht_view_bytes = bytes;
+    }
+    o->recv_x = epx_tensor_2d(hb->ht_view, args->x.dtype, rows, (int64_t)H);
+    if (ns) o->recv_x_scales = epx_tensor_2d(hb->ht_view + off_scales, EPX_DTYPE_FP32, rows, (int64_t)ns);
+    if (!routed) return EPX_SUCCESS;
+    o->recv_topk_idx = epx_tensor_2d(hb->ht_view + off_idx, EPX_DTYPE_INT32, rows, (int64_t)K);
+    if (args->topk_weights.data)
+        o->recv_topk_weights = epx_tensor_2d(hb->ht_view + off_w, EPX_DTYPE_FP32, rows, (int64_t)K);
+    return EPX_SUCCESS;
 }
 
 static void ht_state_free(host_ht_state_t *st)
@@ -232,6 +271,10 @@ static epx_result_t check_dispatch_pubs(const host_buffer_t *hb, const host_pub_
                              "rank %d: cached handles come from different dispatches: call %lld on rank 0, "
                              "%lld on rank %d",
                              me, (long long)z->words[W_HANDLE_SEQ], (long long)a->words[W_HANDLE_SEQ], p);
+        if (a->words[W_VIEW] != z->words[W_VIEW])
+            return epx_error(EPX_ERR_MISMATCH,
+                             "rank %d: ranks disagree on recv_in_buffer: rank 0 passes %lld, rank %d %lld",
+                             me, (long long)z->words[W_VIEW], p, (long long)a->words[W_VIEW]);
         if (a->words[W_WANTS_WEIGHTS] && wants < 0) wants = p;
         if (!a->words[W_HAS_WEIGHTS] && lacks < 0) lacks = p;
     }
@@ -322,6 +365,7 @@ static epx_result_t dispatch_routed(host_buffer_t *hb, uint64_t seq, const epx_h
     for (int s = 0; s < R; s++) arriving += sc->cnt[s * R + me];
     const int64_t kept = worst > 0 && arriving > worst ? worst : arriving;
     EPX_CHECK(check_dispatch_capacity(me, outputs, worst > 0 ? worst : kept, arriving, 1));
+    if (args->recv_in_buffer) EPX_CHECK(set_views(hb, args, outputs, worst > 0 ? worst : kept, 1));
 
     host_ht_state_t *st = calloc(1, sizeof(*st));
     if (!st) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate the dispatch handle", me);
@@ -428,6 +472,9 @@ static epx_result_t dispatch_cached(host_buffer_t *hb, const epx_ht_dispatch_arg
     const int64_t H = cfg->hidden;
     const epx_dtype_t dtype = args->x.dtype;
     EPX_CHECK(check_dispatch_capacity(hb->rank, outputs, st->num_recv, st->num_recv, 0));
+    if (args->recv_in_buffer)
+        EPX_CHECK(set_views(hb, args, outputs,
+                            args->num_worst_tokens > 0 ? args->num_worst_tokens : st->num_recv, 0));
     copy_ctx_t xc = {hb,
                      outputs,
                      in_layout_of(cfg),
@@ -489,6 +536,7 @@ epx_result_t host_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ht_di
     words[W_HANDLE_SEQ] = cached ? (int64_t)cst->dispatch_seq : 0;
     words[W_WANTS_WEIGHTS] = !cached && outputs->recv_topk_weights.data != NULL;
     words[W_WORST] = !cached && args->num_worst_tokens > 0 ? args->num_worst_tokens : 0;
+    words[W_VIEW] = args->recv_in_buffer != 0;
     host_area_publish(hb, HOST_AREA_IN, seq, HOST_OP_HT_DISPATCH, EPX_SUCCESS, words, W_DISPATCH_COUNT);
 
     res = host_area_wait_all(hb, HOST_AREA_IN, seq, sc.pubs);
@@ -561,8 +609,9 @@ static void stage_rows(void *vctx, int64_t begin, int64_t end)
 {
     stage_ctx_t *c = vctx;
     const size_t row = (size_t)c->H * 2;
-    memcpy(c->area + (size_t)begin * row, (const uint8_t *)c->args->x.data + (size_t)begin * row,
-           (size_t)(end - begin) * row);
+    if (!c->args->x_in_buffer) /* else the caller wrote the rows into the area already */
+        memcpy(c->area + (size_t)begin * row, (const uint8_t *)c->args->x.data + (size_t)begin * row,
+               (size_t)(end - begin) * row);
     if (c->args->topk_weights.data)
         memcpy(c->area + c->weights_offset + (size_t)(begin * c->K) * 4,
                (const float *)c->args->topk_weights.data + begin * c->K, (size_t)((end - begin) * c->K) * 4);
@@ -583,6 +632,10 @@ static epx_result_t check_combine_pubs(const host_buffer_t *hb, const host_pub_t
                              "rank %d: combine handles come from different dispatches: call %lld on rank 0, "
                              "%lld on rank %d",
                              me, (long long)z->words[C_HANDLE_SEQ], (long long)a->words[C_HANDLE_SEQ], p);
+        if (a->words[C_IN_BUFFER] != z->words[C_IN_BUFFER])
+            return epx_error(EPX_ERR_MISMATCH,
+                             "rank %d: ranks disagree on x_in_buffer: rank 0 passes %lld, rank %d %lld", me,
+                             (long long)z->words[C_IN_BUFFER], p, (long long)a->words[C_IN_BUFFER]);
         if (a->words[C_WANTS_WEIGHTS] && wants < 0) wants = p;
         if (!a->words[C_HAS_WEIGHTS] && lacks < 0) lacks = p;
     }
@@ -628,6 +681,7 @@ epx_result_t host_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht_com
     words[C_HAS_WEIGHTS] = args->topk_weights.data != NULL;
     words[C_HANDLE_SEQ] = (int64_t)st->dispatch_seq;
     words[C_WANTS_WEIGHTS] = outputs->combined_topk_weights.data != NULL;
+    words[C_IN_BUFFER] = args->x_in_buffer != 0;
     host_area_publish(hb, HOST_AREA_COMBINE, seq, HOST_OP_HT_COMBINE, EPX_SUCCESS, words, C_COUNT);
 
     res = host_area_wait_all(hb, HOST_AREA_COMBINE, seq, pubs);
@@ -640,4 +694,20 @@ out:
     host_area_done(hb, HOST_AREA_COMBINE, seq);
     free(pubs);
     return res;
+}
+
+epx_result_t host_ht_get_combine_input(epx_buffer_t buffer, epx_handle_t handle, epx_tensor_t *view_out)
+{
+    host_buffer_t *hb = buffer->backend_state;
+    const host_ht_state_t *st = handle->backend_state;
+    const int64_t H = buffer->config.hidden;
+    if (!st) return epx_error(EPX_ERR_INVALID_ARG, "rank %d: the handle has no HT dispatch state", hb->rank);
+    if ((size_t)st->num_recv * (size_t)H * 2 > hb->area_bytes[HOST_AREA_COMBINE])
+        return epx_error(EPX_ERR_INTERNAL, "rank %d: combine area of %zu bytes, %lld rows of %lld need more",
+                         hb->rank, hb->area_bytes[HOST_AREA_COMBINE], (long long)st->num_recv, (long long)H);
+    /* Peers may still be reading the rows of our previous combine. */
+    EPX_CHECK(host_area_acquire(hb, HOST_AREA_COMBINE));
+    *view_out =
+        epx_tensor_2d(host_area_ptr(hb, hb->rank, HOST_AREA_COMBINE), EPX_DTYPE_BF16, st->num_recv, H);
+    return EPX_SUCCESS;
 }

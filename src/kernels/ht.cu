@@ -573,3 +573,353 @@ extern "C" int epx_cuda_launch_ceiling_copy(const epx_cuda_dispatch_args_t *args
     ceiling_copy_kernel<<<args->c.num_blocks, EPX_THREADS, 0, (cudaStream_t)stream>>>(*args);
     return (int)cudaGetLastError();
 }
+
+/* ------------------------------------------------------------------------ view mode ---- */
+
+enum { VDONE_SEND = 0, VDONE_RECV = 1, VDONE_COMB_POST = 2, VDONE_COMB_REDUCE = 3 };
+
+/* Sender of a view-mode dispatch. Prologue: tell every peer that our views of its earlier rows
+ * are dead (our consumers ran before this kernel on our stream), wait until every receiver said
+ * the same, post our per-destination counts (block 0), then read from each destination the
+ * counts of the lower-ranked sources: their sum is where our rows start there. Then one warp per
+ * token writes each of its rows once, into its final row. */
+__global__ void __launch_bounds__(EPX_THREADS)
+    dispatch_view_send_kernel(const __grid_constant__ epx_cuda_dispatch_args_t a)
+{
+    const epx_cuda_common_t *c = &a.c;
+    const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, me = c->rank;
+    const int E = L * R;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    epx_cuda_ctrl_t *own = ctrl_of(c->peers[me]);
+    const uint64_t closed = ld_volatile_u64(&own->epoch);
+    const uint64_t epoch = closed + 1;
+    const uint64_t prev = ld_volatile_u64(&own->view_last);
+    __shared__ int ok;
+    __shared__ int64_t base[EPX_CUDA_MAX_RANKS];
+    __shared__ int dst_rank[EPX_WARPS][EPX_CUDA_MAX_RANKS];
+    __shared__ int64_t dst_row[EPX_WARPS][EPX_CUDA_MAX_RANKS];
+    __shared__ uint8_t *dst_ptr[EPX_WARPS][EPX_CUDA_MAX_RANKS];
+    if (threadIdx.x == 0) ok = 1;
+    if (blockIdx.x == 0 && threadIdx.x < R) {
+        epx_cuda_ctrl_t *peer = ctrl_of(c->peers[threadIdx.x]);
+        if (ld_volatile_u64(&peer->view_ack[me]) < closed) st_release_sys(&peer->view_ack[me], closed);
+    }
+    __syncthreads();
+    if (threadIdx.x < R &&
+        !wait_flag_geq(c, &own->view_ack[threadIdx.x], prev, epoch, threadIdx.x, EPX_CUDA_WAIT_DISPATCH_ACK))
+        ok = 0;
+    __syncthreads();
+    if (ok && blockIdx.x == 0 && threadIdx.x < R) {
+        epx_cuda_ctrl_t *peer = ctrl_of(c->peers[threadIdx.x]);
+        st_relaxed_sys(&peer->disp_count[me], (uint64_t)a.h.send_count[threadIdx.x]);
+        st_release_sys(&peer->cnt_flag[me], epoch);
+    }
+    if (ok && threadIdx.x < R) {
+        epx_cuda_ctrl_t *peer = ctrl_of(c->peers[threadIdx.x]);
+        int64_t sum = 0;
+        for (int s = 0; s < me; s++) {
+            if (!wait_flag_geq(c, &peer->cnt_flag[s], epoch, epoch, s, EPX_CUDA_WAIT_DISPATCH_DATA)) {
+                ok = 0;
+                break;
+            }
+            sum += (int64_t)ld_volatile_u64(&peer->disp_count[s]);
+        }
+        base[threadIdx.x] = sum;
+    }
+    __syncthreads();
+    const int ns = a.x_scales ? a.num_scales : 0;
+    const int64_t cap = (int64_t)R * c->max_tokens;
+    if (ok) {
+        for (int64_t t = (int64_t)blockIdx.x * EPX_WARPS + warp; t < a.num_tokens;
+             t += (int64_t)gridDim.x * EPX_WARPS) {
+            int n = 0;
+            for (int r0 = 0; r0 < R; r0 += 32) {
+                const int r = r0 + lane;
+                const int row = r < R ? a.h.send_row[t * R + r] : -1;
+                const int64_t fin = row >= 0 ? base[r] + row : -1;
+                const unsigned b = __ballot_sync(0xffffffffu, fin >= 0 && fin < cap);
+                if (fin >= 0 && fin < cap) {
+                    const int pos = n + __popc(b & lanemask_lt());
+                    dst_rank[warp][pos] = r;
+                    dst_row[warp][pos] = fin;
+                    dst_ptr[warp][pos] = c->peers[r] + c->lay.view_x + fin * a.row_bytes;
+                }
+                n += __popc(b);
+            }
+            __syncwarp();
+            for (int d = 0; d < n; d++) {
+                const int r = dst_rank[warp][d];
+                const int64_t fin = dst_row[warp][d];
+                uint8_t *rb = c->peers[r];
+                if (!a.cached) {
+                    for (int k = lane; k < K; k += 32) {
+                        const int64_t e = topk_at(a.topk_idx, a.idx_is_64, t * K + k);
+                        const int loc = (expert_ok(e, E) && e / L == r) ? (int)(e % L) : -1;
+                        ((int32_t *)(rb + c->lay.view_idx))[fin * K + k] = loc;
+                        ((float *)(rb + c->lay.view_w))[fin * K + k] =
+                            (a.topk_weights && loc >= 0) ? a.topk_weights[t * K + k] : 0.0f;
+                    }
+                    if (lane == 0) ((int32_t *)(rb + c->lay.view_src))[fin] = (int32_t)t;
+                }
+                for (int j = lane; j < ns; j += 32)
+                    ((float *)(rb + c->lay.view_scales))[fin * ns + j] = a.x_scales[t * ns + j];
+            }
+            copy_fanout(a.x + t * a.row_bytes, dst_ptr[warp], n, a.row_bytes, lane);
+            __syncwarp();
+        }
+    }
+    if (last_block_arrive(&own->view_done_counter[VDONE_SEND])) {
+        if (!epoch_failed(c, epoch) && threadIdx.x < R) {
+            epx_cuda_ctrl_t *peer = ctrl_of(c->peers[threadIdx.x]);
+            st_relaxed_sys(&peer->disp_count[me], (uint64_t)a.h.send_count[threadIdx.x]);
+            st_release_sys(&peer->disp_flag[me], epoch);
+        }
+    }
+}
+
+/* Receiver of a view-mode dispatch: the rows are in place once every source's flag arrived; it
+ * keeps the source index per row for combine and counts per local expert. The default areas were
+ * not touched, so they are released at once; the view areas at our next view dispatch. */
+__global__ void __launch_bounds__(EPX_THREADS)
+    dispatch_view_recv_kernel(const __grid_constant__ epx_cuda_dispatch_args_t a)
+{
+    const epx_cuda_common_t *c = &a.c;
+    const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, me = c->rank;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    uint8_t *region = c->peers[me];
+    epx_cuda_ctrl_t *own = ctrl_of(region);
+    const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
+    extern __shared__ int expert_cnt[]; /* [L] */
+    __shared__ int ok;
+    __shared__ int prefix[EPX_CUDA_MAX_RANKS + 1];
+    __shared__ int cnt[EPX_CUDA_MAX_RANKS];
+    const bool want_counts = !a.cached && a.num_recv_tokens_per_expert;
+    if (threadIdx.x == 0) ok = 1;
+    if (want_counts)
+        for (int j = threadIdx.x; j < L; j += blockDim.x) expert_cnt[j] = 0;
+    __syncthreads();
+    if (threadIdx.x < R) {
+        if (wait_flag_geq(c, &own->disp_flag[threadIdx.x], epoch, epoch, threadIdx.x,
+                          EPX_CUDA_WAIT_DISPATCH_DATA))
+            cnt[threadIdx.x] = (int)ld_volatile_u64(&own->disp_count[threadIdx.x]);
+        else
+            ok = 0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        prefix[0] = 0;
+        for (int r = 0; r < R; r++) prefix[r + 1] = prefix[r] + (ok ? cnt[r] : 0);
+    }
+    __syncthreads();
+    const int64_t total = prefix[R];
+    const int64_t rows = total < a.capacity ? total : a.capacity;
+    if (!a.cached) {
+        for (int64_t i = (int64_t)blockIdx.x * EPX_WARPS + warp; i < total;
+             i += (int64_t)gridDim.x * EPX_WARPS) {
+            if (want_counts)
+                for (int k = lane; k < K; k += 32) {
+                    const int32_t loc = ((const int32_t *)(region + c->lay.view_idx))[i * K + k];
+                    if (loc >= 0 && loc < L) atomicAdd(&expert_cnt[loc], 1);
+                }
+            if (lane == 0) a.h.recv_src[i] = ((const int32_t *)(region + c->lay.view_src))[i];
+        }
+    }
+    int32_t *scratch = (int32_t *)(region + c->lay.expert_scratch);
+    if (want_counts) {
+        __syncthreads();
+        for (int j = threadIdx.x; j < L; j += blockDim.x)
+            if (expert_cnt[j]) atomicAdd(&scratch[j], expert_cnt[j]);
+    }
+    if (last_block_arrive(&own->view_done_counter[VDONE_RECV])) {
+        if (threadIdx.x == 0) {
+            c->host->num_recv = ok ? total : -1;
+            if (ok && a.static_mode && total > a.capacity) c->host->overflow = 1;
+            if (a.num_recv_tokens && ok) *a.num_recv_tokens = (int32_t)total;
+            if (!a.cached) *a.h.rows_valid = ok ? (int32_t)rows : 0;
+        }
+        if (!a.cached)
+            for (int r = threadIdx.x; r <= R; r += blockDim.x) a.h.recv_prefix[r] = ok ? prefix[r] : 0;
+        if (want_counts) {
+            const int al = a.expert_alignment > 1 ? a.expert_alignment : 1;
+            for (int j = threadIdx.x; j < L; j += blockDim.x) {
+                const int v = ld_volatile_i32(&scratch[j]);
+                if (ok) a.num_recv_tokens_per_expert[j] = (v + al - 1) / al * al;
+                scratch[j] = 0;
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < R) st_release_sys(&ctrl_of(c->peers[threadIdx.x])->disp_ack[me], epoch);
+        if (threadIdx.x == 0) {
+            own->disp_last = epoch;
+            own->view_last = epoch;
+            own->epoch = epoch;
+            __threadfence_system();
+        }
+    }
+}
+
+extern "C" int epx_cuda_launch_dispatch_view(const epx_cuda_dispatch_args_t *args, void *stream)
+{
+    cudaStream_t s = (cudaStream_t)stream;
+    dispatch_view_send_kernel<<<args->c.num_blocks, EPX_THREADS, 0, s>>>(*args);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return (int)err;
+    const size_t smem = (size_t)args->c.num_local_experts * sizeof(int);
+    if (smem > 48 * 1024) {
+        err = cudaFuncSetAttribute(dispatch_view_recv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)smem);
+        if (err != cudaSuccess) return (int)err;
+    }
+    dispatch_view_recv_kernel<<<args->c.num_blocks, EPX_THREADS, smem, s>>>(*args);
+    return (int)cudaGetLastError();
+}
+
+/* Expert side of a view-mode combine: stage the weights (if any) next to the rows the caller
+ * wrote into comb_x, then tell every source how many rows we hold and where its tokens start. */
+__global__ void __launch_bounds__(EPX_THREADS)
+    combine_view_post_kernel(const __grid_constant__ epx_cuda_combine_args_t a)
+{
+    const epx_cuda_common_t *c = &a.c;
+    const int R = c->nranks, K = c->num_topk, me = c->rank;
+    uint8_t *region = c->peers[me];
+    epx_cuda_ctrl_t *own = ctrl_of(region);
+    const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
+    const int64_t rows = *a.h.rows_valid;
+    if (a.topk_weights) {
+        float *w = (float *)(region + c->lay.comb_w);
+        for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < rows * K;
+             i += (int64_t)gridDim.x * blockDim.x)
+            w[i] = a.topk_weights[i];
+    }
+    if (last_block_arrive(&own->view_done_counter[VDONE_COMB_POST])) {
+        if (threadIdx.x < R) {
+            epx_cuda_ctrl_t *peer = ctrl_of(c->peers[threadIdx.x]);
+            st_relaxed_sys(&peer->comb_rows[me], (uint64_t)rows);
+            st_relaxed_sys(&peer->comb_base[me], (uint64_t)a.h.recv_prefix[threadIdx.x]);
+            st_release_sys(&peer->comb_flag[me], epoch);
+        }
+    }
+}
+
+/* Source side of a view-mode combine: pull each token's rows from the peers holding it (16-byte
+ * loads, every rank's load in flight before the sum), add in rank order, biases, round once.
+ * The last block tells the peers we are done with their rows, waits until every source is done
+ * with ours (the caller may then overwrite them), releases the combine areas and closes the epoch. */
+__global__ void __launch_bounds__(EPX_THREADS)
+    combine_view_reduce_kernel(const __grid_constant__ epx_cuda_combine_args_t a)
+{
+    const epx_cuda_common_t *c = &a.c;
+    const int R = c->nranks, K = c->num_topk, me = c->rank;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    uint8_t *region = c->peers[me];
+    epx_cuda_ctrl_t *own = ctrl_of(region);
+    const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
+    const int64_t H = c->hidden;
+    __shared__ int ok;
+    __shared__ int64_t peer_rows[EPX_CUDA_MAX_RANKS];
+    __shared__ int64_t peer_base[EPX_CUDA_MAX_RANKS];
+    __shared__ const uint16_t *src_ptr[EPX_WARPS][EPX_CUDA_MAX_RANKS];
+    __shared__ const float *src_w[EPX_WARPS][EPX_CUDA_MAX_RANKS];
+    if (threadIdx.x == 0) ok = 1;
+    __syncthreads();
+    if (threadIdx.x < R) {
+        if (wait_flag_geq(c, &own->comb_flag[threadIdx.x], epoch, epoch, threadIdx.x,
+                          EPX_CUDA_WAIT_COMBINE_DATA)) {
+            peer_rows[threadIdx.x] = (int64_t)ld_volatile_u64(&own->comb_rows[threadIdx.x]);
+            peer_base[threadIdx.x] = (int64_t)ld_volatile_u64(&own->comb_base[threadIdx.x]);
+        } else {
+            ok = 0;
+        }
+    }
+    __syncthreads();
+    const int64_t T = ok ? a.num_tokens : 0;
+    const bool vec = (H % 8) == 0;
+    for (int64_t t = (int64_t)blockIdx.x * EPX_WARPS + warp; t < T; t += (int64_t)gridDim.x * EPX_WARPS) {
+        int n = 0;
+        for (int r0 = 0; r0 < R; r0 += 32) {
+            const int r = r0 + lane;
+            const int row = r < R ? a.h.send_row[t * R + r] : -1;
+            const int64_t fin = row >= 0 ? peer_base[r] + row : -1;
+            /* A row past the holder's rows was dropped by its static bound: it adds nothing. */
+            const bool in = fin >= 0 && fin < peer_rows[r];
+            const unsigned b = __ballot_sync(0xffffffffu, in);
+            if (in) {
+                const int pos = n + __popc(b & lanemask_lt());
+                src_ptr[warp][pos] = (const uint16_t *)(c->peers[r] + c->lay.comb_x) + fin * H;
+                src_w[warp][pos] = (const float *)(c->peers[r] + c->lay.comb_w) + fin * K;
+            }
+            n += __popc(b);
+        }
+        __syncwarp();
+        if (vec) {
+            const int64_t n8 = H / 8;
+            for (int64_t i = lane; i < n8; i += 32) {
+                float acc[8];
+#pragma unroll
+                for (int q = 0; q < 8; q++) acc[q] = 0.0f;
+                int d = 0;
+                /* Four ranks' loads in flight before their adds (the sum order stays ascending). */
+                for (; d + 4 <= n; d += 4) {
+                    int4 v[4];
+#pragma unroll
+                    for (int u = 0; u < 4; u++) v[u] = ld_nc_v4((const int4 *)src_ptr[warp][d + u] + i);
+#pragma unroll
+                    for (int u = 0; u < 4; u++) acc_add8(acc, v[u]);
+                }
+                for (; d < n; d++) acc_add8(acc, ld_nc_v4((const int4 *)src_ptr[warp][d] + i));
+                if (a.bias0) acc_add8(acc, ld_nc_v4((const int4 *)(a.bias0 + t * H) + i));
+                if (a.bias1) acc_add8(acc, ld_nc_v4((const int4 *)(a.bias1 + t * H) + i));
+                int4 o;
+                o.x = (int)(f32_to_bf16_bits(acc[0]) | (f32_to_bf16_bits(acc[1]) << 16));
+                o.y = (int)(f32_to_bf16_bits(acc[2]) | (f32_to_bf16_bits(acc[3]) << 16));
+                o.z = (int)(f32_to_bf16_bits(acc[4]) | (f32_to_bf16_bits(acc[5]) << 16));
+                o.w = (int)(f32_to_bf16_bits(acc[6]) | (f32_to_bf16_bits(acc[7]) << 16));
+                st_na_v4((int4 *)(a.combined_x + t * H) + i, o);
+            }
+        } else {
+            for (int64_t h = lane; h < H; h += 32) {
+                float acc = 0.0f;
+                for (int d = 0; d < n; d++)
+                    acc = __fadd_rn(acc, __uint_as_float((uint32_t)src_ptr[warp][d][h] << 16));
+                if (a.bias0) acc = __fadd_rn(acc, __uint_as_float((uint32_t)a.bias0[t * H + h] << 16));
+                if (a.bias1) acc = __fadd_rn(acc, __uint_as_float((uint32_t)a.bias1[t * H + h] << 16));
+                a.combined_x[t * H + h] = (uint16_t)f32_to_bf16_bits(acc);
+            }
+        }
+        if (a.combined_topk_weights)
+            for (int k = lane; k < K; k += 32) {
+                float acc = 0.0f;
+                for (int d = 0; d < n; d++) acc = __fadd_rn(acc, src_w[warp][d][k]);
+                a.combined_topk_weights[t * K + k] = acc;
+            }
+        __syncwarp();
+    }
+    if (last_block_arrive(&own->view_done_counter[VDONE_COMB_REDUCE])) {
+        __shared__ int all_done;
+        if (threadIdx.x == 0) all_done = 1;
+        __syncthreads();
+        if (threadIdx.x < R) st_release_sys(&ctrl_of(c->peers[threadIdx.x])->comb_pulled[me], epoch);
+        __syncthreads();
+        if (threadIdx.x < R && !wait_flag_geq(c, &own->comb_pulled[threadIdx.x], epoch, epoch, threadIdx.x,
+                                              EPX_CUDA_WAIT_COMBINE_ACK))
+            all_done = 0;
+        __syncthreads();
+        /* Our area is free for the next writer (a default combine's peers) only now. */
+        if (threadIdx.x < R && all_done) st_release_sys(&ctrl_of(c->peers[threadIdx.x])->comb_ack[me], epoch);
+        if (threadIdx.x == 0) {
+            own->comb_last = epoch;
+            own->epoch = epoch;
+            __threadfence_system();
+        }
+    }
+}
+
+extern "C" int epx_cuda_launch_combine_view(const epx_cuda_combine_args_t *args, void *stream)
+{
+    cudaStream_t s = (cudaStream_t)stream;
+    combine_view_post_kernel<<<args->c.num_blocks, EPX_THREADS, 0, s>>>(*args);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return (int)err;
+    combine_view_reduce_kernel<<<args->c.num_blocks, EPX_THREADS, 0, s>>>(*args);
+    return (int)cudaGetLastError();
+}

@@ -4,7 +4,8 @@
  * with the single-process reference (tests/common/reference.c). Cases: bf16 and fp8, H 7168 and
  * 2048, E 256, K 8, random and skewed routing with ragged and zero-token ranks, cached dispatch,
  * static mode captured in a CUDA graph and replayed with new inputs, static mode with rows dropped
- * past num_worst_tokens, 200 repeated iterations.
+ * past num_worst_tokens, 200 repeated iterations; view mode (outputs and combine input in the
+ * library's buffer) for bf16 and fp8 with repeats.
  * EPX_GPU_TEST_RANKS (default "2,4,8") and EPX_GPU_TEST_QUICK=1 (sanitizer runs) shrink it.
  */
 #include <cuda_runtime.h>
@@ -79,6 +80,7 @@ typedef struct ht_case {
     int iter; /* token counts: 0 full, 1 with zero-token ranks, >1 random */
     int idx64;
     int repeats; /* eager dispatch+combine iterations whose hashes must match */
+    int view;    /* recv_in_buffer dispatches and x_in_buffer combine (one pass over the bytes) */
 } ht_case_t;
 
 /* Host copies of one rank's inputs for problem p (x tagged `tag`). */
@@ -123,8 +125,8 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
     ref_gen_token_counts(seed, cs->iter, R, cs->T_max, T);
     if (ref_problem_init(&p, R, E_EXPERTS, TOPK, cs->H, cs->T_max, cs->dtype, seed, T, cs->routing) != 0)
         return ref_fail(rank, "problem init");
-    ref_set_case("eager R=%d H=%lld %s %s iter %d idx%s", R, (long long)cs->H, epx_dtype_name(cs->dtype),
-                 ref_routing_name(cs->routing), cs->iter, cs->idx64 ? "64" : "32");
+    ref_set_case("eager R=%d H=%lld %s %s iter %d idx%s%s", R, (long long)cs->H, epx_dtype_name(cs->dtype),
+                 ref_routing_name(cs->routing), cs->iter, cs->idx64 ? "64" : "32", cs->view ? " view" : "");
     const int64_t H = cs->H, K = TOPK, L = E_EXPERTS / R, Tm = T[rank], S = H / 128;
     const int fp8 = cs->dtype == EPX_DTYPE_FP8_E4M3;
     const size_t es = epx_dtype_size(cs->dtype);
@@ -157,7 +159,7 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
     cudaMemcpy(db1, in.bias1, (size_t)(Tm * H) * 2, cudaMemcpyHostToDevice);
     const epx_dtype_t idt = cs->idx64 ? EPX_DTYPE_INT64 : EPX_DTYPE_INT32;
     /* Received index dtype differs from the input's on purpose. */
-    const epx_dtype_t ridt = cs->idx64 ? EPX_DTYPE_INT32 : EPX_DTYPE_INT64;
+    const epx_dtype_t ridt = cs->idx64 || cs->view ? EPX_DTYPE_INT32 : EPX_DTYPE_INT64;
 
     /* Host-side expectations. */
     const int64_t n = ref.n;
@@ -224,14 +226,32 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
         a.topk_weights = dev_tensor(dw, EPX_DTYPE_FP32, Tm, K, 2, device);
         a.expert_alignment = ALIGNMENT;
         epx_ht_dispatch_outputs_t o = EPX_HT_DISPATCH_OUTPUTS_INIT;
-        o.recv_x = dev_tensor(drx, cs->dtype, cap, H, 2, device);
-        if (fp8) o.recv_x_scales = dev_tensor(drs, EPX_DTYPE_FP32, cap, S, 2, device);
-        o.recv_topk_idx = dev_tensor(dridx, ridt, cap, K, 2, device);
-        o.recv_topk_weights = dev_tensor(drw, EPX_DTYPE_FP32, cap, K, 2, device);
+        a.recv_in_buffer = cs->view;
+        if (!cs->view) {
+            o.recv_x = dev_tensor(drx, cs->dtype, cap, H, 2, device);
+            if (fp8) o.recv_x_scales = dev_tensor(drs, EPX_DTYPE_FP32, cap, S, 2, device);
+            o.recv_topk_idx = dev_tensor(dridx, ridt, cap, K, 2, device);
+            o.recv_topk_weights = dev_tensor(drw, EPX_DTYPE_FP32, cap, K, 2, device);
+        }
         o.num_recv_tokens_per_expert = dev_tensor(dpe, EPX_DTYPE_INT32, L, 0, 1, device);
         o.num_recv_tokens = dev_tensor(dn, EPX_DTYPE_INT32, 1, 0, 1, device);
         EXPECT_OK(epx_ht_dispatch(buf, &a, &o));
         handle = o.handle;
+        if (cs->view) { /* the outputs are views of the library's buffer */
+            if (!o.recv_x.data || o.recv_x.shape[0] != n || !o.recv_topk_idx.data ||
+                !o.recv_topk_weights.data || o.recv_topk_idx.dtype != EPX_DTYPE_INT32 ||
+                o.recv_x.device_type != EPX_DEVICE_CUDA || (fp8 && !o.recv_x_scales.data)) {
+                rc = ref_fail(
+                    rank, "view outputs: recv_x %p [%lld], recv_topk_idx %p %s, weights %p, scales %p",
+                    o.recv_x.data, (long long)o.recv_x.shape[0], o.recv_topk_idx.data,
+                    epx_dtype_name(o.recv_topk_idx.dtype), o.recv_topk_weights.data, o.recv_x_scales.data);
+                goto out;
+            }
+            drx = o.recv_x.data;
+            drs = o.recv_x_scales.data;
+            dridx = o.recv_topk_idx.data;
+            drw = o.recv_topk_weights.data;
+        }
         if (o.num_recv_tokens_host != n) {
             rc = ref_fail(rank, "num_recv_tokens_host %lld, expected %lld", (long long)o.num_recv_tokens_host,
                           (long long)n);
@@ -265,9 +285,16 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
         ac.x_scales = a.x_scales;
         ac.cached_handle = handle;
         epx_ht_dispatch_outputs_t oc = EPX_HT_DISPATCH_OUTPUTS_INIT;
-        oc.recv_x = o.recv_x;
-        oc.recv_x_scales = o.recv_x_scales;
+        ac.recv_in_buffer = cs->view;
+        if (!cs->view) {
+            oc.recv_x = o.recv_x;
+            oc.recv_x_scales = o.recv_x_scales;
+        }
         EXPECT_OK(epx_ht_dispatch(buf, &ac, &oc));
+        if (cs->view && (oc.recv_x.data != drx || (fp8 && oc.recv_x_scales.data != drs))) {
+            rc = ref_fail(rank, "cached view recv_x %p, expected %p", oc.recv_x.data, drx);
+            goto out;
+        }
         cudaMemcpy(got, drx, (size_t)(n * H) * es, cudaMemcpyDeviceToHost);
         if (ref_check_bits(rank, "cached recv_x", got, ex2, n * H, es, H)) goto out;
         if (fp8) {
@@ -279,7 +306,20 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
 
         epx_ht_combine_args_t ca = EPX_HT_COMBINE_ARGS_INIT;
         ca.handle = handle;
-        ca.x = dev_tensor(dy, EPX_DTYPE_BF16, n, H, 2, device);
+        if (cs->view) { /* zero-copy: the expert outputs go into the library's rows */
+            epx_tensor_t in_view;
+            EXPECT_OK(epx_ht_get_combine_input(buf, handle, &in_view));
+            if (!in_view.data || in_view.shape[0] != n || in_view.shape[1] != H) {
+                rc = ref_fail(rank, "combine input view %p [%lld, %lld], expected [%lld, %lld]", in_view.data,
+                              (long long)in_view.shape[0], (long long)in_view.shape[1], (long long)n,
+                              (long long)H);
+                goto out;
+            }
+            cudaMemcpy(in_view.data, dy, (size_t)(n * H) * 2, cudaMemcpyDeviceToDevice);
+            ca.x_in_buffer = 1;
+        } else {
+            ca.x = dev_tensor(dy, EPX_DTYPE_BF16, n, H, 2, device);
+        }
         ca.topk_weights = dev_tensor(drw, EPX_DTYPE_FP32, n, K, 2, device);
         ca.bias0 = dev_tensor(db0, EPX_DTYPE_BF16, Tm, H, 2, device);
         ca.bias1 = dev_tensor(db1, EPX_DTYPE_BF16, Tm, H, 2, device);
@@ -615,10 +655,14 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
             {H, T_max, EPX_DTYPE_FP8_E4M3, REF_ROUTE_RANDOM, 0, 0, 1},
             {H, T_max, EPX_DTYPE_BF16, REF_ROUTE_GROUPED, 3, 1, 1},
             {H, T_max, EPX_DTYPE_BF16, REF_ROUTE_RANDOM, 4, 0, 200},
+            {H, T_max, EPX_DTYPE_BF16, REF_ROUTE_RANDOM, 1, 0, 3, 1},
+            {H, T_max, EPX_DTYPE_FP8_E4M3, REF_ROUTE_SKEWED, 2, 1, 1, 1},
+            {H, T_max, EPX_DTYPE_BF16, REF_ROUTE_GROUPED, 3, 1, 50, 1},
         };
-        const int ncases = ctx->quick ? 2 : (int)(sizeof(cases) / sizeof(cases[0]));
+        const int ncases = (int)(sizeof(cases) / sizeof(cases[0]));
         for (int i = 0; i < ncases && rc == 0; i++) {
-            if (cases[i].repeats > 1 && H != 2048) continue; /* 200 iterations at the smaller H */
+            if (ctx->quick && i >= 2 && !cases[i].view) continue;
+            if (cases[i].repeats > 3 && H != 2048) continue; /* long repeats at the smaller H */
             rc = run_eager(buf, rank, nranks, &cases[i], ctx->seed + (uint64_t)i * 1000 + (uint64_t)H,
                            cfg.cuda_device);
         }

@@ -1,5 +1,6 @@
 /*
- * HT layout, dispatch (default, cached, static-shape with overflow) and combine on the host backend:
+ * HT layout, dispatch (default, cached, static-shape with overflow, views of the library's buffer) and
+ * combine (caller rows or rows written into the buffer) on the host backend:
  * every rank builds all ranks' inputs from one seed and checks its own outputs against the reference.
  * Combine outputs are compared bit for bit: the reference sums in the pinned fp32 order.
  */
@@ -74,7 +75,7 @@ static uint16_t *combine_input(ref_arena_t *a, const ref_ht_recv_t *rv, int64_t 
 
 static int run_combine(epx_buffer_t buf, const ref_problem_t *p, int rank, const ref_ht_recv_t *rv,
                        epx_handle_t h, int64_t cap_rows, bool with_weights, bool bias0, bool bias1,
-                       uint64_t yseed)
+                       uint64_t yseed, bool in_buffer)
 {
     int rc = 0;
     ref_arena_t a = {0};
@@ -96,7 +97,21 @@ static int run_combine(epx_buffer_t buf, const ref_problem_t *p, int rank, const
 
     epx_ht_combine_args_t args = EPX_HT_COMBINE_ARGS_INIT;
     args.handle = h;
-    args.x = epx_tensor_2d(cx, EPX_DTYPE_BF16, cap_rows, H);
+    if (in_buffer) {
+        /* Zero-copy: the expert outputs go straight into the library's rows. */
+        epx_tensor_t view;
+        CALL(epx_ht_get_combine_input(buf, h, &view));
+        CHECK(view.dtype == EPX_DTYPE_BF16 && view.ndim == 2 && view.shape[0] >= rv->n &&
+                  view.shape[1] == H && view.data != NULL,
+              "combine input view %s [%lld, %lld] at %p, expected bf16 [>= %lld, %lld]",
+              epx_dtype_name(view.dtype), (long long)view.shape[0], (long long)view.shape[1], view.data,
+              (long long)rv->n, (long long)H);
+        if (rc) goto out;
+        memcpy(view.data, cx, sizeof(uint16_t) * (size_t)(rv->n * H));
+        args.x_in_buffer = 1;
+    } else {
+        args.x = epx_tensor_2d(cx, EPX_DTYPE_BF16, cap_rows, H);
+    }
     if (with_weights) args.topk_weights = epx_tensor_2d(cw, EPX_DTYPE_FP32, cap_rows, K);
     if (bias0) args.bias0 = epx_tensor_2d(b0, EPX_DTYPE_BF16, Ts, H);
     if (bias1) args.bias1 = epx_tensor_2d(b1, EPX_DTYPE_BF16, Ts, H);
@@ -234,7 +249,7 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
     }
 
     /* ---- combine (weights and biases as this iteration says) ---- */
-    rc |= run_combine(buf, &p, rank, &rv, handle, N, with_weights, bias0, bias1, seed ^ 0x636f6d62ull);
+    rc |= run_combine(buf, &p, rank, &rv, handle, N, with_weights, bias0, bias1, seed ^ 0x636f6d62ull, false);
     if (rc & 2) goto out;
 
     /* ---- cached dispatch with new x: only recv_x (and scales) are written ---- */
@@ -329,7 +344,118 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
               epx_result_name(q));
         /* Combine after a static dispatch that kept every row (every rank must take part). */
         if (!want_overflow && shandle)
-            rc |= run_combine(buf, &p, rank, &rv, shandle, W, true, true, false, seed ^ 0x737461ull);
+            rc |= run_combine(buf, &p, rank, &rv, shandle, W, true, true, false, seed ^ 0x737461ull, false);
+    }
+    epx_handle_destroy(shandle);
+    shandle = NULL;
+
+    /* ---- view mode: outputs are views of the library's buffer; combine reads rows written there.
+     * Odd iterations run it in static mode (no overflow), every third one adds a cached dispatch. ---- */
+    {
+        int64_t maxN = 0;
+        for (int r = 0; r < R; r++) {
+            ref_ht_recv_t other;
+            if (ref_ht_dispatch(&p, r, 1, &other)) {
+                ref_ht_recv_free(&other);
+                rc = ref_fail(rank, "reference setup failed");
+                goto out;
+            }
+            if (other.n > maxN) maxN = other.n;
+            ref_ht_recv_free(&other);
+        }
+        const bool is_static = it % 2 == 1;
+        int64_t W = maxN + 1 < R * hc->T_max ? maxN + 1 : R * hc->T_max;
+        if (W < 1) W = 1;
+        const int64_t rows = is_static ? W : N;
+        void *e_idx32 = ref_arena_alloc(&a, 4 * (size_t)(N * K));
+        fill_idx(rv.idx, N * K, EPX_DTYPE_INT32, e_idx32);
+        int32_t *rpe = ref_arena_garbage(&a, 4 * (size_t)L);
+        epx_ht_dispatch_args_t args = EPX_HT_DISPATCH_ARGS_INIT;
+        args.x = epx_tensor_2d(x, dtype, Ts, H);
+        if (fp8) args.x_scales = epx_tensor_2d(xs, EPX_DTYPE_FP32, Ts, SG);
+        args.topk_idx = topk_t;
+        if (with_weights) args.topk_weights = epx_tensor_2d(p.weights[rank], EPX_DTYPE_FP32, Ts, K);
+        args.expert_alignment = alignment;
+        args.num_worst_tokens = is_static ? W : 0;
+        args.recv_in_buffer = 1;
+        epx_ht_dispatch_outputs_t outs = EPX_HT_DISPATCH_OUTPUTS_INIT;
+        outs.num_recv_tokens_per_expert = epx_tensor_1d(rpe, EPX_DTYPE_INT32, L);
+        CALL(epx_ht_dispatch(buf, &args, &outs));
+        handle = outs.handle;
+        ref_set_case("ht R=%d E=%d K=%d H=%lld iter %d view mode%s W=%lld N=%lld: x %s, routing %s", R, hc->E,
+                     K, (long long)H, it, is_static ? " static" : "", (long long)W, (long long)N,
+                     epx_dtype_name(dtype), ref_routing_name(routing));
+        CHECK(outs.num_recv_tokens_host == N, "view num_recv_tokens_host = %lld, expected %lld",
+              (long long)outs.num_recv_tokens_host, (long long)N);
+        CHECK(outs.recv_x.data && outs.recv_x.dtype == dtype && outs.recv_x.shape[0] == rows &&
+                  outs.recv_x.shape[1] == H,
+              "view recv_x %s [%lld, %lld] at %p, expected %s [%lld, %lld]",
+              epx_dtype_name(outs.recv_x.dtype), (long long)outs.recv_x.shape[0],
+              (long long)outs.recv_x.shape[1], outs.recv_x.data, epx_dtype_name(dtype), (long long)rows,
+              (long long)H);
+        CHECK(outs.recv_topk_idx.data && outs.recv_topk_idx.dtype == EPX_DTYPE_INT32 &&
+                  outs.recv_topk_idx.shape[0] == rows && outs.recv_topk_idx.shape[1] == K,
+              "view recv_topk_idx is not int32 [%lld, %d]", (long long)rows, K);
+        CHECK(!fp8 || (outs.recv_x_scales.data && outs.recv_x_scales.shape[0] == rows),
+              "view recv_x_scales missing for fp8");
+        CHECK((outs.recv_topk_weights.data != NULL) == with_weights, "view recv_topk_weights %s",
+              with_weights ? "missing" : "given without topk_weights");
+        if (rc) goto out;
+        rc |= ref_check_bits(rank, "view recv_x", outs.recv_x.data, e_x, N * H, esz, H);
+        if (fp8)
+            rc |= ref_check_bits(rank, "view recv_x_scales", outs.recv_x_scales.data, e_xs, N * SG, 4, SG);
+        rc |= ref_check_bits(rank, "view recv_topk_idx", outs.recv_topk_idx.data, e_idx32, N * K, 4, K);
+        if (with_weights)
+            rc |= ref_check_bits(rank, "view recv_topk_weights", outs.recv_topk_weights.data, rv.w, N * K, 4,
+                                 K);
+        rc |= ref_check_bits(rank, "view num_recv_tokens_per_expert", rpe, rv.per_expert, L, 4, L);
+
+        rc |= run_combine(buf, &p, rank, &rv, handle, rows, with_weights, bias0, bias1, seed ^ 0x766965ull,
+                          true);
+        if (rc & 2) goto out;
+        /* A second zero-copy combine on the same rows' place: peers must have let go of the first. */
+        rc |= run_combine(buf, &p, rank, &rv, handle, rows, false, !bias0, false, seed ^ 0x766966ull, true);
+        if (rc & 2) goto out;
+
+        if (it % 3 == 0) {
+            uint8_t *x2 = ref_arena_alloc(&a, esz * (size_t)(Ts * H));
+            float *xs2 = ref_arena_alloc(&a, sizeof(float) * (size_t)(Ts * SG));
+            for (int64_t t = 0; t < Ts; t++) {
+                ref_x_row(&p, rank, t, REF_TAG_X2, x2 + (size_t)(t * H) * esz);
+                ref_scales_row(&p, rank, t, REF_TAG_X2, xs2 + t * SG);
+            }
+            uint8_t *e_x2 = ref_arena_alloc(&a, esz * (size_t)(N * H));
+            float *e_xs2 = ref_arena_alloc(&a, sizeof(float) * (size_t)(N * SG));
+            expected_rows(&p, rv.src, rv.tok, N, REF_TAG_X2, e_x2, e_xs2);
+            epx_ht_dispatch_args_t cargs = EPX_HT_DISPATCH_ARGS_INIT;
+            cargs.x = epx_tensor_2d(x2, dtype, Ts, H);
+            if (fp8) cargs.x_scales = epx_tensor_2d(xs2, EPX_DTYPE_FP32, Ts, SG);
+            cargs.cached_handle = handle;
+            cargs.num_worst_tokens = is_static ? W : 0;
+            cargs.recv_in_buffer = 1;
+            epx_ht_dispatch_outputs_t couts = EPX_HT_DISPATCH_OUTPUTS_INIT;
+            CALL(epx_ht_dispatch(buf, &cargs, &couts));
+            CHECK(couts.recv_x.data && couts.recv_x.shape[0] >= N && couts.recv_topk_idx.data == NULL,
+                  "cached view outputs: recv_x %p rows %lld, recv_topk_idx %p", couts.recv_x.data,
+                  (long long)couts.recv_x.shape[0], couts.recv_topk_idx.data);
+            if (rc) goto out;
+            rc |= ref_check_bits(rank, "cached view recv_x", couts.recv_x.data, e_x2, N * H, esz, H);
+            if (fp8)
+                rc |= ref_check_bits(rank, "cached view recv_x_scales", couts.recv_x_scales.data, e_xs2,
+                                     N * SG, 4, SG);
+        }
+
+        /* Caller memory with recv_in_buffer is refused on every rank (each fails its own checks). */
+        if (it == 0) {
+            uint8_t one[16];
+            args.num_worst_tokens = 0;
+            outs = (epx_ht_dispatch_outputs_t)EPX_HT_DISPATCH_OUTPUTS_INIT;
+            outs.recv_x = epx_tensor_2d(one, dtype, 1, H);
+            epx_result_t r = epx_ht_dispatch(buf, &args, &outs);
+            CHECK(r == EPX_ERR_INVALID_ARG && strstr(epx_last_error_message(), "recv_in_buffer"),
+                  "recv_x given with recv_in_buffer: %s (%s), expected ERR_INVALID_ARG naming recv_in_buffer",
+                  epx_result_name(r), epx_last_error_message());
+        }
     }
 out:
     epx_handle_destroy(shandle);
