@@ -71,6 +71,8 @@ if [ "${NGPU:-0}" -lt 8 ] && command -v nvidia-cuda-mps-control >/dev/null; then
 fi
 
 if phase tests; then
+    # The issue-level repeat counts: LL runs 1000 dispatch+combine iterations with matching hashes.
+    export EPX_GPU_TEST_LL_ITERS=${EPX_GPU_TEST_LL_ITERS:-1000}
     log "ctest -L gpu"
     if ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout "${EPX_GPU_CTEST_TIMEOUT:-300}" \
         >"$LOGDIR/ctest-gpu.log" 2>&1; then
