@@ -50,7 +50,7 @@ if phase sanitize && command -v compute-sanitizer >/dev/null; then
     done
     log "compute-sanitizer memcheck, routing map, 2 ranks"
     if timeout 150 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
-        env EPX_GPU_TEST_RANKS=2 EPX_GPU_TEST_QUICK=1 "$BUILD/tests/gpu_rm" >"$LOGDIR/sanitizer-rm.log" 2>&1; then
+        env EPX_GPU_TEST_RANKS=1,2 EPX_GPU_TEST_QUICK=1 "$BUILD/tests/gpu_rm" >"$LOGDIR/sanitizer-rm.log" 2>&1; then
         log "  rm memcheck clean"
     else
         log "  rm memcheck FAILED (see sanitizer-rm.log)"; status=1

@@ -30,6 +30,7 @@ typedef struct result {
     double rows_perm; /* P rows this rank received (permuted, without padding) */
     double rows_sent; /* token rows this rank sent (once per destination rank) */
     int D, domains;
+    int sms; /* device SMs (a lone rank's routing-map kernels take them all unless -s) */
     int ok;
 } result_t;
 
@@ -61,6 +62,7 @@ static int rank_main(int rank, const opts_t *o, const epx_unique_id_t *id, resul
     cudaGetDeviceCount(&ngpu);
     const int dev = ngpu > 0 ? rank % ngpu : 0;
     cudaSetDevice(dev);
+    cudaDeviceGetAttribute(&res->sms, cudaDevAttrMultiProcessorCount, dev);
     epx_comm_config_t cfg = EPX_COMM_CONFIG_INIT;
     cfg.backend = EPX_BACKEND_CUDA;
     cfg.cuda_device = dev;
@@ -271,6 +273,7 @@ int main(int argc, char **argv)
         "# R %d (%d per nvlink domain, %d domains), T %lld, H %lld, top-%d, %d local experts (E %d), pad %d, "
         "%d iterations, bf16\n",
         o.R, res[0].D, res[0].domains, (long long)o.T, (long long)o.H, o.K, o.L, o.L * o.R, o.pad, o.iters);
+    if (o.R == 1 && o.sms == 0) printf("# one rank: routing-map kernels on all %d SMs\n", res[0].sms);
     printf("%-28s %10s %10s %s\n", "operation", "us", "GB/s", "bytes");
     printf("%-28s %10.1f %10.1f %s\n", "dispatch with permute", us[OP_DISPATCH],
            perm * row / (us[OP_DISPATCH] * 1e3), "permuted rows written per rank");

@@ -221,6 +221,8 @@ typedef struct epx_cuda_rm_handle_dev {
     int32_t *perm_row;    /* [R*T_max][K]: output row of (row, k), -1 = expert not here, -2 = dropped */
     int32_t *recv_prefix; /* [R+1]: first row of each source */
     int32_t *meta;        /* [2]: rows received (N_r), rows written without permute (min(N_r, limit)) */
+    int32_t *local_row;   /* [T_max]: HT row of our own token t here (valid where send_row[t][rank] >= 0);
+                             combine reads our own rows from x through it instead of pushing them */
 } epx_cuda_rm_handle_dev_t;
 
 typedef struct epx_cuda_rm_args {

@@ -59,7 +59,7 @@ static epx_result_t rm_slab_get(cuda_buffer_t *cb, rm_slab_t **out)
         s = calloc(1, sizeof(*s));
         if (!s) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: routing-map handle state", b->comm->rank);
         const uint64_t bytes = rm_align(T * R * 4) + 3 * rm_align(T * K * 4) + rm_align(R * T * 4) +
-                               rm_align(R * T * K * 4) + rm_align((R + 1) * 4) + 256;
+                               rm_align(R * T * K * 4) + rm_align((R + 1) * 4) + rm_align(T * 4) + 256;
         epx_result_t res =
             epx_cuda_check(cudaMalloc(&s->mem, bytes), "cudaMalloc(routing-map handle)", b->comm->rank);
         if (res != EPX_SUCCESS) {
@@ -81,6 +81,8 @@ static epx_result_t rm_slab_get(cuda_buffer_t *cb, rm_slab_t **out)
         p += rm_align(R * T * K * 4);
         s->dev.recv_prefix = (int32_t *)p;
         p += rm_align((R + 1) * 4);
+        s->dev.local_row = (int32_t *)p;
+        p += rm_align(T * 4);
         s->dev.meta = (int32_t *)p;
     }
     s->next_free = NULL;
@@ -151,6 +153,20 @@ static epx_result_t rm_refuse(epx_buffer_t buffer, uint64_t seq, epx_result_t re
     return res;
 }
 
+/* One rank alone has no peer kernels to stay co-resident with and nothing to overlap the
+ * permute with: unless num_sms was asked for, its kernels take the whole GPU (as a framework's
+ * gather would) instead of the communication share. */
+static epx_result_t rm_grid(cuda_buffer_t *cb, epx_cuda_common_t *c)
+{
+    epx_buffer_t b = cb->buffer;
+    if (b->comm->nranks != 1 || b->config.num_sms > 0) return EPX_SUCCESS;
+    int sms = 0;
+    EPX_CHECK(epx_cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, cb->device),
+                             "cudaDeviceGetAttribute", b->comm->rank));
+    if (sms > c->num_blocks) c->num_blocks = sms;
+    return EPX_SUCCESS;
+}
+
 static int64_t rm_rows(const epx_tensor_t *t, int64_t cap)
 {
     return t->data && t->shape[0] < cap ? t->shape[0] : cap;
@@ -174,9 +190,10 @@ epx_result_t epx_cuda_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_r
                          "which stream capture forbids; pass args.%s (an upper bound) to capture it",
                          me, permute ? " with permute" : "", bound_name, bound_name);
     if (!(buffer->config.modes & EPX_MODE_PERMUTE) || cb->lay.rm_scratch == 0)
-        return rm_refuse(buffer, seq,
-                         epx_error(EPX_ERR_INTERNAL, "rank %d: the buffer's region has no routing-map areas", me),
-                         capturing);
+        return rm_refuse(
+            buffer, seq,
+            epx_error(EPX_ERR_INTERNAL, "rank %d: the buffer's region has no routing-map areas", me),
+            capturing);
     rm_slab_t *s = NULL;
     res = rm_slab_get(cb, &s);
     if (res != EPX_SUCCESS) return rm_refuse(buffer, seq, res, capturing);
@@ -189,6 +206,8 @@ epx_result_t epx_cuda_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_r
     epx_cuda_rm_args_t a;
     memset(&a, 0, sizeof(a));
     epx_cuda_fill_common(cb, &a.c);
+    res = rm_grid(cb, &a.c);
+    if (res != EPX_SUCCESS) return rm_refuse(buffer, seq, res, capturing);
     a.h = s->dev;
     a.num_tokens = args->hidden.shape[0];
     a.num_experts = buffer->config.num_experts;
@@ -263,6 +282,8 @@ epx_result_t epx_cuda_rm_combine(epx_buffer_t buffer, uint64_t seq, const epx_rm
     epx_cuda_rm_args_t a;
     memset(&a, 0, sizeof(a));
     epx_cuda_fill_common(cb, &a.c);
+    res = rm_grid(cb, &a.c);
+    if (res != EPX_SUCCESS) return rm_refuse(buffer, seq, res, capturing);
     a.h = s->dev;
     a.num_tokens = handle->num_tokens;
     a.num_experts = buffer->config.num_experts;

@@ -4,8 +4,11 @@
  * so every order is the pinned one), writes each token once per destination rank into the
  * receiver's [source][row] slice with the token's local expert ids and their rows among the
  * source's tokens of that expert. The receiver's copy-out writes every row straight to its
- * final place: HT order, or its expert group(s) of the padded permuted layout. Combine pushes
- * rows back into the source's area, the source reduces in fp32 in the pinned order.
+ * final place: HT order, or its expert group(s) of the padded permuted layout. A rank's own
+ * tokens are never copied into its own slice: its copy-out reads them from `hidden`. Combine
+ * pushes remote rows back into the source's area; the source reduces in fp32 in the pinned
+ * order, reading its own rows straight from the permuted input. Copies keep 8 independent
+ * 16-byte loads in flight per lane (bandwidth needs bytes in flight, not threads).
  */
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -14,7 +17,7 @@
 
 #define RM_THREADS      512
 #define RM_WARPS        (RM_THREADS / 32)
-#define RM_UNROLL       4
+#define RM_UNROLL       8
 #define RM_MAX_TOPK     64
 #define RM_RES_MISMATCH 9 /* EPX_ERR_MISMATCH */
 
@@ -56,6 +59,38 @@ static __device__ __forceinline__ void rm_copy(const uint8_t *src, uint8_t *cons
     }
 }
 
+/* Copies n rows of `bytes`: src[d] (NULL: zeros) to dst[d], the rows' vectors flattened so a
+ * lane has RM_UNROLL loads in flight even across short rows. */
+static __device__ __forceinline__ void rm_copy_pairs(const uint8_t *const *src, uint8_t *const *dst, int n,
+                                                     int64_t bytes, int lane)
+{
+    if (n == 0) return;
+    uintptr_t align = 0;
+    for (int d = 0; d < n; d++) align |= (uintptr_t)src[d] | (uintptr_t)dst[d];
+    if ((bytes & 15) == 0 && (align & 15) == 0 && (bytes >> 4) * n < 0x7fffffff) {
+        /* 32-bit index math: a 64-bit division per vector costs more registers than the data */
+        const uint32_t n16 = (uint32_t)(bytes >> 4), total = n16 * (uint32_t)n;
+        for (uint32_t i = lane; i < total; i += 32 * RM_UNROLL) {
+            int4 v[RM_UNROLL];
+#pragma unroll
+            for (int u = 0; u < RM_UNROLL; u++) {
+                const uint32_t j = i + u * 32, d = j / n16;
+                if (j < total) {
+                    const int4 *s = (const int4 *)src[d];
+                    v[u] = s ? ld_nc_v4(s + (j - d * n16)) : make_int4(0, 0, 0, 0);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < RM_UNROLL; u++) {
+                const uint32_t j = i + u * 32, d = j / n16;
+                if (j < total) st_na_v4((int4 *)dst[d] + (j - d * n16), v[u]);
+            }
+        }
+    } else {
+        for (int d = 0; d < n; d++) rm_copy(src[d], &dst[d], 1, bytes, lane);
+    }
+}
+
 static __device__ __forceinline__ int64_t rm_tiles(int64_t T)
 {
     return (T + 31) / 32;
@@ -83,7 +118,8 @@ __global__ void __launch_bounds__(RM_THREADS) rm_scan_kernel(const __grid_consta
     const int lane = threadIdx.x & 31;
     const int64_t ntiles = rm_tiles(a.num_tokens), W = E + R;
     int32_t *cnt = rm_scratch(c);
-    const bool word = (E & 3) == 0 && ((uintptr_t)a.routing_map & 3) == 0;
+    /* 16 map bytes per load, the next chunk's load issued before this one's ballots. */
+    const bool vec = (E & 15) == 0 && ((uintptr_t)a.routing_map & 15) == 0;
     for (int64_t tile = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; tile < ntiles;
          tile += (int64_t)gridDim.x * blockDim.x / 32) {
         const int64_t t = tile * 32 + lane;
@@ -91,18 +127,21 @@ __global__ void __launch_bounds__(RM_THREADS) rm_scan_kernel(const __grid_consta
         const uint8_t *row = a.routing_map + (live ? t : 0) * E;
         int nsel = 0;
         uint64_t rmask = 0;
-        for (int e0 = 0; e0 < E; e0 += 4) {
-            uint32_t bytes = 0;
-            if (live) {
-                if (word) {
-                    bytes = *(const uint32_t *)(row + e0);
-                } else {
-                    for (int q = 0; q < 4 && e0 + q < E; q++) bytes |= (uint32_t)row[e0 + q] << (8 * q);
-                }
+        uint4 next = make_uint4(0, 0, 0, 0);
+        if (vec && live) next = *(const uint4 *)row;
+        for (int e0 = 0; e0 < E; e0 += 16) {
+            uint32_t w[4] = {next.x, next.y, next.z, next.w};
+            if (vec) {
+                if (live && e0 + 16 < E) next = *(const uint4 *)(row + e0 + 16);
+            } else {
+                for (int q = 0; q < 4; q++) w[q] = 0;
+                if (live)
+                    for (int q = 0; q < 16 && e0 + q < E; q++)
+                        w[q >> 2] |= (uint32_t)row[e0 + q] << (8 * (q & 3));
             }
-            for (int q = 0; q < 4 && e0 + q < E; q++) {
+            for (int q = 0; q < 16 && e0 + q < E; q++) {
                 const int e = e0 + q;
-                const bool v = ((bytes >> (8 * q)) & 0xffu) != 0 && nsel < K;
+                const bool v = ((w[q >> 2] >> (8 * (q & 3))) & 0xffu) != 0 && nsel < K;
                 const unsigned b = __ballot_sync(0xffffffffu, v);
                 if (lane == 0) cnt[tile * W + e] = __popc(b);
                 if (v) {
@@ -129,20 +168,30 @@ __global__ void __launch_bounds__(RM_THREADS) rm_scan_kernel(const __grid_consta
     }
 }
 
-/* One block: per column (expert, then rank) the exclusive prefix over tiles, and the totals. */
-__global__ void __launch_bounds__(1024) rm_prefix_kernel(const __grid_constant__ epx_cuda_rm_args_t a)
+/* One warp per column (expert, then rank): the exclusive prefix over tiles, 32 tiles per step
+ * by shuffles (a serial walk costs one memory latency per tile), and the column's total. */
+__global__ void __launch_bounds__(RM_THREADS) rm_prefix_kernel(const __grid_constant__ epx_cuda_rm_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
     const int64_t W = a.num_experts + c->nranks, ntiles = rm_tiles(a.num_tokens);
+    const int lane = threadIdx.x & 31;
     int32_t *cnt = rm_scratch(c), *tot = rm_totals(c, a.num_experts);
-    for (int64_t col = threadIdx.x; col < W; col += blockDim.x) {
+    for (int64_t col = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; col < W;
+         col += (int64_t)gridDim.x * blockDim.x / 32) {
         int32_t run = 0;
-        for (int64_t tile = 0; tile < ntiles; tile++) {
-            const int32_t v = cnt[tile * W + col];
-            cnt[tile * W + col] = run;
-            run += v;
+        for (int64_t t0 = 0; t0 < ntiles; t0 += 32) {
+            const int64_t tile = t0 + lane;
+            const int32_t v = tile < ntiles ? cnt[tile * W + col] : 0;
+            int32_t incl = v;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int32_t y = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += y;
+            }
+            if (tile < ntiles) cnt[tile * W + col] = run + incl - v;
+            run += __shfl_sync(0xffffffffu, incl, 31);
         }
-        tot[col] = run;
+        if (lane == 0) tot[col] = run;
     }
 }
 
@@ -174,19 +223,24 @@ __global__ void __launch_bounds__(RM_THREADS) rm_send_kernel(const __grid_consta
         for (int64_t t = (int64_t)blockIdx.x * RM_WARPS + warp; t < a.num_tokens;
              t += (int64_t)gridDim.x * RM_WARPS) {
             const int64_t tile = t / 32;
-            int n = 0;
+            int n = 0, ncopy = 0;
             for (int r0 = 0; r0 < R; r0 += 32) {
                 const int r = r0 + lane;
                 const int row = r < R ? a.h.send_row[t * R + r] : -1;
                 const unsigned b = __ballot_sync(0xffffffffu, row >= 0);
+                const unsigned bc = __ballot_sync(0xffffffffu, row >= 0 && r != me);
                 if (row >= 0) {
                     const int pos = n + __popc(b & rm_lanemask_lt());
                     const int64_t slot = (int64_t)me * c->max_tokens + row + base[tile * W + E + r];
                     dst_rank[warp][pos] = r;
                     dst_slot[warp][pos] = slot;
-                    dst_ptr[warp][pos] = c->peers[r] + c->lay.disp_x + slot * c->lay.x_stride;
+                    /* our own copy-out reads the row from hidden */
+                    if (r != me)
+                        dst_ptr[warp][ncopy + __popc(bc & rm_lanemask_lt())] =
+                            c->peers[r] + c->lay.disp_x + slot * c->lay.x_stride;
                 }
                 n += __popc(b);
+                ncopy += __popc(bc);
             }
             __syncwarp();
             for (int d = 0; d < n; d++) {
@@ -202,10 +256,11 @@ __global__ void __launch_bounds__(RM_THREADS) rm_send_kernel(const __grid_consta
                         here ? a.h.src_within[t * K + k] + base[tile * W + e] : 0;
                 }
                 if (lane == 0) ((int32_t *)(peer + c->lay.disp_src))[slot] = (int32_t)t;
-                for (int j = lane; j < ns; j += 32)
-                    ((float *)(peer + c->lay.disp_scales))[slot * ns + j] = a.scales[t * ns + j];
+                if (r != me)
+                    for (int j = lane; j < ns; j += 32)
+                        ((float *)(peer + c->lay.disp_scales))[slot * ns + j] = a.scales[t * ns + j];
             }
-            rm_copy(a.hidden + t * a.row_bytes, dst_ptr[warp], n, a.row_bytes, lane);
+            rm_copy(a.hidden + t * a.row_bytes, dst_ptr[warp], ncopy, a.row_bytes, lane);
             __syncwarp();
         }
     }
@@ -312,13 +367,19 @@ __global__ void __launch_bounds__(RM_THREADS) rm_recv_kernel(const __grid_consta
         int s = 0;
         while (s + 1 < R && prefix[s + 1] <= i) s++;
         const int64_t slot = (int64_t)s * c->max_tokens + (i - prefix[s]);
-        const uint8_t *src = dx + slot * c->lay.x_stride;
-        if (lane == 0) a.h.recv_src[i] = dsrc[slot];
+        const int64_t t = dsrc[slot];
+        /* Our own tokens were not copied into our slice: read them where they are. */
+        const uint8_t *src = s == me ? a.hidden + t * a.row_bytes : dx + slot * c->lay.x_stride;
+        const float *sscales = s == me ? a.scales + t * a.num_scales : dscales + slot * ns;
+        if (lane == 0) {
+            a.h.recv_src[i] = (int32_t)t;
+            if (s == me) a.h.local_row[t] = (int32_t)i;
+        }
         if (!a.permute) {
             if (i >= lim) continue;
             uint8_t *dst = a.tokens + i * a.row_bytes;
             rm_copy(src, &dst, 1, a.row_bytes, lane);
-            for (int j = lane; j < ns; j += 32) a.out_scales[i * ns + j] = dscales[slot * ns + j];
+            for (int j = lane; j < ns; j += 32) a.out_scales[i * ns + j] = sscales[j];
             if (a.out_probs)
                 for (int j = lane; j < L; j += 32) {
                     float p = 0.0f;
@@ -349,7 +410,7 @@ __global__ void __launch_bounds__(RM_THREADS) rm_recv_kernel(const __grid_consta
         rm_copy(src, dst_ptr[warp], n, a.row_bytes, lane);
         for (int d = 0; d < n; d++) {
             const int64_t row = dst_row[warp][d];
-            for (int j = lane; j < ns; j += 32) a.out_scales[row * ns + j] = dscales[slot * ns + j];
+            for (int j = lane; j < ns; j += 32) a.out_scales[row * ns + j] = sscales[j];
             if (a.out_probs && lane == 0) a.out_probs[row] = dst_w[warp][d];
         }
         __syncwarp();
@@ -442,9 +503,11 @@ extern "C" int epx_cuda_launch_rm_dispatch(const epx_cuda_rm_args_t *args, void 
 /* ----------------------------------------------------------------------- combine ---- */
 
 /* Sender of combine (the rank holding rows): after each source released its combine area, one
- * warp per received row writes it back into the source's area: [me][token] without permute,
- * [token][k] with (k = the expert's place in the token's selection). A row dropped by the bound
- * goes back as zeros: adding +0 leaves the fp32 sum unchanged, so it contributes nothing. */
+ * warp per row received from another rank writes it back into the source's area: [me][token]
+ * without permute, [token][k] with (k = the expert's place in the token's selection), the row's
+ * copies flattened into one copy. Our own rows stay where they are (the reduce reads them). A
+ * remote row dropped by the bound goes back as zeros: the accumulator never holds -0 (it starts
+ * at +0), so adding +0 (or w * 0, finite w) leaves it unchanged. */
 __global__ void __launch_bounds__(RM_THREADS)
     rm_comb_send_kernel(const __grid_constant__ epx_cuda_rm_args_t a)
 {
@@ -457,6 +520,8 @@ __global__ void __launch_bounds__(RM_THREADS)
     const int64_t row_bytes = c->hidden * 2;
     __shared__ int ok;
     __shared__ int prefix[EPX_CUDA_MAX_RANKS + 1];
+    __shared__ const uint8_t *src_ptr[RM_WARPS][RM_MAX_TOPK];
+    __shared__ uint8_t *dst_ptr[RM_WARPS][RM_MAX_TOPK];
     if (threadIdx.x == 0) ok = 1;
     for (int r = threadIdx.x; r <= R; r += blockDim.x) prefix[r] = a.h.recv_prefix[r];
     __syncthreads();
@@ -465,7 +530,11 @@ __global__ void __launch_bounds__(RM_THREADS)
         ok = 0;
     __syncthreads();
     const int64_t rows = ok ? a.h.meta[0] : 0, kept = a.h.meta[1];
-    for (int64_t i = (int64_t)blockIdx.x * RM_WARPS + warp; i < rows; i += (int64_t)gridDim.x * RM_WARPS) {
+    /* Rows in HT order, our own block [prefix[me], prefix[me + 1]) skipped. */
+    const int64_t own_lo = prefix[me], own_n = prefix[me + 1] - prefix[me];
+    const int64_t remote = rows - own_n;
+    for (int64_t q = (int64_t)blockIdx.x * RM_WARPS + warp; q < remote; q += (int64_t)gridDim.x * RM_WARPS) {
+        const int64_t i = q < own_lo ? q : q + own_n;
         int s = 0;
         while (s + 1 < R && prefix[s + 1] <= i) s++;
         const int64_t t = a.h.recv_src[i];
@@ -475,13 +544,21 @@ __global__ void __launch_bounds__(RM_THREADS)
             rm_copy(i < kept ? (const uint8_t *)(a.x + i * c->hidden) : NULL, &dst, 1, row_bytes, lane);
             continue;
         }
-        for (int k = 0; k < K; k++) {
-            const int32_t pr = a.h.perm_row[i * K + k];
-            if (pr == -1) continue;
-            uint8_t *dst = peer + c->lay.rm_comb + (t * K + k) * row_bytes;
-            rm_copy(pr >= 0 ? (const uint8_t *)(a.x + (int64_t)pr * c->hidden) : NULL, &dst, 1, row_bytes,
-                    lane);
+        int n = 0;
+        for (int k0 = 0; k0 < K; k0 += 32) {
+            const int k = k0 + lane;
+            const int32_t pr = k < K ? a.h.perm_row[i * K + k] : -1;
+            const unsigned b = __ballot_sync(0xffffffffu, pr != -1);
+            if (pr != -1) {
+                const int pos = n + __popc(b & rm_lanemask_lt());
+                src_ptr[warp][pos] = pr >= 0 ? (const uint8_t *)(a.x + (int64_t)pr * c->hidden) : NULL;
+                dst_ptr[warp][pos] = peer + c->lay.rm_comb + (t * K + k) * row_bytes;
+            }
+            n += __popc(b);
         }
+        __syncwarp();
+        rm_copy_pairs(src_ptr[warp], dst_ptr[warp], n, row_bytes, lane);
+        __syncwarp();
     }
     if (last_block_arrive(&own->done_counter[EPX_CUDA_RM_DONE_COMB_SEND])) {
         if (!epoch_failed(c, epoch) && threadIdx.x < R)
@@ -508,14 +585,16 @@ static __device__ __forceinline__ void rm_acc8(float *acc, int4 v, bool weighted
     }
 }
 
-/* Source side: wait for every rank's rows, then one warp per token sums its rows in one fp32
- * accumulator: ranks ascending (without permute) or the token's experts ascending, which is
- * ranks then local experts ascending (with permute); one rounding to bf16. */
+/* Source side: wait for every rank's rows, then one warp per token sums its rows in one
+ * fp32 accumulator: ranks ascending (without permute) or the token's experts ascending, which is
+ * ranks then local experts ascending (with permute); one rounding to bf16. Our own rows are read
+ * from the combine input x (no push), rows dropped there are skipped. Each lane loads a vector
+ * of up to RM_UNROLL rows before adding them in order, so the loads overlap. */
 __global__ void __launch_bounds__(RM_THREADS)
     rm_comb_reduce_kernel(const __grid_constant__ epx_cuda_rm_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
-    const int R = c->nranks, K = c->num_topk, me = c->rank;
+    const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, me = c->rank;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     uint8_t *region = c->peers[me];
     epx_cuda_ctrl_t *own = ctrl_of(region);
@@ -534,41 +613,66 @@ __global__ void __launch_bounds__(RM_THREADS)
     const uint16_t *comb = (const uint16_t *)(region + c->lay.comb_x);
     const uint16_t *pcomb = (const uint16_t *)(region + c->lay.rm_comb);
     const int64_t T = ok ? a.num_tokens : 0;
+    const int64_t rows = a.h.meta[0], kept = a.h.meta[1];
     const bool weighted = a.permute && a.weighted;
+    const bool vec = (H & 7) == 0 && (((uintptr_t)a.x | (uintptr_t)a.combined) & 15) == 0;
     for (int64_t t = (int64_t)blockIdx.x * RM_WARPS + warp; t < T; t += (int64_t)gridDim.x * RM_WARPS) {
         int n = 0;
         if (!a.permute) {
             for (int r0 = 0; r0 < R; r0 += 32) {
                 const int r = r0 + lane;
-                const bool in = r < R && a.h.send_row[t * R + r] >= 0;
+                bool in = r < R && a.h.send_row[t * R + r] >= 0;
+                const uint16_t *p = NULL;
+                if (in && r == me) {
+                    const int64_t i = a.h.local_row[t];
+                    in = i >= 0 && i < kept; /* a row past the bound was dropped: nothing to add */
+                    p = a.x + i * H;
+                } else if (in) {
+                    p = comb + ((int64_t)r * c->max_tokens + t) * H;
+                }
                 const unsigned b = __ballot_sync(0xffffffffu, in);
-                if (in)
-                    src_row[warp][n + __popc(b & rm_lanemask_lt())] =
-                        comb + ((int64_t)r * c->max_tokens + t) * H;
+                if (in) src_row[warp][n + __popc(b & rm_lanemask_lt())] = p;
                 n += __popc(b);
             }
         } else {
             for (int k0 = 0; k0 < K; k0 += 32) {
                 const int k = k0 + lane;
-                const bool in = k < K && a.h.src_sel[t * K + k] >= 0;
+                const int e = k < K ? a.h.src_sel[t * K + k] : -1;
+                bool in = e >= 0;
+                const uint16_t *p = NULL;
+                if (in && e / L == me) {
+                    /* local_row is only written by a dispatch that received rows */
+                    const int64_t i = a.h.local_row[t];
+                    const int32_t pr = i >= 0 && i < rows ? a.h.perm_row[i * K + k] : -1;
+                    in = pr >= 0; /* -2: dropped by the bound, nothing to add */
+                    p = a.x + (int64_t)pr * H;
+                } else if (in) {
+                    p = pcomb + (t * K + k) * H;
+                }
                 const unsigned b = __ballot_sync(0xffffffffu, in);
                 if (in) {
                     const int pos = n + __popc(b & rm_lanemask_lt());
-                    src_row[warp][pos] = pcomb + (t * K + k) * H;
+                    src_row[warp][pos] = p;
                     src_w[warp][pos] = a.h.src_prob[t * K + k];
                 }
                 n += __popc(b);
             }
         }
         __syncwarp();
-        if ((H & 7) == 0) {
+        if (vec) {
             for (int64_t i = lane; i < H / 8; i += 32) {
                 float acc[8];
 #pragma unroll
                 for (int q = 0; q < 8; q++) acc[q] = 0.0f;
-                for (int d = 0; d < n; d++)
-                    rm_acc8(acc, ld_nc_v4((const int4 *)src_row[warp][d] + i), weighted,
-                            weighted ? src_w[warp][d] : 0.0f);
+                for (int d0 = 0; d0 < n; d0 += RM_UNROLL) {
+                    int4 v[RM_UNROLL];
+#pragma unroll
+                    for (int u = 0; u < RM_UNROLL; u++)
+                        if (d0 + u < n) v[u] = ld_nc_v4((const int4 *)src_row[warp][d0 + u] + i);
+#pragma unroll
+                    for (int u = 0; u < RM_UNROLL; u++)
+                        if (d0 + u < n) rm_acc8(acc, v[u], weighted, weighted ? src_w[warp][d0 + u] : 0.0f);
+                }
                 int4 o;
                 o.x = (int)(rm_f32_to_bf16(acc[0]) | (rm_f32_to_bf16(acc[1]) << 16));
                 o.y = (int)(rm_f32_to_bf16(acc[2]) | (rm_f32_to_bf16(acc[3]) << 16));

@@ -5,7 +5,8 @@
  * upper bounds equal to / above / below the real count (overflow), ragged T with zero-token
  * ranks; capture without a bound refused naming the parameter; a graph captured with bounds that
  * differ from the previous eager counts, replayed with new routing. EPX_GPU_TEST_RANKS (default
- * "2,4,8") and EPX_GPU_TEST_QUICK=1 (sanitizer runs) shrink it.
+ * "1,2,4,8"; one rank runs the whole-GPU, all-local path) and EPX_GPU_TEST_QUICK=1 (sanitizer
+ * runs) shrink it.
  */
 #include <cuda_runtime.h>
 #include <stdio.h>
@@ -519,7 +520,8 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
     EXPECT_TRUE(topo.ranks_per_nvlink_domain >= 1 &&
                 topo.num_nvlink_domains * topo.ranks_per_nvlink_domain == nranks);
     int rc = 0;
-    /* K > R and K <= R both occur over R = 2, 4, 8 (the unpermute area is separate or shared). */
+    /* K > R and K <= R both occur over R = 2, 4, 8 (the unpermute area is separate or shared); at
+     * R = 1, E = 64 reads the routing map 16 bytes at a time and E = 8 byte by byte. */
     const int Es[2] = {64, 8 * nranks};
     const int Ks[2] = {6, 3};
     const int64_t Hs[2] = {1024, 7168};
@@ -570,7 +572,7 @@ int main(void)
     }
     ctx_t ctx = {epx_test_seed(), getenv("EPX_GPU_TEST_QUICK") && atoi(getenv("EPX_GPU_TEST_QUICK")) != 0};
     const char *ranks = getenv("EPX_GPU_TEST_RANKS");
-    if (!ranks) ranks = "2,4,8";
+    if (!ranks) ranks = "1,2,4,8";
     int failed = 0;
     for (const char *p = ranks; *p;) {
         int R = atoi(p);
