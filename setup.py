@@ -43,24 +43,53 @@ class BuildExt(build_ext):
     def build_extensions(self):
         if os.environ.get("EPX_PYTHON_CUDA", "0") not in ("", "0"):
             self._use_cmake_library()
+            self.force = True  # a host-only extension built earlier looks up to date: relink it
         super().build_extensions()
 
     def _use_cmake_library(self):
-        nvcc = shutil.which("nvcc")
+        nvcc = find_nvcc()
         if not nvcc:
-            raise RuntimeError("EPX_PYTHON_CUDA=1 needs nvcc on PATH")
-        build_dir = os.path.join(os.path.abspath(self.build_temp), "libepx")
-        subprocess.check_call(["cmake", "-S", ROOT, "-B", build_dir, "-DEPX_CUDA=ON", "-DEPX_BUILD_TESTS=OFF",
-                               "-DEPX_BUILD_TOOLS=OFF", "-DCMAKE_BUILD_TYPE=Release"])
-        subprocess.check_call(["cmake", "--build", build_dir, "--target", "epx_static", "-j",
+            raise RuntimeError("EPX_PYTHON_CUDA=1 needs nvcc (on PATH, in CUDACXX or /usr/local/cuda/bin)")
+        cmake = shutil.which("cmake")
+        if not cmake:
+            raise RuntimeError("EPX_PYTHON_CUDA=1 needs cmake on PATH")
+        # Outside the temporary build folder pip may use: the library's objects survive between installs.
+        build_dir = os.environ.get("EPX_PYTHON_CMAKE_DIR") or os.path.join(ROOT, BUILD_BASE, "libepx-cuda")
+        subprocess.check_call([cmake, "-S", ROOT, "-B", build_dir, "-DEPX_CUDA=ON", "-DEPX_BUILD_TESTS=OFF",
+                               "-DEPX_BUILD_TOOLS=OFF", "-DCMAKE_BUILD_TYPE=Release",
+                               "-DCMAKE_CUDA_COMPILER=" + nvcc])
+        subprocess.check_call([cmake, "--build", build_dir, "--target", "epx_static", "-j",
                                str(os.cpu_count() or 2)])
-        cuda_lib = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "lib64")
+        cuda_lib = cmake_cache(build_dir, "CUDAToolkit_LIBRARY_DIR")
+        if not cuda_lib and cmake_cache(build_dir, "CUDA_CUDART"):
+            cuda_lib = os.path.dirname(cmake_cache(build_dir, "CUDA_CUDART"))
+        if not cuda_lib or not os.path.isdir(cuda_lib):
+            cuda_lib = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "lib64")
         for ext in self.extensions:
             ext.sources = [s for s in ext.sources if s.startswith("python")]
             ext.extra_objects = [os.path.join(build_dir, "libepx.a")]
             ext.library_dirs += [cuda_lib, os.path.join(cuda_lib, "stubs")]
             ext.libraries += ["cudart", "cuda", "stdc++"]
             ext.runtime_library_dirs += [cuda_lib]
+
+
+def find_nvcc():
+    for cand in (os.environ.get("CUDACXX"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def cmake_cache(build_dir, key):
+    """A value from CMakeCache.txt (KEY:TYPE=value), or None."""
+    try:
+        with open(os.path.join(build_dir, "CMakeCache.txt")) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return line.split("=", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 setup(

@@ -131,6 +131,7 @@ def main_torch():
     err = float(np.abs(got - want).max() / (np.abs(want).max() + 1e-6))
     ok = err < 2e-2
     print("rank %d: max relative error %.2e %s" % (rank, err, "ok" if ok else "FAIL"), flush=True)
+    del out  # its handle must be freed before the buffer
     buf.destroy()
     comm.destroy()
     dist.destroy_process_group()

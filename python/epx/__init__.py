@@ -152,14 +152,16 @@ class Comm(_epx.Comm):
     @classmethod
     def from_torch(cls, group=None, backend="auto", timeout_ms=0):
         """Collective over a torch.distributed process group (default: the world): bootstraps through
-        its all_gather and barrier (gloo on the CPU, NCCL on the current CUDA device)."""
+        its all_gather and barrier (gloo on the CPU, NCCL on the current CUDA device). The group's
+        backend only carries the bootstrap: backend="auto" picks "cuda" (on torch's current device)
+        whenever torch sees a GPU, also for a gloo group; pass backend="host" for CPU tensors."""
         import torch
         import torch.distributed as dist
 
         _epx._refresh_torch()
         rank = dist.get_rank(group)
         nranks = dist.get_world_size(group)
-        on_cuda = dist.get_backend(group) == "nccl"
+        on_cuda = _group_on_cuda(dist, group)
         device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
 
         def allgather(data):
@@ -171,7 +173,9 @@ class Comm(_epx.Comm):
         def barrier():
             dist.barrier(group=group)
 
-        cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else -1
+        cuda_device = -1
+        if backend != "host" and torch.cuda.is_available():
+            cuda_device = torch.cuda.current_device()
         return cls.from_callbacks(allgather, barrier, rank, nranks, backend, cuda_device, timeout_ms)
 
     def __enter__(self):
@@ -182,6 +186,13 @@ class Comm(_epx.Comm):
 
     def __repr__(self):
         return "epx.Comm(rank=%d, nranks=%d, backend=%r)" % (self.rank, self.nranks, self.backend)
+
+
+def _group_on_cuda(dist, group):
+    """Whether the group's collectives take CUDA tensors: NCCL alone, not gloo nor "cpu:gloo,cuda:nccl"
+    (whose CPU half serves CPU tensors)."""
+    name = str(dist.get_backend(group)).lower()
+    return "nccl" in name and "gloo" not in name
 
 
 # ---------------------------------------------------------------------------------------- buffer

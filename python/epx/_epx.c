@@ -137,6 +137,8 @@ typedef struct {
     PyObject *device; /* torch.device of the reference tensor (borrowed from keep) */
     PyObject *stream_arg;
     void *stream;
+    int stream_resolved;
+    int stream_is_torch_current; /* stream came from torch.cuda.current_stream() */
 } call_ctx_t;
 
 /* dtype hints: what an ambiguous DLPack dtype means for this argument. */
@@ -196,8 +198,18 @@ static int import_tensor(call_ctx_t *ctx, keep_t *keep, PyObject *obj, const cha
     }
     PyObject *capsule;
     if (ctx->dl_device_type == DL_CUDA) {
-        /* The producer orders its pending work before the stream we run on. */
-        PyObject *stream = PyLong_FromVoidPtr(resolve_stream(ctx));
+        /* The producer orders its pending work before the stream we run on. DLPack's stream numbers:
+         * -1 = no synchronisation (a torch tensor consumed on torch's current stream, which already
+         * orders its work: asking torch to sync would record an event per tensor, inside a capture
+         * too), 1 = the legacy default stream (cudaStream_t 0), else the stream's handle. */
+        void *s = resolve_stream(ctx);
+        if (PyErr_Occurred()) {
+            Py_DECREF(method);
+            goto fail_src;
+        }
+        int same_stream = ctx->stream_is_torch_current && ctx->fw == FW_TORCH &&
+                          PyObject_TypeCheck(src, (PyTypeObject *)g_torch_tensor_type);
+        PyObject *stream = same_stream ? PyLong_FromLong(-1) : s ? PyLong_FromVoidPtr(s) : PyLong_FromLong(1);
         if (!stream) {
             Py_DECREF(method);
             goto fail_src;
@@ -307,9 +319,10 @@ static int ctx_init(call_ctx_t *ctx, keep_t *keep, PyObject *ref, PyObject *stre
  * tensors, else NULL (the host backend ignores it). */
 static void *resolve_stream(call_ctx_t *ctx)
 {
-    if (ctx->stream) return ctx->stream;
+    if (ctx->stream_resolved) return ctx->stream;
     if (ctx->stream_arg && ctx->stream_arg != Py_None) {
         ctx->stream = PyLong_AsVoidPtr(ctx->stream_arg);
+        ctx->stream_resolved = !PyErr_Occurred();
         return ctx->stream;
     }
     if (ctx->dl_device_type == DL_CUDA && ctx->fw == FW_TORCH && g_torch_current_stream) {
@@ -320,7 +333,9 @@ static void *resolve_stream(call_ctx_t *ctx)
         if (!ptr) return NULL;
         ctx->stream = PyLong_AsVoidPtr(ptr);
         Py_DECREF(ptr);
+        ctx->stream_is_torch_current = 1;
     }
+    ctx->stream_resolved = !PyErr_Occurred();
     return ctx->stream;
 }
 

@@ -47,7 +47,9 @@ def test_torch_native(nranks):
 def _deep_ep(rank, nranks, uid, port):
     dist = init_group(rank, nranks, port)
     p = problem(nranks)
-    buf = deep_ep.Buffer(dist.group.WORLD, int(1e8), 0)
+    # backend="host": on a machine with a GPU "auto" would pick the cuda backend for these CPU tensors.
+    comm = epx.Comm.from_torch(dist.group.WORLD, backend="host")
+    buf = deep_ep.Buffer(dist.group.WORLD, int(1e8), 0, comm=comm)
     x = to_torch(p.x[rank], "cpu", bf16=True)
     idx = to_torch(p.topk_idx[rank], "cpu")
     w = to_torch(p.weights[rank], "cpu")
@@ -92,7 +94,8 @@ def _hybrid_ep(rank, nranks, uid, port):
     dist = init_group(rank, nranks, port)
     p = problem(nranks)
     buf = hybrid_ep.HybridEPBuffer(dist.group.WORLD, hidden_dim=p.H, max_num_of_tokens_per_rank=p.T_max,
-                                   num_local_experts=p.L, num_topk=p.K, max_pad_multiple=4)
+                                   num_local_experts=p.L, num_topk=p.K, max_pad_multiple=4,
+                                   comm=epx.Comm.from_torch(dist.group.WORLD, backend="host"))
     x = to_torch(p.x[rank], "cpu", bf16=True)
     idx = to_torch(p.topk_idx[rank], "cpu")
     w = to_torch(p.weights[rank], "cpu")

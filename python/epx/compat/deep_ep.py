@@ -15,6 +15,8 @@ Differences to know:
 - Receive order is deterministic (docs/reference.md), not arrival order.
 """
 
+import weakref
+
 import epx
 
 
@@ -98,6 +100,7 @@ class Buffer:
         self._dist = dist
         self._ht = None  # (key, epx.Buffer)
         self._ll = None
+        self._handles = weakref.WeakSet()  # HT handles given out: destroy() frees them with their buffers
 
     # ------------------------------------------------------------------ misc
 
@@ -126,6 +129,10 @@ class Buffer:
         return self.comm.cuda_device
 
     def destroy(self):
+        """Frees the buffers and the communicator; handles given out before become unusable."""
+        for h in list(self._handles):
+            h.epx.destroy()
+        self._handles.clear()
         for b in (self._ht, self._ll):
             if b is not None:
                 b[1].destroy()
@@ -136,7 +143,9 @@ class Buffer:
 
     def _ht_buffer(self, T, H, K, E, device, config):
         torch = _torch()
-        t = torch.tensor([T], dtype=torch.int64, device=device)
+        # The group's own device: gloo reduces CPU tensors, NCCL CUDA ones.
+        on_cuda = device.type == "cuda" and epx._group_on_cuda(self._dist, self.group)
+        t = torch.tensor([T], dtype=torch.int64, device=device if on_cuda else "cpu")
         self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
         need = max(int(t.item()), 1)
         if self._ht is not None:
@@ -201,8 +210,9 @@ class Buffer:
                            num_worst_tokens=num_worst_tokens)
         recv_x = (out.recv_x, out.recv_x_scales) if scales is not None else out.recv_x
         counts = out.num_recv_tokens_per_expert.tolist()
-        return (recv_x, out.recv_topk_idx, out.recv_topk_weights, counts, _HTHandle(buf, out.handle),
-                _event(x, async_finish))
+        handle = _HTHandle(buf, out.handle)
+        self._handles.add(handle)
+        return (recv_x, out.recv_topk_idx, out.recv_topk_weights, counts, handle, _event(x, async_finish))
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
@@ -262,7 +272,7 @@ class Buffer:
 class _HTHandle:
     """An HT dispatch's handle with the epx buffer it belongs to."""
 
-    __slots__ = ("buffer", "epx")
+    __slots__ = ("buffer", "epx", "__weakref__")
 
     def __init__(self, buffer, handle):
         self.buffer = buffer

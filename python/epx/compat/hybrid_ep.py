@@ -49,15 +49,18 @@ class HybridEPBuffer:
         if topk_idx is None:
             raise ValueError("pass routing_map (and probs) or topk_idx (and topk_weights)")
         torch = _torch()
-        T = topk_idx.shape[0]
+        T, E = topk_idx.shape[0], self.num_experts
+        # Unused slots (-1) go to a spare column E, dropped after: scattering them onto a real expert
+        # would race with (and could overwrite) a slot that selected it.
         valid = topk_idx >= 0
-        safe = torch.where(valid, topk_idx, torch.zeros_like(topk_idx)).long()
-        routing_map = torch.zeros((T, self.num_experts), dtype=torch.bool, device=topk_idx.device)
-        routing_map.scatter_(1, safe, valid)
+        col = torch.where(valid, topk_idx, torch.full_like(topk_idx, E)).long()
+        routing_map = torch.zeros((T, E + 1), dtype=torch.bool, device=topk_idx.device)
+        routing_map.scatter_(1, col, torch.ones_like(valid))
+        routing_map = routing_map[:, :E].contiguous()
         if topk_weights is not None:
-            probs = torch.zeros((T, self.num_experts), dtype=torch.float32, device=topk_idx.device)
-            weights = topk_weights.float()
-            probs.scatter_(1, safe, torch.where(valid, weights, torch.zeros_like(weights)))
+            probs = torch.zeros((T, E + 1), dtype=torch.float32, device=topk_idx.device)
+            probs.scatter_(1, col, topk_weights.float())
+            probs = probs[:, :E].contiguous()
         return routing_map, probs
 
     def dispatch(self, hidden, scaling_factor=None, topk_idx=None, topk_weights=None, num_of_experts=None,
