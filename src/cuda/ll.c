@@ -128,6 +128,13 @@ static void ll_fill(cuda_buffer_t *cb, cuda_ll_t *ll, int slot, epx_cuda_ll_args
     a->num_experts = cb->buffer->config.num_experts;
 }
 
+/* A device failure of an earlier LL call reaches the comm now rather than at the poller's next
+ * look, so a caller that synchronised and then calls again sees it in epx_get_async_error. */
+static void ll_report_pending(cuda_buffer_t *cb)
+{
+    if (((volatile epx_cuda_host_block_t *)cb->host)->err.code != 0) (void)epx_cuda_report_record(cb, 1, 0);
+}
+
 /* A new call on `slot` drops the slot's receive half that never ran; the send kernel releases it. */
 static void ll_take_drops(ll_slot_t *sl, epx_cuda_ll_args_t *a)
 {
@@ -166,6 +173,7 @@ epx_result_t epx_cuda_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_l
         return ll_refuse(buffer, seq, epx_error(EPX_ERR_INTERNAL, "rank %d: buffer has no ll state", me));
     const int slot = (int)((buffer->ll_dispatches - 1) % 2);
     ll_slot_t *sl = &ll->slots[slot];
+    ll_report_pending(cb);
     epx_result_t res = epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me);
     if (res != EPX_SUCCESS) return ll_refuse(buffer, seq, res); /* peers must not wait for us */
 
@@ -256,6 +264,7 @@ epx_result_t epx_cuda_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll
     cuda_buffer_t *cb = buffer->backend_state;
     cuda_ll_t *ll = cb->ll;
     const int me = buffer->comm->rank;
+    if (ll) ll_report_pending(cb);
     epx_result_t res = ll_check_handle(cb, &args->handle, "ll combine");
     if (res == EPX_SUCCESS && args->topk_idx.shape[0] != args->handle.num_tokens)
         res = epx_error(EPX_ERR_INVALID_ARG,
@@ -299,7 +308,8 @@ epx_result_t epx_cuda_ll_get_combine_buffer(epx_buffer_t buffer, const epx_ll_ha
     cuda_buffer_t *cb = buffer->backend_state;
     EPX_CHECK(ll_check_handle(cb, handle, "ll combine buffer"));
     /* The view is this rank's own memory: no peer writes it, and the previous combine of the slot
-     * read it earlier on the caller's stream. */
+     * read it earlier on the caller's stream. The caller's writes must be ordered before the combine
+     * on its stream (a cudaMemcpy from pageable memory on the legacy stream is not). */
     epx_tensor_t v =
         epx_tensor_3d(ll_zc_ptr(cb, handle->slot), EPX_DTYPE_BF16, buffer->num_local_experts,
                       (int64_t)buffer->comm->nranks * buffer->config.max_tokens, buffer->config.hidden);
@@ -324,6 +334,7 @@ epx_result_t epx_cuda_hook_run(const epx_hook_t *hook, void *stream)
         return epx_error(EPX_ERR_INVALID_ARG,
                          "rank %d: hook of seq %llu already ran or its slot %d was reused", me,
                          (unsigned long long)hook->seq, hook->slot);
+    ll_report_pending(cb);
     EPX_CHECK(epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me));
     /* A hook run on another stream than its send half still follows it. */
     if (sl->sent_recorded && !ll_capturing(stream))

@@ -1,9 +1,10 @@
 /*
- * LL dispatch and combine kernels of the cuda backend. Dispatch: one warp per expert scans the
- * sender's tokens in order and writes each selected token (bf16, or cast to fp8 with its scales)
- * into the receiver's per-(slot, local expert, source) slice, so every row's place is known without
- * a count exchange; the receiver packs the slices in (source, token) order. Combine: the expert
- * rank writes each row back into the source's (slot, token, k) area; the source sums in k order.
+ * LL dispatch and combine kernels of the cuda backend. Dispatch: one warp per token finds its row in
+ * each selected expert's per-(slot, local expert, source) slice of the receiver (earlier tokens
+ * selecting that expert), casts the token once (bf16 or fp8 with scales) and writes it to every
+ * destination, so no count exchange is needed; the receiver packs the slices in (source, token)
+ * order. Combine: the expert rank writes each row back into the source's (slot, token, k) area;
+ * the source sums in k order.
  */
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -79,48 +80,6 @@ __device__ __forceinline__ uint32_t ll_f32_to_bf16(float f)
     return ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & 0xffffu;
 }
 
-/* Casts one bf16 row (H % 128 == 0) into dst: H fp8 bytes, then H/128 fp32 scale_inv. Each half
- * warp takes one group of 128 channels, 8 per lane. */
-__device__ __forceinline__ void ll_cast_row(uint8_t *dst, const uint16_t *src, int64_t H, int round_scale,
-                                            int lane)
-{
-    const int64_t G = H / 128;
-    const int half = lane >> 4, sub = lane & 15;
-    for (int64_t g0 = 0; g0 < G; g0 += 2) {
-        const int64_t g = g0 + half;
-        const bool active = g < G;
-        int4 v = make_int4(0, 0, 0, 0);
-        if (active) v = ld_nc_v4((const int4 *)(src + g * 128 + sub * 8));
-        const uint32_t w[4] = {(uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w};
-        float f[8];
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            f[2 * q] = ll_bf16(w[q] & 0xffffu);
-            f[2 * q + 1] = ll_bf16(w[q] >> 16);
-        }
-        float amax = 0.0f;
-#pragma unroll
-        for (int q = 0; q < 8; q++) amax = fmaxf(amax, fabsf(f[q]));
-#pragma unroll
-        for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-        amax = fmaxf(amax, 1e-4f);
-        float scale_inv = __fdiv_rn(amax, 448.0f);
-        if (round_scale) {
-            uint32_t b = __float_as_uint(scale_inv);
-            if (b & 0x7fffffu) scale_inv = __uint_as_float((b & 0x7f800000u) + 0x00800000u);
-        }
-        if (active) {
-            uint32_t lo = 0, hi = 0;
-#pragma unroll
-            for (int q = 0; q < 4; q++) lo |= ll_f32_to_e4m3(__fdiv_rn(f[q], scale_inv)) << (8 * q);
-#pragma unroll
-            for (int q = 0; q < 4; q++) hi |= ll_f32_to_e4m3(__fdiv_rn(f[4 + q], scale_inv)) << (8 * q);
-            *(uint2 *)(dst + g * 128 + sub * 8) = make_uint2(lo, hi);
-            if (sub == 0) ((float *)(dst + H))[g] = scale_inv;
-        }
-    }
-}
-
 /* Releases what a receive half that never ran (or this rank's failed call) would have released. */
 __device__ __forceinline__ void ll_drops(const epx_cuda_ll_args_t &a)
 {
@@ -137,77 +96,232 @@ __device__ __forceinline__ void ll_drops(const epx_cuda_ll_args_t &a)
 
 /* ---------------------------------------------------------------------------- dispatch ---- */
 
-/* Sender: wait until every receiver read the slot's previous rows, then one warp per expert e
- * walks the tokens in order; the n-th token selecting e goes to row n of the slice (e's local
- * expert, this source) on e's rank. The warp then writes the count; the last block publishes
- * the epoch to every rank. */
+/* Casts 16 bf16 channels (two 16-byte loads) to 16 fp8 bytes; the 8 lanes of one 128-channel
+ * group agree on its scale_inv (lanes 8g..8g+7 of the warp hold group g of the step). */
+__device__ __forceinline__ int4 ll_cast16(int4 v0, int4 v1, int round_scale, float *scale_out)
+{
+    const uint32_t w[8] = {(uint32_t)v0.x, (uint32_t)v0.y, (uint32_t)v0.z, (uint32_t)v0.w,
+                           (uint32_t)v1.x, (uint32_t)v1.y, (uint32_t)v1.z, (uint32_t)v1.w};
+    float f[16];
+#pragma unroll
+    for (int q = 0; q < 8; q++) {
+        f[2 * q] = ll_bf16(w[q] & 0xffffu);
+        f[2 * q + 1] = ll_bf16(w[q] >> 16);
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int q = 0; q < 16; q++) amax = fmaxf(amax, fabsf(f[q]));
+#pragma unroll
+    for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    amax = fmaxf(amax, 1e-4f);
+    float scale_inv = __fdiv_rn(amax, 448.0f);
+    if (round_scale) {
+        const uint32_t b = __float_as_uint(scale_inv);
+        if (b & 0x7fffffu) scale_inv = __uint_as_float((b & 0x7f800000u) + 0x00800000u);
+    }
+    uint32_t o[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int q = 0; q < 16; q++) o[q >> 2] |= ll_f32_to_e4m3(__fdiv_rn(f[q], scale_inv)) << (8 * (q & 3));
+    *scale_out = scale_inv;
+    return make_int4((int)o[0], (int)o[1], (int)o[2], (int)o[3]);
+}
+
+/* Writes channels [lo, hi) (multiples of 512, or H) of token t's row once per destination in
+ * `rows` (n of them): bf16 bytes, or the fp8 cast (done once, fanned out) with its fp32 scales
+ * after the H bytes. 16-byte stores. */
+__device__ __forceinline__ void ll_fan_out(const epx_cuda_ll_args_t &a, const uint16_t *xrow,
+                                           uint8_t *const *rows, int n, int64_t lo, int64_t hi, int lane)
+{
+    const int64_t H = a.c.hidden;
+    if (a.use_fp8) {
+        /* H % 128 == 0: a step of 512 channels is 4 whole groups, 16 channels per lane. */
+        for (int64_t c0 = lo; c0 < hi; c0 += 512) {
+            const int64_t c = c0 + lane * 16;
+            const bool active = c < hi;
+            int4 v0 = make_int4(0, 0, 0, 0), v1 = v0;
+            if (active) {
+                v0 = ld_nc_v4((const int4 *)(xrow + c));
+                v1 = ld_nc_v4((const int4 *)(xrow + c) + 1);
+            }
+            float scale_inv;
+            const int4 q = ll_cast16(v0, v1, a.round_scale, &scale_inv);
+            if (active) {
+                for (int d = 0; d < n; d++) {
+                    st_na_v4((int4 *)(rows[d] + c), q);
+                    if ((lane & 7) == 0) ((float *)(rows[d] + H))[c >> 7] = scale_inv;
+                }
+            }
+        }
+        return;
+    }
+    if ((((H * 2) | (int64_t)(uintptr_t)xrow) & 15) != 0) {
+        for (int64_t i = lo + lane; i < hi; i += 32)
+            for (int d = 0; d < n; d++) ((uint16_t *)rows[d])[i] = xrow[i];
+        return;
+    }
+    const int64_t n16 = hi / 8;
+    const int4 *src = (const int4 *)xrow;
+    int64_t i = lo / 8 + lane;
+    for (; i + 96 < n16; i += 128) {
+        const int4 v0 = ld_nc_v4(src + i), v1 = ld_nc_v4(src + i + 32);
+        const int4 v2 = ld_nc_v4(src + i + 64), v3 = ld_nc_v4(src + i + 96);
+        for (int d = 0; d < n; d++) {
+            int4 *dst = (int4 *)rows[d];
+            st_na_v4(dst + i, v0);
+            st_na_v4(dst + i + 32, v1);
+            st_na_v4(dst + i + 64, v2);
+            st_na_v4(dst + i + 96, v3);
+        }
+    }
+    for (; i < n16; i += 32) {
+        const int4 v = ld_nc_v4(src + i);
+        for (int d = 0; d < n; d++) st_na_v4((int4 *)rows[d] + i, v);
+    }
+}
+
+/* Benchmark floor: the same bytes to the same peers' slices with plain 16-byte copies (a row of
+ * token t goes to row t of the slice; no cast, no positions, no waits or flags). */
+__device__ __forceinline__ void ll_dispatch_floor(const epx_cuda_ll_args_t &a)
+{
+    const int K = a.c.num_topk, L = a.c.num_local_experts, me = a.c.rank, E = a.num_experts;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t H = a.c.hidden, T = a.num_tokens;
+    const int64_t bytes = a.use_fp8 ? (H + (H / 128) * 4 + 15) / 16 * 16 : H * 2;
+    const int64_t stride = (int64_t)a.ll.row_stride;
+    __shared__ uint8_t *dst[LL_WARPS][64];
+    for (int64_t t = (int64_t)blockIdx.x * LL_WARPS + warp; t < T; t += (int64_t)gridDim.x * LL_WARPS) {
+        int n = 0;
+        for (int k0 = 0; k0 < K; k0 += 32) {
+            const int k = k0 + lane;
+            const int64_t e = k < K ? ll_topk(a, t * K + k) : -1;
+            const bool in = e >= 0 && e < E;
+            const unsigned b = __ballot_sync(0xffffffffu, in);
+            if (in)
+                dst[warp][n + __popc(b & ((1u << lane) - 1u))] =
+                    ll_slice(a, (int)(e / L), (int)(e % L), me) + t * stride;
+            n += __popc(b);
+        }
+        __syncwarp();
+        const int4 *src = (const int4 *)(a.x + t * H);
+        for (int64_t i = lane; i < bytes / 16; i += 32) {
+            const int4 v = ld_nc_v4(src + i);
+            for (int d = 0; d < n; d++) st_na_v4((int4 *)dst[warp][d] + i, v);
+        }
+        __syncwarp();
+    }
+}
+
+/* Sender: wait until every receiver read the slot's previous rows. Then (1) one warp per expert
+ * counts the tokens that select it and writes the count to the expert's rank; (2) one warp per
+ * token (or per part of its channels) finds, for each expert it selects, how many earlier tokens
+ * select that expert (its row in the slice), casts the token once and writes it to every
+ * destination. The last block publishes
+ * the epoch to every rank. A token that repeats an expert is sent once (the repeat is an error
+ * reported through the poller). */
 __global__ void __launch_bounds__(LL_THREADS)
     ll_dispatch_send_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
+    if (a.floor_only) {
+        ll_dispatch_floor(a);
+        return;
+    }
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, me = c->rank, E = a.num_experts;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t H = c->hidden, T = a.num_tokens, stride = (int64_t)a.ll.row_stride;
+    const int64_t T = a.num_tokens, stride = (int64_t)a.ll.row_stride;
+    const int64_t gwarp = (int64_t)blockIdx.x * LL_WARPS + warp, nwarps = (int64_t)gridDim.x * LL_WARPS;
     epx_cuda_ctrl_t *own = ctrl_of(c->peers[me]);
     epx_cuda_ll_ctrl_t *lown = ll_ctrl(a, me);
     const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
     const uint64_t prev = ld_volatile_u64(&lown->disp_epoch[a.slot]);
     __shared__ int ok;
+    __shared__ int sel[LL_WARPS][64]; /* the token's experts, first occurrence only (else -1) */
+    __shared__ int pos[LL_WARPS][64]; /* earlier tokens selecting sel[k] */
+    __shared__ uint8_t *rows[LL_WARPS][64];
     if (threadIdx.x == 0) ok = 1;
-    if (!a.floor_only) ll_drops(a);
+    ll_drops(a);
     __syncthreads();
-    if (!a.floor_only && (int)threadIdx.x < R &&
-        !wait_flag_geq(c, &lown->disp_ack[a.slot][threadIdx.x], prev, epoch, threadIdx.x,
-                       EPX_CUDA_WAIT_DISPATCH_ACK))
+    if ((int)threadIdx.x < R && !wait_flag_geq(c, &lown->disp_ack[a.slot][threadIdx.x], prev, epoch,
+                                               threadIdx.x, EPX_CUDA_WAIT_DISPATCH_ACK))
         ok = 0;
     __syncthreads();
     /* The host cannot read device topk_idx: an id out of range or repeated goes to the poller as
      * the call's async error (a repeated id would otherwise make the combine sum a stale row). */
-    if (!a.floor_only)
-        for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < T;
-             t += (int64_t)gridDim.x * blockDim.x)
-            for (int k = 0; k < K; k++) {
-                const int64_t v = ll_topk(a, t * K + k);
-                bool bad = v < -1 || v >= E;
-                for (int q = 0; q < k && !bad && v >= 0; q++) bad = ll_topk(a, t * K + q) == v;
-                if (bad) {
-                    c->host->bad_value = v;
-                    c->host->bad_where = 1 + t * 64 + k;
-                }
+    for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < T;
+         t += (int64_t)gridDim.x * blockDim.x)
+        for (int k = 0; k < K; k++) {
+            const int64_t v = ll_topk(a, t * K + k);
+            bool bad = v < -1 || v >= E;
+            for (int q = 0; q < k && !bad && v >= 0; q++) bad = ll_topk(a, t * K + q) == v;
+            if (bad) {
+                c->host->bad_value = v;
+                c->host->bad_where = 1 + t * 64 + k;
             }
+        }
     if (ok) {
-        for (int e = blockIdx.x * LL_WARPS + warp; e < E; e += gridDim.x * LL_WARPS) {
-            const int dst = e / L, j = e % L;
-            uint8_t *slice = ll_slice(a, dst, j, me);
+        /* (1) Counts: tokens selecting e (each token once). */
+        for (int64_t e = gwarp; e < E; e += nwarps) {
             int n = 0;
-            for (int64_t t0 = 0; t0 < T; t0 += 32) {
-                const int64_t t = t0 + lane;
-                int kk = -1;
-                if (t < T)
+            for (int64_t t = lane; t < T; t += 32) {
+                bool hit = false;
+                for (int k = 0; k < K && !hit; k++) hit = ll_topk(a, t * K + k) == e;
+                n += hit;
+            }
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) n += __shfl_xor_sync(0xffffffffu, n, off);
+            if (lane == 0)
+                ((int32_t *)(c->peers[e / L] + a.ll.cnt))[((int64_t)a.slot * R + me) * L + e % L] = n;
+        }
+        /* (2) Rows: one warp per (token, part of its channels); parts when tokens are fewer than
+         * warps. Every part finds the token's rows; part 0 writes (t, k). */
+        const int64_t H = c->hidden, steps = (H + 511) / 512;
+        int64_t parts = T > 0 ? nwarps / T : 1;
+        parts = parts < 1 ? 1 : (parts > steps ? steps : parts);
+        for (int64_t it = gwarp; it < T * parts; it += nwarps) {
+            const int64_t t = it / parts, part = it % parts;
+            const int64_t lo = steps * part / parts * 512, hi_ = steps * (part + 1) / parts * 512;
+            const int64_t hi = hi_ < H ? hi_ : H;
+            for (int k = lane; k < K; k += 32) {
+                const int64_t v = ll_topk(a, t * K + k);
+                bool first = v >= 0 && v < E;
+                for (int q = 0; q < k && first; q++) first = ll_topk(a, t * K + q) != v;
+                sel[warp][k] = first ? (int)v : -1;
+                pos[warp][k] = 0;
+            }
+            __syncwarp();
+            /* Lane u looks at earlier tokens u, u + 32, ...: a bit per slot of t they share. */
+            for (int64_t u = lane; u < t; u += 32) {
+                uint64_t mask = 0;
+                for (int q = 0; q < K; q++) {
+                    const int64_t v = ll_topk(a, u * K + q);
+                    if (v < 0) continue;
                     for (int k = 0; k < K; k++)
-                        if (ll_topk(a, t * K + k) == e) {
-                            kk = k;
-                            break;
-                        }
-                unsigned ballot = __ballot_sync(0xffffffffu, kk >= 0);
-                while (ballot) {
-                    const int src_lane = __ffs(ballot) - 1;
-                    ballot &= ballot - 1;
-                    const int k = __shfl_sync(0xffffffffu, kk, src_lane);
-                    const int64_t tt = t0 + src_lane;
-                    uint8_t *row = slice + (int64_t)n * stride;
-                    if (a.use_fp8)
-                        ll_cast_row(row, a.x + tt * H, H, a.round_scale, lane);
-                    else
-                        warp_copy(row, (const uint8_t *)(a.x + tt * H), H * 2, lane);
-                    if (lane == 0) *(int2 *)(row + stride - 16) = make_int2((int)tt, k);
-                    n++;
+                        if (sel[warp][k] == v) mask |= 1ull << k;
+                }
+                while (mask) {
+                    const int k = __ffsll((long long)mask) - 1;
+                    mask &= mask - 1;
+                    atomicAdd(&pos[warp][k], 1);
                 }
             }
-            if (lane == 0) ((int32_t *)(c->peers[dst] + a.ll.cnt))[((int64_t)a.slot * R + me) * L + j] = n;
+            __syncwarp();
+            int n = 0;
+            for (int k0 = 0; k0 < K; k0 += 32) {
+                const int k = k0 + lane;
+                const int e = k < K ? sel[warp][k] : -1;
+                const unsigned b = __ballot_sync(0xffffffffu, e >= 0);
+                if (e >= 0) {
+                    uint8_t *row = ll_slice(a, e / L, e % L, me) + (int64_t)pos[warp][k] * stride;
+                    rows[warp][n + __popc(b & ((1u << lane) - 1u))] = row;
+                    if (part == 0) *(int2 *)(row + stride - 16) = make_int2((int)t, k);
+                }
+                n += __popc(b);
+            }
+            __syncwarp();
+            ll_fan_out(a, a.x + t * H, rows[warp], n, lo, hi, lane);
+            __syncwarp();
         }
     }
-    if (a.floor_only) return;
     if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_DISP_SEND])) {
         if (ok && !epoch_failed(c, epoch) && (int)threadIdx.x < R)
             st_release_sys(&ll_ctrl(a, threadIdx.x)->disp_flag[a.slot][me], epoch);
@@ -256,9 +370,10 @@ __global__ void __launch_bounds__(LL_THREADS)
             prefix[0] = 0;
             for (int s = 0; s < R; s++) prefix[s + 1] = prefix[s] + cnt[s];
             const int total = prefix[R];
-            a.recv_count[j] = total;
+            /* A failed receive must not look like an empty expert: -1 (the error record says why). */
+            a.recv_count[j] = ok ? total : -1;
             rcount[j] = total;
-            if (a.cumulative) a.cumulative[j] += total;
+            if (a.cumulative && ok) a.cumulative[j] += total;
         }
         __syncthreads();
         if (a.layout_range && (int)threadIdx.x < R) {
@@ -365,31 +480,43 @@ __global__ void __launch_bounds__(LL_THREADS)
     }
 }
 
-/* Source side: after every rank's epoch arrived, one warp per token sums w[t,k] * y(t, k) over
- * the slots k ascending in one fp32 accumulator (no fma), one rounding to bf16. The last block
- * releases the slot's combine area to every rank. */
+/* Source side: after every rank's epoch arrived, warps take (token, 1024-channel chunk) items and
+ * sum w[t,k] * y(t, k) over the slots k ascending in one fp32 accumulator per channel (no fma),
+ * one rounding to bf16; the rows' loads are issued before the ordered sums. A receive that failed
+ * (or whose dispatch failed on this rank) writes bf16 NaN rows, never plausible values. The last
+ * block releases the slot's combine area to every rank. */
 __global__ void __launch_bounds__(LL_THREADS)
     ll_combine_recv_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, K = c->num_topk, me = c->rank, E = a.num_experts;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t H = c->hidden;
+    const int64_t H = c->hidden, T = a.num_tokens;
     uint8_t *region = c->peers[me];
     epx_cuda_ll_ctrl_t *lown = ll_ctrl(a, me);
     const uint64_t epoch = ld_volatile_u64(&lown->comb_epoch[a.slot]);
+    const uint64_t disp_epoch = ld_volatile_u64(&lown->disp_epoch[a.slot]);
     __shared__ int ok;
     __shared__ float wsel[LL_WARPS][64];
     __shared__ int ksel[LL_WARPS][64];
-    if (threadIdx.x == 0) ok = 1;
+    if (threadIdx.x == 0) ok = !epoch_failed(c, disp_epoch);
     __syncthreads();
-    if ((int)threadIdx.x < R && !wait_flag_geq(c, &lown->comb_flag[a.slot][threadIdx.x], epoch, epoch,
-                                               threadIdx.x, EPX_CUDA_WAIT_COMBINE_DATA))
+    if (ok && (int)threadIdx.x < R &&
+        !wait_flag_geq(c, &lown->comb_flag[a.slot][threadIdx.x], epoch, epoch, threadIdx.x,
+                       EPX_CUDA_WAIT_COMBINE_DATA))
         ok = 0;
     __syncthreads();
     const uint16_t *area = (const uint16_t *)(region + a.ll.comb) + (int64_t)a.slot * c->max_tokens * K * H;
-    const int64_t T = ok ? a.num_tokens : 0;
-    for (int64_t t = (int64_t)blockIdx.x * LL_WARPS + warp; t < T; t += (int64_t)gridDim.x * LL_WARPS) {
+    const bool vec = (H & 7) == 0 && ((uintptr_t)a.combined_x & 15) == 0;
+    const int64_t chunk = vec ? 1024 : 32, nch = (H + chunk - 1) / chunk;
+    const int64_t items = T * nch;
+    for (int64_t it = (int64_t)blockIdx.x * LL_WARPS + warp; it < items;
+         it += (int64_t)gridDim.x * LL_WARPS) {
+        const int64_t t = it / nch, h0 = (it % nch) * chunk;
+        if (!ok) {
+            for (int64_t h = h0 + lane; h < H && h < h0 + chunk; h += 32) a.combined_x[t * H + h] = 0x7fc0;
+            continue;
+        }
         int n = 0;
         for (int k0 = 0; k0 < K; k0 += 32) {
             const int k = k0 + lane;
@@ -397,38 +524,63 @@ __global__ void __launch_bounds__(LL_THREADS)
             const bool in = e >= 0 && e < E;
             const unsigned b = __ballot_sync(0xffffffffu, in);
             if (in) {
-                const int pos = n + __popc(b & ((1u << lane) - 1u));
-                ksel[warp][pos] = k;
-                wsel[warp][pos] = a.topk_weights[t * K + k];
+                const int p = n + __popc(b & ((1u << lane) - 1u));
+                ksel[warp][p] = k;
+                wsel[warp][p] = a.topk_weights[t * K + k];
             }
             n += __popc(b);
         }
         __syncwarp();
         const uint16_t *rows = area + t * K * H;
-        if ((H & 7) == 0) {
-            for (int64_t i = lane; i < H / 8; i += 32) {
-                float acc[8];
+        if (vec) {
+            /* Lane covers channels h0 + 8 * (lane + 32 m), m < 4. */
+            float acc[4][8];
 #pragma unroll
-                for (int q = 0; q < 8; q++) acc[q] = 0.0f;
-                for (int d = 0; d < n; d++) {
-                    const float w = wsel[warp][d];
-                    const int4 v = ld_nc_v4((const int4 *)(rows + (int64_t)ksel[warp][d] * H) + i);
-                    const uint32_t u[4] = {(uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w};
+            for (int m = 0; m < 4; m++)
 #pragma unroll
-                    for (int q = 0; q < 4; q++) {
-                        acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(w, ll_bf16(u[q] & 0xffffu)));
-                        acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(w, ll_bf16(u[q] >> 16)));
+                for (int q = 0; q < 8; q++) acc[m][q] = 0.0f;
+            for (int d0 = 0; d0 < n; d0 += 2) {
+                int4 v[2][4];
+#pragma unroll
+                for (int u = 0; u < 2; u++)
+#pragma unroll
+                    for (int m = 0; m < 4; m++) {
+                        const int64_t h = h0 + 8 * (lane + 32 * m);
+                        v[u][m] = make_int4(0, 0, 0, 0);
+                        if (d0 + u < n && h < H)
+                            v[u][m] = ld_nc_v4((const int4 *)(rows + (int64_t)ksel[warp][d0 + u] * H + h));
+                    }
+#pragma unroll
+                for (int u = 0; u < 2; u++) {
+                    if (d0 + u >= n) break;
+                    const float w = wsel[warp][d0 + u];
+#pragma unroll
+                    for (int m = 0; m < 4; m++) {
+                        const uint32_t x[4] = {(uint32_t)v[u][m].x, (uint32_t)v[u][m].y, (uint32_t)v[u][m].z,
+                                               (uint32_t)v[u][m].w};
+#pragma unroll
+                        for (int q = 0; q < 4; q++) {
+                            acc[m][2 * q] = __fadd_rn(acc[m][2 * q], __fmul_rn(w, ll_bf16(x[q] & 0xffffu)));
+                            acc[m][2 * q + 1] =
+                                __fadd_rn(acc[m][2 * q + 1], __fmul_rn(w, ll_bf16(x[q] >> 16)));
+                        }
                     }
                 }
+            }
+#pragma unroll
+            for (int m = 0; m < 4; m++) {
+                const int64_t h = h0 + 8 * (lane + 32 * m);
+                if (h >= H) continue;
                 int4 o;
-                o.x = (int)(ll_f32_to_bf16(acc[0]) | (ll_f32_to_bf16(acc[1]) << 16));
-                o.y = (int)(ll_f32_to_bf16(acc[2]) | (ll_f32_to_bf16(acc[3]) << 16));
-                o.z = (int)(ll_f32_to_bf16(acc[4]) | (ll_f32_to_bf16(acc[5]) << 16));
-                o.w = (int)(ll_f32_to_bf16(acc[6]) | (ll_f32_to_bf16(acc[7]) << 16));
-                st_na_v4((int4 *)(a.combined_x + t * H) + i, o);
+                o.x = (int)(ll_f32_to_bf16(acc[m][0]) | (ll_f32_to_bf16(acc[m][1]) << 16));
+                o.y = (int)(ll_f32_to_bf16(acc[m][2]) | (ll_f32_to_bf16(acc[m][3]) << 16));
+                o.z = (int)(ll_f32_to_bf16(acc[m][4]) | (ll_f32_to_bf16(acc[m][5]) << 16));
+                o.w = (int)(ll_f32_to_bf16(acc[m][6]) | (ll_f32_to_bf16(acc[m][7]) << 16));
+                st_na_v4((int4 *)(a.combined_x + t * H + h), o);
             }
         } else {
-            for (int64_t h = lane; h < H; h += 32) {
+            const int64_t h = h0 + lane;
+            if (h < H) {
                 float acc = 0.0f;
                 for (int d = 0; d < n; d++)
                     acc = __fadd_rn(acc,

@@ -484,7 +484,8 @@ extern "C" int epx_cuda_launch_rm_dispatch(const epx_cuda_rm_args_t *args, void 
     rm_scan_kernel<<<nb, RM_THREADS, 0, s>>>(*args);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return (int)err;
-    rm_prefix_kernel<<<1, 1024, 0, s>>>(*args);
+    /* Launch bounds cap the block at RM_THREADS; the kernel loops over columns. */
+    rm_prefix_kernel<<<1, RM_THREADS, 0, s>>>(*args);
     if ((err = cudaGetLastError()) != cudaSuccess) return (int)err;
     rm_send_kernel<<<nb, RM_THREADS, 0, s>>>(*args);
     if ((err = cudaGetLastError()) != cudaSuccess) return (int)err;

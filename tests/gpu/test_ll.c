@@ -5,7 +5,8 @@
  * fp8+round_scale, fp8+ue8m0, with and without hooks and zero-copy, full, ragged and zero-token
  * ranks, E 64/256/288, K 1/8/9, H 2048/7168; double buffering with a stale handle; dispatch, stand-in
  * expert and combine captured in one CUDA graph and replayed with new tokens and routing; repeated
- * iterations with matching hashes (EPX_GPU_TEST_LL_ITERS, default 20). EPX_GPU_TEST_RANKS
+ * iterations with matching hashes (EPX_GPU_TEST_LL_ITERS, default 20); a receive whose peer never
+ * sends (recv_count -1, EPX_ERR_TIMEOUT, NaN combine rows). EPX_GPU_TEST_RANKS
  * (default "2,4,8") and EPX_GPU_TEST_QUICK=1 (sanitizer runs) shrink it.
  */
 #include <cuda_runtime.h>
@@ -88,6 +89,7 @@ static int cfg_alloc(cfg_t *g, int rank)
         cudaMemset(*ps[i], 0xa5, sz[i]);
     }
     CUDA_OK(cudaStreamCreateWithFlags(&g->st, cudaStreamNonBlocking));
+    CUDA_OK(cudaDeviceSynchronize()); /* the memsets ran on the legacy stream */
     return 0;
 }
 
@@ -96,6 +98,29 @@ static void cfg_free(cfg_t *g)
     void *ps[] = {g->x, g->topk, g->w, g->rx, g->rs, g->rc, g->si, g->lr, g->cum, g->y, g->out};
     for (size_t i = 0; i < sizeof(ps) / sizeof(ps[0]); i++) cudaFree(ps[i]);
     if (g->st) cudaStreamDestroy(g->st);
+}
+
+/* Host-to-device copy ordered on the stream the library calls use. A plain cudaMemcpy from pageable
+ * memory may return before its DMA lands, and a cudaStreamNonBlocking stream does not wait for the
+ * legacy stream: a kernel could read the rows before they arrive. */
+static int h2d(const cfg_t *g, void *dst, const void *src, size_t bytes)
+{
+    if (!bytes) return 0;
+    if (cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, g->st) != cudaSuccess) return 1;
+    return cudaStreamSynchronize(g->st) != cudaSuccess;
+}
+
+/* After a failed check: the device error record (if any) reaches the comm through the poller
+ * within a few ms; name it so a failed receive is not mistaken for wrong data. */
+static void note_async(epx_buffer_t buf, int rank)
+{
+    epx_result_t r = EPX_SUCCESS;
+    for (int i = 0; i < 50 && r == EPX_SUCCESS; i++) {
+        r = epx_get_async_error(buf->comm);
+        if (r == EPX_SUCCESS) usleep(2000);
+    }
+    if (r != EPX_SUCCESS)
+        fprintf(stderr, "rank %d: async error: %s: %s\n", rank, epx_result_name(r), epx_last_error_message());
 }
 
 /* Uploads rank `me`'s x (tag REF_TAG_X), topk_idx and weights of problem p. */
@@ -111,12 +136,12 @@ static int upload_inputs(const cfg_t *g, const ref_problem_t *p, int rank, int i
     }
     for (int64_t t = 0; t < T; t++) ref_x_row(p, rank, t, REF_TAG_X, hx + t * H);
     ref_fill_topk(p, rank, idx64 ? EPX_DTYPE_INT64 : EPX_DTYPE_INT32, ht);
-    cudaMemcpy(g->x, hx, (size_t)(T * H) * 2, cudaMemcpyHostToDevice);
-    cudaMemcpy(g->topk, ht, (size_t)(T * K) * (idx64 ? 8 : 4), cudaMemcpyHostToDevice);
-    cudaMemcpy(g->w, p->weights[rank], (size_t)(T * K) * 4, cudaMemcpyHostToDevice);
+    int bad = h2d(g, g->x, hx, (size_t)(T * H) * 2) ||
+              h2d(g, g->topk, ht, (size_t)(T * K) * (idx64 ? 8 : 4)) ||
+              h2d(g, g->w, p->weights[rank], (size_t)(T * K) * 4);
     free(hx);
     free(ht);
-    return 0;
+    return bad ? ref_fail(rank, "upload of the inputs") : 0;
 }
 
 static void dispatch_args(const cfg_t *g, const ll_case_t *cs, int64_t T, epx_ll_dispatch_args_t *a,
@@ -223,7 +248,10 @@ static int upload_y(const cfg_t *g, int rank, const ref_ll_recv_t *ref, uint64_t
         for (int64_t q = 0; q < n; q++)
             for (int64_t c = 0; c < H; c++)
                 rows[q * H + c] = ref_y_bf16(yseed, rank, j, ref->src[j * RT + q], ref->tok[j * RT + q], c);
-        cudaMemcpy((uint16_t *)dst + (size_t)(j * RT * H), rows, (size_t)(n * H) * 2, cudaMemcpyHostToDevice);
+        if (h2d(g, (uint16_t *)dst + (size_t)(j * RT * H), rows, (size_t)(n * H) * 2)) {
+            free(rows);
+            return ref_fail(rank, "upload of y rows");
+        }
     }
     free(rows);
     return 0;
@@ -256,7 +284,7 @@ static int run_case(epx_buffer_t buf, cfg_t *g, int rank, const ll_case_t *cs, u
         goto out;
     }
     ref_ll_combine(&p, rank, yseed, eout);
-    cudaMemset(g->cum, 0, (size_t)g->L * 4);
+    CUDA_OK(cudaMemsetAsync(g->cum, 0, (size_t)g->L * 4, g->st));
     if (!cs->zero_copy && upload_y(g, rank, &ref, yseed, g->y) != 0) goto out;
     uint64_t first = 0;
     const int reps = cs->repeats > 0 ? cs->repeats : 1;
@@ -269,7 +297,10 @@ static int run_case(epx_buffer_t buf, cfg_t *g, int rank, const ll_case_t *cs, u
         CUDA_OK(cudaStreamSynchronize(g->st));
         uint64_t hash = 1469598103934665603ull;
         if (it == 0 || it == reps - 1) {
-            if (check_dispatch(g, &p, cs, rank, &ref, &hash)) goto out;
+            if (check_dispatch(g, &p, cs, rank, &ref, &hash)) {
+                note_async(buf, rank);
+                goto out;
+            }
         } else {
             /* Between the first and last iteration only the hash of the packed rows is compared. */
             for (int j = 0; j < g->L; j++) {
@@ -310,7 +341,10 @@ static int run_case(epx_buffer_t buf, cfg_t *g, int rank, const ll_case_t *cs, u
         CUDA_OK(cudaStreamSynchronize(g->st));
         EXPECT_OK(epx_get_async_error(buf->comm));
         cudaMemcpy(got, g->out, (size_t)(Tm * H) * 2, cudaMemcpyDeviceToHost);
-        if (ref_check_bits(rank, "combined_x", got, eout, Tm * H, 2, H)) goto out;
+        if (ref_check_bits(rank, "combined_x", got, eout, Tm * H, 2, H)) {
+            note_async(buf, rank);
+            goto out;
+        }
         hash = fnv(got, (size_t)(Tm * H) * 2, hash);
         if (it == 0) first = hash;
         if (hash != first) {
@@ -585,6 +619,99 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
     return rc;
 }
 
+/* A receive that fails must say so: rank 1 skips the second round, so rank 0's dispatch times out
+ * (recv_count -1 on every expert, EPX_ERR_TIMEOUT through epx_get_async_error) and its combine
+ * writes NaN rows instead of stale or zero values. */
+#define LL_FAIL_TIMEOUT_MS 1500 /* 10 s in quick (sanitizer) runs, where kernels are slow */
+
+static int fail_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx)
+{
+    const ctx_t *ctx = vctx;
+    ref_set_seed(ctx->seed);
+    ref_set_case("failed receive R=%d", nranks);
+    epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
+    cc.backend = EPX_BACKEND_CUDA;
+    int ngpu = 0;
+    cudaGetDeviceCount(&ngpu);
+    cc.cuda_device = ngpu > 0 ? rank % ngpu : 0;
+    const int timeout_ms = ctx->quick ? 10000 : LL_FAIL_TIMEOUT_MS;
+    cc.timeout_ms = timeout_ms;
+    epx_comm_t comm;
+    EXPECT_OK(epx_comm_init(id, rank, nranks, &cc, &comm));
+    cfg_t g;
+    memset(&g, 0, sizeof(g));
+    g.E = 16;
+    g.K = 4;
+    g.H = 1024;
+    g.T_max = 8;
+    g.R = nranks;
+    g.L = g.E / nranks;
+    g.RT = (int64_t)nranks * g.T_max;
+    g.device = cc.cuda_device;
+    epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
+    bc.max_tokens = g.T_max;
+    bc.hidden = g.H;
+    bc.num_topk = g.K;
+    bc.num_experts = g.E;
+    bc.modes = EPX_MODE_LL;
+    bc.dispatch_dtypes = EPX_DTYPE_BIT(EPX_DTYPE_BF16);
+    epx_buffer_t buf;
+    EXPECT_OK(epx_buffer_create(comm, &bc, &buf));
+    int rc = cfg_alloc(&g, rank);
+    const ll_case_t cs = {0, 0, 0, 0, 0, 0, 0, REF_ROUTE_RANDOM, 0, 1};
+    if (rc == 0) rc = run_case(buf, &g, rank, &cs, ctx->seed + 4242); /* a good round first */
+    if (rc == 0 && rank == 0) {
+        epx_ll_dispatch_args_t a = EPX_LL_DISPATCH_ARGS_INIT;
+        epx_ll_dispatch_outputs_t o = EPX_LL_DISPATCH_OUTPUTS_INIT;
+        dispatch_args(&g, &cs, g.T_max, &a, &o);
+        a.cumulative_recv_stats.data = NULL;
+        EXPECT_OK(epx_ll_dispatch(buf, &a, &o)); /* asynchronous: the failure comes later */
+        CUDA_OK(cudaStreamSynchronize(g.st));
+        int32_t cnt[64];
+        cudaMemcpy(cnt, g.rc, (size_t)g.L * 4, cudaMemcpyDeviceToHost);
+        for (int j = 0; j < g.L && rc == 0; j++)
+            if (cnt[j] != -1)
+                rc = ref_fail(rank, "failed dispatch: recv_count[%d] = %d, expected -1", j, cnt[j]);
+        epx_result_t r = EPX_SUCCESS;
+        for (int i = 0; i < 500 && r == EPX_SUCCESS; i++) {
+            r = epx_get_async_error(comm);
+            if (r == EPX_SUCCESS) usleep(2000);
+        }
+        if (rc == 0 && r != EPX_ERR_TIMEOUT)
+            rc = ref_fail(rank, "failed dispatch: async error %s, expected ERR_TIMEOUT", epx_result_name(r));
+        if (rc == 0 && !strstr(epx_last_error_message(), "peer 1"))
+            rc = ref_fail(rank, "failed dispatch: message '%s' does not name peer 1",
+                          epx_last_error_message());
+        if (rc == 0) {
+            epx_ll_combine_args_t ca = EPX_LL_COMBINE_ARGS_INIT;
+            ca.handle = o.handle;
+            ca.y = dten(g.y, EPX_DTYPE_BF16, 3, g.L, g.RT, g.H, g.device);
+            ca.topk_idx = a.topk_idx;
+            ca.topk_weights = dten(g.w, EPX_DTYPE_FP32, 2, g.T_max, g.K, 0, g.device);
+            ca.stream = g.st;
+            epx_ll_combine_outputs_t co = EPX_LL_COMBINE_OUTPUTS_INIT;
+            co.combined_x = dten(g.out, EPX_DTYPE_BF16, 2, g.T_max, g.H, 0, g.device);
+            EXPECT_OK(epx_ll_combine(buf, &ca, &co));
+            CUDA_OK(cudaStreamSynchronize(g.st));
+            uint16_t *got = malloc((size_t)(g.T_max * g.H) * 2);
+            if (!got) return ref_fail(rank, "malloc");
+            cudaMemcpy(got, g.out, (size_t)(g.T_max * g.H) * 2, cudaMemcpyDeviceToHost);
+            for (int64_t i = 0; i < g.T_max * g.H && rc == 0; i++)
+                if (got[i] != 0x7fc0)
+                    rc = ref_fail(
+                        rank, "combine after a failed dispatch: combined_x[%lld][%lld] = 0x%x, expected NaN",
+                        (long long)(i / g.H), (long long)(i % g.H), got[i]);
+            free(got);
+        }
+    } else if (rc == 0) {
+        usleep((useconds_t)(timeout_ms + 2500) * 1000u); /* rank 0 gives up meanwhile */
+    }
+    cfg_free(&g);
+    EXPECT_OK(epx_buffer_destroy(buf));
+    EXPECT_OK(epx_comm_destroy(comm));
+    return rc;
+}
+
 /* Probes for a GPU in a child so the parent never initialises CUDA before forking ranks. */
 static int gpu_count(void)
 {
@@ -624,6 +751,14 @@ int main(void)
         }
         while (*p && *p != ',') p++;
         if (*p == ',') p++;
+    }
+    if (!failed) {
+        printf("ll: failed receive, 2 ranks\n");
+        fflush(stdout);
+        if (epx_test_run_ranks(2, fail_main, &ctx, 200) != 0) {
+            fprintf(stderr, "ll: failed-receive check failed\n");
+            failed = 1;
+        }
     }
     if (!failed) printf("ll: all passed\n");
     return failed;
