@@ -481,7 +481,8 @@ typedef struct epx_ll_dispatch_outputs {
  * captured in a CUDA graph. Two LL operations may be in flight; the third reuses the first
  * one's slot. With return_recv_hook the output tensors must stay valid until the hook runs.
  * Errors: EPX_ERR_INVALID_ARG (buffer without EPX_MODE_LL, shapes, ids, flags), EPX_ERR_REMOTE,
- * EPX_ERR_TIMEOUT. */
+ * EPX_ERR_TIMEOUT. A receive that fails on the device after the call returned writes -1 into
+ * recv_count (combine: NaN rows) and reports through epx_get_async_error. */
 EPX_API epx_result_t epx_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *args,
                                      epx_ll_dispatch_outputs_t *outputs);
 
