@@ -8,6 +8,7 @@
 #include <structmember.h>
 
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,6 +58,7 @@ static PyObject *g_torch_uint8, *g_torch_current_stream;
 static PyObject *g_str_dlpack, *g_str_dlpack_device, *g_str_device, *g_str_dtype, *g_str_view;
 static PyObject *g_str_stream, *g_str_cuda_stream;
 static PyTypeObject *g_numpy_ndarray;
+static max_align_t g_empty_data; /* the data of zero-element tensors exported with a NULL pointer */
 
 enum framework { FW_NUMPY = 1, FW_TORCH = 2 };
 
@@ -134,7 +136,8 @@ typedef struct {
     int fw;
     int dl_device_type;
     int device_id;
-    PyObject *device; /* torch.device of the reference tensor (borrowed from keep) */
+    PyObject *device; /* torch.device of the reference tensor (borrowed from keep: dangles after
+                       * keep_release, so take a reference before releasing keep) */
     PyObject *stream_arg;
     void *stream;
     int stream_resolved;
@@ -253,7 +256,7 @@ static int import_tensor(call_ctx_t *ctx, keep_t *keep, PyObject *obj, const cha
     t->device_id = d->device.device_id;
     t->data = (char *)d->data + d->byte_offset;
     t->ndim = d->ndim;
-    int compact = 1;
+    int compact = 1, empty = 0;
     int64_t stride = 1;
     for (int i = d->ndim - 1; i >= 0; i--) {
         t->shape[i] = d->shape[i];
@@ -261,9 +264,14 @@ static int import_tensor(call_ctx_t *ctx, keep_t *keep, PyObject *obj, const cha
         /* A dimension of size 1 has no meaningful stride (frameworks put anything there). */
         if (d->strides && d->shape[i] != 1 && d->strides[i] != stride) compact = 0;
         stride *= d->shape[i] > 0 ? d->shape[i] : 1;
+        empty |= d->shape[i] == 0;
     }
-    /* Compact tensors go in as "contiguous"; others keep their strides and the library refuses them. */
-    if (compact) memset(t->strides, 0, sizeof(t->strides));
+    /* Compact tensors go in as "contiguous"; others keep their strides and the library refuses them.
+     * A tensor without elements has no layout to refuse (torch gives views of nothing any strides). */
+    if (compact || empty) memset(t->strides, 0, sizeof(t->strides));
+    /* torch exports tensors without elements with a NULL data pointer, which the library reads as an
+     * absent optional tensor: a given empty tensor gets an address that is never dereferenced instead. */
+    if (!d->data && empty) t->data = &g_empty_data;
     return 0;
 
 fail_src:
@@ -1543,12 +1551,15 @@ static PyObject *buffer_ll_dispatch(BufferObject *self, PyObject *args, PyObject
         goto fail;
     epx_result_t res;
     Py_BEGIN_ALLOW_THREADS res = epx_ll_dispatch(self->buf, &a, &o);
-    Py_END_ALLOW_THREADS keep_release(&keep);
-    if (res != EPX_SUCCESS) {
+    Py_END_ALLOW_THREADS if (res != EPX_SUCCESS)
+    {
+        keep_release(&keep);
         drop_all(7, items);
         return raise_epx(res);
     }
+    /* The handle takes its own reference to ctx.device, which keep holds: release keep only after. */
     items[5] = new_ll_handle(self, &o.handle, &ctx);
+    keep_release(&keep);
     if (!items[5]) goto fail_after;
     if (hook) {
         PyObject *outs =

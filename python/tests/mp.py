@@ -32,16 +32,27 @@ def run_ranks(nranks, fn, **kwargs):
     procs = [ctx.Process(target=_child, args=(fn, r, nranks, uid, queue, kwargs)) for r in range(nranks)]
     for p in procs:
         p.start()
-    results, errors = {}, []
+    results, errors, reported = {}, [], set()
     deadline = time.monotonic() + DEADLINE_S
-    while len(results) + len(errors) < nranks:
+    dead_since = None
+    while len(reported) < nranks:
         left = deadline - time.monotonic()
         if left <= 0:
             break
         try:
-            rank, ok, value = queue.get(timeout=left)
+            rank, ok, value = queue.get(timeout=min(left, 0.5))
         except Exception:  # noqa: BLE001 - queue.Empty
-            break
+            # A rank that died without reporting (a crash) leaves its peers waiting for it until their
+            # timeout: report it now, after a grace period for reports still in the queue's pipe.
+            dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode not in (None, 0)]
+            if dead:
+                dead_since = dead_since or time.monotonic()
+                if time.monotonic() - dead_since > 2:
+                    errors.extend("rank %d: died with exit code %d without reporting" % (r, procs[r].exitcode)
+                                  for r in dead)
+                    break
+            continue
+        reported.add(rank)
         if ok:
             results[rank] = value
         else:

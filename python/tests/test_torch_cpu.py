@@ -44,6 +44,63 @@ def test_torch_native(nranks):
     run_ranks(nranks, _native)
 
 
+def _ll_handles(rank, nranks, uid):
+    # LL handles keep the torch.device of their dispatch; a handle holding a reference it does not own
+    # corrupts whatever reuses the device object's memory once the call's own reference is dropped.
+    p = problem(nranks)
+    comm = epx.Comm.from_unique_id(uid, rank, nranks, backend="host")
+    buf = epx.Buffer(comm, p.T_max, p.H, p.K, p.E)
+    x = to_torch(p.x[rank], "cpu", bf16=True)
+    idx = to_torch(p.topk_idx[rank], "cpu")
+    _, count, _, _ = p.ll_dispatch(rank)
+    handles, devices = [], []
+    for i in range(64):
+        ll = buf.ll_dispatch(x, idx)
+        handles.append(ll.handle)
+        devices.append(torch.device("cpu", 0))  # objects of the same size reuse freed device memory
+        assert_equal(ll.recv_count.numpy(), count, "torch recv_count (call %d)" % i, rank)
+    del handles
+    assert all(d == torch.device("cpu", 0) for d in devices)
+    return True
+
+
+@pytest.mark.parametrize("nranks", [1, 2])
+def test_torch_ll_handles(nranks):
+    run_ranks(nranks, _ll_handles)
+
+
+def _no_tokens(rank, nranks, uid):
+    # Rank 0 has no tokens. torch exports tensors without elements with a NULL data pointer (which must
+    # not read as "absent") and views of nothing with arbitrary strides (which must not read as strided).
+    p = problem(nranks)
+    comm = epx.Comm.from_unique_id(uid, rank, nranks, backend="host")
+    buf = epx.Buffer(comm, p.T_max, p.H, p.K, p.E)
+    T = 0 if rank == 0 else p.tokens[rank]
+    x = to_torch(p.x[rank][:T], "cpu", bf16=True)
+    idx = to_torch(p.topk_idx[rank][:T], "cpu")
+    w = to_torch(p.weights[rank][:T], "cpu")
+    out = buf.dispatch(x, idx, w)
+    assert out.recv_topk_idx is not None and out.recv_topk_weights is not None
+    assert out.recv_topk_idx.shape[1] == p.K and out.recv_topk_weights.shape[1] == p.K
+    comb = buf.combine(out.recv_x, out.handle, out.recv_topk_weights)
+    assert tuple(comb.combined_x.shape) == (T, p.H) and comb.combined_topk_weights is not None
+    ll = buf.ll_dispatch(x, idx)
+    assert tuple(ll.recv_count.shape) == (p.L,)
+    if T == 0:
+        routing_map = torch.zeros(p.E, 0, dtype=torch.bool).t()  # [0, E] view with strides (1, 0)
+        probs = torch.zeros(p.E, 0).t()
+    else:
+        routing_map, probs = to_torch(p.routing_map(rank), "cpu"), to_torch(p.probs[rank], "cpu")
+    rm = buf.rm_dispatch(x, routing_map, probs)
+    assert rm.probs is not None and tuple(rm.probs.shape)[1:] == (p.L,)
+    return True
+
+
+@pytest.mark.parametrize("nranks", [1, 2])
+def test_torch_no_tokens(nranks):
+    run_ranks(nranks, _no_tokens)
+
+
 def _deep_ep(rank, nranks, uid, port):
     dist = init_group(rank, nranks, port)
     p = problem(nranks)
