@@ -5,7 +5,7 @@
 set -u -o pipefail
 LOGDIR=${1:?usage: scripts/gpu-test.sh LOGDIR}
 # EPX_GPU_PHASES picks what runs (default all): sanitize, tests, bench. EPX_GPU_CTEST_TIMEOUT caps
-# each GPU test (seconds, default 300).
+# each GPU test (seconds, default 300); EPX_GPU_CTEST_REGEX selects GPU tests by name.
 PHASES=${EPX_GPU_PHASES:-sanitize,tests,bench}
 phase() { case ",$PHASES," in *",$1,"*) return 0 ;; esac; return 1; }
 mkdir -p "$LOGDIR" && LOGDIR=$(cd "$LOGDIR" && pwd)
@@ -74,7 +74,8 @@ if phase tests; then
     # The issue-level repeat counts: LL runs 1000 dispatch+combine iterations with matching hashes.
     export EPX_GPU_TEST_LL_ITERS=${EPX_GPU_TEST_LL_ITERS:-1000}
     log "ctest -L gpu"
-    if ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout "${EPX_GPU_CTEST_TIMEOUT:-300}" \
+    if ctest --test-dir "$BUILD" -L gpu -R "${EPX_GPU_CTEST_REGEX:-.}" --output-on-failure \
+        --timeout "${EPX_GPU_CTEST_TIMEOUT:-300}" \
         >"$LOGDIR/ctest-gpu.log" 2>&1; then
         log "  gpu tests passed"
     else
