@@ -12,6 +12,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core/numeric.h"
 #include "epx/epx.h"
 
 #ifdef __cplusplus
@@ -257,28 +258,6 @@ extern const epx_backend_ops_t epx_cuda_backend_ops;
 /* Number of usable CUDA devices (0 when the driver or device is missing). */
 int epx_cuda_device_count(void);
 #endif
-
-/* ------------------------------------------------------------------ numeric helpers ---- */
-
-/* bf16 <-> fp32 with round-to-nearest-even (NaN kept quiet). */
-static inline float epx_bf16_to_f32(uint16_t v)
-{
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)v << 16;
-    return c.f;
-}
-static inline uint16_t epx_f32_to_bf16(float f)
-{
-    union { uint32_t u; float f; } c;
-    c.f = f;
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);
-    uint32_t rounding = 0x7fffu + ((c.u >> 16) & 1u);
-    return (uint16_t)((c.u + rounding) >> 16);
-}
-/* fp8 e4m3 (finite-only "fn" variant: max 448, no inf) <-> fp32; saturating, round to nearest
- * even. Defined in src/core/numeric.c. */
-float epx_fp8_e4m3_to_f32(uint8_t v);
-uint8_t epx_f32_to_fp8_e4m3(float f);
 
 #ifdef __cplusplus
 }

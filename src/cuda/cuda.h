@@ -8,7 +8,7 @@
 #include <pthread.h>
 
 #include "core/internal.h"
-#include "cuda/kernels.h"
+#include "kernels/contract.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -8,7 +8,7 @@
 
 #include <stdint.h>
 
-#include "cuda/kernels.h"
+#include "kernels/contract.h"
 
 #define EPX_RES_TIMEOUT 4 /* EPX_ERR_TIMEOUT */
 #define EPX_RES_REMOTE 10 /* EPX_ERR_REMOTE */

@@ -3,8 +3,8 @@
  * (src/kernels): the registered region's layout, the error record, and one argument struct
  * per kernel family with its extern "C" launcher. Plain C so both compilers read it.
  */
-#ifndef EPX_CUDA_KERNELS_H
-#define EPX_CUDA_KERNELS_H
+#ifndef EPX_KERNELS_CONTRACT_H
+#define EPX_KERNELS_CONTRACT_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -322,4 +322,4 @@ int epx_cuda_launch_ll_fail(const epx_cuda_ll_args_t *args, void *stream);
 }
 #endif
 
-#endif /* EPX_CUDA_KERNELS_H */
+#endif /* EPX_KERNELS_CONTRACT_H */
