@@ -18,6 +18,7 @@
 
 #include "core/internal.h"
 #include "cuda/cuda.h"
+#include "bench/bench.h"
 
 typedef struct opts {
     int R, K, E, sms, iters, fp8;

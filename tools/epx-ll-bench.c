@@ -18,6 +18,7 @@
 
 #include "core/internal.h"
 #include "cuda/cuda.h"
+#include "bench/bench.h"
 
 enum { D_FULL, D_SEND, D_RECV, D_FLOOR, C_FULL, C_SEND, C_RECV, C_FLOOR, NROWS };
 

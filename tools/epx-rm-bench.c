@@ -17,6 +17,7 @@
 
 #include "core/internal.h"
 #include "cuda/cuda.h"
+#include "bench/bench.h"
 
 typedef struct opts {
     int R, K, L, pad, sms, iters;

@@ -12,6 +12,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core/limits.h"
 #include "core/numeric.h"
 #include "epx/epx.h"
 
@@ -78,6 +79,12 @@ void epx_log_write(epx_log_level_t level, unsigned subsys, const char *fmt, ...)
         (res) = (call);                                                                        \
         if ((res) != EPX_SUCCESS) goto label;                                                  \
     } while (0)
+
+/* -------------------------------------------------------------------------- dtypes ---- */
+
+/* Bytes per element (0 for an unknown dtype) and lowercase name ("invalid" for an unknown one). */
+size_t epx_dtype_bytes(epx_dtype_t dtype);
+const char *epx_dtype_str(epx_dtype_t dtype);
 
 /* ------------------------------------------------------------------- parameters (env) ---- */
 

@@ -68,11 +68,6 @@ epx_result_t epx_cuda_ht_get_combine_input(epx_buffer_t buffer, epx_handle_t han
 /* Fills the arguments every collective kernel shares. */
 void epx_cuda_fill_common(cuda_buffer_t *cb, epx_cuda_common_t *c);
 
-/* Same-bytes ceiling for the benchmark: copies the rows a dispatch with `handle`'s routing
- * would move (x [T, H] in device memory, any dispatch dtype) into the same peers' slots through
- * the same mappings with plain stores, no synchronisation. Not collective by itself: the
- * caller brackets it with barriers and must not overlap it with dispatches on this buffer. */
-epx_result_t epx_cuda_ht_ceiling(epx_buffer_t buffer, epx_handle_t handle, const epx_tensor_t *x, void *stream);
 
 /* LL operations (src/cuda/ll.c). */
 /* Bytes of the LL areas of a buffer (0 without EPX_MODE_LL); compute_layout places them at lay.ll. */
@@ -88,10 +83,6 @@ epx_result_t epx_cuda_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll
 epx_result_t epx_cuda_ll_get_combine_buffer(epx_buffer_t buffer, const epx_ll_handle_t *handle,
                                             epx_tensor_t *view_out);
 epx_result_t epx_cuda_hook_run(const epx_hook_t *hook, void *stream);
-/* Benchmark floor: the stores of an LL dispatch (kind 0) or combine (kind 1) of the last handle's
- * routing, to the same peers' areas, with no wait, flag or epoch. Not collective. */
-epx_result_t epx_cuda_ll_floor(epx_buffer_t buffer, int kind, const epx_ll_dispatch_args_t *dargs,
-                               const epx_ll_handle_t *handle, void *stream);
 
 /* Routing-map operations (src/cuda/rm.c). */
 /* Appends the routing-map areas at `off` (buffers with EPX_MODE_PERMUTE); returns the new end. */

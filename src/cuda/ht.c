@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "cuda/cuda.h"
+#include "bench/bench.h"
 
 epx_result_t epx_cuda_wait_event(cuda_buffer_t *cb, const char *what)
 {
@@ -241,7 +242,7 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
     a.num_tokens = T;
     a.cached = cached;
     a.x = args->x.data;
-    a.row_bytes = H * (int64_t)epx_dtype_size(args->x.dtype);
+    a.row_bytes = H * (int64_t)epx_dtype_bytes(args->x.dtype);
     if (args->x.dtype == EPX_DTYPE_FP8_E4M3) {
         a.x_scales = args->x_scales.data;
         a.num_scales = (int32_t)(H / 128);
@@ -361,7 +362,7 @@ epx_result_t epx_cuda_ht_ceiling(epx_buffer_t buffer, epx_handle_t handle, const
     if (x->shape[0] != handle->num_tokens)
         return epx_error(EPX_ERR_INVALID_ARG, "ceiling: x has %lld rows, the handle %lld",
                          (long long)x->shape[0], (long long)handle->num_tokens);
-    const int64_t row_bytes = buffer->config.hidden * (int64_t)epx_dtype_size(x->dtype);
+    const int64_t row_bytes = buffer->config.hidden * (int64_t)epx_dtype_bytes(x->dtype);
     if ((uint64_t)row_bytes > cb->lay.x_stride) /* the slots are sized for the buffer's dtypes */
         return epx_error(EPX_ERR_INVALID_ARG, "ceiling: rows of %s are %lld bytes, the dispatch slots %llu",
                          epx_dtype_name(x->dtype), (long long)row_bytes,

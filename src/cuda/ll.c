@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "cuda/cuda.h"
+#include "bench/bench.h"
 
 enum { LL_PENDING_NONE = 0, LL_PENDING_DISPATCH = 1, LL_PENDING_COMBINE = 2 };
 

@@ -215,7 +215,7 @@ epx_result_t epx_cuda_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_r
     a.pad_multiple = permute && args->pad_multiple > 1 ? args->pad_multiple : 1;
     a.sig = (uint64_t)args->hidden.dtype | (uint64_t)permute << 8 | (uint64_t)(s->has_probs != 0) << 9;
     a.hidden = args->hidden.data;
-    a.row_bytes = H * (int64_t)epx_dtype_size(args->hidden.dtype);
+    a.row_bytes = H * (int64_t)epx_dtype_bytes(args->hidden.dtype);
     if (fp8) {
         a.scales = args->scaling_factor.data;
         a.num_scales = (int32_t)(H / 128);

@@ -59,7 +59,7 @@ static epx_result_t set_views(host_buffer_t *hb, const epx_ht_dispatch_args_t *a
 {
     const epx_buffer_config_t *cfg = &hb->buffer->config;
     const size_t cap = (size_t)hb->nranks * (size_t)cfg->max_tokens, H = (size_t)cfg->hidden;
-    const size_t K = (size_t)cfg->num_topk, elem = epx_dtype_size(args->x.dtype);
+    const size_t K = (size_t)cfg->num_topk, elem = epx_dtype_bytes(args->x.dtype);
     const size_t ns = args->x.dtype == EPX_DTYPE_FP8_E4M3 ? H / 128 : 0;
     const size_t off_scales = (cap * H * elem + 15) / 16 * 16, off_idx = off_scales + cap * ns * 4;
     const size_t off_w = off_idx + cap * K * 4, bytes = off_w + cap * K * 4;
@@ -446,7 +446,7 @@ static epx_result_t dispatch_routed(host_buffer_t *hb, uint64_t seq, const epx_h
                      H,
                      K,
                      dtype == EPX_DTYPE_FP8_E4M3 ? H / 128 : 0,
-                     (size_t)H * epx_dtype_size(dtype),
+                     (size_t)H * epx_dtype_bytes(dtype),
                      1};
     host_parallel_for(hb, kept, 16, copy_rows, &xc);
 
@@ -485,7 +485,7 @@ static epx_result_t dispatch_cached(host_buffer_t *hb, const epx_ht_dispatch_arg
                      H,
                      cfg->num_topk,
                      dtype == EPX_DTYPE_FP8_E4M3 ? H / 128 : 0,
-                     (size_t)H * epx_dtype_size(dtype),
+                     (size_t)H * epx_dtype_bytes(dtype),
                      0};
     host_parallel_for(hb, st->num_recv, 16, copy_rows, &xc);
     return EPX_SUCCESS;
@@ -525,7 +525,7 @@ epx_result_t host_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ht_di
                         H,
                         cfg->num_topk,
                         dtype == EPX_DTYPE_FP8_E4M3 ? H / 128 : 0,
-                        (size_t)H * epx_dtype_size(dtype),
+                        (size_t)H * epx_dtype_bytes(dtype),
                         !cached};
     host_parallel_for(hb, T, 64, publish_rows, &pc);
     int64_t words[W_DISPATCH_COUNT] = {0};

@@ -379,7 +379,7 @@ epx_result_t host_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_rm_di
     int64_t my_bound = permute ? args->num_permuted_tokens : args->num_dispatched_tokens;
     if (my_bound < 0) my_bound = -1;
     epx_dtype_t dtype = args->hidden.dtype;
-    size_t esize = epx_dtype_size(dtype);
+    size_t esize = epx_dtype_bytes(dtype);
     rm_in_layout_t lay = rm_in_layout(buffer);
     host_pub_t *pubs = NULL;
     rm_plan_t plan = {0};
