@@ -444,23 +444,12 @@ static void cuda_handle_free(epx_handle_t handle)
     handle->backend_state = NULL;
 }
 
-/* This rank failed its checks for a collective: launch the kernel that tells every peer and
- * keeps the epochs in step, after our earlier work on any stream finished. */
+/* The API layer refused a collective call: tell the peers. The table gives no stream, so this
+ * path cannot tell whether the caller captures (see epx_cuda_tell_peers). */
 static void cuda_fail_collective(epx_buffer_t buffer, uint64_t seq, epx_result_t res)
 {
     cuda_buffer_t *cb = buffer->backend_state;
-    if (!cb) return;
-    (void)cudaSetDevice(cb->device);
-    (void)cudaDeviceSynchronize();
-    epx_cuda_common_t c;
-    epx_cuda_fill_common(cb, &c);
-    epx_cuda_ll_on_fail(cb, cb->internal_stream);
-    if (epx_cuda_launch_fail(&c, cb->internal_stream) == cudaSuccess) {
-        cb->epoch++;
-        (void)cudaStreamSynchronize((cudaStream_t)cb->internal_stream);
-    }
-    EPX_INFO(EPX_SUBSYS_HT, "rank %d: told peers that collective call %llu failed (%s)", buffer->comm->rank,
-             (unsigned long long)seq, epx_result_name(res));
+    if (cb) epx_cuda_tell_peers(cb, seq, res, 0);
 }
 
 static epx_result_t cuda_query_overflow(epx_buffer_t buffer, int *overflowed_out)

@@ -50,8 +50,42 @@ epx_result_t epx_cuda_check(int err, const char *what, int rank);
 /* Reports the device error record when its epoch is >= min_epoch (once to the comm's async
  * error); returns its code, also as the thread's error when set_thread_error. */
 epx_result_t epx_cuda_report_record(cuda_buffer_t *cb, uint64_t min_epoch, int set_thread_error);
+
+/* Operation runner (src/cuda/op.c). An operation is one backend call on the caller's stream: its
+ * collective kernel takes the next epoch; after its last launch the buffer's event is recorded
+ * (not under capture, where the graph orders its replays). */
+typedef struct epx_cuda_op {
+    cuda_buffer_t *cb;
+    uint64_t seq;   /* collective call number; 0: not collective (layout, hook), never refused */
+    void *stream;
+    int capturing;  /* `stream` is being captured */
+    uint64_t mark;  /* epoch of the device error record before the call (0: none) */
+    uint64_t epoch; /* host epoch taken by the call's collective kernel (0: not queued yet) */
+} epx_cuda_op_t;
+
+/* Starts an operation: capture state, error mark and device (a failure to set it is refused).
+ * The mark: the device records an epoch only above every recorded one, so a record above it
+ * belongs to the call or to work queued before it. The host's epoch would not do: graph replays
+ * advance the device's epochs without the host, and a captured call the host's alone. */
+epx_result_t epx_cuda_op_begin(epx_cuda_op_t *op, epx_buffer_t buffer, uint64_t seq, void *stream);
+/* A failure before the call's collective kernel was queued: tells the peers (they return
+ * EPX_ERR_REMOTE instead of waiting out the timeout), keeps the epochs in step, returns `res`. */
+epx_result_t epx_cuda_op_refuse(const epx_cuda_op_t *op, epx_result_t res);
+/* After a launch that returned `err` (a cudaError_t): a failure is refused while the call's
+ * collective kernel is not queued; the first success takes the epoch. No event (a send half). */
+epx_result_t epx_cuda_op_sent(epx_cuda_op_t *op, int err, const char *what);
+/* The same for the call's last launch, then the event. */
+epx_result_t epx_cuda_op_launched(epx_cuda_op_t *op, int err, const char *what);
+/* Records the buffer's last-operation event on the stream (not under capture). */
+epx_result_t epx_cuda_op_record(const epx_cuda_op_t *op);
+/* Waits for the operation, then returns the device error recorded since the mark, if any. */
+epx_result_t epx_cuda_op_wait(const epx_cuda_op_t *op, const char *what);
 /* Waits (bounded by the comm's timeout) for the buffer's last operation. */
 epx_result_t epx_cuda_wait_event(cuda_buffer_t *cb, const char *what);
+/* Tells the peers that this rank fails collective call `seq` (launches the fail kernel after our
+ * earlier work); legal while the caller's stream is being captured when `capturing` says so.
+ * Sets no thread error, so the caller's message stays. */
+void epx_cuda_tell_peers(cuda_buffer_t *cb, uint64_t seq, epx_result_t res, int capturing);
 /* A handle slab from the pool (or a new one). */
 epx_result_t epx_cuda_handle_get(cuda_buffer_t *cb, cuda_handle_t **out);
 
@@ -80,6 +114,12 @@ epx_result_t epx_cuda_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_l
                                   epx_ll_dispatch_outputs_t *outputs);
 epx_result_t epx_cuda_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll_combine_args_t *args,
                                  epx_ll_combine_outputs_t *outputs);
+/* The dispatch fields of an LL kernel's arguments (what the send half reads of `args`). */
+void epx_cuda_ll_dispatch_args(const epx_ll_dispatch_args_t *args, epx_cuda_ll_args_t *a);
+/* The handle must name the dispatch that still owns its slot, with its receive half launched. */
+epx_result_t epx_cuda_ll_check_handle(cuda_buffer_t *cb, const epx_ll_handle_t *handle, const char *what);
+/* Our zero-copy combine input of `slot` ([L][R*T_max][H] bf16). */
+void *epx_cuda_ll_zc_ptr(cuda_buffer_t *cb, int slot);
 epx_result_t epx_cuda_ll_get_combine_buffer(epx_buffer_t buffer, const epx_ll_handle_t *handle,
                                             epx_tensor_t *view_out);
 epx_result_t epx_cuda_hook_run(const epx_hook_t *hook, void *stream);

@@ -4,61 +4,19 @@
  * the registered region), and the same-bytes ceiling for the benchmark. Kernels are in src/kernels/ht.cu.
  */
 #include <cuda_runtime.h>
-#include <sched.h>
 #include <stdio.h>
 #include <string.h>
-#include <time.h>
 
-#include "cuda/cuda.h"
 #include "bench/bench.h"
+#include "cuda/cuda.h"
 
-epx_result_t epx_cuda_wait_event(cuda_buffer_t *cb, const char *what)
+/* After the host wait: the device error recorded since the call's mark, or a bad expert id of
+ * the layout kernel, as the call's result. */
+static epx_result_t ht_wait(const epx_cuda_op_t *op, const char *what)
 {
-    epx_comm_t comm = cb->buffer->comm;
-    /* Device waits give up after the timeout; the slack covers launch and teardown of a kernel. */
-    const uint64_t deadline = epx_deadline_after_ms(comm->timeout_ms + 10000);
-    for (uint32_t it = 0;; it++) {
-        cudaError_t err = cudaEventQuery((cudaEvent_t)cb->event);
-        if (err == cudaSuccess) return EPX_SUCCESS;
-        if (err != cudaErrorNotReady) return epx_cuda_check(err, what, comm->rank);
-        if (epx_time_ns() > deadline)
-            return epx_error(EPX_ERR_TIMEOUT, "rank %d: %s: the device did not finish within %lld ms",
-                             comm->rank, what, (long long)comm->timeout_ms + 10000);
-        if (it < 20000) {
-            sched_yield();
-        } else {
-            struct timespec ts = {0, 20000};
-            nanosleep(&ts, NULL);
-        }
-    }
-}
-
-static int capturing(void *stream)
-{
-    enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing((cudaStream_t)stream, &st) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return 0;
-    }
-    return st != cudaStreamCaptureStatusNone;
-}
-
-/* Epoch of the last device error record before a call. The device records an epoch only when it
- * is above every recorded one, so a record above this mark belongs to the call (or to work queued
- * before it). Counting on the host's own epoch would not do: graph replays advance the device's
- * epochs without the host, and a captured call advances the host's without the device. */
-static uint64_t err_mark(const cuda_buffer_t *cb)
-{
-    const volatile epx_cuda_host_block_t *hb = cb->host;
-    return hb->err.code != 0 ? hb->err.epoch : 0;
-}
-
-/* After a synchronous wait: an error recorded since `mark`, or a bad expert id, as the call's
- * result. */
-static epx_result_t check_epoch(cuda_buffer_t *cb, uint64_t mark)
-{
+    cuda_buffer_t *cb = op->cb;
+    EPX_CHECK(epx_cuda_op_wait(op, what));
     volatile epx_cuda_host_block_t *hb = cb->host;
-    if (hb->err.code != 0 && hb->err.epoch > mark) return epx_cuda_report_record(cb, mark + 1, 1);
     if (hb->bad_where) {
         int64_t w = hb->bad_where - 1;
         hb->bad_where = 0;
@@ -71,48 +29,35 @@ static epx_result_t check_epoch(cuda_buffer_t *cb, uint64_t mark)
     return EPX_SUCCESS;
 }
 
-/* A backend-level failure before the kernels were queued: tell the peers (they return
- * EPX_ERR_REMOTE instead of waiting out the timeout) and keep the epochs in step. */
-static epx_result_t refuse(epx_buffer_t buffer, uint64_t seq, epx_result_t res)
+/* The layout kernel's arguments every caller shares; outputs stay NULL (skipped). */
+static void layout_args(epx_buffer_t buffer, const epx_tensor_t *topk_idx, epx_cuda_layout_args_t *a)
 {
-    char message[1024];
-    epx_error_copy(message, sizeof(message));
-    if (buffer->ops->fail_collective) buffer->ops->fail_collective(buffer, seq, res);
-    epx_error_set_message(message);
-    return res;
-}
-
-static epx_result_t launched(cuda_buffer_t *cb, int err, const char *what, void *stream)
-{
-    EPX_CHECK(epx_cuda_check(err, what, cb->buffer->comm->rank));
-    if (capturing(stream)) return EPX_SUCCESS; /* the graph orders its own replays */
-    return epx_cuda_check(cudaEventRecord((cudaEvent_t)cb->event, (cudaStream_t)stream), "cudaEventRecord",
-                          cb->buffer->comm->rank);
+    const cuda_buffer_t *cb = buffer->backend_state;
+    memset(a, 0, sizeof(*a));
+    a->topk_idx = topk_idx->data;
+    a->idx_is_64 = topk_idx->dtype == EPX_DTYPE_INT64;
+    a->num_tokens = topk_idx->shape[0];
+    a->num_topk = buffer->config.num_topk;
+    a->num_experts = buffer->config.num_experts;
+    a->nranks = buffer->comm->nranks;
+    a->num_local_experts = buffer->num_local_experts;
+    a->host = cb->host_dev;
+    a->rank = buffer->comm->rank;
 }
 
 epx_result_t epx_cuda_layout(epx_buffer_t buffer, const epx_tensor_t *topk_idx, epx_layout_outputs_t *outputs,
                              void *stream)
 {
-    cuda_buffer_t *cb = buffer->backend_state;
-    epx_comm_t comm = buffer->comm;
-    EPX_CHECK(epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", comm->rank));
+    epx_cuda_op_t op;
+    EPX_CHECK(epx_cuda_op_begin(&op, buffer, 0, stream));
     epx_cuda_layout_args_t a;
-    memset(&a, 0, sizeof(a));
-    a.topk_idx = topk_idx->data;
-    a.idx_is_64 = topk_idx->dtype == EPX_DTYPE_INT64;
-    a.num_tokens = topk_idx->shape[0];
-    a.num_topk = buffer->config.num_topk;
-    a.num_experts = buffer->config.num_experts;
-    a.nranks = comm->nranks;
-    a.num_local_experts = buffer->num_local_experts;
+    layout_args(buffer, topk_idx, &a);
     a.num_tokens_per_rank = outputs->num_tokens_per_rank.data;
     a.num_tokens_per_expert = outputs->num_tokens_per_expert.data;
     a.is_token_in_rank = outputs->is_token_in_rank.data;
     a.num_tokens_per_domain = outputs->num_tokens_per_domain.data;
-    a.ranks_per_domain = comm->ranks_per_domain;
-    a.host = cb->host_dev;
-    a.rank = comm->rank;
-    return launched(cb, epx_cuda_launch_layout(&a, stream), "layout kernel launch", stream);
+    a.ranks_per_domain = buffer->comm->ranks_per_domain;
+    return epx_cuda_op_launched(&op, epx_cuda_launch_layout(&a, stream), "layout kernel launch");
 }
 
 static int64_t rows_of(const epx_tensor_t *t, int64_t cap)
@@ -145,11 +90,12 @@ static void set_views(const cuda_buffer_t *cb, const epx_ht_dispatch_args_t *arg
 }
 
 /* View mode (recv_in_buffer): one kernel pair writes every row once into its final place. */
-static epx_result_t ht_dispatch_view(epx_buffer_t buffer, const epx_ht_dispatch_args_t *args,
+static epx_result_t ht_dispatch_view(epx_cuda_op_t *op, const epx_ht_dispatch_args_t *args,
                                      epx_ht_dispatch_outputs_t *outputs, epx_handle_t handle,
-                                     cuda_handle_t *h, epx_cuda_dispatch_args_t *a)
+                                     epx_cuda_dispatch_args_t *a)
 {
-    cuda_buffer_t *cb = buffer->backend_state;
+    cuda_buffer_t *cb = op->cb;
+    epx_buffer_t buffer = cb->buffer;
     const int me = buffer->comm->rank, cached = args->cached_handle != NULL;
     const int is_static = args->num_worst_tokens > 0;
     const int64_t cap_rows = (int64_t)buffer->comm->nranks * buffer->config.max_tokens;
@@ -162,25 +108,22 @@ static epx_result_t ht_dispatch_view(epx_buffer_t buffer, const epx_ht_dispatch_
     a->static_mode = is_static;
     a->expert_alignment = args->expert_alignment > 0 ? args->expert_alignment : 1;
     if (!is_static) ((volatile epx_cuda_host_block_t *)cb->host)->num_recv = -1;
-    const uint64_t mark = err_mark(cb);
-    EPX_CHECK(launched(cb, epx_cuda_launch_dispatch_view(a, args->stream), "view dispatch kernel launch",
-                       args->stream));
-    const uint64_t epoch = ++cb->epoch;
-    EPX_TRACE(EPX_SUBSYS_HT, "rank %d: view dispatch epoch %llu T %lld%s%s", me, (unsigned long long)epoch,
-              (long long)args->x.shape[0], cached ? " cached" : "", is_static ? " static" : "");
+    EPX_CHECK(epx_cuda_op_launched(op, epx_cuda_launch_dispatch_view(a, op->stream),
+                                   "view dispatch kernel launch"));
+    EPX_TRACE(EPX_SUBSYS_HT, "rank %d: view dispatch epoch %llu T %lld%s%s", me,
+              (unsigned long long)op->epoch, (long long)args->x.shape[0], cached ? " cached" : "",
+              is_static ? " static" : "");
     if (is_static) {
         outputs->num_recv_tokens_host = -1;
         if (!cached) handle->num_recv = args->num_worst_tokens;
         set_views(cb, args, outputs, args->num_worst_tokens);
         return EPX_SUCCESS;
     }
-    EPX_CHECK(epx_cuda_wait_event(cb, "epx_ht_dispatch"));
-    EPX_CHECK(check_epoch(cb, mark));
+    EPX_CHECK(ht_wait(op, "epx_ht_dispatch"));
     const int64_t n = ((volatile epx_cuda_host_block_t *)cb->host)->num_recv;
     if (n < 0)
         return epx_error(EPX_ERR_REMOTE, "rank %d: view dispatch epoch %llu was abandoned on the device", me,
-                         (unsigned long long)epoch);
-    (void)h;
+                         (unsigned long long)op->epoch);
     outputs->num_recv_tokens_host = n;
     if (!cached) handle->num_recv = n;
     set_views(cb, args, outputs, n);
@@ -191,12 +134,12 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
                                   epx_ht_dispatch_outputs_t *outputs, epx_handle_t handle)
 {
     cuda_buffer_t *cb = buffer->backend_state;
-    epx_comm_t comm = buffer->comm;
-    const int me = comm->rank;
+    const int me = buffer->comm->rank;
     const int is_static = args->num_worst_tokens > 0;
     const int cached = args->cached_handle != NULL;
-    EPX_CHECK(epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me));
-    if (!is_static && capturing(args->stream))
+    epx_cuda_op_t op;
+    EPX_CHECK(epx_cuda_op_begin(&op, buffer, seq, args->stream));
+    if (!is_static && op.capturing)
         return epx_error(
             EPX_ERR_GRAPH_CAPTURE,
             "rank %d: epx_ht_dispatch without num_worst_tokens waits on the host "
@@ -209,30 +152,20 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
     if (cached) {
         h = handle->backend_state;
         if (!h)
-            return refuse(
-                buffer, seq,
-                epx_error(EPX_ERR_INVALID_ARG, "rank %d: args.cached_handle has no device state", me));
+            return epx_cuda_op_refuse(
+                &op, epx_error(EPX_ERR_INVALID_ARG, "rank %d: args.cached_handle has no device state", me));
     } else {
         res = epx_cuda_handle_get(cb, &h);
-        if (res != EPX_SUCCESS) return refuse(buffer, seq, res);
+        if (res != EPX_SUCCESS) return epx_cuda_op_refuse(&op, res);
         h->static_mode = is_static;
         handle->backend_state = h;
         epx_cuda_layout_args_t la;
-        memset(&la, 0, sizeof(la));
-        la.topk_idx = args->topk_idx.data;
-        la.idx_is_64 = args->topk_idx.dtype == EPX_DTYPE_INT64;
-        la.num_tokens = T;
-        la.num_topk = buffer->config.num_topk;
-        la.num_experts = buffer->config.num_experts;
-        la.nranks = comm->nranks;
-        la.num_local_experts = buffer->num_local_experts;
+        layout_args(buffer, &args->topk_idx, &la);
         la.send_row = h->dev.send_row;
         la.num_tokens_per_rank = h->dev.send_count;
-        la.ranks_per_domain = comm->nranks;
-        la.host = cb->host_dev;
-        la.rank = me;
+        la.ranks_per_domain = buffer->comm->nranks;
         res = epx_cuda_check(epx_cuda_launch_layout(&la, args->stream), "layout kernel launch", me);
-        if (res != EPX_SUCCESS) return refuse(buffer, seq, res);
+        if (res != EPX_SUCCESS) return epx_cuda_op_refuse(&op, res);
     }
 
     epx_cuda_dispatch_args_t a;
@@ -251,7 +184,7 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
     a.topk_idx = args->topk_idx.data;
     a.idx_is_64 = args->topk_idx.dtype == EPX_DTYPE_INT64;
     a.topk_weights = args->topk_weights.data;
-    if (args->recv_in_buffer) return ht_dispatch_view(buffer, args, outputs, handle, h, &a);
+    if (args->recv_in_buffer) return ht_dispatch_view(&op, args, outputs, handle, &a);
     a.recv_x = outputs->recv_x.data;
     int64_t cap = outputs->recv_x.shape[0];
     if (a.recv_scales) cap = rows_of(&outputs->recv_x_scales, cap);
@@ -269,12 +202,11 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
     a.static_mode = is_static;
     a.expert_alignment = args->expert_alignment > 0 ? args->expert_alignment : 1;
     if (!is_static) ((volatile epx_cuda_host_block_t *)cb->host)->num_recv = -1;
-    const uint64_t mark = err_mark(cb);
     EPX_CHECK(
-        launched(cb, epx_cuda_launch_dispatch(&a, args->stream), "dispatch kernel launch", args->stream));
-    const uint64_t epoch = ++cb->epoch;
+        epx_cuda_op_launched(&op, epx_cuda_launch_dispatch(&a, args->stream), "dispatch kernel launch"));
     EPX_TRACE(EPX_SUBSYS_HT, "rank %d: dispatch seq %llu epoch %llu T %lld%s%s", me, (unsigned long long)seq,
-              (unsigned long long)epoch, (long long)T, cached ? " cached" : "", is_static ? " static" : "");
+              (unsigned long long)op.epoch, (long long)T, cached ? " cached" : "",
+              is_static ? " static" : "");
     if (is_static) {
         /* No host synchronisation: N_r goes to the num_recv_tokens tensor; combine takes rows from
          * the device. */
@@ -282,12 +214,11 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
         if (!cached) handle->num_recv = args->num_worst_tokens;
         return EPX_SUCCESS;
     }
-    EPX_CHECK(epx_cuda_wait_event(cb, "epx_ht_dispatch"));
-    EPX_CHECK(check_epoch(cb, mark));
+    EPX_CHECK(ht_wait(&op, "epx_ht_dispatch"));
     const int64_t n = ((volatile epx_cuda_host_block_t *)cb->host)->num_recv;
     if (n < 0) /* the device gave up without a record of its own: teardown's abort flag */
         return epx_error(EPX_ERR_REMOTE, "rank %d: dispatch epoch %llu was abandoned on the device", me,
-                         (unsigned long long)epoch);
+                         (unsigned long long)op.epoch);
     if (n > cap)
         return epx_error(EPX_ERR_INVALID_ARG,
                          "rank %d: outputs hold %lld rows but N_r = %lld tokens arrived; nothing "
@@ -302,13 +233,13 @@ epx_result_t epx_cuda_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht
                                  epx_ht_combine_outputs_t *outputs)
 {
     cuda_buffer_t *cb = buffer->backend_state;
-    epx_comm_t comm = buffer->comm;
-    const int me = comm->rank;
+    const int me = buffer->comm->rank;
     cuda_handle_t *h = args->handle->backend_state;
+    epx_cuda_op_t op;
+    EPX_CHECK(epx_cuda_op_begin(&op, buffer, seq, args->stream));
     if (!h)
-        return refuse(buffer, seq,
-                      epx_error(EPX_ERR_INVALID_ARG, "rank %d: args.handle has no device state", me));
-    EPX_CHECK(epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me));
+        return epx_cuda_op_refuse(
+            &op, epx_error(EPX_ERR_INVALID_ARG, "rank %d: args.handle has no device state", me));
     epx_cuda_combine_args_t a;
     memset(&a, 0, sizeof(a));
     epx_cuda_fill_common(cb, &a.c);
@@ -321,20 +252,17 @@ epx_result_t epx_cuda_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht
     a.combined_x = outputs->combined_x.data;
     a.combined_topk_weights = outputs->combined_topk_weights.data;
     a.in_buffer = args->x_in_buffer != 0;
-    const uint64_t mark = err_mark(cb);
     if (a.in_buffer)
-        EPX_CHECK(launched(cb, epx_cuda_launch_combine_view(&a, args->stream), "view combine kernel launch",
-                           args->stream));
+        EPX_CHECK(epx_cuda_op_launched(&op, epx_cuda_launch_combine_view(&a, args->stream),
+                                       "view combine kernel launch"));
     else
         EPX_CHECK(
-            launched(cb, epx_cuda_launch_combine(&a, args->stream), "combine kernel launch", args->stream));
-    const uint64_t epoch = ++cb->epoch;
+            epx_cuda_op_launched(&op, epx_cuda_launch_combine(&a, args->stream), "combine kernel launch"));
     EPX_TRACE(EPX_SUBSYS_HT, "rank %d: combine seq %llu epoch %llu", me, (unsigned long long)seq,
-              (unsigned long long)epoch);
+              (unsigned long long)op.epoch);
     /* Eager (non-static) handles report errors synchronously; static ones through the poller. */
-    if (h->static_mode || capturing(args->stream)) return EPX_SUCCESS;
-    EPX_CHECK(epx_cuda_wait_event(cb, "epx_ht_combine"));
-    return check_epoch(cb, mark);
+    if (h->static_mode || op.capturing) return EPX_SUCCESS;
+    return ht_wait(&op, "epx_ht_combine");
 }
 
 epx_result_t epx_cuda_ht_get_combine_input(epx_buffer_t buffer, epx_handle_t handle, epx_tensor_t *view_out)

@@ -8,8 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cuda/cuda.h"
 #include "bench/bench.h"
+#include "cuda/cuda.h"
 
 enum { LL_PENDING_NONE = 0, LL_PENDING_DISPATCH = 1, LL_PENDING_COMBINE = 2 };
 
@@ -100,26 +100,6 @@ void epx_cuda_ll_fini(cuda_buffer_t *cb)
     cb->ll = NULL;
 }
 
-static int ll_capturing(void *stream)
-{
-    enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing((cudaStream_t)stream, &st) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return 0;
-    }
-    return st != cudaStreamCaptureStatusNone;
-}
-
-/* After a launch: the buffer's last-operation event (outside capture; a graph orders itself). */
-static epx_result_t ll_launched(cuda_buffer_t *cb, int err, const char *what, void *stream)
-{
-    const int me = cb->buffer->comm->rank;
-    EPX_CHECK(epx_cuda_check(err, what, me));
-    if (ll_capturing(stream)) return EPX_SUCCESS;
-    return epx_cuda_check(cudaEventRecord((cudaEvent_t)cb->event, (cudaStream_t)stream), "cudaEventRecord",
-                          me);
-}
-
 static void ll_fill(cuda_buffer_t *cb, cuda_ll_t *ll, int slot, epx_cuda_ll_args_t *a)
 {
     memset(a, 0, sizeof(*a));
@@ -129,11 +109,15 @@ static void ll_fill(cuda_buffer_t *cb, cuda_ll_t *ll, int slot, epx_cuda_ll_args
     a->num_experts = cb->buffer->config.num_experts;
 }
 
-/* A device failure of an earlier LL call reaches the comm now rather than at the poller's next
- * look, so a caller that synchronised and then calls again sees it in epx_get_async_error. */
-static void ll_report_pending(cuda_buffer_t *cb)
+/* Starts an LL call. A device failure of an earlier LL call reaches the comm now rather than at
+ * the poller's next look, so a caller that synchronised and then calls again sees it in
+ * epx_get_async_error. */
+static epx_result_t ll_begin(epx_cuda_op_t *op, epx_buffer_t buffer, uint64_t seq, void *stream)
 {
-    if (((volatile epx_cuda_host_block_t *)cb->host)->err.code != 0) (void)epx_cuda_report_record(cb, 1, 0);
+    cuda_buffer_t *cb = buffer->backend_state;
+    if (cb->ll && ((volatile epx_cuda_host_block_t *)cb->host)->err.code != 0)
+        (void)epx_cuda_report_record(cb, 1, 0);
+    return epx_cuda_op_begin(op, buffer, seq, stream);
 }
 
 /* A new call on `slot` drops the slot's receive half that never ran; the send kernel releases it. */
@@ -144,24 +128,26 @@ static void ll_take_drops(ll_slot_t *sl, epx_cuda_ll_args_t *a)
     sl->pending = LL_PENDING_NONE;
 }
 
-static void ll_mark_sent(ll_slot_t *sl, void *stream)
+/* After the send half: its event, for a hook run on another stream (not under capture). */
+static void ll_mark_sent(ll_slot_t *sl, const epx_cuda_op_t *op)
 {
     sl->sent_recorded = 0;
-    if (ll_capturing(stream)) return;
-    if (cudaEventRecord(sl->sent, (cudaStream_t)stream) == cudaSuccess)
+    if (op->capturing) return;
+    if (cudaEventRecord(sl->sent, (cudaStream_t)op->stream) == cudaSuccess)
         sl->sent_recorded = 1;
     else
         (void)cudaGetLastError();
 }
 
-/* A backend-level refusal of a collective call: tell the peers and keep the epochs in step. */
-static epx_result_t ll_refuse(epx_buffer_t buffer, uint64_t seq, epx_result_t res)
+void epx_cuda_ll_dispatch_args(const epx_ll_dispatch_args_t *args, epx_cuda_ll_args_t *a)
 {
-    char message[1024];
-    epx_error_copy(message, sizeof(message));
-    if (buffer->ops->fail_collective) buffer->ops->fail_collective(buffer, seq, res);
-    epx_error_set_message(message);
-    return res;
+    a->use_fp8 = args->use_fp8 != 0;
+    a->round_scale = args->round_scale != 0;
+    a->use_ue8m0 = args->use_ue8m0 != 0;
+    a->num_tokens = args->x.shape[0];
+    a->topk_idx = args->topk_idx.data;
+    a->idx_is_64 = args->topk_idx.dtype == EPX_DTYPE_INT64;
+    a->x = args->x.data;
 }
 
 epx_result_t epx_cuda_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ll_dispatch_args_t *args,
@@ -170,13 +156,12 @@ epx_result_t epx_cuda_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_l
     cuda_buffer_t *cb = buffer->backend_state;
     cuda_ll_t *ll = cb->ll;
     const int me = buffer->comm->rank;
+    epx_cuda_op_t op;
+    EPX_CHECK(ll_begin(&op, buffer, seq, args->stream)); /* peers must not wait for us */
     if (!ll)
-        return ll_refuse(buffer, seq, epx_error(EPX_ERR_INTERNAL, "rank %d: buffer has no ll state", me));
+        return epx_cuda_op_refuse(&op, epx_error(EPX_ERR_INTERNAL, "rank %d: buffer has no ll state", me));
     const int slot = (int)((buffer->ll_dispatches - 1) % 2);
     ll_slot_t *sl = &ll->slots[slot];
-    ll_report_pending(cb);
-    epx_result_t res = epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me);
-    if (res != EPX_SUCCESS) return ll_refuse(buffer, seq, res); /* peers must not wait for us */
 
     epx_cuda_ll_args_t a;
     ll_fill(cb, ll, slot, &a);
@@ -185,13 +170,7 @@ epx_result_t epx_cuda_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_l
     sl->valid = 0;
     sl->recv_done = 0;
     sl->num_tokens = (int32_t)args->x.shape[0];
-    a.use_fp8 = args->use_fp8 != 0;
-    a.round_scale = args->round_scale != 0;
-    a.use_ue8m0 = args->use_ue8m0 != 0;
-    a.num_tokens = args->x.shape[0];
-    a.topk_idx = args->topk_idx.data;
-    a.idx_is_64 = args->topk_idx.dtype == EPX_DTYPE_INT64;
-    a.x = args->x.data;
+    epx_cuda_ll_dispatch_args(args, &a);
     a.recv_x = outputs->recv_x.data;
     a.recv_scales = outputs->recv_scales.data;
     a.recv_count = outputs->recv_count.data;
@@ -199,14 +178,13 @@ epx_result_t epx_cuda_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_l
     a.layout_range = outputs->layout_range.data;
     a.cumulative = args->cumulative_recv_stats.data;
 
-    res = epx_cuda_check(epx_cuda_launch_ll_dispatch_send(&a, args->stream), "ll dispatch send launch", me);
-    if (res != EPX_SUCCESS) return ll_refuse(buffer, seq, res);
+    EPX_CHECK(
+        epx_cuda_op_sent(&op, epx_cuda_launch_ll_dispatch_send(&a, args->stream), "ll dispatch send launch"));
     ll->dispatches_seen = buffer->ll_dispatches;
-    const uint64_t epoch = ++cb->epoch;
-    ll_mark_sent(sl, args->stream);
+    ll_mark_sent(sl, &op);
     sl->valid = 1;
     EPX_TRACE(EPX_SUBSYS_LL, "rank %d: ll dispatch seq %llu epoch %llu slot %d T %lld%s%s", me,
-              (unsigned long long)seq, (unsigned long long)epoch, slot, (long long)a.num_tokens,
+              (unsigned long long)seq, (unsigned long long)op.epoch, slot, (long long)a.num_tokens,
               a.use_fp8 ? " fp8" : "", args->return_recv_hook ? " hook" : "");
     epx_ll_handle_t handle = {seq, slot, sl->num_tokens};
     a.drop_disp = a.drop_comb = 0;
@@ -216,17 +194,16 @@ epx_result_t epx_cuda_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_l
         sl->pending_seq = seq;
         outputs->handle = handle;
         outputs->hook = (epx_hook_t){buffer, seq, LL_PENDING_DISPATCH, slot};
-        return ll_launched(cb, cudaSuccess, "ll dispatch send launch", args->stream);
+        return epx_cuda_op_record(&op);
     }
-    EPX_CHECK(ll_launched(cb, epx_cuda_launch_ll_dispatch_recv(&a, args->stream), "ll dispatch recv launch",
-                          args->stream));
+    EPX_CHECK(epx_cuda_op_launched(&op, epx_cuda_launch_ll_dispatch_recv(&a, args->stream),
+                                   "ll dispatch recv launch"));
     sl->recv_done = 1;
     outputs->handle = handle;
     return EPX_SUCCESS;
 }
 
-/* The handle must name the dispatch that still owns its slot, with its receive half launched. */
-static epx_result_t ll_check_handle(cuda_buffer_t *cb, const epx_ll_handle_t *handle, const char *what)
+epx_result_t epx_cuda_ll_check_handle(cuda_buffer_t *cb, const epx_ll_handle_t *handle, const char *what)
 {
     cuda_ll_t *ll = cb->ll;
     const int me = cb->buffer->comm->rank;
@@ -250,7 +227,7 @@ static epx_result_t ll_check_handle(cuda_buffer_t *cb, const epx_ll_handle_t *ha
     return EPX_SUCCESS;
 }
 
-static void *ll_zc_ptr(cuda_buffer_t *cb, int slot)
+void *epx_cuda_ll_zc_ptr(cuda_buffer_t *cb, int slot)
 {
     cuda_ll_t *ll = cb->ll;
     epx_buffer_t b = cb->buffer;
@@ -265,14 +242,14 @@ epx_result_t epx_cuda_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll
     cuda_buffer_t *cb = buffer->backend_state;
     cuda_ll_t *ll = cb->ll;
     const int me = buffer->comm->rank;
-    if (ll) ll_report_pending(cb);
-    epx_result_t res = ll_check_handle(cb, &args->handle, "ll combine");
+    epx_cuda_op_t op;
+    EPX_CHECK(ll_begin(&op, buffer, seq, args->stream));
+    epx_result_t res = epx_cuda_ll_check_handle(cb, &args->handle, "ll combine");
     if (res == EPX_SUCCESS && args->topk_idx.shape[0] != args->handle.num_tokens)
         res = epx_error(EPX_ERR_INVALID_ARG,
                         "rank %d: ll combine: topk_idx has %lld rows, the dispatch had T = %d", me,
                         (long long)args->topk_idx.shape[0], args->handle.num_tokens);
-    if (res == EPX_SUCCESS) res = epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me);
-    if (res != EPX_SUCCESS) return ll_refuse(buffer, seq, res);
+    if (res != EPX_SUCCESS) return epx_cuda_op_refuse(&op, res);
     const int slot = args->handle.slot;
     ll_slot_t *sl = &ll->slots[slot];
     epx_cuda_ll_args_t a;
@@ -281,38 +258,37 @@ epx_result_t epx_cuda_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll
     a.num_tokens = args->handle.num_tokens;
     a.topk_idx = args->topk_idx.data;
     a.idx_is_64 = args->topk_idx.dtype == EPX_DTYPE_INT64;
-    a.y = args->zero_copy ? (const uint16_t *)ll_zc_ptr(cb, slot) : (const uint16_t *)args->y.data;
+    a.y = args->zero_copy ? (const uint16_t *)epx_cuda_ll_zc_ptr(cb, slot) : (const uint16_t *)args->y.data;
     a.topk_weights = args->topk_weights.data;
     a.combined_x = outputs->combined_x.data;
-    res = epx_cuda_check(epx_cuda_launch_ll_combine_send(&a, args->stream), "ll combine send launch", me);
-    if (res != EPX_SUCCESS) return ll_refuse(buffer, seq, res);
-    const uint64_t epoch = ++cb->epoch;
-    ll_mark_sent(sl, args->stream);
+    EPX_CHECK(
+        epx_cuda_op_sent(&op, epx_cuda_launch_ll_combine_send(&a, args->stream), "ll combine send launch"));
+    ll_mark_sent(sl, &op);
     EPX_TRACE(EPX_SUBSYS_LL, "rank %d: ll combine seq %llu of dispatch %llu epoch %llu slot %d%s%s", me,
-              (unsigned long long)seq, (unsigned long long)args->handle.seq, (unsigned long long)epoch, slot,
-              args->zero_copy ? " zero-copy" : "", args->return_recv_hook ? " hook" : "");
+              (unsigned long long)seq, (unsigned long long)args->handle.seq, (unsigned long long)op.epoch,
+              slot, args->zero_copy ? " zero-copy" : "", args->return_recv_hook ? " hook" : "");
     a.drop_disp = a.drop_comb = 0;
     if (args->return_recv_hook) {
         sl->recv_args = a;
         sl->pending = LL_PENDING_COMBINE;
         sl->pending_seq = seq;
         outputs->hook = (epx_hook_t){buffer, seq, LL_PENDING_COMBINE, slot};
-        return ll_launched(cb, cudaSuccess, "ll combine send launch", args->stream);
+        return epx_cuda_op_record(&op);
     }
-    return ll_launched(cb, epx_cuda_launch_ll_combine_recv(&a, args->stream), "ll combine recv launch",
-                       args->stream);
+    return epx_cuda_op_launched(&op, epx_cuda_launch_ll_combine_recv(&a, args->stream),
+                                "ll combine recv launch");
 }
 
 epx_result_t epx_cuda_ll_get_combine_buffer(epx_buffer_t buffer, const epx_ll_handle_t *handle,
                                             epx_tensor_t *view_out)
 {
     cuda_buffer_t *cb = buffer->backend_state;
-    EPX_CHECK(ll_check_handle(cb, handle, "ll combine buffer"));
+    EPX_CHECK(epx_cuda_ll_check_handle(cb, handle, "ll combine buffer"));
     /* The view is this rank's own memory: no peer writes it, and the previous combine of the slot
      * read it earlier on the caller's stream. The caller's writes must be ordered before the combine
      * on its stream (a cudaMemcpy from pageable memory on the legacy stream is not). */
     epx_tensor_t v =
-        epx_tensor_3d(ll_zc_ptr(cb, handle->slot), EPX_DTYPE_BF16, buffer->num_local_experts,
+        epx_tensor_3d(epx_cuda_ll_zc_ptr(cb, handle->slot), EPX_DTYPE_BF16, buffer->num_local_experts,
                       (int64_t)buffer->comm->nranks * buffer->config.max_tokens, buffer->config.hidden);
     v.device_type = EPX_DEVICE_CUDA;
     v.device_id = cb->device;
@@ -335,17 +311,18 @@ epx_result_t epx_cuda_hook_run(const epx_hook_t *hook, void *stream)
         return epx_error(EPX_ERR_INVALID_ARG,
                          "rank %d: hook of seq %llu already ran or its slot %d was reused", me,
                          (unsigned long long)hook->seq, hook->slot);
-    ll_report_pending(cb);
-    EPX_CHECK(epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me));
+    /* The receive half belongs to the epoch its send half took: nothing here is refused. */
+    epx_cuda_op_t op;
+    EPX_CHECK(ll_begin(&op, buffer, 0, stream));
     /* A hook run on another stream than its send half still follows it. */
-    if (sl->sent_recorded && !ll_capturing(stream))
+    if (sl->sent_recorded && !op.capturing)
         EPX_CHECK(epx_cuda_check(cudaStreamWaitEvent((cudaStream_t)stream, sl->sent, 0),
                                  "cudaStreamWaitEvent", me));
     const int is_dispatch = hook->kind == LL_PENDING_DISPATCH;
     const int err = is_dispatch ? epx_cuda_launch_ll_dispatch_recv(&sl->recv_args, stream)
                                 : epx_cuda_launch_ll_combine_recv(&sl->recv_args, stream);
     EPX_CHECK(
-        ll_launched(cb, err, is_dispatch ? "ll dispatch recv launch" : "ll combine recv launch", stream));
+        epx_cuda_op_launched(&op, err, is_dispatch ? "ll dispatch recv launch" : "ll combine recv launch"));
     sl->pending = LL_PENDING_NONE;
     if (is_dispatch) sl->recv_done = 1;
     return EPX_SUCCESS;
@@ -394,7 +371,7 @@ epx_result_t epx_cuda_ll_floor(epx_buffer_t buffer, int kind, const epx_ll_dispa
         return epx_cuda_check(epx_cuda_launch_ll_dispatch_send(&a, stream), "ll floor launch",
                               buffer->comm->rank);
     }
-    EPX_CHECK(ll_check_handle(cb, handle, "ll floor"));
-    a.y = ll_zc_ptr(cb, slot);
+    EPX_CHECK(epx_cuda_ll_check_handle(cb, handle, "ll floor"));
+    a.y = epx_cuda_ll_zc_ptr(cb, slot);
     return epx_cuda_check(epx_cuda_launch_ll_combine_send(&a, stream), "ll floor launch", buffer->comm->rank);
 }

@@ -114,45 +114,6 @@ void epx_cuda_rm_fini(cuda_buffer_t *cb)
     }
 }
 
-static int rm_capturing(void *stream)
-{
-    enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing((cudaStream_t)stream, &st) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return 0;
-    }
-    return st != cudaStreamCaptureStatusNone;
-}
-
-static epx_result_t rm_launched(cuda_buffer_t *cb, int err, const char *what, void *stream)
-{
-    EPX_CHECK(epx_cuda_check(err, what, cb->buffer->comm->rank));
-    if (rm_capturing(stream)) return EPX_SUCCESS; /* the graph orders its own replays */
-    return epx_cuda_check(cudaEventRecord((cudaEvent_t)cb->event, (cudaStream_t)stream), "cudaEventRecord",
-                          cb->buffer->comm->rank);
-}
-
-/* Waits for the operation of `epoch` and returns its device-side failure, if any. */
-static epx_result_t rm_wait(cuda_buffer_t *cb, uint64_t epoch, const char *what)
-{
-    EPX_CHECK(epx_cuda_wait_event(cb, what));
-    volatile epx_cuda_host_block_t *hb = cb->host;
-    if (hb->err.code != 0 && hb->err.epoch >= epoch) return epx_cuda_report_record(cb, epoch, 1);
-    return EPX_SUCCESS;
-}
-
-/* A refusal before the kernels ran: peers would wait for our rows until the timeout, so tell
- * them (not under capture, where nothing runs yet and a device synchronisation is illegal). */
-static epx_result_t rm_refuse(epx_buffer_t buffer, uint64_t seq, epx_result_t res, int capturing)
-{
-    if (capturing || !buffer->ops->fail_collective) return res;
-    char msg[512];
-    epx_error_copy(msg, sizeof(msg));
-    buffer->ops->fail_collective(buffer, seq, res);
-    epx_error_set_message(msg);
-    return res;
-}
-
 /* One rank alone has no peer kernels to stay co-resident with and nothing to overlap the
  * permute with: unless num_sms was asked for, its kernels take the whole GPU (as a framework's
  * gather would) instead of the communication share. */
@@ -164,6 +125,20 @@ static epx_result_t rm_grid(cuda_buffer_t *cb, epx_cuda_common_t *c)
     EPX_CHECK(epx_cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, cb->device),
                              "cudaDeviceGetAttribute", b->comm->rank));
     if (sms > c->num_blocks) c->num_blocks = sms;
+    return EPX_SUCCESS;
+}
+
+/* The arguments both routing-map kernels share; a failure is refused. */
+static epx_result_t rm_args(const epx_cuda_op_t *op, const rm_slab_t *s, int64_t num_tokens,
+                            epx_cuda_rm_args_t *a)
+{
+    memset(a, 0, sizeof(*a));
+    epx_cuda_fill_common(op->cb, &a->c);
+    epx_result_t res = rm_grid(op->cb, &a->c);
+    if (res != EPX_SUCCESS) return epx_cuda_op_refuse(op, res);
+    a->h = s->dev;
+    a->num_tokens = num_tokens;
+    a->num_experts = op->cb->buffer->config.num_experts;
     return EPX_SUCCESS;
 }
 
@@ -181,22 +156,19 @@ epx_result_t epx_cuda_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_r
     const int64_t bound = permute ? args->num_permuted_tokens : args->num_dispatched_tokens;
     const int bounded = bound >= 0;
     const char *bound_name = permute ? "num_permuted_tokens" : "num_dispatched_tokens";
-    const int capturing = rm_capturing(args->stream);
-    epx_result_t res = epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me);
-    if (res != EPX_SUCCESS) return rm_refuse(buffer, seq, res, capturing);
-    if (!bounded && capturing)
+    epx_cuda_op_t op;
+    EPX_CHECK(epx_cuda_op_begin(&op, buffer, seq, args->stream));
+    if (!bounded && op.capturing)
         return epx_error(EPX_ERR_GRAPH_CAPTURE,
                          "rank %d: epx_rm_dispatch%s without args.%s waits on the host for the row count, "
                          "which stream capture forbids; pass args.%s (an upper bound) to capture it",
                          me, permute ? " with permute" : "", bound_name, bound_name);
     if (!(buffer->config.modes & EPX_MODE_PERMUTE) || cb->lay.rm_scratch == 0)
-        return rm_refuse(
-            buffer, seq,
-            epx_error(EPX_ERR_INTERNAL, "rank %d: the buffer's region has no routing-map areas", me),
-            capturing);
+        return epx_cuda_op_refuse(
+            &op, epx_error(EPX_ERR_INTERNAL, "rank %d: the buffer's region has no routing-map areas", me));
     rm_slab_t *s = NULL;
-    res = rm_slab_get(cb, &s);
-    if (res != EPX_SUCCESS) return rm_refuse(buffer, seq, res, capturing);
+    epx_result_t res = rm_slab_get(cb, &s);
+    if (res != EPX_SUCCESS) return epx_cuda_op_refuse(&op, res);
     s->bounded = bounded;
     s->has_probs = args->probs.data != NULL;
     handle->backend_state = s; /* freed through handle_free if this call fails */
@@ -204,13 +176,7 @@ epx_result_t epx_cuda_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_r
     const int64_t H = buffer->config.hidden;
     const int fp8 = args->hidden.dtype == EPX_DTYPE_FP8_E4M3;
     epx_cuda_rm_args_t a;
-    memset(&a, 0, sizeof(a));
-    epx_cuda_fill_common(cb, &a.c);
-    res = rm_grid(cb, &a.c);
-    if (res != EPX_SUCCESS) return rm_refuse(buffer, seq, res, capturing);
-    a.h = s->dev;
-    a.num_tokens = args->hidden.shape[0];
-    a.num_experts = buffer->config.num_experts;
+    EPX_CHECK(rm_args(&op, s, args->hidden.shape[0], &a));
     a.permute = permute;
     a.pad_multiple = permute && args->pad_multiple > 1 ? args->pad_multiple : 1;
     a.sig = (uint64_t)args->hidden.dtype | (uint64_t)permute << 8 | (uint64_t)(s->has_probs != 0) << 9;
@@ -233,12 +199,10 @@ epx_result_t epx_cuda_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_r
     a.limit = bounded ? bound : cap;
     a.bounded = bounded;
     if (!bounded) ((volatile epx_cuda_host_block_t *)cb->host)->num_recv = -1;
-    res = epx_cuda_check(epx_cuda_launch_rm_dispatch(&a, args->stream), "routing-map dispatch launch", me);
-    if (res != EPX_SUCCESS) return rm_refuse(buffer, seq, res, capturing);
-    EPX_CHECK(rm_launched(cb, cudaSuccess, "routing-map dispatch launch", args->stream));
-    const uint64_t epoch = ++cb->epoch;
+    EPX_CHECK(epx_cuda_op_launched(&op, epx_cuda_launch_rm_dispatch(&a, args->stream),
+                                   "routing-map dispatch launch"));
     EPX_TRACE(EPX_SUBSYS_PERMUTE, "rank %d: routing-map dispatch seq %llu epoch %llu T %lld%s bound %lld", me,
-              (unsigned long long)seq, (unsigned long long)epoch, (long long)a.num_tokens,
+              (unsigned long long)seq, (unsigned long long)op.epoch, (long long)a.num_tokens,
               permute ? " permute" : "", (long long)bound);
     if (bounded) {
         /* The bound decides the shape; the real count goes to the num_tokens tensor. */
@@ -246,12 +210,12 @@ epx_result_t epx_cuda_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_r
         handle->num_recv = bound;
         return EPX_SUCCESS;
     }
-    EPX_CHECK(rm_wait(cb, epoch, "epx_rm_dispatch"));
+    EPX_CHECK(epx_cuda_op_wait(&op, "epx_rm_dispatch"));
     const int64_t n = ((volatile epx_cuda_host_block_t *)cb->host)->num_recv;
     if (n < 0)
         return epx_error(EPX_ERR_INTERNAL,
                          "rank %d: routing-map dispatch epoch %llu finished without a row count", me,
-                         (unsigned long long)epoch);
+                         (unsigned long long)op.epoch);
     if (n > cap)
         return epx_error(
             EPX_ERR_INVALID_ARG,
@@ -266,38 +230,30 @@ epx_result_t epx_cuda_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_r
 epx_result_t epx_cuda_rm_combine(epx_buffer_t buffer, uint64_t seq, const epx_rm_combine_args_t *args,
                                  epx_rm_combine_outputs_t *outputs)
 {
-    cuda_buffer_t *cb = buffer->backend_state;
     const int me = buffer->comm->rank;
     epx_handle_t handle = args->handle;
     rm_slab_t *s = handle->backend_state;
-    const int capturing = rm_capturing(args->stream);
-    epx_result_t res = epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", me);
-    if (res == EPX_SUCCESS && !s)
+    epx_cuda_op_t op;
+    EPX_CHECK(epx_cuda_op_begin(&op, buffer, seq, args->stream));
+    epx_result_t res = EPX_SUCCESS;
+    if (!s)
         res =
             epx_error(EPX_ERR_INVALID_ARG, "rank %d: routing-map combine: the handle holds no dispatch", me);
-    else if (res == EPX_SUCCESS && handle->permute && args->weighted && !s->has_probs)
+    else if (handle->permute && args->weighted && !s->has_probs)
         res = epx_error(EPX_ERR_INVALID_ARG, "rank %d: weighted routing-map combine needs probs at dispatch",
                         me);
-    if (res != EPX_SUCCESS) return rm_refuse(buffer, seq, res, capturing);
+    if (res != EPX_SUCCESS) return epx_cuda_op_refuse(&op, res);
     epx_cuda_rm_args_t a;
-    memset(&a, 0, sizeof(a));
-    epx_cuda_fill_common(cb, &a.c);
-    res = rm_grid(cb, &a.c);
-    if (res != EPX_SUCCESS) return rm_refuse(buffer, seq, res, capturing);
-    a.h = s->dev;
-    a.num_tokens = handle->num_tokens;
-    a.num_experts = buffer->config.num_experts;
+    EPX_CHECK(rm_args(&op, s, handle->num_tokens, &a));
     a.permute = handle->permute;
     a.x = args->x.data;
     a.combined = outputs->combined.data;
     a.weighted = handle->permute && args->weighted;
-    res = epx_cuda_check(epx_cuda_launch_rm_combine(&a, args->stream), "routing-map combine launch", me);
-    if (res != EPX_SUCCESS) return rm_refuse(buffer, seq, res, capturing);
-    EPX_CHECK(rm_launched(cb, cudaSuccess, "routing-map combine launch", args->stream));
-    const uint64_t epoch = ++cb->epoch;
+    EPX_CHECK(epx_cuda_op_launched(&op, epx_cuda_launch_rm_combine(&a, args->stream),
+                                   "routing-map combine launch"));
     EPX_TRACE(EPX_SUBSYS_PERMUTE, "rank %d: routing-map combine seq %llu epoch %llu%s", me,
-              (unsigned long long)seq, (unsigned long long)epoch, a.weighted ? " weighted" : "");
+              (unsigned long long)seq, (unsigned long long)op.epoch, a.weighted ? " weighted" : "");
     /* Bounded (capturable) handles report device errors through the poller, like captured calls. */
-    if (s->bounded || capturing) return EPX_SUCCESS;
-    return rm_wait(cb, epoch, "epx_rm_combine");
+    if (s->bounded || op.capturing) return EPX_SUCCESS;
+    return epx_cuda_op_wait(&op, "epx_rm_combine");
 }
