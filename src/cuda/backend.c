@@ -312,9 +312,6 @@ static epx_result_t cuda_buffer_create(epx_buffer_t buffer)
     /* Nobody writes into a peer's region before every rank has mapped every region. */
     EPX_CHECK_GOTO(epx_comm_barrier(comm), res, err_close_peers);
 
-    cb->handle_slab_bytes = align_up((uint64_t)buffer->config.max_tokens * R * 4, 256) + align_up(R * 4, 256) +
-                            align_up((uint64_t)R * buffer->config.max_tokens * 4, 256) + align_up((R + 1) * 4, 256) +
-                            256;
     if (pthread_create(&cb->poller, NULL, poller_main, cb) != 0) {
         res = epx_error(EPX_ERR_SYSTEM, "rank %d: could not start the cuda error poller", me);
         goto err_close_peers;
@@ -351,6 +348,119 @@ err_free_state:
     return res;
 }
 
+/* ---- handle pool: device slabs of HT and routing-map handles, one free list per kind ---- */
+
+static int pool_of(epx_handle_kind_t kind)
+{
+    return kind == EPX_HANDLE_RM;
+}
+
+typedef struct slab_cursor {
+    uint8_t *base; /* NULL: only measure */
+    uint64_t off;
+} slab_cursor_t;
+
+static void *carve(slab_cursor_t *c, uint64_t bytes)
+{
+    void *p = c->base ? c->base + c->off : NULL;
+    c->off += align_up(bytes, 256);
+    return p;
+}
+
+/* Places the arrays of a `kind` slab at `base` into h->dev, each at a 256-byte boundary; returns
+ * the slab's bytes. */
+static uint64_t slab_layout(epx_buffer_t b, epx_handle_kind_t kind, uint8_t *base, cuda_handle_t *h)
+{
+    const uint64_t R = (uint64_t)b->comm->nranks, T = (uint64_t)b->config.max_tokens;
+    const uint64_t K = (uint64_t)b->config.num_topk;
+    slab_cursor_t c = {base, 0};
+    if (kind == EPX_HANDLE_RM) {
+        epx_cuda_rm_handle_dev_t *d = &h->dev.rm;
+        d->send_row = carve(&c, T * R * 4);
+        d->src_sel = carve(&c, T * K * 4);
+        d->src_within = carve(&c, T * K * 4);
+        d->src_prob = carve(&c, T * K * 4);
+        d->recv_src = carve(&c, R * T * 4);
+        d->perm_row = carve(&c, R * T * K * 4);
+        d->recv_prefix = carve(&c, (R + 1) * 4);
+        d->local_row = carve(&c, T * 4);
+        d->meta = carve(&c, 2 * 4);
+    } else {
+        epx_cuda_handle_dev_t *d = &h->dev.ht;
+        d->send_row = carve(&c, T * R * 4);
+        d->send_count = carve(&c, R * 4);
+        d->recv_src = carve(&c, R * T * 4);
+        d->recv_prefix = carve(&c, (R + 1) * 4);
+        d->rows_valid = carve(&c, 4);
+    }
+    return c.off;
+}
+
+epx_result_t epx_cuda_handle_get(cuda_buffer_t *cb, epx_handle_kind_t kind, cuda_handle_t **out)
+{
+    epx_buffer_t b = cb->buffer;
+    cuda_handle_t **pool = &cb->free_handles[pool_of(kind)];
+    pthread_mutex_lock(&cb->lock);
+    cuda_handle_t *h = *pool;
+    if (h) *pool = h->next_free;
+    pthread_mutex_unlock(&cb->lock);
+    if (!h) {
+        const int rm = kind == EPX_HANDLE_RM;
+        h = calloc(1, sizeof(*h));
+        if (!h)
+            return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: %shandle state", b->comm->rank,
+                             rm ? "routing-map " : "");
+        /* A static or bounded dispatch may be captured into a graph: cudaMalloc is refused (and
+         * the capture invalidated) in the capturing thread unless its capture mode is relaxed.
+         * The slab lives with the handle, outside the graph. */
+        enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+        (void)cudaThreadExchangeStreamCaptureMode(&mode);
+        epx_result_t res = epx_cuda_check(cudaMalloc(&h->slab, slab_layout(b, kind, NULL, h)),
+                                          rm ? "cudaMalloc(routing-map handle)" : "cudaMalloc(handle)",
+                                          b->comm->rank);
+        (void)cudaThreadExchangeStreamCaptureMode(&mode);
+        if (res != EPX_SUCCESS) {
+            free(h);
+            return res;
+        }
+        h->kind = kind;
+        (void)slab_layout(b, kind, h->slab, h);
+    }
+    h->next_free = NULL;
+    *out = h;
+    return EPX_SUCCESS;
+}
+
+static void cuda_handle_free(epx_handle_t handle)
+{
+    cuda_handle_t *h = handle->backend_state;
+    cuda_buffer_t *cb = handle->buffer->backend_state;
+    if (!h || !cb) return;
+    /* Kernels still using the slab are ordered before any later reuse on a stream, but not
+     * across streams: wait for the buffer's last operation first (bounded by device deadlines). */
+    enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    (void)cudaThreadExchangeStreamCaptureMode(&mode); /* legal while the caller captures */
+    (void)cudaEventSynchronize((cudaEvent_t)cb->event);
+    (void)cudaThreadExchangeStreamCaptureMode(&mode);
+    cuda_handle_t **pool = &cb->free_handles[pool_of(h->kind)];
+    pthread_mutex_lock(&cb->lock);
+    h->next_free = *pool;
+    *pool = h;
+    pthread_mutex_unlock(&cb->lock);
+    handle->backend_state = NULL;
+}
+
+static void handle_pool_fini(cuda_buffer_t *cb)
+{
+    for (int p = 0; p < 2; p++)
+        while (cb->free_handles[p]) {
+            cuda_handle_t *h = cb->free_handles[p];
+            cb->free_handles[p] = h->next_free;
+            (void)cudaFree(h->slab);
+            free(h);
+        }
+}
+
 static void cuda_buffer_destroy(epx_buffer_t buffer)
 {
     cuda_buffer_t *cb = buffer->backend_state;
@@ -364,13 +474,7 @@ static void cuda_buffer_destroy(epx_buffer_t buffer)
         pthread_join(cb->poller, NULL);
     }
     epx_cuda_ll_fini(cb);
-    epx_cuda_rm_fini(cb);
-    while (cb->free_handles) {
-        cuda_handle_t *h = cb->free_handles;
-        cb->free_handles = h->next_free;
-        (void)cudaFree(h->slab);
-        free(h);
-    }
+    handle_pool_fini(cb);
     for (int r = 0; r < buffer->comm->nranks; r++)
         if (cb->peer_opened[r]) (void)cudaIpcCloseMemHandle(cb->peers[r]);
     (void)cudaStreamDestroy((cudaStream_t)cb->internal_stream);
@@ -380,68 +484,6 @@ static void cuda_buffer_destroy(epx_buffer_t buffer)
     pthread_mutex_destroy(&cb->lock);
     free(cb);
     buffer->backend_state = NULL;
-}
-
-epx_result_t epx_cuda_handle_get(cuda_buffer_t *cb, cuda_handle_t **out)
-{
-    epx_buffer_t b = cb->buffer;
-    const int R = b->comm->nranks;
-    const uint64_t T = (uint64_t)b->config.max_tokens;
-    pthread_mutex_lock(&cb->lock);
-    cuda_handle_t *h = cb->free_handles;
-    if (h) cb->free_handles = h->next_free;
-    pthread_mutex_unlock(&cb->lock);
-    if (!h) {
-        h = calloc(1, sizeof(*h));
-        if (!h) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: handle state", b->comm->rank);
-        /* A static dispatch may be captured into a graph: cudaMalloc is refused (and the capture
-         * invalidated) in the capturing thread unless its capture mode is relaxed. The slab lives
-         * with the handle, outside the graph. */
-        enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-        (void)cudaThreadExchangeStreamCaptureMode(&mode);
-        epx_result_t res = epx_cuda_check(cudaMalloc(&h->slab, cb->handle_slab_bytes), "cudaMalloc(handle)",
-                                          b->comm->rank);
-        (void)cudaThreadExchangeStreamCaptureMode(&mode);
-        if (res != EPX_SUCCESS) {
-            free(h);
-            return res;
-        }
-        uint8_t *p = h->slab;
-        h->dev.send_row = (int32_t *)p;
-        p += align_up(T * R * 4, 256);
-        h->dev.send_count = (int32_t *)p;
-        p += align_up(R * 4, 256);
-        h->dev.recv_src = (int32_t *)p;
-        p += align_up((uint64_t)R * T * 4, 256);
-        h->dev.recv_prefix = (int32_t *)p;
-        p += align_up((R + 1) * 4, 256);
-        h->dev.rows_valid = (int32_t *)p;
-    }
-    h->next_free = NULL;
-    *out = h;
-    return EPX_SUCCESS;
-}
-
-static void cuda_handle_free(epx_handle_t handle)
-{
-    if (handle->kind == EPX_HANDLE_RM) {
-        epx_cuda_rm_handle_free(handle);
-        return;
-    }
-    cuda_handle_t *h = handle->backend_state;
-    cuda_buffer_t *cb = handle->buffer->backend_state;
-    if (!h || !cb) return;
-    /* Kernels still using the slab are ordered before any later reuse on a stream, but not
-     * across streams: wait for the buffer's last operation first (bounded by device deadlines). */
-    enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    (void)cudaThreadExchangeStreamCaptureMode(&mode); /* legal while the caller captures */
-    (void)cudaEventSynchronize((cudaEvent_t)cb->event);
-    (void)cudaThreadExchangeStreamCaptureMode(&mode);
-    pthread_mutex_lock(&cb->lock);
-    h->next_free = cb->free_handles;
-    cb->free_handles = h;
-    pthread_mutex_unlock(&cb->lock);
-    handle->backend_state = NULL;
 }
 
 /* The API layer refused a collective call: tell the peers. The table gives no stream, so this

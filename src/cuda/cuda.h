@@ -14,10 +14,17 @@
 extern "C" {
 #endif
 
+/* Per-handle device state: one slab of the buffer's handle pool, carved for the handle's kind. */
 typedef struct cuda_handle {
-    epx_cuda_handle_dev_t dev;
+    epx_handle_kind_t kind; /* EPX_HANDLE_HT or EPX_HANDLE_RM: the member of dev, the free list */
+    int32_t no_host_wait;   /* dispatched without a host wait (HT static mode, routing map with a
+                               bound): its combine reports device errors through the poller too */
+    int32_t has_probs;      /* routing map: probs were given at dispatch */
+    union {
+        epx_cuda_handle_dev_t ht;
+        epx_cuda_rm_handle_dev_t rm;
+    } dev;
     void *slab;
-    int32_t static_mode;
     struct cuda_handle *next_free;
 } cuda_handle_t;
 
@@ -35,14 +42,12 @@ typedef struct cuda_buffer {
     void *event;                           /* cudaEvent_t after the last operation */
     void *internal_stream;                 /* cudaStream_t for the failure path */
     pthread_mutex_t lock;                  /* handle pool, reported_epoch */
-    cuda_handle_t *free_handles;
-    size_t handle_slab_bytes;
+    cuda_handle_t *free_handles[2];        /* handle pool: HT slabs, routing-map slabs */
     uint64_t reported_epoch;               /* last device error reported to the comm */
     pthread_t poller;
     int32_t poller_running;
     atomic_int poller_stop;
     void *ll;                              /* LL state (src/cuda/ll.c), NULL without EPX_MODE_LL */
-    void *rm_free;                         /* pooled routing-map handle slabs (src/cuda/rm.c) */
 } cuda_buffer_t;
 
 /* Converts a cudaError_t into an epx error naming `what` (EPX_SUCCESS for cudaSuccess). */
@@ -86,8 +91,8 @@ epx_result_t epx_cuda_wait_event(cuda_buffer_t *cb, const char *what);
  * earlier work); legal while the caller's stream is being captured when `capturing` says so.
  * Sets no thread error, so the caller's message stays. */
 void epx_cuda_tell_peers(cuda_buffer_t *cb, uint64_t seq, epx_result_t res, int capturing);
-/* A handle slab from the pool (or a new one). */
-epx_result_t epx_cuda_handle_get(cuda_buffer_t *cb, cuda_handle_t **out);
+/* A handle slab of `kind` from the pool, or a new one (also while the caller captures). */
+epx_result_t epx_cuda_handle_get(cuda_buffer_t *cb, epx_handle_kind_t kind, cuda_handle_t **out);
 
 /* HT operations (src/cuda/ht.c). */
 epx_result_t epx_cuda_layout(epx_buffer_t buffer, const epx_tensor_t *topk_idx, epx_layout_outputs_t *outputs,
@@ -131,8 +136,6 @@ epx_result_t epx_cuda_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_r
                                   epx_rm_dispatch_outputs_t *outputs, epx_handle_t handle);
 epx_result_t epx_cuda_rm_combine(epx_buffer_t buffer, uint64_t seq, const epx_rm_combine_args_t *args,
                                  epx_rm_combine_outputs_t *outputs);
-void epx_cuda_rm_handle_free(epx_handle_t handle);
-void epx_cuda_rm_fini(cuda_buffer_t *cb); /* frees the pooled slabs (buffer teardown) */
 
 #ifdef __cplusplus
 }

@@ -155,14 +155,14 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
             return epx_cuda_op_refuse(
                 &op, epx_error(EPX_ERR_INVALID_ARG, "rank %d: args.cached_handle has no device state", me));
     } else {
-        res = epx_cuda_handle_get(cb, &h);
+        res = epx_cuda_handle_get(cb, EPX_HANDLE_HT, &h);
         if (res != EPX_SUCCESS) return epx_cuda_op_refuse(&op, res);
-        h->static_mode = is_static;
+        h->no_host_wait = is_static;
         handle->backend_state = h;
         epx_cuda_layout_args_t la;
         layout_args(buffer, &args->topk_idx, &la);
-        la.send_row = h->dev.send_row;
-        la.num_tokens_per_rank = h->dev.send_count;
+        la.send_row = h->dev.ht.send_row;
+        la.num_tokens_per_rank = h->dev.ht.send_count;
         la.ranks_per_domain = buffer->comm->nranks;
         res = epx_cuda_check(epx_cuda_launch_layout(&la, args->stream), "layout kernel launch", me);
         if (res != EPX_SUCCESS) return epx_cuda_op_refuse(&op, res);
@@ -171,7 +171,7 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
     epx_cuda_dispatch_args_t a;
     memset(&a, 0, sizeof(a));
     epx_cuda_fill_common(cb, &a.c);
-    a.h = h->dev;
+    a.h = h->dev.ht;
     a.num_tokens = T;
     a.cached = cached;
     a.x = args->x.data;
@@ -243,7 +243,7 @@ epx_result_t epx_cuda_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht
     epx_cuda_combine_args_t a;
     memset(&a, 0, sizeof(a));
     epx_cuda_fill_common(cb, &a.c);
-    a.h = h->dev;
+    a.h = h->dev.ht;
     a.num_tokens = args->handle->num_tokens;
     a.x = args->x.data;
     a.topk_weights = args->topk_weights.data;
@@ -261,7 +261,7 @@ epx_result_t epx_cuda_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht
     EPX_TRACE(EPX_SUBSYS_HT, "rank %d: combine seq %llu epoch %llu", me, (unsigned long long)seq,
               (unsigned long long)op.epoch);
     /* Eager (non-static) handles report errors synchronously; static ones through the poller. */
-    if (h->static_mode || op.capturing) return EPX_SUCCESS;
+    if (h->no_host_wait || op.capturing) return EPX_SUCCESS;
     return ht_wait(&op, "epx_ht_combine");
 }
 
@@ -298,7 +298,7 @@ epx_result_t epx_cuda_ht_ceiling(epx_buffer_t buffer, epx_handle_t handle, const
     epx_cuda_dispatch_args_t a;
     memset(&a, 0, sizeof(a));
     epx_cuda_fill_common(cb, &a.c);
-    a.h = h->dev;
+    a.h = h->dev.ht;
     a.num_tokens = handle->num_tokens;
     a.x = x->data;
     a.row_bytes = row_bytes;

@@ -1,21 +1,12 @@
 /*
  * cuda backend routing-map dispatch (with or without fused permute) and its combine: the
- * region areas they add, pooled per-handle device slabs, launches, the host wait when no upper
- * bound is given (refused under stream capture) and error reporting. Kernels: src/kernels/rm.cu.
+ * region areas they add, launches, the host wait when no upper bound is given (refused under
+ * stream capture) and error reporting. Kernels: src/kernels (routing map).
  */
 #include <cuda_runtime.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "cuda/cuda.h"
-
-typedef struct rm_slab {
-    epx_cuda_rm_handle_dev_t dev;
-    void *mem;
-    int32_t bounded; /* dispatched with an upper bound: nothing waits on the host */
-    int32_t has_probs;
-    struct rm_slab *next_free;
-} rm_slab_t;
 
 static uint64_t rm_align(uint64_t v)
 {
@@ -46,74 +37,6 @@ uint64_t epx_cuda_rm_layout(epx_buffer_t b, epx_cuda_layout_t *lay, uint64_t off
     return off;
 }
 
-static epx_result_t rm_slab_get(cuda_buffer_t *cb, rm_slab_t **out)
-{
-    epx_buffer_t b = cb->buffer;
-    const uint64_t R = (uint64_t)b->comm->nranks, T = (uint64_t)b->config.max_tokens;
-    const uint64_t K = (uint64_t)b->config.num_topk;
-    pthread_mutex_lock(&cb->lock);
-    rm_slab_t *s = cb->rm_free;
-    if (s) cb->rm_free = s->next_free;
-    pthread_mutex_unlock(&cb->lock);
-    if (!s) {
-        s = calloc(1, sizeof(*s));
-        if (!s) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: routing-map handle state", b->comm->rank);
-        const uint64_t bytes = rm_align(T * R * 4) + 3 * rm_align(T * K * 4) + rm_align(R * T * 4) +
-                               rm_align(R * T * K * 4) + rm_align((R + 1) * 4) + rm_align(T * 4) + 256;
-        epx_result_t res =
-            epx_cuda_check(cudaMalloc(&s->mem, bytes), "cudaMalloc(routing-map handle)", b->comm->rank);
-        if (res != EPX_SUCCESS) {
-            free(s);
-            return res;
-        }
-        uint8_t *p = s->mem;
-        s->dev.send_row = (int32_t *)p;
-        p += rm_align(T * R * 4);
-        s->dev.src_sel = (int32_t *)p;
-        p += rm_align(T * K * 4);
-        s->dev.src_within = (int32_t *)p;
-        p += rm_align(T * K * 4);
-        s->dev.src_prob = (float *)p;
-        p += rm_align(T * K * 4);
-        s->dev.recv_src = (int32_t *)p;
-        p += rm_align(R * T * 4);
-        s->dev.perm_row = (int32_t *)p;
-        p += rm_align(R * T * K * 4);
-        s->dev.recv_prefix = (int32_t *)p;
-        p += rm_align((R + 1) * 4);
-        s->dev.local_row = (int32_t *)p;
-        p += rm_align(T * 4);
-        s->dev.meta = (int32_t *)p;
-    }
-    s->next_free = NULL;
-    *out = s;
-    return EPX_SUCCESS;
-}
-
-void epx_cuda_rm_handle_free(epx_handle_t handle)
-{
-    rm_slab_t *s = handle->backend_state;
-    cuda_buffer_t *cb = handle->buffer->backend_state;
-    if (!s || !cb) return;
-    /* A kernel on another stream may still use the slab: wait for the buffer's last operation. */
-    (void)cudaEventSynchronize((cudaEvent_t)cb->event);
-    pthread_mutex_lock(&cb->lock);
-    s->next_free = cb->rm_free;
-    cb->rm_free = s;
-    pthread_mutex_unlock(&cb->lock);
-    handle->backend_state = NULL;
-}
-
-void epx_cuda_rm_fini(cuda_buffer_t *cb)
-{
-    while (cb->rm_free) {
-        rm_slab_t *s = cb->rm_free;
-        cb->rm_free = s->next_free;
-        (void)cudaFree(s->mem);
-        free(s);
-    }
-}
-
 /* One rank alone has no peer kernels to stay co-resident with and nothing to overlap the
  * permute with: unless num_sms was asked for, its kernels take the whole GPU (as a framework's
  * gather would) instead of the communication share. */
@@ -129,14 +52,14 @@ static epx_result_t rm_grid(cuda_buffer_t *cb, epx_cuda_common_t *c)
 }
 
 /* The arguments both routing-map kernels share; a failure is refused. */
-static epx_result_t rm_args(const epx_cuda_op_t *op, const rm_slab_t *s, int64_t num_tokens,
+static epx_result_t rm_args(const epx_cuda_op_t *op, const cuda_handle_t *h, int64_t num_tokens,
                             epx_cuda_rm_args_t *a)
 {
     memset(a, 0, sizeof(*a));
     epx_cuda_fill_common(op->cb, &a->c);
     epx_result_t res = rm_grid(op->cb, &a->c);
     if (res != EPX_SUCCESS) return epx_cuda_op_refuse(op, res);
-    a->h = s->dev;
+    a->h = h->dev.rm;
     a->num_tokens = num_tokens;
     a->num_experts = op->cb->buffer->config.num_experts;
     return EPX_SUCCESS;
@@ -166,20 +89,20 @@ epx_result_t epx_cuda_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_r
     if (!(buffer->config.modes & EPX_MODE_PERMUTE) || cb->lay.rm_scratch == 0)
         return epx_cuda_op_refuse(
             &op, epx_error(EPX_ERR_INTERNAL, "rank %d: the buffer's region has no routing-map areas", me));
-    rm_slab_t *s = NULL;
-    epx_result_t res = rm_slab_get(cb, &s);
+    cuda_handle_t *h = NULL;
+    epx_result_t res = epx_cuda_handle_get(cb, EPX_HANDLE_RM, &h);
     if (res != EPX_SUCCESS) return epx_cuda_op_refuse(&op, res);
-    s->bounded = bounded;
-    s->has_probs = args->probs.data != NULL;
-    handle->backend_state = s; /* freed through handle_free if this call fails */
+    h->no_host_wait = bounded;
+    h->has_probs = args->probs.data != NULL;
+    handle->backend_state = h; /* freed through handle_free if this call fails */
 
     const int64_t H = buffer->config.hidden;
     const int fp8 = args->hidden.dtype == EPX_DTYPE_FP8_E4M3;
     epx_cuda_rm_args_t a;
-    EPX_CHECK(rm_args(&op, s, args->hidden.shape[0], &a));
+    EPX_CHECK(rm_args(&op, h, args->hidden.shape[0], &a));
     a.permute = permute;
     a.pad_multiple = permute && args->pad_multiple > 1 ? args->pad_multiple : 1;
-    a.sig = (uint64_t)args->hidden.dtype | (uint64_t)permute << 8 | (uint64_t)(s->has_probs != 0) << 9;
+    a.sig = (uint64_t)args->hidden.dtype | (uint64_t)permute << 8 | (uint64_t)(h->has_probs != 0) << 9;
     a.hidden = args->hidden.data;
     a.row_bytes = H * (int64_t)epx_dtype_bytes(args->hidden.dtype);
     if (fp8) {
@@ -232,19 +155,19 @@ epx_result_t epx_cuda_rm_combine(epx_buffer_t buffer, uint64_t seq, const epx_rm
 {
     const int me = buffer->comm->rank;
     epx_handle_t handle = args->handle;
-    rm_slab_t *s = handle->backend_state;
+    cuda_handle_t *h = handle->backend_state;
     epx_cuda_op_t op;
     EPX_CHECK(epx_cuda_op_begin(&op, buffer, seq, args->stream));
     epx_result_t res = EPX_SUCCESS;
-    if (!s)
+    if (!h)
         res =
             epx_error(EPX_ERR_INVALID_ARG, "rank %d: routing-map combine: the handle holds no dispatch", me);
-    else if (handle->permute && args->weighted && !s->has_probs)
+    else if (handle->permute && args->weighted && !h->has_probs)
         res = epx_error(EPX_ERR_INVALID_ARG, "rank %d: weighted routing-map combine needs probs at dispatch",
                         me);
     if (res != EPX_SUCCESS) return epx_cuda_op_refuse(&op, res);
     epx_cuda_rm_args_t a;
-    EPX_CHECK(rm_args(&op, s, handle->num_tokens, &a));
+    EPX_CHECK(rm_args(&op, h, handle->num_tokens, &a));
     a.permute = handle->permute;
     a.x = args->x.data;
     a.combined = outputs->combined.data;
@@ -254,6 +177,6 @@ epx_result_t epx_cuda_rm_combine(epx_buffer_t buffer, uint64_t seq, const epx_rm
     EPX_TRACE(EPX_SUBSYS_PERMUTE, "rank %d: routing-map combine seq %llu epoch %llu%s", me,
               (unsigned long long)seq, (unsigned long long)op.epoch, a.weighted ? " weighted" : "");
     /* Bounded (capturable) handles report device errors through the poller, like captured calls. */
-    if (s->bounded || op.capturing) return EPX_SUCCESS;
+    if (h->no_host_wait || op.capturing) return EPX_SUCCESS;
     return epx_cuda_op_wait(&op, "epx_rm_combine");
 }
