@@ -61,14 +61,29 @@ void epx_cuda_fill_common(cuda_buffer_t *cb, epx_cuda_common_t *c)
     c->num_threads = 512;
 }
 
-static uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+static uint64_t align_up(uint64_t v, uint64_t a)
+{
+    return (v + a - 1) / a * a;
+}
 
-/* Every rank computes the same offsets from the (agreed) buffer config. */
+/* Places areas of the given sizes one after another from `off`, each at a 256-byte boundary;
+ * returns the end. */
+static uint64_t place_areas(uint64_t off, uint64_t *const at[], const uint64_t bytes[], int n)
+{
+    for (int i = 0; i < n; i++) {
+        *at[i] = off;
+        off = align_up(off + bytes[i], 256);
+    }
+    return off;
+}
+
+/* Every rank computes the same offsets from the (agreed) buffer config. Each mode reserves the
+ * areas its kernels use; an area two modes use comes with either. Unreserved offsets stay 0. */
 static void compute_layout(epx_buffer_t b, epx_cuda_layout_t *lay)
 {
     const uint64_t R = (uint64_t)b->comm->nranks, T = (uint64_t)b->config.max_tokens;
     const uint64_t H = (uint64_t)b->config.hidden, K = (uint64_t)b->config.num_topk;
-    const uint32_t dt = b->config.dispatch_dtypes;
+    const uint32_t dt = b->config.dispatch_dtypes, modes = b->config.modes;
     uint64_t elem = 1;
     if (dt & EPX_DTYPE_BIT(EPX_DTYPE_BF16)) elem = 2;
     if (dt & EPX_DTYPE_BIT(EPX_DTYPE_FP32)) elem = 4;
@@ -76,41 +91,29 @@ static void compute_layout(epx_buffer_t b, epx_cuda_layout_t *lay)
     memset(lay, 0, sizeof(*lay));
     lay->x_stride = align_up(H * elem, 16);
     uint64_t off = align_up(sizeof(epx_cuda_ctrl_t), 4096);
-    lay->disp_x = off;
-    off = align_up(off + R * T * lay->x_stride, 256);
-    lay->disp_scales = off;
-    off = align_up(off + R * T * scales * 4, 256);
-    lay->disp_idx = off;
-    off = align_up(off + R * T * K * 4, 256);
-    lay->disp_w = off;
-    off = align_up(off + R * T * K * 4, 256);
-    lay->disp_src = off;
-    off = align_up(off + R * T * 4, 256);
-    lay->comb_x = off;
-    off = align_up(off + R * T * H * 2, 256);
-    lay->comb_w = off;
-    off = align_up(off + R * T * K * 4, 256);
-    lay->expert_scratch = off;
-    off = align_up(off + (uint64_t)b->num_local_experts * 4, 256);
-    /* ---- HT view-mode areas (src/cuda/ht.c) ---- */
-    lay->view_x = off;
-    off = align_up(off + R * T * lay->x_stride, 256);
-    lay->view_scales = off;
-    off = align_up(off + R * T * scales * 4, 256);
-    lay->view_idx = off;
-    off = align_up(off + R * T * K * 4, 256);
-    lay->view_w = off;
-    off = align_up(off + R * T * K * 4, 256);
-    lay->view_src = off;
-    off = align_up(off + R * T * 4, 256);
-    /* ---- end of HT view-mode areas ---- */
-    /* ---- LL areas (src/cuda/ll.c) ---- */
-    lay->ll = off;
-    off = align_up(off + epx_cuda_ll_bytes(b), 256);
-    /* ---- end of LL areas ---- */
-    /* ---- routing-map areas (src/cuda/rm.c) ---- */
-    off = epx_cuda_rm_layout(b, lay, off);
-    /* ---- end of routing-map areas ---- */
+    /* R * T_max dispatch rows: x, scales, remapped ids, weights, source token. */
+    const uint64_t RT = R * T;
+    const uint64_t rows[5] = {RT * lay->x_stride, RT * scales * 4, RT * K * 4, RT * K * 4, RT * 4};
+    if (modes & (EPX_MODE_HT | EPX_MODE_PERMUTE)) {
+        /* Dispatch rows and combine input: HT, and the routing map (src/cuda/rm.c). */
+        uint64_t *const at[] = {&lay->disp_x, &lay->disp_scales, &lay->disp_idx,
+                                &lay->disp_w, &lay->disp_src,    &lay->comb_x};
+        const uint64_t bytes[] = {rows[0], rows[1], rows[2], rows[3], rows[4], RT * H * 2};
+        off = place_areas(off, at, bytes, 6);
+    }
+    if (modes & EPX_MODE_HT) {
+        /* HT only: combine weights, expert counts, and view mode's final layout (src/cuda/ht.c). */
+        uint64_t *const at[] = {&lay->comb_w,   &lay->expert_scratch, &lay->view_x,  &lay->view_scales,
+                                &lay->view_idx, &lay->view_w,         &lay->view_src};
+        const uint64_t bytes[] = {
+            RT * K * 4, (uint64_t)b->num_local_experts * 4, rows[0], rows[1], rows[2], rows[3], rows[4]};
+        off = place_areas(off, at, bytes, 7);
+    }
+    if (modes & EPX_MODE_LL) { /* src/cuda/ll.c */
+        lay->ll = off;
+        off = align_up(off + epx_cuda_ll_bytes(b), 256);
+    }
+    off = epx_cuda_rm_layout(b, lay, off); /* with EPX_MODE_PERMUTE */
     lay->total = off;
 }
 
