@@ -1,6 +1,6 @@
 /*
- * Hooks only the benchmark links (target epx_bench_hooks, never part of libepx's exports): the
- * same-run ceiling and floor kernels that measure what the same traffic costs with no protocol.
+ * Hooks only the benchmark links (target epx_bench_hooks, src/bench/bench.c; never part of libepx):
+ * the same-run ceiling and floor kernels that measure what the same traffic costs with no protocol.
  */
 #ifndef EPX_BENCH_BENCH_H
 #define EPX_BENCH_BENCH_H

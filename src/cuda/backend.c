@@ -1,7 +1,7 @@
 /*
  * cuda backend: device selection, the ipc transport (one cudaMalloc'd region per rank and buffer,
- * exported with CUDA IPC and mapped by every peer), the error poller and the function table.
- * HT operations are in ht.c; operations without a GPU implementation answer EPX_ERR_UNSUPPORTED.
+ * laid out by mode, exported with CUDA IPC and mapped by every peer), the error poller, the handle
+ * pool and the function table. Operations are in ht.c, ll.c and rm.c, on the runner of op.c.
  */
 #include <cuda_runtime.h>
 #include <stdio.h>

@@ -1,6 +1,7 @@
 /*
  * Host-side internals of the cuda backend: per-buffer state (registered region, peer mappings,
- * host-mapped block, epochs) and per-handle state, plus what the benchmark may call.
+ * host-mapped block, epochs), per-handle state and the operation runner. Internal to libepx (not
+ * exported); the benchmark hooks in src/bench call some of it through the static library.
  */
 #ifndef EPX_CUDA_CUDA_H
 #define EPX_CUDA_CUDA_H
@@ -50,11 +51,16 @@ typedef struct cuda_buffer {
     void *ll;                              /* LL state (src/cuda/ll.c), NULL without EPX_MODE_LL */
 } cuda_buffer_t;
 
+/* Device, transport, error poller and handle pool (src/cuda/backend.c). */
 /* Converts a cudaError_t into an epx error naming `what` (EPX_SUCCESS for cudaSuccess). */
 epx_result_t epx_cuda_check(int err, const char *what, int rank);
 /* Reports the device error record when its epoch is >= min_epoch (once to the comm's async
  * error); returns its code, also as the thread's error when set_thread_error. */
 epx_result_t epx_cuda_report_record(cuda_buffer_t *cb, uint64_t min_epoch, int set_thread_error);
+/* Fills the arguments every collective kernel shares. */
+void epx_cuda_fill_common(cuda_buffer_t *cb, epx_cuda_common_t *c);
+/* A handle slab of `kind` from the pool, or a new one (also while the caller captures). */
+epx_result_t epx_cuda_handle_get(cuda_buffer_t *cb, epx_handle_kind_t kind, cuda_handle_t **out);
 
 /* Operation runner (src/cuda/op.c). An operation is one backend call on the caller's stream: its
  * collective kernel takes the next epoch; after its last launch the buffer's event is recorded
@@ -91,8 +97,6 @@ epx_result_t epx_cuda_wait_event(cuda_buffer_t *cb, const char *what);
  * earlier work); legal while the caller's stream is being captured when `capturing` says so.
  * Sets no thread error, so the caller's message stays. */
 void epx_cuda_tell_peers(cuda_buffer_t *cb, uint64_t seq, epx_result_t res, int capturing);
-/* A handle slab of `kind` from the pool, or a new one (also while the caller captures). */
-epx_result_t epx_cuda_handle_get(cuda_buffer_t *cb, epx_handle_kind_t kind, cuda_handle_t **out);
 
 /* HT operations (src/cuda/ht.c). */
 epx_result_t epx_cuda_layout(epx_buffer_t buffer, const epx_tensor_t *topk_idx, epx_layout_outputs_t *outputs,
@@ -104,21 +108,19 @@ epx_result_t epx_cuda_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht
 /* [rows, H] bf16 view of our comb_x area (rows: the handle's N_r or num_worst_tokens). */
 epx_result_t epx_cuda_ht_get_combine_input(epx_buffer_t buffer, epx_handle_t handle, epx_tensor_t *view_out);
 
-/* Fills the arguments every collective kernel shares. */
-void epx_cuda_fill_common(cuda_buffer_t *cb, epx_cuda_common_t *c);
-
-
 /* LL operations (src/cuda/ll.c). */
 /* Bytes of the LL areas of a buffer (0 without EPX_MODE_LL); compute_layout places them at lay.ll. */
 uint64_t epx_cuda_ll_bytes(epx_buffer_t buffer);
 epx_result_t epx_cuda_ll_init(cuda_buffer_t *cb);
 void epx_cuda_ll_fini(cuda_buffer_t *cb);
-/* Called by fail_collective before the epoch of the failed call is closed. */
+/* Called by epx_cuda_tell_peers before the epoch of the failed call is closed. */
 void epx_cuda_ll_on_fail(cuda_buffer_t *cb, void *stream);
 epx_result_t epx_cuda_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ll_dispatch_args_t *args,
                                   epx_ll_dispatch_outputs_t *outputs);
 epx_result_t epx_cuda_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll_combine_args_t *args,
                                  epx_ll_combine_outputs_t *outputs);
+/* The arguments every LL kernel of `slot` shares (the buffer has LL state). */
+void epx_cuda_ll_fill(cuda_buffer_t *cb, int slot, epx_cuda_ll_args_t *a);
 /* The dispatch fields of an LL kernel's arguments (what the send half reads of `args`). */
 void epx_cuda_ll_dispatch_args(const epx_ll_dispatch_args_t *args, epx_cuda_ll_args_t *a);
 /* The handle must name the dispatch that still owns its slot, with its receive half launched. */

@@ -1,13 +1,10 @@
 /*
  * cuda backend HT operations: layout, dispatch and combine launches, the host wait of the
- * default (non-static) dispatch mode, error reporting, view mode (outputs and combine input in
- * the registered region), and the same-bytes ceiling for the benchmark. Kernels are in src/kernels/ht.cu.
+ * default (non-static) dispatch mode, error reporting, and view mode (outputs and combine input in
+ * the registered region). Kernels: src/kernels (HT).
  */
-#include <cuda_runtime.h>
-#include <stdio.h>
 #include <string.h>
 
-#include "bench/bench.h"
 #include "cuda/cuda.h"
 
 /* After the host wait: the device error recorded since the call's mark, or a bad expert id of
@@ -278,30 +275,4 @@ epx_result_t epx_cuda_ht_get_combine_input(epx_buffer_t buffer, epx_handle_t han
     /* No wait: the combine that read the previous rows ended (on its stream) after every source. */
     *view_out = device_view(cb, cb->region + cb->lay.comb_x, EPX_DTYPE_BF16, rows, buffer->config.hidden);
     return EPX_SUCCESS;
-}
-
-epx_result_t epx_cuda_ht_ceiling(epx_buffer_t buffer, epx_handle_t handle, const epx_tensor_t *x,
-                                 void *stream)
-{
-    cuda_buffer_t *cb = buffer->backend_state;
-    cuda_handle_t *h = handle ? handle->backend_state : NULL;
-    if (!cb || !h)
-        return epx_error(EPX_ERR_INVALID_ARG, "ceiling needs a cuda buffer and one of its HT handles");
-    if (x->shape[0] != handle->num_tokens)
-        return epx_error(EPX_ERR_INVALID_ARG, "ceiling: x has %lld rows, the handle %lld",
-                         (long long)x->shape[0], (long long)handle->num_tokens);
-    const int64_t row_bytes = buffer->config.hidden * (int64_t)epx_dtype_bytes(x->dtype);
-    if ((uint64_t)row_bytes > cb->lay.x_stride) /* the slots are sized for the buffer's dtypes */
-        return epx_error(EPX_ERR_INVALID_ARG, "ceiling: rows of %s are %lld bytes, the dispatch slots %llu",
-                         epx_dtype_name(x->dtype), (long long)row_bytes,
-                         (unsigned long long)cb->lay.x_stride);
-    epx_cuda_dispatch_args_t a;
-    memset(&a, 0, sizeof(a));
-    epx_cuda_fill_common(cb, &a.c);
-    a.h = h->dev.ht;
-    a.num_tokens = handle->num_tokens;
-    a.x = x->data;
-    a.row_bytes = row_bytes;
-    return epx_cuda_check(epx_cuda_launch_ceiling_copy(&a, stream), "ceiling kernel launch",
-                          buffer->comm->rank);
 }

@@ -1,14 +1,13 @@
 /*
  * cuda backend LL operations: the LL areas of the region, the two double-buffer slots with their
- * pending receive halves (hooks), stale-handle checks, the zero-copy view, the failure path and the
- * benchmark floor. No host synchronisation: device errors reach the comm through the poller.
- * Kernels are in src/kernels/ll.cu.
+ * pending receive halves (hooks), stale-handle checks, the zero-copy view and the failure path.
+ * No host synchronisation: device errors reach the comm through the poller. Kernels: src/kernels
+ * (LL).
  */
 #include <cuda_runtime.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "bench/bench.h"
 #include "cuda/cuda.h"
 
 enum { LL_PENDING_NONE = 0, LL_PENDING_DISPATCH = 1, LL_PENDING_COMBINE = 2 };
@@ -100,8 +99,9 @@ void epx_cuda_ll_fini(cuda_buffer_t *cb)
     cb->ll = NULL;
 }
 
-static void ll_fill(cuda_buffer_t *cb, cuda_ll_t *ll, int slot, epx_cuda_ll_args_t *a)
+void epx_cuda_ll_fill(cuda_buffer_t *cb, int slot, epx_cuda_ll_args_t *a)
 {
+    const cuda_ll_t *ll = cb->ll;
     memset(a, 0, sizeof(*a));
     epx_cuda_fill_common(cb, &a->c);
     a->ll = ll->lay;
@@ -164,7 +164,7 @@ epx_result_t epx_cuda_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_l
     ll_slot_t *sl = &ll->slots[slot];
 
     epx_cuda_ll_args_t a;
-    ll_fill(cb, ll, slot, &a);
+    epx_cuda_ll_fill(cb, slot, &a);
     ll_take_drops(sl, &a);
     sl->seq = seq;
     sl->valid = 0;
@@ -253,7 +253,7 @@ epx_result_t epx_cuda_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll
     const int slot = args->handle.slot;
     ll_slot_t *sl = &ll->slots[slot];
     epx_cuda_ll_args_t a;
-    ll_fill(cb, ll, slot, &a);
+    epx_cuda_ll_fill(cb, slot, &a);
     ll_take_drops(sl, &a);
     a.num_tokens = args->handle.num_tokens;
     a.topk_idx = args->topk_idx.data;
@@ -334,7 +334,7 @@ void epx_cuda_ll_on_fail(cuda_buffer_t *cb, void *stream)
     if (!ll) return;
     epx_buffer_t b = cb->buffer;
     epx_cuda_ll_args_t a;
-    ll_fill(cb, ll, 0, &a);
+    epx_cuda_ll_fill(cb, 0, &a);
     if (b->ll_dispatches != ll->dispatches_seen) {
         /* The failed call was an LL dispatch: its slot's old contents are abandoned. */
         ll->dispatches_seen = b->ll_dispatches;
@@ -347,31 +347,4 @@ void epx_cuda_ll_on_fail(cuda_buffer_t *cb, void *stream)
         sl->seq = 0;
     }
     if (epx_cuda_launch_ll_fail(&a, stream) != cudaSuccess) (void)cudaGetLastError();
-}
-
-epx_result_t epx_cuda_ll_floor(epx_buffer_t buffer, int kind, const epx_ll_dispatch_args_t *dargs,
-                               const epx_ll_handle_t *handle, void *stream)
-{
-    cuda_buffer_t *cb = buffer->backend_state;
-    cuda_ll_t *ll = cb ? cb->ll : NULL;
-    if (!ll) return epx_error(EPX_ERR_INVALID_ARG, "ll floor needs a cuda buffer created with EPX_MODE_LL");
-    epx_cuda_ll_args_t a;
-    int slot = handle ? handle->slot : 0;
-    if (slot < 0 || slot > 1) slot = 0;
-    ll_fill(cb, ll, slot, &a);
-    a.floor_only = 1;
-    if (kind == 0) {
-        if (!dargs) return epx_error(EPX_ERR_INVALID_ARG, "ll floor: dispatch arguments are NULL");
-        a.use_fp8 = dargs->use_fp8 != 0;
-        a.round_scale = dargs->round_scale != 0;
-        a.num_tokens = dargs->x.shape[0];
-        a.topk_idx = dargs->topk_idx.data;
-        a.idx_is_64 = dargs->topk_idx.dtype == EPX_DTYPE_INT64;
-        a.x = dargs->x.data;
-        return epx_cuda_check(epx_cuda_launch_ll_dispatch_send(&a, stream), "ll floor launch",
-                              buffer->comm->rank);
-    }
-    EPX_CHECK(epx_cuda_ll_check_handle(cb, handle, "ll floor"));
-    a.y = epx_cuda_ll_zc_ptr(cb, slot);
-    return epx_cuda_check(epx_cuda_launch_ll_combine_send(&a, stream), "ll floor launch", buffer->comm->rank);
 }
