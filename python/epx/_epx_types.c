@@ -136,27 +136,20 @@ static int buffer_init(BufferObject *self, PyObject *args, PyObject *kwargs)
                          NULL};
     CommObject *comm;
     long long max_tokens, hidden;
-    int num_topk, num_experts, max_pad_multiple = 0, num_sms = 0, chunk_tokens = 0;
-    unsigned int modes = 0, dtypes = 0;
+    /* The 32-bit fields are parsed in place; those not given keep their zero (the library's default). */
+    epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
     if (self->buf) {
         PyErr_SetString(PyExc_RuntimeError, "epx: Buffer.__init__ called twice");
         return -1;
     }
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!LLii|IIiii", kw, &py_comm_type, &comm, &max_tokens,
-                                     &hidden, &num_topk, &num_experts, &modes, &dtypes, &max_pad_multiple,
-                                     &num_sms, &chunk_tokens))
+                                     &hidden, &cfg.num_topk, &cfg.num_experts, &cfg.modes,
+                                     &cfg.dispatch_dtypes, &cfg.max_pad_multiple, &cfg.num_sms,
+                                     &cfg.chunk_tokens))
         return -1;
     if (py_comm_check(comm) != 0) return -1;
-    epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
     cfg.max_tokens = max_tokens;
     cfg.hidden = hidden;
-    cfg.num_topk = num_topk;
-    cfg.num_experts = num_experts;
-    cfg.modes = modes;
-    cfg.dispatch_dtypes = dtypes;
-    cfg.max_pad_multiple = max_pad_multiple;
-    cfg.num_sms = num_sms;
-    cfg.chunk_tokens = chunk_tokens;
     epx_result_t res;
     epx_buffer_t buf = NULL;
     WITHOUT_GIL(res = epx_buffer_create(comm->comm, &cfg, &buf));
@@ -168,7 +161,7 @@ static int buffer_init(BufferObject *self, PyObject *args, PyObject *kwargs)
     self->buf = buf;
     self->cfg = cfg;
     self->R = comm->topo.nranks;
-    self->L = num_experts / comm->topo.nranks;
+    self->L = cfg.num_experts / comm->topo.nranks;
     Py_INCREF(comm);
     self->comm = comm;
     comm->live_buffers++;
