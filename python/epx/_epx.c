@@ -3,7 +3,7 @@
  * in through DLPack (__dlpack__) and outputs are allocated through the caller's framework (numpy in,
  * numpy out; torch in, torch out on the same device), so the binding never owns tensor memory.
  * This file holds the module (its functions, state and initialisation) and the error mapping; the
- * other _epx_*.c files hold tensors (DLPack), the communicator, the object types and the operations.
+ * other _epx_*.c files hold tensors (DLPack), communicator creation, the object types and the operations.
  */
 #include "_epx.h"
 

@@ -1,7 +1,8 @@
 /*
- * The operations of a Buffer (layout, HT, LL and routing-map dispatch and combine) and the method table
- * that names them. Each one imports its tensors, allocates its outputs through the caller's framework,
- * runs the library call without the GIL and returns the outputs as a struct sequence.
+ * The operations of a Buffer (layout, HT, LL and routing-map dispatch and combine), the method table
+ * that names them, and the C baseline of the LL call-overhead benchmark. Each operation imports its
+ * tensors, allocates its outputs through the caller's framework, runs the library call without the GIL
+ * and returns the outputs as a struct sequence.
  */
 #include "_epx.h"
 
