@@ -1,4 +1,4 @@
-"""Builds the epx Python package: the CPython extension python/epx/_epx.c compiled together with the
+"""Builds the epx Python package: the CPython extension (python/epx/_epx*.c) compiled together with the
 library's C sources (host backend), so `pip install .` needs only a C compiler. EPX_PYTHON_CUDA=1 builds
 the library with its cuda backend through CMake (needs nvcc) and links the extension against it."""
 
@@ -24,6 +24,12 @@ def library_version():
 # Python build products live apart from the CMake tree in build/ (ignored by git).
 BUILD_BASE = os.path.join("build", "python")
 os.makedirs(os.path.join(ROOT, BUILD_BASE), exist_ok=True)
+
+
+# The extension's own files (relative paths under python/: the cuda build keeps only those of the list).
+EXT_SOURCES = ["python/epx/" + name for name in ("_epx.c", "_epx_dlpack.c", "_epx_comm.c", "_epx_types.c",
+                                                 "_epx_ops.c")]
+EXT_HEADERS = ["python/epx/_epx.h"]
 
 
 def host_sources():
@@ -97,7 +103,8 @@ setup(
     ext_modules=[
         Extension(
             "epx._epx",
-            sources=["python/epx/_epx.c"] + host_sources(),
+            sources=EXT_SOURCES + host_sources(),
+            depends=EXT_HEADERS,
             include_dirs=["include", "src"],
             define_macros=[("_GNU_SOURCE", None)],
             extra_compile_args=C_FLAGS,

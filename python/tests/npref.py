@@ -125,6 +125,18 @@ class Problem:
                 layout[j, s] = (begin << 32) | n if n else 0
         return recv_x, count, src, layout
 
+    def ll_fp8_rows(self, r):
+        """(expert j, row i, source row v, scales) of every row rank r receives in LL: v as float32 in
+        128-channel groups, its fp8 scales per the pinned cast, max(|v|) of each group / 448."""
+        _, _, src, layout = self.ll_dispatch(r)
+        for j in range(self.L):
+            for s in range(self.R):
+                begin, n = int(layout[j, s] >> 32), int(layout[j, s] & 0xFFFFFFFF)
+                for i in range(begin, begin + n):
+                    v = f32(self.x[s][src[j, i]]).reshape(self.H // 128, 128)
+                    amax = np.maximum(np.abs(v).max(axis=1), np.float32(1e-4)).astype(np.float32)
+                    yield j, i, v, (amax / np.float32(448)).astype(np.float32)
+
     def ll_combine(self, s):
         """Expert e answers bf16(row * (e % 3 + 1)); weighted sum over slots k ascending."""
         T, H = self.tokens[s], self.H

@@ -188,16 +188,9 @@ def _ll_fp8(rank, nranks, uid):
     rows = nranks * p.T_max
     assert out.recv_x.dtype == np.uint8 and out.recv_x.shape == (p.L, rows, p.H)
     assert out.recv_scales.shape == (p.L, p.H // 128, rows) and out.recv_scales.dtype == np.float32
-    _, count, src, layout = p.ll_dispatch(rank)
-    # Scales per the pinned cast: max(|v|) of each 128-channel group / 448 (our values are exact).
-    for j in range(p.L):
-        for s in range(nranks):
-            begin, n = int(layout[j, s] >> 32), int(layout[j, s] & 0xFFFFFFFF)
-            for i in range(begin, begin + n):
-                v = f32(p.x[s][src[j, i]]).reshape(p.H // 128, 128)
-                amax = np.maximum(np.abs(v).max(axis=1), np.float32(1e-4)).astype(np.float32)
-                want = amax / np.float32(448)
-                assert_equal(out.recv_scales[j, :, i], want.astype(np.float32), "fp8 scales", rank)
+    # Scales per the pinned cast (our values are exact).
+    for j, i, _, want in p.ll_fp8_rows(rank):
+        assert_equal(out.recv_scales[j, :, i], want, "fp8 scales", rank)
     ue = buf.ll_dispatch(p.x[rank], p.topk_idx[rank], use_fp8=True, round_scale=True, use_ue8m0=True)
     assert ue.recv_scales.dtype == np.int32 and ue.recv_scales.shape == (p.L, p.H // 512, rows)
     return True

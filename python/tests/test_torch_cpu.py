@@ -9,7 +9,7 @@ import epx  # noqa: E402
 from epx.compat import deep_ep, hybrid_ep  # noqa: E402
 from mp import run_ranks  # noqa: E402
 from npref import Problem  # noqa: E402
-from torchutil import bf16_bits, free_port, init_group, to_torch  # noqa: E402
+from torchutil import bf16_bits, run_in_group, to_torch  # noqa: E402
 
 from test_ops import SEED, assert_equal  # noqa: E402
 
@@ -18,13 +18,23 @@ def problem(nranks):
     return Problem(SEED, nranks, 6, 128, 3, 4 * nranks)
 
 
-def _native(rank, nranks, uid):
+def host_buffer(rank, nranks, uid):
+    """The problem and an epx.Buffer for it on the host backend."""
     p = problem(nranks)
     comm = epx.Comm.from_unique_id(uid, rank, nranks, backend="host")
-    buf = epx.Buffer(comm, p.T_max, p.H, p.K, p.E)
-    x = to_torch(p.x[rank], "cpu", bf16=True)
-    idx = to_torch(p.topk_idx[rank], "cpu")
-    w = to_torch(p.weights[rank], "cpu")
+    return p, epx.Buffer(comm, p.T_max, p.H, p.K, p.E)
+
+
+def inputs(p, rank, T=None):
+    """x (bf16), topk_idx and topk_weights of `rank` (its first T tokens) as CPU torch tensors."""
+    rows = slice(T)
+    return (to_torch(p.x[rank][rows], "cpu", bf16=True), to_torch(p.topk_idx[rank][rows], "cpu"),
+            to_torch(p.weights[rank][rows], "cpu"))
+
+
+def _native(rank, nranks, uid):
+    p, buf = host_buffer(rank, nranks, uid)
+    x, idx, w = inputs(p, rank)
     out = buf.dispatch(x, idx, w)
     assert isinstance(out.recv_x, torch.Tensor) and out.recv_x.dtype == torch.bfloat16
     recv_x, recv_idx, _, _ = p.ht_dispatch(rank)
@@ -39,19 +49,11 @@ def _native(rank, nranks, uid):
     return True
 
 
-@pytest.mark.parametrize("nranks", [1, 2])
-def test_torch_native(nranks):
-    run_ranks(nranks, _native)
-
-
 def _ll_handles(rank, nranks, uid):
     # LL handles keep the torch.device of their dispatch; a handle holding a reference it does not own
     # corrupts whatever reuses the device object's memory once the call's own reference is dropped.
-    p = problem(nranks)
-    comm = epx.Comm.from_unique_id(uid, rank, nranks, backend="host")
-    buf = epx.Buffer(comm, p.T_max, p.H, p.K, p.E)
-    x = to_torch(p.x[rank], "cpu", bf16=True)
-    idx = to_torch(p.topk_idx[rank], "cpu")
+    p, buf = host_buffer(rank, nranks, uid)
+    x, idx, _ = inputs(p, rank)
     _, count, _, _ = p.ll_dispatch(rank)
     handles, devices = [], []
     for i in range(64):
@@ -64,21 +66,12 @@ def _ll_handles(rank, nranks, uid):
     return True
 
 
-@pytest.mark.parametrize("nranks", [1, 2])
-def test_torch_ll_handles(nranks):
-    run_ranks(nranks, _ll_handles)
-
-
 def _no_tokens(rank, nranks, uid):
     # Rank 0 has no tokens. torch exports tensors without elements with a NULL data pointer (which must
     # not read as "absent") and views of nothing with arbitrary strides (which must not read as strided).
-    p = problem(nranks)
-    comm = epx.Comm.from_unique_id(uid, rank, nranks, backend="host")
-    buf = epx.Buffer(comm, p.T_max, p.H, p.K, p.E)
+    p, buf = host_buffer(rank, nranks, uid)
     T = 0 if rank == 0 else p.tokens[rank]
-    x = to_torch(p.x[rank][:T], "cpu", bf16=True)
-    idx = to_torch(p.topk_idx[rank][:T], "cpu")
-    w = to_torch(p.weights[rank][:T], "cpu")
+    x, idx, w = inputs(p, rank, T)
     out = buf.dispatch(x, idx, w)
     assert out.recv_topk_idx is not None and out.recv_topk_weights is not None
     assert out.recv_topk_idx.shape[1] == p.K and out.recv_topk_weights.shape[1] == p.K
@@ -96,20 +89,19 @@ def _no_tokens(rank, nranks, uid):
     return True
 
 
+# Native calls on CPU tensors; each worker runs on 1 and 2 ranks.
 @pytest.mark.parametrize("nranks", [1, 2])
-def test_torch_no_tokens(nranks):
-    run_ranks(nranks, _no_tokens)
+@pytest.mark.parametrize("worker", [_native, _ll_handles, _no_tokens], ids=lambda worker: worker.__name__[1:])
+def test_torch(worker, nranks):
+    run_ranks(nranks, worker)
 
 
-def _deep_ep(rank, nranks, uid, port):
-    dist = init_group(rank, nranks, port)
+def _deep_ep(rank, nranks, dist):
     p = problem(nranks)
     # backend="host": on a machine with a GPU "auto" would pick the cuda backend for these CPU tensors.
     comm = epx.Comm.from_torch(dist.group.WORLD, backend="host")
     buf = deep_ep.Buffer(dist.group.WORLD, int(1e8), 0, comm=comm)
-    x = to_torch(p.x[rank], "cpu", bf16=True)
-    idx = to_torch(p.topk_idx[rank], "cpu")
-    w = to_torch(p.weights[rank], "cpu")
+    x, idx, w = inputs(p, rank)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, p.E)
     want_rank, want_expert, want_in = p.layout(rank)
     assert_equal(per_rank.numpy(), want_rank, "deep_ep num_tokens_per_rank", rank)
@@ -138,24 +130,20 @@ def _deep_ep(rank, nranks, uid, port):
     with pytest.raises(NotImplementedError, match="use_logfmt"):
         buf.low_latency_combine(view, idx, w, llh, use_logfmt=True)
     buf.destroy()
-    dist.destroy_process_group()
     return True
 
 
 @pytest.mark.parametrize("nranks", [1, 2])
 def test_deep_ep_front(nranks):
-    run_ranks(nranks, _deep_ep, port=free_port())
+    run_in_group(nranks, _deep_ep)
 
 
-def _hybrid_ep(rank, nranks, uid, port):
-    dist = init_group(rank, nranks, port)
+def _hybrid_ep(rank, nranks, dist):
     p = problem(nranks)
     buf = hybrid_ep.HybridEPBuffer(dist.group.WORLD, hidden_dim=p.H, max_num_of_tokens_per_rank=p.T_max,
                                    num_local_experts=p.L, num_topk=p.K, max_pad_multiple=4,
                                    comm=epx.Comm.from_torch(dist.group.WORLD, backend="host"))
-    x = to_torch(p.x[rank], "cpu", bf16=True)
-    idx = to_torch(p.topk_idx[rank], "cpu")
-    w = to_torch(p.weights[rank], "cpu")
+    x, idx, w = inputs(p, rank)
     tokens, probs, _, handle = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_of_experts=p.E)
     want_tokens, want_probs, _, _ = p.rm_dispatch(rank, False, 1)
     assert_equal(bf16_bits(tokens), want_tokens, "hybrid tokens", rank)
@@ -176,23 +164,20 @@ def _hybrid_ep(rank, nranks, uid, port):
     assert_equal(bf16_bits(combined), p.rm_combine(rank, True, True), "hybrid unpermuted", rank)
     with pytest.raises(NotImplementedError, match="probs"):
         buf.combine_with_unpermute(y, probs=probs, handle=handle)
-    dist.destroy_process_group()
     return True
 
 
 @pytest.mark.parametrize("nranks", [1, 2])
 def test_hybrid_ep_front(nranks):
-    run_ranks(nranks, _hybrid_ep, port=free_port())
+    run_in_group(nranks, _hybrid_ep)
 
 
-def _from_torch(rank, nranks, uid, port):
-    dist = init_group(rank, nranks, port)
+def _from_torch(rank, nranks, dist):
     comm = epx.Comm.from_torch(backend="host")
     got = (comm.rank, comm.nranks, comm.backend)
     comm.destroy()
-    dist.destroy_process_group()
     return got
 
 
 def test_comm_from_torch_gloo():
-    assert run_ranks(2, _from_torch, port=free_port()) == [(0, 2, "host"), (1, 2, "host")]
+    assert run_in_group(2, _from_torch) == [(0, 2, "host"), (1, 2, "host")]

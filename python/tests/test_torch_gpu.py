@@ -125,19 +125,12 @@ def _native(rank, nranks, uid):
     rows = nranks * p.T_max
     assert f8.recv_x.dtype == torch.float8_e4m3fn and tuple(f8.recv_x.shape) == (p.L, rows, p.H)
     assert f8.recv_scales.dtype == torch.float32 and tuple(f8.recv_scales.shape) == (p.L, p.H // 128, rows)
-    _, count, src, layout = p.ll_dispatch(rank)
     qx, qs = f8.recv_x.float().cpu().numpy(), _host(f8.recv_scales)
-    for j in range(p.L):
-        for s in range(nranks):
-            begin, n = int(layout[j, s] >> 32), int(layout[j, s] & 0xFFFFFFFF)
-            for i in range(begin, begin + n):
-                v = f32(p.x[s][src[j, i]]).reshape(p.H // 128, 128)
-                amax = np.maximum(np.abs(v).max(axis=1), np.float32(1e-4)).astype(np.float32)
-                assert_equal(qs[j, :, i], (amax / np.float32(448)).astype(np.float32), "fp8 scales", rank)
-                # e4m3 keeps 3 mantissa bits: each value within 1/16 of itself, 1/8 with the scale's rounding.
-                deq = qx[j, i].reshape(p.H // 128, 128) * qs[j, :, i][:, None]
-                assert np.all(np.abs(deq - v) <= np.abs(v) / 8), "rank %d: fp8 row %d of expert %d" % (
-                    rank, i, j)
+    for j, i, v, want in p.ll_fp8_rows(rank):
+        assert_equal(qs[j, :, i], want, "fp8 scales", rank)
+        # e4m3 keeps 3 mantissa bits: each value within 1/16 of itself, 1/8 with the scale's rounding.
+        deq = qx[j, i].reshape(p.H // 128, 128) * qs[j, :, i][:, None]
+        assert np.all(np.abs(deq - v) <= np.abs(v) / 8), "rank %d: fp8 row %d of expert %d" % (rank, i, j)
     # The fp8 dispatch has the same routing, so yl fits its layout.
     lc = buf.ll_combine(yl, idx, w, f8.handle)
     assert_equal(bf16_bits(lc.combined_x), p.ll_combine(rank), "ll combined_x after fp8", rank)

@@ -6,6 +6,7 @@ import socket
 
 import numpy as np
 
+from mp import run_ranks
 from npref import f32
 
 
@@ -22,6 +23,19 @@ def init_group(rank, nranks, port, backend="gloo"):
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group(backend, rank=rank, world_size=nranks)
     return dist
+
+
+def _in_group(rank, nranks, uid, port, backend, worker, kwargs):
+    dist = init_group(rank, nranks, port, backend)
+    result = worker(rank, nranks, dist, **kwargs)
+    dist.destroy_process_group()
+    return result
+
+
+def run_in_group(nranks, worker, backend="gloo", **kwargs):
+    """run_ranks with a torch.distributed group: worker(rank, nranks, dist, **kwargs) on every rank, between
+    the group's creation and its destruction; returns the workers' results by rank."""
+    return run_ranks(nranks, _in_group, port=free_port(), backend=backend, worker=worker, kwargs=kwargs)
 
 
 def to_torch(a, device, bf16=False):

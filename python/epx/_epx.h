@@ -1,0 +1,216 @@
+/*
+ * What the C files of the epx._epx extension share: the DLPack ABI, the module state, the object
+ * layouts and the functions one file defines for the others. Every name shared between the files starts
+ * with py_ so it cannot meet a library symbol when the extension links the library's objects.
+ */
+#ifndef EPX_PYTHON_EXT_H
+#define EPX_PYTHON_EXT_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <epx/epx.h>
+
+/* ------------------------------------------------------------------ DLPack (v0.8 ABI) ---- */
+
+typedef struct {
+    int32_t device_type;
+    int32_t device_id;
+} dl_device_t;
+
+typedef struct {
+    uint8_t code;
+    uint8_t bits;
+    uint16_t lanes;
+} dl_dtype_t;
+
+typedef struct {
+    void *data;
+    dl_device_t device;
+    int32_t ndim;
+    dl_dtype_t dtype;
+    int64_t *shape;
+    int64_t *strides;
+    uint64_t byte_offset;
+} dl_tensor_t;
+
+typedef struct dl_managed {
+    dl_tensor_t dl_tensor;
+    void *manager_ctx;
+    void (*deleter)(struct dl_managed *self);
+} dl_managed_t;
+
+enum { DL_INT = 0, DL_UINT = 1, DL_FLOAT = 2, DL_BFLOAT = 4, DL_BOOL = 6, DL_FLOAT8_E4M3FN = 10 };
+enum { DL_CPU = 1, DL_CUDA = 2, DL_CUDA_HOST = 3 };
+
+/* ------------------------------------------------------------------ module state ---- */
+
+typedef struct {
+    PyObject *error_base;                          /* epx.EpxError */
+    PyObject *error_classes[EPX_ERR_INTERNAL + 1]; /* by result code */
+    PyObject *numpy_empty, *numpy_dtypes[EPX_DTYPE_COUNT_];
+    PyTypeObject *numpy_ndarray;
+    PyObject *torch_empty, *torch_tensor_type, *torch_dtypes[EPX_DTYPE_COUNT_], *torch_fp8;
+    PyObject *torch_uint8, *torch_current_stream;
+    PyObject *str_dlpack, *str_dlpack_device, *str_device, *str_dtype, *str_view;
+    PyObject *str_stream, *str_cuda_stream;
+} py_state_t;
+
+extern py_state_t py_state;
+
+enum framework { FW_NUMPY = 1, FW_TORCH = 2 };
+
+/* dtype hints: what an ambiguous DLPack dtype means for this argument. */
+enum { HINT_NONE = 0, HINT_FP8 = 1, HINT_BOOL = 2 };
+
+/* Handle kinds: the dispatch a Handle comes from. */
+enum { HANDLE_HT = 1, HANDLE_RM = 2 };
+
+/* Runs a library call with the GIL released: ranks wait on each other inside, other threads go on. */
+#define WITHOUT_GIL(stmt)            \
+    do {                             \
+        Py_BEGIN_ALLOW_THREADS stmt; \
+        Py_END_ALLOW_THREADS         \
+    } while (0)
+
+#define KWFN(f) (PyCFunction)(void (*)(void))(f)
+
+/* ------------------------------------------------------------------ tensors of one call ---- */
+
+/* Imported tensors keep their DLPack capsule (and so the producer's memory) until the call ends. */
+#define MAX_TENSORS 16
+typedef struct {
+    PyObject *keep[MAX_TENSORS];
+    int count;
+} keep_t;
+
+/* What every tensor of one call shares: the framework and device of its reference tensor. */
+typedef struct {
+    int fw;
+    int dl_device_type;
+    int device_id;
+    PyObject *device; /* torch.device of the reference tensor (borrowed from keep: dangles after
+                       * py_keep_release, so take a reference before releasing keep) */
+    PyObject *stream_arg;
+    void *stream;
+    int stream_resolved;
+    int stream_is_torch_current; /* stream came from torch.cuda.current_stream() */
+} call_ctx_t;
+
+/* ------------------------------------------------------------------ objects ---- */
+
+typedef struct {
+    PyObject_HEAD epx_comm_t comm;
+    epx_topology_t topo;
+    PyObject *allgather; /* bootstrap callbacks (Comm.from_callbacks); must live as long as comm */
+    PyObject *barrier;
+    PyObject *callback_error; /* first exception raised by a callback */
+    int live_buffers;
+    PyObject *weakrefs;
+} CommObject;
+
+typedef struct {
+    PyObject_HEAD epx_buffer_t buf;
+    CommObject *comm;
+    epx_buffer_config_t cfg;
+    int32_t R, L;
+    int live_handles;
+    PyObject *weakrefs;
+    PyObject *dict;
+} BufferObject;
+
+typedef struct {
+    PyObject_HEAD epx_handle_t handle;
+    BufferObject *buffer;
+    int kind; /* HANDLE_HT or HANDLE_RM */
+    int permute;
+    int64_t num_tokens;
+    int64_t hidden;
+} HandleObject;
+
+/* What LL handles and hooks start with: the buffer they belong to and one more object they hold. */
+typedef struct {
+    PyObject_HEAD BufferObject *buffer;
+    PyObject *held; /* LL handle: torch device of the dispatch, or NULL; hook: the outputs it writes */
+} BufferChildObject;
+
+typedef struct {
+    BufferChildObject base;
+    epx_ll_handle_t h;
+    int fw;
+} LLHandleObject;
+
+/* A DLPack producer over library memory (the zero-copy combine region); keeps the buffer alive. */
+typedef struct {
+    PyObject_HEAD epx_tensor_t t;
+    PyObject *owner;
+} ViewObject;
+
+extern PyTypeObject py_comm_type, py_buffer_type, py_handle_type, py_llhandle_type, py_hook_type,
+    py_view_type;
+extern PyTypeObject *py_layout_type, *py_ht_dispatch_type, *py_ht_combine_type, *py_ll_dispatch_type,
+    *py_ll_combine_type, *py_rm_dispatch_type;
+
+/* ------------------------------------------------------------------ _epx.c: errors ---- */
+
+/* Raise the EpxError subclass of `res` with the library's detail for this thread; return NULL. */
+PyObject *py_raise_epx(epx_result_t res);
+/* An invalid argument the binding itself detects (dtype or device that has no epx equivalent). */
+PyObject *py_raise_invalid(const char *fmt, ...);
+/* The pending exception, normalised and with its traceback attached; the error indicator is cleared. */
+PyObject *py_take_exception(void);
+
+/* ------------------------------------------------------------------ _epx_dlpack.c ---- */
+
+void py_keep_release(keep_t *k);
+/* Sets the call's framework and device from its reference tensor (the first tensor argument). */
+int py_ctx_init(call_ctx_t *ctx, keep_t *keep, PyObject *ref, PyObject *stream_arg);
+/* Reads `obj` through DLPack into `t`. None leaves `t` absent (data NULL). */
+int py_import_tensor(call_ctx_t *ctx, keep_t *keep, PyObject *obj, const char *name, int hint,
+                     epx_tensor_t *t);
+/* The stream the call runs on (explicit, else torch's current one for cuda tensors, else NULL). */
+int py_stream_of(call_ctx_t *ctx, void **out);
+/* Allocates a contiguous output through the call's framework and imports it into `t`. */
+int py_alloc_tensor(call_ctx_t *ctx, keep_t *keep, epx_dtype_t dtype, int ndim, const int64_t *shape,
+                    const char *name, PyObject **obj_out, epx_tensor_t *t);
+/* obj[:n] when n is below its first dimension (the default HT mode sizes outputs for the worst case). */
+int py_slice_rows(PyObject **obj, int64_t n, int64_t cap);
+/* The library memory of `view` as an array of framework `fw` (numpy uint16 or torch.bfloat16). */
+PyObject *py_view_array(ViewObject *view, int fw);
+int py_ensure_numpy(void);
+/* Picks up torch if the process imported it; the binding never imports torch itself. */
+void py_refresh_torch(void);
+
+/* ------------------------------------------------------------------ _epx_comm.c ---- */
+
+PyObject *py_comm_init(PyObject *mod, PyObject *args, PyObject *kwargs);
+PyObject *py_comm_init_callbacks(PyObject *mod, PyObject *args, PyObject *kwargs);
+
+/* ------------------------------------------------------------------ _epx_types.c ---- */
+
+/* Refuse a communicator, buffer or handle whose library object was destroyed. */
+int py_comm_check(CommObject *self);
+int py_buffer_check(BufferObject *self);
+PyObject *py_buffer_destroy(BufferObject *self, PyObject *unused);
+/* ... and a handle of the other kind (HANDLE_HT, HANDLE_RM). */
+int py_handle_check(HandleObject *h, int kind);
+/* A Handle over `h` (destroyed when the object cannot be made). */
+HandleObject *py_handle_new(BufferObject *buffer, epx_handle_t h, int kind, int permute, int64_t num_tokens);
+PyObject *py_llhandle_new(BufferObject *buffer, const epx_ll_handle_t *h, call_ctx_t *ctx);
+/* The receive half of an LL call; `keep` (the outputs it writes) stays alive until it ran. */
+PyObject *py_hook_new(BufferObject *buffer, const epx_hook_t *h, PyObject *keep);
+/* Builds a struct sequence, stealing the references in items (NULL becomes None). */
+PyObject *py_make_result(PyTypeObject *type, int n, PyObject **items);
+/* Creates the result struct-sequence types and adds them to the module. */
+int py_add_result_types(PyObject *m);
+
+/* ------------------------------------------------------------------ _epx_ops.c ---- */
+
+extern PyMethodDef py_buffer_methods[];
+PyObject *py_bench_ll_dispatch_c(PyObject *mod, PyObject *args);
+
+#endif /* EPX_PYTHON_EXT_H */
