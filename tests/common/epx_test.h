@@ -56,6 +56,24 @@
         }                                                                           \
     } while (0)
 
+/* For rank bodies that check against the reference (reference.h), with `rank` and `int rc` in
+ * scope. CALL runs an epx call; on failure it reports it, sets rc = 2 (the ranks are now out of
+ * step: callers stop) and jumps to `out`. CHECK reports a false condition and sets rc's bit 0. */
+#define CALL(expr)                                                                   \
+    do {                                                                             \
+        epx_result_t call_res_ = (expr);                                             \
+        if (call_res_ != EPX_SUCCESS) {                                              \
+            ref_fail(rank, "%s returned %s (%s)", #expr, epx_result_name(call_res_), \
+                     epx_last_error_message());                                      \
+            rc = 2;                                                                  \
+            goto out;                                                                \
+        }                                                                            \
+    } while (0)
+#define CHECK(cond, ...)                                \
+    do {                                                \
+        if (!(cond)) rc |= ref_fail(rank, __VA_ARGS__); \
+    } while (0)
+
 /* A rank's body: returns 0 on success. */
 typedef int (*epx_test_rank_fn)(int rank, int nranks, const epx_unique_id_t *id, void *ctx);
 
@@ -75,5 +93,12 @@ static inline uint64_t epx_test_rand(uint64_t *state)
 
 /* Seed from EPX_TEST_SEED or the clock; printed so a failure can be replayed. */
 uint64_t epx_test_seed(void);
+
+/* CLOCK_MONOTONIC in seconds, for checks that a call returned in time. */
+double epx_test_now_s(void);
+
+/* FNV-1a of n bytes continuing from h (start with EPX_TEST_FNV_INIT): repeated runs must match. */
+#define EPX_TEST_FNV_INIT 1469598103934665603ull
+uint64_t epx_test_fnv(const void *data, size_t n, uint64_t h);
 
 #endif

@@ -1,9 +1,10 @@
-/* Seed selection, and the multi-rank launcher of the tests over the shared harness. */
+/* Seed, clock and hash helpers, and the multi-rank launcher of the tests over the shared harness. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "core/internal.h"
 #include "epx_test.h"
 
 uint64_t epx_test_seed(void)
@@ -13,6 +14,18 @@ uint64_t epx_test_seed(void)
     printf("seed %llu (EPX_TEST_SEED to replay)\n", (unsigned long long)seed);
     fflush(stdout);
     return seed;
+}
+
+double epx_test_now_s(void)
+{
+    return (double)epx_time_ns() * 1e-9;
+}
+
+uint64_t epx_test_fnv(const void *data, size_t n, uint64_t h)
+{
+    const uint8_t *b = data;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+    return h;
 }
 
 /* The tests' rank bodies take no result slot: adapt them to the harness's. */

@@ -593,6 +593,50 @@ int ref_rm_combine(const ref_problem_t *p, int s, bool permute, int pad, const i
     return 0;
 }
 
+ref_rm_plan_t ref_rm_plan(int it)
+{
+    static const int pads[4] = {0, 1, 16, 128}; /* 0: without permute */
+    const int cfg = it % 4;
+    ref_rm_plan_t pl;
+    pl.permute = pads[cfg] > 0;
+    pl.pad = pl.permute ? pads[cfg] : 1;
+    pl.bound = (ref_bound_t)((it / 4) % REF_BOUND_COUNT);
+    pl.dtype = (cfg + (int)pl.bound + it / 16) % 2 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
+    pl.with_probs = it % 3 != 2;
+    pl.weighted = pl.permute && pl.with_probs && (it / 2) % 2;
+    pl.routing = (ref_routing_t)((it / 3) % REF_ROUTE_COUNT);
+    return pl;
+}
+
+const char *ref_bound_name(ref_bound_t bound)
+{
+    static const char *const names[REF_BOUND_COUNT] = {"none", "equal", "above", "below"};
+    return bound >= 0 && bound < REF_BOUND_COUNT ? names[bound] : "?";
+}
+
+int ref_rm_bounds(const ref_problem_t *p, bool permute, int pad, ref_bound_t mode, int64_t *bounds)
+{
+    const int64_t kl = p->K < p->L ? p->K : p->L;
+    const int64_t cap = permute ? p->R * p->T_max * kl + p->L * (REF_RM_MAX_PAD - 1) : p->R * p->T_max;
+    for (int r = 0; r < p->R; r++) {
+        ref_rm_recv_t other;
+        const int bad = ref_rm_dispatch(p, r, permute, pad, -1, &other);
+        const int64_t real = other.real;
+        ref_rm_recv_free(&other);
+        if (bad) return 1;
+        int64_t b = real;
+        switch (mode) {
+        case REF_BOUND_NONE: b = -1; break;
+        case REF_BOUND_EQUAL: break;
+        case REF_BOUND_ABOVE: b = real + 5; break;
+        default: b = real >= 2 ? real - (real / 3 > 1 ? real / 3 : 1) : real; break;
+        }
+        if (mode != REF_BOUND_NONE) b = b < 1 ? 1 : b > cap ? cap : b;
+        bounds[r] = b;
+    }
+    return 0;
+}
+
 /* ----------------------------------------------------------------- checking helpers ---- */
 
 static uint64_t ref_seed_g;

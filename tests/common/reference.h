@@ -152,6 +152,30 @@ void ref_rm_recv_free(ref_rm_recv_t *out);
 int ref_rm_combine(const ref_problem_t *p, int s, bool permute, int pad, const int64_t *bounds, bool weighted,
                    uint64_t yseed, uint16_t *out);
 
+/* The case of routing-map iteration `it` shared by the host and cuda suites: permute and padding,
+ * bound mode, dtype, probs and weighting cycle so that every (pad, bound) pair occurs. */
+#define REF_RM_MAX_PAD 128 /* the buffers' max_pad_multiple */
+typedef enum ref_bound {
+    REF_BOUND_NONE = 0,  /* no upper bound (-1) */
+    REF_BOUND_EQUAL = 1, /* the real count */
+    REF_BOUND_ABOVE = 2,
+    REF_BOUND_BELOW = 3, /* overflow */
+    REF_BOUND_COUNT = 4,
+} ref_bound_t;
+typedef struct ref_rm_plan {
+    bool permute;
+    int pad; /* 1 without permute */
+    ref_bound_t bound;
+    epx_dtype_t dtype;
+    bool with_probs, weighted;
+    ref_routing_t routing;
+} ref_rm_plan_t;
+ref_rm_plan_t ref_rm_plan(int it);
+const char *ref_bound_name(ref_bound_t bound);
+/* The bound each rank passes (bounds[R], -1 for none), from its real count and capped at the
+ * buffer's capacity. Returns 0, or 1 when the reference fails. */
+int ref_rm_bounds(const ref_problem_t *p, bool permute, int pad, ref_bound_t mode, int64_t *bounds);
+
 /* ----------------------------------------------------------------- checking helpers ---- */
 
 /* Seed and case printed with every failure of this process. */

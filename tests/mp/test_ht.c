@@ -21,21 +21,6 @@ typedef struct ht_case {
 
 static uint64_t g_seed;
 
-#define CALL(expr)                                                                   \
-    do {                                                                             \
-        epx_result_t call_res_ = (expr);                                             \
-        if (call_res_ != EPX_SUCCESS) {                                              \
-            ref_fail(rank, "%s returned %s (%s)", #expr, epx_result_name(call_res_), \
-                     epx_last_error_message());                                      \
-            rc = 2;                                                                  \
-            goto out;                                                                \
-        }                                                                            \
-    } while (0)
-#define CHECK(cond, ...)                                \
-    do {                                                \
-        if (!(cond)) rc |= ref_fail(rank, __VA_ARGS__); \
-    } while (0)
-
 static epx_tensor_t idx_tensor(void *data, epx_dtype_t dtype, int64_t rows, int64_t K)
 {
     return epx_tensor_2d(data, dtype, rows, K);

@@ -22,21 +22,6 @@ static const char *const k_mode_names[] = {"bf16", "fp8", "fp8+round_scale", "fp
 
 static uint64_t g_seed;
 
-#define CALL(expr)                                                                   \
-    do {                                                                             \
-        epx_result_t call_res_ = (expr);                                             \
-        if (call_res_ != EPX_SUCCESS) {                                              \
-            ref_fail(rank, "%s returned %s (%s)", #expr, epx_result_name(call_res_), \
-                     epx_last_error_message());                                      \
-            rc = 2;                                                                  \
-            goto out;                                                                \
-        }                                                                            \
-    } while (0)
-#define CHECK(cond, ...)                                \
-    do {                                                \
-        if (!(cond)) rc |= ref_fail(rank, __VA_ARGS__); \
-    } while (0)
-
 /* One LL batch of this rank: inputs, caller outputs and the reference's view of them. */
 typedef struct ll_io {
     ref_problem_t p;
