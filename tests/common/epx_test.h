@@ -82,6 +82,15 @@ typedef int (*epx_test_rank_fn)(int rank, int nranks, const epx_unique_id_t *id,
  * printing which ranks failed. */
 int epx_test_run_ranks(int nranks, epx_test_rank_fn fn, void *ctx, int timeout_s);
 
+/* The main loop of a suite: runs fn on each of n cases (an array of `size`-byte structs whose
+ * first member is the rank count `int R`), timeout_s each; names the failed cases with the seed
+ * and prints "<name>: ok" or "<name>: FAILED". Returns 0 when every case passed. */
+int epx_test_run_cases(const char *name, const void *cases, size_t n, size_t size, epx_test_rank_fn fn,
+                       int timeout_s, uint64_t seed);
+#define EPX_TEST_RUN_CASES(name, cases, fn, timeout_s, seed)                                               \
+    epx_test_run_cases(name, cases, sizeof(cases) / sizeof((cases)[0]), sizeof((cases)[0]), fn, timeout_s, \
+                       seed)
+
 /* Deterministic 64-bit generator (splitmix64) for inputs and routing. */
 static inline uint64_t epx_test_rand(uint64_t *state)
 {
@@ -93,6 +102,10 @@ static inline uint64_t epx_test_rand(uint64_t *state)
 
 /* Seed from EPX_TEST_SEED or the clock; printed so a failure can be replayed. */
 uint64_t epx_test_seed(void);
+
+/* A buffer config with the given shape and EPX_MODE_* bits (0: all); the other fields default. */
+epx_buffer_config_t epx_test_buffer_config(int64_t max_tokens, int64_t hidden, int num_topk, int num_experts,
+                                           uint32_t modes);
 
 /* CLOCK_MONOTONIC in seconds, for checks that a call returned in time. */
 double epx_test_now_s(void);

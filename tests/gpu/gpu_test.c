@@ -49,7 +49,8 @@ int gpu_test_comm(const gpu_ctx_t *ctx, const epx_unique_id_t *id, int rank, int
     return 0;
 }
 
-epx_tensor_t gpu_tensor(void *data, epx_dtype_t dtype, int ndim, int64_t d0, int64_t d1, int64_t d2, int device)
+epx_tensor_t gpu_tensor(void *data, epx_dtype_t dtype, int ndim, int64_t d0, int64_t d1, int64_t d2,
+                        int device)
 {
     epx_tensor_t t = ndim == 1   ? epx_tensor_1d(data, dtype, d0)
                      : ndim == 2 ? epx_tensor_2d(data, dtype, d0, d1)

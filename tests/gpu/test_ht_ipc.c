@@ -591,12 +591,7 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
     const int64_t Hs[2] = {7168, 2048};
     for (int hi = ctx->quick ? 1 : 0; hi < 2 && rc == 0; hi++) {
         const int64_t H = Hs[hi], T_max = ctx->quick ? 64 : (H == 7168 ? 128 : 256);
-        epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-        bc.max_tokens = T_max;
-        bc.hidden = H;
-        bc.num_topk = TOPK;
-        bc.num_experts = E_EXPERTS;
-        bc.modes = EPX_MODE_HT;
+        epx_buffer_config_t bc = epx_test_buffer_config(T_max, H, TOPK, E_EXPERTS, EPX_MODE_HT);
         bc.dispatch_dtypes = EPX_DTYPE_BIT(EPX_DTYPE_BF16) | EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3);
         epx_buffer_t buf;
         EXPECT_OK(epx_buffer_create(comm, &bc, &buf));

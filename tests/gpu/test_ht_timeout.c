@@ -46,12 +46,7 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *ctx,
     cfg.timeout_ms = TIMEOUT_MS;
     epx_comm_t comm;
     EXPECT_OK(epx_comm_init(id, rank, NRANKS, &cfg, &comm));
-    epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-    bc.max_tokens = TM;
-    bc.hidden = H;
-    bc.num_topk = K;
-    bc.num_experts = E;
-    bc.modes = EPX_MODE_HT;
+    epx_buffer_config_t bc = epx_test_buffer_config(TM, H, K, E, EPX_MODE_HT);
     bc.dispatch_dtypes = EPX_DTYPE_BIT(EPX_DTYPE_BF16);
     epx_buffer_t buf;
     EXPECT_OK(epx_buffer_create(comm, &bc, &buf));

@@ -56,12 +56,7 @@ static int cfg_open(cfg_t *g, epx_comm_t comm, int rank, int nranks, int device,
     g->L = g->E / nranks;
     g->RT = (int64_t)nranks * g->T_max;
     g->device = device;
-    epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-    bc.max_tokens = g->T_max;
-    bc.hidden = g->H;
-    bc.num_topk = g->K;
-    bc.num_experts = g->E;
-    bc.modes = EPX_MODE_LL;
+    epx_buffer_config_t bc = epx_test_buffer_config(g->T_max, g->H, g->K, g->E, EPX_MODE_LL);
     bc.dispatch_dtypes = EPX_DTYPE_BIT(EPX_DTYPE_BF16);
     EXPECT_OK(epx_buffer_create(comm, &bc, buf));
     const int64_t H = g->H, T = g->T_max, K = g->K, L = g->L, RT = g->RT;

@@ -431,12 +431,7 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
         su.K = Ks[ci];
         su.H = ctx->quick ? 256 : Hs[ci];
         su.T_max = ctx->quick ? 12 : (ci ? 24 : 48);
-        epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-        bc.max_tokens = su.T_max;
-        bc.hidden = su.H;
-        bc.num_topk = su.K;
-        bc.num_experts = su.E;
-        bc.modes = EPX_MODE_PERMUTE;
+        epx_buffer_config_t bc = epx_test_buffer_config(su.T_max, su.H, su.K, su.E, EPX_MODE_PERMUTE);
         bc.dispatch_dtypes = EPX_DTYPE_BIT(EPX_DTYPE_BF16) | EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3);
         bc.max_pad_multiple = REF_RM_MAX_PAD;
         EXPECT_OK(epx_buffer_create(su.comm, &bc, &su.buf));

@@ -164,12 +164,7 @@ static int run_rank(int me, int R, const epx_unique_id_t *id, void *ctx)
     cc.timeout_ms = 20000;
     epx_comm_t comm;
     EXPECT_OK(epx_comm_init(id, me, R, &cc, &comm));
-    epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-    bc.max_tokens = TM;
-    bc.hidden = HID;
-    bc.num_topk = TOPK;
-    bc.num_experts = w->E;
-    bc.modes = EPX_MODE_HT;
+    epx_buffer_config_t bc = epx_test_buffer_config(TM, HID, TOPK, w->E, EPX_MODE_HT);
     epx_buffer_t buf;
     EXPECT_OK(epx_buffer_create(comm, &bc, &buf));
 

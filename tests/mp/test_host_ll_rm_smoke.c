@@ -86,12 +86,7 @@ static epx_result_t make_buffer(int rank, int nranks, const epx_unique_id_t *id,
     cc.timeout_ms = 20000;
     epx_result_t res = epx_comm_init(id, rank, nranks, &cc, comm);
     if (res != EPX_SUCCESS) return res;
-    epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-    bc.max_tokens = T_MAX;
-    bc.hidden = HID;
-    bc.num_topk = TOPK;
-    bc.num_experts = NEXP;
-    bc.modes = EPX_MODE_LL | EPX_MODE_PERMUTE;
+    epx_buffer_config_t bc = epx_test_buffer_config(T_MAX, HID, TOPK, NEXP, EPX_MODE_LL | EPX_MODE_PERMUTE);
     bc.max_pad_multiple = 16;
     return epx_buffer_create(*comm, &bc, buf);
 }

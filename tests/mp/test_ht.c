@@ -480,12 +480,7 @@ static int ht_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
                       hc->domain_cap);
         goto out;
     }
-    epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-    cfg.max_tokens = hc->T_max;
-    cfg.hidden = hc->H;
-    cfg.num_topk = hc->K;
-    cfg.num_experts = hc->E;
-    cfg.modes = EPX_MODE_HT;
+    epx_buffer_config_t cfg = epx_test_buffer_config(hc->T_max, hc->H, hc->K, hc->E, EPX_MODE_HT);
     CALL(epx_buffer_create(comm, &cfg, &buf));
     int iters = hc->iters;
     if (ref_fast_mode()) iters = (iters + 2) / 3;
@@ -511,16 +506,5 @@ static const ht_case_t k_cases[] = {
 int main(void)
 {
     g_seed = epx_test_seed();
-    int failed = 0;
-    for (size_t i = 0; i < sizeof(k_cases) / sizeof(k_cases[0]); i++) {
-        const ht_case_t *hc = &k_cases[i];
-        if (epx_test_run_ranks(hc->R, ht_rank, (void *)hc, 300)) {
-            fprintf(stderr, "FAILED: ht case R=%d E=%d K=%d H=%lld T_max=%lld cap %d (seed %llu)\n", hc->R,
-                    hc->E, hc->K, (long long)hc->H, (long long)hc->T_max, hc->domain_cap,
-                    (unsigned long long)g_seed);
-            failed = 1;
-        }
-    }
-    printf(failed ? "ht: FAILED\n" : "ht: ok\n");
-    return failed;
+    return EPX_TEST_RUN_CASES("ht", k_cases, ht_rank, 300, g_seed);
 }

@@ -264,12 +264,7 @@ static int ll_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
         rc = 2;
         goto out;
     }
-    epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-    cfg.max_tokens = lc->T_max;
-    cfg.hidden = lc->H;
-    cfg.num_topk = lc->K;
-    cfg.num_experts = lc->E;
-    cfg.modes = EPX_MODE_LL;
+    epx_buffer_config_t cfg = epx_test_buffer_config(lc->T_max, lc->H, lc->K, lc->E, EPX_MODE_LL);
     CALL(epx_buffer_create(comm, &cfg, &buf));
 
     int iters = lc->iters;
@@ -440,15 +435,5 @@ int main(void)
 {
     g_seed = epx_test_seed();
     if (check_reference_numerics()) return 1;
-    int failed = 0;
-    for (size_t i = 0; i < sizeof(k_cases) / sizeof(k_cases[0]); i++) {
-        const ll_case_t *lc = &k_cases[i];
-        if (epx_test_run_ranks(lc->R, ll_rank, (void *)lc, 300)) {
-            fprintf(stderr, "FAILED: ll case R=%d E=%d K=%d H=%lld T_max=%lld (seed %llu)\n", lc->R, lc->E,
-                    lc->K, (long long)lc->H, (long long)lc->T_max, (unsigned long long)g_seed);
-            failed = 1;
-        }
-    }
-    printf(failed ? "ll: FAILED\n" : "ll: ok\n");
-    return failed;
+    return EPX_TEST_RUN_CASES("ll", k_cases, ll_rank, 300, g_seed);
 }

@@ -169,12 +169,7 @@ static int rm_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
     ref_set_case("rm R=%d E=%d K=%d H=%lld T_max=%lld: setup", nranks, c->E, c->K, (long long)c->H,
                  (long long)c->T_max);
     if (ref_open_comm(id, rank, nranks, &comm)) return 2;
-    epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-    cfg.max_tokens = c->T_max;
-    cfg.hidden = c->H;
-    cfg.num_topk = c->K;
-    cfg.num_experts = c->E;
-    cfg.modes = EPX_MODE_PERMUTE;
+    epx_buffer_config_t cfg = epx_test_buffer_config(c->T_max, c->H, c->K, c->E, EPX_MODE_PERMUTE);
     cfg.dispatch_dtypes = EPX_DTYPE_BIT(EPX_DTYPE_BF16) | EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3);
     cfg.max_pad_multiple = REF_RM_MAX_PAD;
     CALL(epx_buffer_create(comm, &cfg, &buf));
@@ -200,15 +195,5 @@ static const rm_case_t k_cases[] = {
 int main(void)
 {
     g_seed = epx_test_seed();
-    int failed = 0;
-    for (size_t i = 0; i < sizeof(k_cases) / sizeof(k_cases[0]); i++) {
-        const rm_case_t *c = &k_cases[i];
-        if (epx_test_run_ranks(c->R, rm_rank, (void *)c, 300)) {
-            fprintf(stderr, "FAILED: rm case R=%d E=%d K=%d H=%lld T_max=%lld (seed %llu)\n", c->R, c->E,
-                    c->K, (long long)c->H, (long long)c->T_max, (unsigned long long)g_seed);
-            failed = 1;
-        }
-    }
-    printf(failed ? "rm: FAILED\n" : "rm: ok\n");
-    return failed;
+    return EPX_TEST_RUN_CASES("rm", k_cases, rm_rank, 300, g_seed);
 }

@@ -1,4 +1,4 @@
-/* Seed, clock and hash helpers, and the multi-rank launcher of the tests over the shared harness. */
+/* Seed, buffer config, clock and hash helpers, and the tests' multi-rank launcher over the harness. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
@@ -14,6 +14,18 @@ uint64_t epx_test_seed(void)
     printf("seed %llu (EPX_TEST_SEED to replay)\n", (unsigned long long)seed);
     fflush(stdout);
     return seed;
+}
+
+epx_buffer_config_t epx_test_buffer_config(int64_t max_tokens, int64_t hidden, int num_topk, int num_experts,
+                                           uint32_t modes)
+{
+    epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
+    cfg.max_tokens = max_tokens;
+    cfg.hidden = hidden;
+    cfg.num_topk = num_topk;
+    cfg.num_experts = num_experts;
+    cfg.modes = modes;
+    return cfg;
 }
 
 double epx_test_now_s(void)
@@ -45,4 +57,21 @@ int epx_test_run_ranks(int nranks, epx_test_rank_fn fn, void *ctx, int timeout_s
 {
     adapter_t a = {fn, ctx};
     return epx_harness_run_simple("ranks", nranks, adapt, &a, timeout_s);
+}
+
+int epx_test_run_cases(const char *name, const void *cases, size_t n, size_t size, epx_test_rank_fn fn,
+                       int timeout_s, uint64_t seed)
+{
+    int failed = 0;
+    for (size_t i = 0; i < n; i++) {
+        void *c = (char *)(uintptr_t)cases + i * size; /* the ranks only read it */
+        const int nranks = *(const int *)c;
+        if (epx_test_run_ranks(nranks, fn, c, timeout_s)) {
+            fprintf(stderr, "FAILED: %s case %zu on %d ranks (seed %llu)\n", name, i, nranks,
+                    (unsigned long long)seed);
+            failed = 1;
+        }
+    }
+    printf(failed ? "%s: FAILED\n" : "%s: ok\n", name);
+    return failed;
 }
