@@ -19,12 +19,13 @@ uint64_t epx_test_seed(void)
 epx_buffer_config_t epx_test_buffer_config(int64_t max_tokens, int64_t hidden, int num_topk, int num_experts,
                                            uint32_t modes)
 {
-    epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-    cfg.max_tokens = max_tokens;
-    cfg.hidden = hidden;
-    cfg.num_topk = num_topk;
-    cfg.num_experts = num_experts;
-    cfg.modes = modes;
+    const epx_buffer_config_t cfg = {.size = sizeof(epx_buffer_config_t),
+                                     .version = EPX_VERSION_CODE,
+                                     .max_tokens = max_tokens,
+                                     .hidden = hidden,
+                                     .num_topk = num_topk,
+                                     .num_experts = num_experts,
+                                     .modes = modes};
     return cfg;
 }
 

@@ -712,15 +712,29 @@ void ref_arena_free(ref_arena_t *a)
     a->n = 0;
 }
 
-int ref_open_comm(const epx_unique_id_t *id, int rank, int nranks, epx_comm_t *comm_out)
+int ref_session_open(const epx_unique_id_t *id, int rank, int nranks, const epx_buffer_config_t *cfg,
+                     ref_session_t *s)
 {
-    epx_comm_config_t cfg = EPX_COMM_CONFIG_INIT;
-    cfg.backend = EPX_BACKEND_HOST;
-    cfg.timeout_ms = 30000;
-    epx_result_t res = epx_comm_init(id, rank, nranks, &cfg, comm_out);
-    if (res != EPX_SUCCESS)
-        return ref_fail(rank, "epx_comm_init: %s (%s)", epx_result_name(res), epx_last_error_message());
-    return 0;
+    epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
+    cc.backend = EPX_BACKEND_HOST;
+    cc.timeout_ms = 30000;
+    s->comm = NULL;
+    s->buf = NULL;
+    epx_result_t res = epx_comm_init(id, rank, nranks, &cc, &s->comm);
+    if (res == EPX_SUCCESS) res = epx_buffer_create(s->comm, cfg, &s->buf);
+    if (res == EPX_SUCCESS) return 0;
+    ref_fail(rank, "%s: %s (%s)", s->comm ? "epx_buffer_create" : "epx_comm_init", epx_result_name(res),
+             epx_last_error_message());
+    ref_session_close(s);
+    return 2;
+}
+
+void ref_session_close(ref_session_t *s)
+{
+    if (s->buf) epx_buffer_destroy(s->buf);
+    if (s->comm) epx_comm_destroy(s->comm);
+    s->buf = NULL;
+    s->comm = NULL;
 }
 
 bool ref_fast_mode(void)

@@ -198,8 +198,15 @@ void *ref_arena_alloc(ref_arena_t *a, size_t bytes);   /* zeroed */
 void *ref_arena_garbage(ref_arena_t *a, size_t bytes); /* filled with 0xa5 */
 void ref_arena_free(ref_arena_t *a);
 
-/* A communicator on the host backend with a bounded timeout. */
-int ref_open_comm(const epx_unique_id_t *id, int rank, int nranks, epx_comm_t *comm_out);
+/* A rank's communicator on the host backend (bounded timeout) and one buffer on it. */
+typedef struct ref_session {
+    epx_comm_t comm;
+    epx_buffer_t buf;
+} ref_session_t;
+/* Opens both (collective); returns 0, or 2 after reporting (the ranks are out of step). */
+int ref_session_open(const epx_unique_id_t *id, int rank, int nranks, const epx_buffer_config_t *cfg,
+                     ref_session_t *s);
+void ref_session_close(ref_session_t *s);
 
 /* True under AddressSanitizer or with CI_FAST set: suites shrink their cases. */
 bool ref_fast_mode(void);

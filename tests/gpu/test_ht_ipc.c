@@ -60,6 +60,18 @@ static void make_inputs(const ref_problem_t *p, int me, uint64_t tag, uint64_t y
         }
 }
 
+/* Frees what one case held and passes its result through. */
+static int release(int rc, epx_handle_t handle, gpu_arena_t *da, ref_ht_recv_t *ref, ref_arena_t *ar,
+                   ref_problem_t *p)
+{
+    if (handle) epx_handle_destroy(handle);
+    gpu_arena_free(da);
+    ref_ht_recv_free(ref);
+    ref_arena_free(ar);
+    ref_problem_free(p);
+    return rc;
+}
+
 /* Eager (host-synchronising) dispatch, cached dispatch and combine of one problem, all checked. */
 static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uint64_t seed, int device)
 {
@@ -296,12 +308,7 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
     }
     rc = 0;
 out:
-    if (handle) epx_handle_destroy(handle);
-    gpu_arena_free(&da);
-    ref_ht_recv_free(&ref);
-    ref_arena_free(&ar);
-    ref_problem_free(&p);
-    return rc;
+    return release(rc, handle, &da, &ref, &ar, &p);
 }
 
 /* Static mode with num_worst_tokens below N_r (not captured): rows past the bound are dropped,
@@ -439,12 +446,7 @@ static int run_overflow(epx_buffer_t buf, int rank, int R, int64_t H, int64_t T_
     if (ref_check_bits(rank, "combined_topk_weights after overflow", got, eoutw, Tm * K, 4, K)) goto out;
     rc = 0;
 out:
-    if (handle) epx_handle_destroy(handle);
-    gpu_arena_free(&da);
-    ref_ht_recv_free(&ref);
-    ref_arena_free(&ar);
-    ref_problem_free(&p);
-    return rc;
+    return release(rc, handle, &da, &ref, &ar, &p);
 }
 
 /* Static mode captured once in a CUDA graph (dispatch, then combine of recv_x itself), replayed

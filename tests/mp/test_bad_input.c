@@ -526,14 +526,8 @@ static const bad_case_t *case_named(const char *name)
 static epx_result_t make_buffer(epx_comm_t comm, uint32_t modes, uint32_t dtypes, int64_t max_tokens,
                                 epx_buffer_t *out)
 {
-    epx_buffer_config_t cfg = {.size = sizeof(cfg),
-                               .version = EPX_VERSION_CODE,
-                               .max_tokens = max_tokens,
-                               .hidden = HID,
-                               .num_topk = TOPK,
-                               .num_experts = NEXP,
-                               .modes = modes,
-                               .dispatch_dtypes = dtypes};
+    epx_buffer_config_t cfg = epx_test_buffer_config(max_tokens, HID, TOPK, NEXP, modes);
+    cfg.dispatch_dtypes = dtypes;
     return epx_buffer_create(comm, &cfg, out);
 }
 

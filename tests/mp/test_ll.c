@@ -247,8 +247,7 @@ static int ll_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
 {
     const ll_case_t *lc = ctx;
     int rc = 0;
-    epx_comm_t comm = NULL;
-    epx_buffer_t buf = NULL;
+    ref_session_t s = {0};
     int64_t L = lc->E / nranks;
     int32_t *stats = calloc((size_t)L, 4), *exp_stats = calloc((size_t)L, 4);
     ll_io_t io[3];
@@ -260,12 +259,12 @@ static int ll_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
         rc = ref_fail(rank, "out of memory");
         goto out;
     }
-    if (ref_open_comm(id, rank, nranks, &comm)) {
+    const epx_buffer_config_t cfg = epx_test_buffer_config(lc->T_max, lc->H, lc->K, lc->E, EPX_MODE_LL);
+    if (ref_session_open(id, rank, nranks, &cfg, &s)) {
         rc = 2;
         goto out;
     }
-    epx_buffer_config_t cfg = epx_test_buffer_config(lc->T_max, lc->H, lc->K, lc->E, EPX_MODE_LL);
-    CALL(epx_buffer_create(comm, &cfg, &buf));
+    epx_buffer_t buf = s.buf;
 
     int iters = lc->iters;
     if (ref_fast_mode()) iters = (iters + 1) / 2;
@@ -369,8 +368,7 @@ static int ll_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
     }
 out:
     for (int i = 0; i < 3; i++) ll_free(&io[i]);
-    epx_buffer_destroy(buf);
-    epx_comm_destroy(comm);
+    ref_session_close(&s);
     free(stats);
     free(exp_stats);
     return rc;

@@ -162,27 +162,23 @@ out:
 static int rm_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
 {
     const rm_case_t *c = ctx;
-    int rc = 0;
-    epx_comm_t comm = NULL;
-    epx_buffer_t buf = NULL;
     ref_set_seed(g_seed);
     ref_set_case("rm R=%d E=%d K=%d H=%lld T_max=%lld: setup", nranks, c->E, c->K, (long long)c->H,
                  (long long)c->T_max);
-    if (ref_open_comm(id, rank, nranks, &comm)) return 2;
     epx_buffer_config_t cfg = epx_test_buffer_config(c->T_max, c->H, c->K, c->E, EPX_MODE_PERMUTE);
     cfg.dispatch_dtypes = EPX_DTYPE_BIT(EPX_DTYPE_BF16) | EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3);
     cfg.max_pad_multiple = REF_RM_MAX_PAD;
-    CALL(epx_buffer_create(comm, &cfg, &buf));
+    ref_session_t s;
+    if (ref_session_open(id, rank, nranks, &cfg, &s)) return 2;
+    int rc = 0;
     /* Every (permute/pad, bound) pair once; dtype, probs and weighting vary with it. */
     int iters = 2 * 4 * REF_BOUND_COUNT;
     if (ref_fast_mode()) iters = 4 * REF_BOUND_COUNT;
     for (int it = 0; it < iters; it++) {
-        rc |= rm_iteration(buf, c, rank, it);
+        rc |= rm_iteration(s.buf, c, rank, it);
         if (rc & 2) break;
     }
-out:
-    epx_buffer_destroy(buf);
-    epx_comm_destroy(comm);
+    ref_session_close(&s);
     return rc;
 }
 
