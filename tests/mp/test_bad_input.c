@@ -6,7 +6,6 @@
  */
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "core/internal.h"
 #include "epx_test.h"
@@ -60,13 +59,6 @@ static int out_untouched(const fixture_t *f)
             return 0;
         }
     return 1;
-}
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 /* Valid routing: token t selects experts t % E and (t + 1) % E. */
@@ -499,9 +491,9 @@ static int run_case(fixture_t *f, const bad_case_t *bc, int spoiled)
     call_t c;
     call_setup(f, &c, handle, rows);
     if (spoiled) spoil(f, &c, bc->spoil);
-    const double t0 = now_s();
+    const double t0 = epx_test_now_s();
     EXPECT_RES(call_run(bc->op, &c), spoiled ? bc->expected : EPX_ERR_REMOTE);
-    EXPECT_TRUE(now_s() - t0 < 5.0);
+    EXPECT_TRUE(epx_test_now_s() - t0 < 5.0);
     if (bc->expected == EPX_SUCCESS) {
         EXPECT_OK(epx_handle_destroy(c.ht_out.handle));
         return 0;
@@ -623,7 +615,7 @@ static int config_mismatch_body(int rank, int nranks, const epx_unique_id_t *id,
     EXPECT_MSG_HAS("max_tokens differs: rank 0 has 8, rank 1 has 16");
     EXPECT_TRUE(b == SENTINEL_BUFFER);
 
-    double t0 = now_s();
+    double t0 = epx_test_now_s();
     if (rank == 1) {
         EXPECT_RES(make_buffer(comm, 0, 0, 0, &b), EPX_ERR_INVALID_ARG);
         EXPECT_MSG_HAS("config.max_tokens = 0");
@@ -631,7 +623,7 @@ static int config_mismatch_body(int rank, int nranks, const epx_unique_id_t *id,
         EXPECT_RES(make_buffer(comm, 0, 0, TMAX, &b), EPX_ERR_REMOTE);
         EXPECT_MSG_HAS("rank 1");
     }
-    EXPECT_TRUE(now_s() - t0 < 5.0);
+    EXPECT_TRUE(epx_test_now_s() - t0 < 5.0);
     EXPECT_TRUE(b == SENTINEL_BUFFER);
     /* Still in step: a matching create works. */
     EXPECT_OK(make_buffer(comm, 0, 0, TMAX, &b));
