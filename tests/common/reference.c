@@ -688,6 +688,35 @@ int ref_check_bits(int rank, const char *what, const void *got, const void *expe
                     (unsigned long long)ev, (long long)bad, (long long)n);
 }
 
+int ref_check_overflow(int rank, epx_buffer_t buf, epx_result_t expected)
+{
+    epx_result_t q = epx_buffer_query_overflow(buf);
+    if (q != expected)
+        return ref_fail(rank, "epx_buffer_query_overflow = %s, expected %s", epx_result_name(q),
+                        epx_result_name(expected));
+    q = epx_buffer_query_overflow(buf);
+    if (q != EPX_SUCCESS)
+        return ref_fail(rank, "second epx_buffer_query_overflow = %s, expected SUCCESS (flag not cleared)",
+                        epx_result_name(q));
+    return 0;
+}
+
+int ref_check_handle(int rank, epx_handle_t handle, int64_t T, int64_t n_recv, int R, int64_t L)
+{
+    epx_handle_info_t info;
+    const epx_result_t res = epx_handle_get_info(handle, &info);
+    if (res != EPX_SUCCESS) {
+        ref_fail(rank, "epx_handle_get_info: %s (%s)", epx_result_name(res), epx_last_error_message());
+        return 2;
+    }
+    if (info.num_tokens == T && info.num_recv_tokens == n_recv && info.num_ranks == R &&
+        info.num_local_experts == L)
+        return 0;
+    return ref_fail(rank, "handle info {%lld, %lld, %d, %d}, expected {%lld, %lld, %d, %lld}",
+                    (long long)info.num_tokens, (long long)info.num_recv_tokens, info.num_ranks,
+                    info.num_local_experts, (long long)T, (long long)n_recv, R, (long long)L);
+}
+
 void *ref_arena_alloc(ref_arena_t *a, size_t bytes)
 {
     void *ptr = a->n < (int)(sizeof(a->ptrs) / sizeof(a->ptrs[0])) ? ref_alloc(bytes) : NULL;

@@ -189,6 +189,13 @@ int ref_fail(int rank, const char *fmt, ...) __attribute__((format(printf, 2, 3)
 int ref_check_bits(int rank, const char *what, const void *got, const void *expected, int64_t n, size_t elem,
                    int64_t row_elems);
 
+/* The overflow flag reads `expected` (EPX_ERR_OVERFLOW or EPX_SUCCESS), then reads clear. Returns 0
+ * or 1 (reported). */
+int ref_check_overflow(int rank, epx_buffer_t buf, epx_result_t expected);
+/* The handle describes T tokens, n_recv received rows, R ranks and L local experts. Returns 0, 1
+ * (a mismatch) or 2 (the query failed), reported. */
+int ref_check_handle(int rank, epx_handle_t handle, int64_t T, int64_t n_recv, int R, int64_t L);
+
 /* Frees everything it handed out at once; exits the (test) process when memory runs out. */
 typedef struct ref_arena {
     void *ptrs[96];

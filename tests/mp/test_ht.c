@@ -267,13 +267,8 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
         }
         rc |= ref_check_bits(rank, "num_recv_tokens_per_expert", b.rpe, rv.per_expert, L, 4, L);
         if (!handle) goto out;
-        epx_handle_info_t info;
-        CALL(epx_handle_get_info(handle, &info));
-        CHECK(info.num_tokens == Ts && info.num_recv_tokens == N && info.num_ranks == R &&
-                  info.num_local_experts == L,
-              "handle info {%lld, %lld, %d, %d}, expected {%lld, %lld, %d, %lld}", (long long)info.num_tokens,
-              (long long)info.num_recv_tokens, info.num_ranks, info.num_local_experts, (long long)Ts,
-              (long long)N, R, (long long)L);
+        rc |= ref_check_handle(rank, handle, Ts, N, R, L);
+        if (rc & 2) goto out;
     }
 
     /* ---- combine (weights and biases as this iteration says) ---- */
@@ -333,12 +328,7 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
         /* Per-expert counts after an overflow are not pinned; without one they are the real counts. */
         if (!over)
             rc |= ref_check_bits(rank, "static num_recv_tokens_per_expert", b.rpe, rv.per_expert, L, 4, L);
-        epx_result_t q = epx_buffer_query_overflow(buf);
-        CHECK(q == (over ? EPX_ERR_OVERFLOW : EPX_SUCCESS), "epx_buffer_query_overflow = %s, expected %s",
-              epx_result_name(q), over ? "ERR_OVERFLOW" : "SUCCESS");
-        q = epx_buffer_query_overflow(buf);
-        CHECK(q == EPX_SUCCESS, "second epx_buffer_query_overflow = %s, expected SUCCESS (flag not cleared)",
-              epx_result_name(q));
+        rc |= ref_check_overflow(rank, buf, over ? EPX_ERR_OVERFLOW : EPX_SUCCESS);
         /* Combine after a static dispatch that kept every row (every rank must take part). */
         if (!want_overflow && shandle)
             rc |= run_combine(buf, &p, rank, &rv, shandle, W, true, true, false, seed ^ 0x737461ull, false);

@@ -108,24 +108,14 @@ static int rm_iteration(epx_buffer_t buf, const rm_case_t *rc_, int rank, int it
     if (fp8) rc |= ref_check_bits(rank, "scaling_factor", o_sf, e_sf, rows * SG, 4, SG);
     if (pl.with_probs) rc |= ref_check_bits(rank, "probs", o_probs, rv.probs, rows * pw, 4, pw);
     if (permute) rc |= ref_check_bits(rank, "tokens_per_expert", o_tpe, rv.tokens_per_expert, L, 4, L);
-    epx_result_t q = epx_buffer_query_overflow(buf);
-    CHECK(q == (overflow ? EPX_ERR_OVERFLOW : EPX_SUCCESS), "epx_buffer_query_overflow = %s, expected %s",
-          epx_result_name(q), overflow ? "ERR_OVERFLOW" : "SUCCESS");
-    q = epx_buffer_query_overflow(buf);
-    CHECK(q == EPX_SUCCESS, "second epx_buffer_query_overflow = %s, expected SUCCESS (flag not cleared)",
-          epx_result_name(q));
+    rc |= ref_check_overflow(rank, buf, overflow ? EPX_ERR_OVERFLOW : EPX_SUCCESS);
     if (!handle) {
         rc = ref_fail(rank, "dispatch returned no handle");
         rc = 2; /* the peers go on to the combine; this rank cannot */
         goto out;
     }
-    epx_handle_info_t info;
-    CALL(epx_handle_get_info(handle, &info));
-    CHECK(info.num_tokens == Ts && info.num_recv_tokens == kept && info.num_ranks == R &&
-              info.num_local_experts == L,
-          "handle info {%lld, %lld, %d, %d}, expected {%lld, %lld, %d, %lld}", (long long)info.num_tokens,
-          (long long)info.num_recv_tokens, info.num_ranks, info.num_local_experts, (long long)Ts,
-          (long long)kept, R, (long long)L);
+    rc |= ref_check_handle(rank, handle, Ts, kept, R, L);
+    if (rc & 2) goto out;
 
     /* ---- combine: rows the handle does not cover, and padding rows, hold a value that would show ---- */
     {
