@@ -1,6 +1,7 @@
 /*
- * Small assertion and multi-process helpers for the epx tests. A failed check prints where and
- * why and makes the test (or rank) return 1; EPX_TEST_SKIP (77) is CTest's skip code.
+ * Assertions and multi-process helpers of the epx tests, over the rank-forking harness
+ * (tests/harness). A failed check prints where and why and makes the test (or rank) return 1;
+ * EPX_TEST_SKIP (77) is CTest's skip code.
  */
 #ifndef EPX_TEST_H
 #define EPX_TEST_H
