@@ -6,7 +6,6 @@
 #include "reference.h"
 
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -593,103 +592,46 @@ int ref_rm_combine(const ref_problem_t *p, int s, bool permute, int pad, const i
     return 0;
 }
 
-/* ----------------------------------------------------------------- checking helpers ---- */
-
-static uint64_t ref_seed_g;
-static char ref_case_g[256];
-
-void ref_set_seed(uint64_t seed)
+ref_rm_plan_t ref_rm_plan(int it)
 {
-    ref_seed_g = seed;
+    static const int pads[4] = {0, 1, 16, 128}; /* 0: without permute */
+    const int cfg = it % 4;
+    ref_rm_plan_t pl;
+    pl.permute = pads[cfg] > 0;
+    pl.pad = pl.permute ? pads[cfg] : 1;
+    pl.bound = (ref_bound_t)((it / 4) % REF_BOUND_COUNT);
+    pl.dtype = (cfg + (int)pl.bound + it / 16) % 2 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
+    pl.with_probs = it % 3 != 2;
+    pl.weighted = pl.permute && pl.with_probs && (it / 2) % 2;
+    pl.routing = (ref_routing_t)((it / 3) % REF_ROUTE_COUNT);
+    return pl;
 }
 
-void ref_set_case(const char *fmt, ...)
+const char *ref_bound_name(ref_bound_t bound)
 {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(ref_case_g, sizeof(ref_case_g), fmt, ap);
-    va_end(ap);
+    static const char *const names[REF_BOUND_COUNT] = {"none", "equal", "above", "below"};
+    return bound >= 0 && bound < REF_BOUND_COUNT ? names[bound] : "?";
 }
 
-int ref_fail(int rank, const char *fmt, ...)
+int ref_rm_bounds(const ref_problem_t *p, bool permute, int pad, ref_bound_t mode, int64_t *bounds)
 {
-    char msg[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof(msg), fmt, ap);
-    va_end(ap);
-    fprintf(stderr, "FAIL seed %llu rank %d [%s]: %s\n", (unsigned long long)ref_seed_g, rank, ref_case_g,
-            msg);
-    fflush(stderr);
-    return 1;
-}
-
-int ref_check_bits(int rank, const char *what, const void *got, const void *expected, int64_t n, size_t elem,
-                   int64_t row_elems)
-{
-    const uint8_t *g = got, *e = expected;
-    int64_t bad = 0, first = -1;
-    for (int64_t i = 0; i < n; i++)
-        if (memcmp(g + (size_t)i * elem, e + (size_t)i * elem, elem) != 0) {
-            if (first < 0) first = i;
-            bad++;
+    const int64_t kl = p->K < p->L ? p->K : p->L;
+    const int64_t cap = permute ? p->R * p->T_max * kl + p->L * (REF_RM_MAX_PAD - 1) : p->R * p->T_max;
+    for (int r = 0; r < p->R; r++) {
+        ref_rm_recv_t other;
+        const int bad = ref_rm_dispatch(p, r, permute, pad, -1, &other);
+        const int64_t real = other.real;
+        ref_rm_recv_free(&other);
+        if (bad) return 1;
+        int64_t b = real;
+        switch (mode) {
+        case REF_BOUND_NONE: b = -1; break;
+        case REF_BOUND_EQUAL: break;
+        case REF_BOUND_ABOVE: b = real + 5; break;
+        default: b = real >= 2 ? real - (real / 3 > 1 ? real / 3 : 1) : real; break;
         }
-    if (!bad) return 0;
-    uint64_t gv = 0, ev = 0;
-    memcpy(&gv, g + (size_t)first * elem, elem < 8 ? elem : 8);
-    memcpy(&ev, e + (size_t)first * elem, elem < 8 ? elem : 8);
-    if (row_elems < 1) row_elems = 1;
-    return ref_fail(rank, "%s[%lld][%lld] = 0x%llx, expected 0x%llx (%lld of %lld elements differ)", what,
-                    (long long)(first / row_elems), (long long)(first % row_elems), (unsigned long long)gv,
-                    (unsigned long long)ev, (long long)bad, (long long)n);
-}
-
-void *ref_arena_alloc(ref_arena_t *a, size_t bytes)
-{
-    void *ptr = a->n < (int)(sizeof(a->ptrs) / sizeof(a->ptrs[0])) ? ref_alloc(bytes) : NULL;
-    if (!ptr) {
-        ref_fail(-1, "test arena: cannot allocate %zu bytes (%d blocks held)", bytes, a->n);
-        exit(3);
+        if (mode != REF_BOUND_NONE) b = b < 1 ? 1 : b > cap ? cap : b;
+        bounds[r] = b;
     }
-    a->ptrs[a->n++] = ptr;
-    return ptr;
-}
-
-void *ref_arena_garbage(ref_arena_t *a, size_t bytes)
-{
-    void *ptr = ref_arena_alloc(a, bytes);
-    memset(ptr, 0xa5, bytes);
-    return ptr;
-}
-
-void ref_arena_free(ref_arena_t *a)
-{
-    for (int i = 0; i < a->n; i++) free(a->ptrs[i]);
-    a->n = 0;
-}
-
-int ref_open_comm(const epx_unique_id_t *id, int rank, int nranks, epx_comm_t *comm_out)
-{
-    epx_comm_config_t cfg = EPX_COMM_CONFIG_INIT;
-    cfg.backend = EPX_BACKEND_HOST;
-    cfg.timeout_ms = 30000;
-    epx_result_t res = epx_comm_init(id, rank, nranks, &cfg, comm_out);
-    if (res != EPX_SUCCESS)
-        return ref_fail(rank, "epx_comm_init: %s (%s)", epx_result_name(res), epx_last_error_message());
     return 0;
-}
-
-bool ref_fast_mode(void)
-{
-#if defined(__SANITIZE_ADDRESS__)
-    return true;
-#else
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer)
-    return true;
-#endif
-#endif
-    const char *v = getenv("CI_FAST");
-    return v && *v && strcmp(v, "0") != 0;
-#endif
 }

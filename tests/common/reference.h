@@ -152,6 +152,30 @@ void ref_rm_recv_free(ref_rm_recv_t *out);
 int ref_rm_combine(const ref_problem_t *p, int s, bool permute, int pad, const int64_t *bounds, bool weighted,
                    uint64_t yseed, uint16_t *out);
 
+/* The case of routing-map iteration `it` shared by the host and cuda suites: permute and padding,
+ * bound mode, dtype, probs and weighting cycle so that every (pad, bound) pair occurs. */
+#define REF_RM_MAX_PAD 128 /* the buffers' max_pad_multiple */
+typedef enum ref_bound {
+    REF_BOUND_NONE = 0,  /* no upper bound (-1) */
+    REF_BOUND_EQUAL = 1, /* the real count */
+    REF_BOUND_ABOVE = 2,
+    REF_BOUND_BELOW = 3, /* overflow */
+    REF_BOUND_COUNT = 4,
+} ref_bound_t;
+typedef struct ref_rm_plan {
+    bool permute;
+    int pad; /* 1 without permute */
+    ref_bound_t bound;
+    epx_dtype_t dtype;
+    bool with_probs, weighted;
+    ref_routing_t routing;
+} ref_rm_plan_t;
+ref_rm_plan_t ref_rm_plan(int it);
+const char *ref_bound_name(ref_bound_t bound);
+/* The bound each rank passes (bounds[R], -1 for none), from its real count and capped at the
+ * buffer's capacity. Returns 0, or 1 when the reference fails. */
+int ref_rm_bounds(const ref_problem_t *p, bool permute, int pad, ref_bound_t mode, int64_t *bounds);
+
 /* ----------------------------------------------------------------- checking helpers ---- */
 
 /* Seed and case printed with every failure of this process. */
@@ -165,6 +189,13 @@ int ref_fail(int rank, const char *fmt, ...) __attribute__((format(printf, 2, 3)
 int ref_check_bits(int rank, const char *what, const void *got, const void *expected, int64_t n, size_t elem,
                    int64_t row_elems);
 
+/* The overflow flag reads `expected` (EPX_ERR_OVERFLOW or EPX_SUCCESS), then reads clear. Returns 0
+ * or 1 (reported). */
+int ref_check_overflow(int rank, epx_buffer_t buf, epx_result_t expected);
+/* The handle describes T tokens, n_recv received rows, R ranks and L local experts. Returns 0, 1
+ * (a mismatch) or 2 (the query failed), reported. */
+int ref_check_handle(int rank, epx_handle_t handle, int64_t T, int64_t n_recv, int R, int64_t L);
+
 /* Frees everything it handed out at once; exits the (test) process when memory runs out. */
 typedef struct ref_arena {
     void *ptrs[96];
@@ -174,8 +205,15 @@ void *ref_arena_alloc(ref_arena_t *a, size_t bytes);   /* zeroed */
 void *ref_arena_garbage(ref_arena_t *a, size_t bytes); /* filled with 0xa5 */
 void ref_arena_free(ref_arena_t *a);
 
-/* A communicator on the host backend with a bounded timeout. */
-int ref_open_comm(const epx_unique_id_t *id, int rank, int nranks, epx_comm_t *comm_out);
+/* A rank's communicator on the host backend (bounded timeout) and one buffer on it. */
+typedef struct ref_session {
+    epx_comm_t comm;
+    epx_buffer_t buf;
+} ref_session_t;
+/* Opens both (collective); returns 0, or 2 after reporting (the ranks are out of step). */
+int ref_session_open(const epx_unique_id_t *id, int rank, int nranks, const epx_buffer_config_t *cfg,
+                     ref_session_t *s);
+void ref_session_close(ref_session_t *s);
 
 /* True under AddressSanitizer or with CI_FAST set: suites shrink their cases. */
 bool ref_fast_mode(void);

@@ -8,70 +8,18 @@
  * library's buffer) for bf16 and fp8 with repeats.
  * EPX_GPU_TEST_RANKS (default "2,4,8") and EPX_GPU_TEST_QUICK=1 (sanitizer runs) shrink it.
  */
-#include <cuda_runtime.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include "core/internal.h"
-#include "epx_test.h"
-#include "reference.h"
+#include "gpu_test.h"
 
 #define E_EXPERTS 256
 #define TOPK      8
 #define ALIGNMENT 4
 
 static epx_comm_t epx_test_current_comm; /* the rank's comm, for epx_get_async_error */
-
-typedef struct ctx {
-    uint64_t seed;
-    int quick;
-} ctx_t;
-
-#define CUDA_OK(call)                                                                          \
-    do {                                                                                       \
-        cudaError_t e_ = (call);                                                               \
-        if (e_ != cudaSuccess) return ref_fail(rank, "%s: %s", #call, cudaGetErrorString(e_)); \
-    } while (0)
-
-static epx_tensor_t dev_tensor(void *data, epx_dtype_t dtype, int64_t d0, int64_t d1, int ndim, int device)
-{
-    epx_tensor_t t = ndim == 1 ? epx_tensor_1d(data, dtype, d0) : epx_tensor_2d(data, dtype, d0, d1);
-    t.device_type = EPX_DEVICE_CUDA;
-    t.device_id = device;
-    return t;
-}
-
-/* Device allocations of one case, freed together. */
-typedef struct dev_arena {
-    void *p[32];
-    int n;
-} dev_arena_t;
-
-static void *dalloc(dev_arena_t *a, size_t bytes)
-{
-    void *p = NULL;
-    if (bytes == 0) bytes = 16;
-    if (cudaMalloc(&p, bytes) != cudaSuccess || a->n == 32) return NULL;
-    cudaMemset(p, 0xa5, bytes); /* garbage, so unwritten output shows */
-    a->p[a->n++] = p;
-    return p;
-}
-
-static void dfree(dev_arena_t *a)
-{
-    for (int i = 0; i < a->n; i++) cudaFree(a->p[i]);
-    a->n = 0;
-}
-
-static uint64_t fnv(const void *data, size_t n, uint64_t h)
-{
-    const uint8_t *b = data;
-    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
-    return h;
-}
 
 typedef struct ht_case {
     int64_t H, T_max;
@@ -112,12 +60,24 @@ static void make_inputs(const ref_problem_t *p, int me, uint64_t tag, uint64_t y
         }
 }
 
+/* Frees what one case held and passes its result through. */
+static int release(int rc, epx_handle_t handle, gpu_arena_t *da, ref_ht_recv_t *ref, ref_arena_t *ar,
+                   ref_problem_t *p)
+{
+    if (handle) epx_handle_destroy(handle);
+    gpu_arena_free(da);
+    ref_ht_recv_free(ref);
+    ref_arena_free(ar);
+    ref_problem_free(p);
+    return rc;
+}
+
 /* Eager (host-synchronising) dispatch, cached dispatch and combine of one problem, all checked. */
 static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uint64_t seed, int device)
 {
     int rc = 1;
     ref_arena_t ar = {0};
-    dev_arena_t da = {0};
+    gpu_arena_t da = {0};
     ref_problem_t p;
     ref_ht_recv_t ref = {0};
     epx_handle_t handle = NULL;
@@ -139,14 +99,19 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
     make_inputs(&p, rank, REF_TAG_X, yseed, cs->idx64, &ar, &in);
     make_inputs(&p, rank, REF_TAG_X2, yseed, cs->idx64, &ar, &in2);
     const int64_t cap = (int64_t)R * cs->T_max;
-    void *dx = dalloc(&da, (size_t)(Tm * H) * es), *dscales = dalloc(&da, (size_t)(Tm * S) * 4);
-    void *dtopk = dalloc(&da, (size_t)(Tm * K) * 8), *dw = dalloc(&da, (size_t)(Tm * K) * 4);
-    void *drx = dalloc(&da, (size_t)(cap * H) * es), *drs = dalloc(&da, (size_t)(cap * S) * 4);
-    void *dridx = dalloc(&da, (size_t)(cap * K) * 8), *drw = dalloc(&da, (size_t)(cap * K) * 4);
-    void *dpe = dalloc(&da, (size_t)L * 4), *dn = dalloc(&da, 4);
-    void *dy = dalloc(&da, (size_t)(cap * H) * 2), *db0 = dalloc(&da, (size_t)(Tm * H) * 2);
-    void *db1 = dalloc(&da, (size_t)(Tm * H) * 2), *dout = dalloc(&da, (size_t)(Tm * H) * 2);
-    void *doutw = dalloc(&da, (size_t)(Tm * K) * 4);
+    void *dx = gpu_alloc(&da, (size_t)(Tm * H) * es, NULL),
+         *dscales = gpu_alloc(&da, (size_t)(Tm * S) * 4, NULL);
+    void *dtopk = gpu_alloc(&da, (size_t)(Tm * K) * 8, NULL),
+         *dw = gpu_alloc(&da, (size_t)(Tm * K) * 4, NULL);
+    void *drx = gpu_alloc(&da, (size_t)(cap * H) * es, NULL),
+         *drs = gpu_alloc(&da, (size_t)(cap * S) * 4, NULL);
+    void *dridx = gpu_alloc(&da, (size_t)(cap * K) * 8, NULL),
+         *drw = gpu_alloc(&da, (size_t)(cap * K) * 4, NULL);
+    void *dpe = gpu_alloc(&da, (size_t)L * 4, NULL), *dn = gpu_alloc(&da, 4, NULL);
+    void *dy = gpu_alloc(&da, (size_t)(cap * H) * 2, NULL), *db0 = gpu_alloc(&da, (size_t)(Tm * H) * 2, NULL);
+    void *db1 = gpu_alloc(&da, (size_t)(Tm * H) * 2, NULL),
+         *dout = gpu_alloc(&da, (size_t)(Tm * H) * 2, NULL);
+    void *doutw = gpu_alloc(&da, (size_t)(Tm * K) * 4, NULL);
     if (!doutw) {
         rc = ref_fail(rank, "cudaMalloc");
         goto out;
@@ -197,17 +162,17 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
         int32_t eper_rank[REF_MAX_RANKS], eper_expert[E_EXPERTS];
         uint8_t *ein = ref_arena_alloc(&ar, (size_t)(Tm * R) + 16);
         ref_layout(&p, rank, R, eper_rank, eper_expert, ein, NULL);
-        void *dpr = dalloc(&da, (size_t)R * 4), *dpx = dalloc(&da, (size_t)E_EXPERTS * 4);
-        void *din = dalloc(&da, (size_t)(Tm * R));
+        void *dpr = gpu_alloc(&da, (size_t)R * 4, NULL), *dpx = gpu_alloc(&da, (size_t)E_EXPERTS * 4, NULL);
+        void *din = gpu_alloc(&da, (size_t)(Tm * R), NULL);
         if (!din) {
             rc = ref_fail(rank, "cudaMalloc");
             goto out;
         }
-        epx_tensor_t ti = dev_tensor(dtopk, idt, Tm, K, 2, device);
+        epx_tensor_t ti = gpu_tensor(dtopk, idt, 2, Tm, K, 0, device);
         epx_layout_outputs_t lo = EPX_LAYOUT_OUTPUTS_INIT;
-        lo.num_tokens_per_rank = dev_tensor(dpr, EPX_DTYPE_INT32, R, 0, 1, device);
-        lo.num_tokens_per_expert = dev_tensor(dpx, EPX_DTYPE_INT32, E_EXPERTS, 0, 1, device);
-        lo.is_token_in_rank = dev_tensor(din, EPX_DTYPE_BOOL, Tm, R, 2, device);
+        lo.num_tokens_per_rank = gpu_tensor(dpr, EPX_DTYPE_INT32, 1, R, 0, 0, device);
+        lo.num_tokens_per_expert = gpu_tensor(dpx, EPX_DTYPE_INT32, 1, E_EXPERTS, 0, 0, device);
+        lo.is_token_in_rank = gpu_tensor(din, EPX_DTYPE_BOOL, 2, Tm, R, 0, device);
         EXPECT_OK(epx_get_dispatch_layout(buf, &ti, &lo, NULL));
         cudaMemcpy(got, dpr, (size_t)R * 4, cudaMemcpyDeviceToHost);
         if (ref_check_bits(rank, "num_tokens_per_rank", got, eper_rank, R, 4, R)) goto out;
@@ -220,21 +185,21 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
     uint64_t first_hash = 0;
     for (int it = 0; it < (cs->repeats > 0 ? cs->repeats : 1); it++) {
         epx_ht_dispatch_args_t a = EPX_HT_DISPATCH_ARGS_INIT;
-        a.x = dev_tensor(dx, cs->dtype, Tm, H, 2, device);
-        if (fp8) a.x_scales = dev_tensor(dscales, EPX_DTYPE_FP32, Tm, S, 2, device);
-        a.topk_idx = dev_tensor(dtopk, idt, Tm, K, 2, device);
-        a.topk_weights = dev_tensor(dw, EPX_DTYPE_FP32, Tm, K, 2, device);
+        a.x = gpu_tensor(dx, cs->dtype, 2, Tm, H, 0, device);
+        if (fp8) a.x_scales = gpu_tensor(dscales, EPX_DTYPE_FP32, 2, Tm, S, 0, device);
+        a.topk_idx = gpu_tensor(dtopk, idt, 2, Tm, K, 0, device);
+        a.topk_weights = gpu_tensor(dw, EPX_DTYPE_FP32, 2, Tm, K, 0, device);
         a.expert_alignment = ALIGNMENT;
         epx_ht_dispatch_outputs_t o = EPX_HT_DISPATCH_OUTPUTS_INIT;
         a.recv_in_buffer = cs->view;
         if (!cs->view) {
-            o.recv_x = dev_tensor(drx, cs->dtype, cap, H, 2, device);
-            if (fp8) o.recv_x_scales = dev_tensor(drs, EPX_DTYPE_FP32, cap, S, 2, device);
-            o.recv_topk_idx = dev_tensor(dridx, ridt, cap, K, 2, device);
-            o.recv_topk_weights = dev_tensor(drw, EPX_DTYPE_FP32, cap, K, 2, device);
+            o.recv_x = gpu_tensor(drx, cs->dtype, 2, cap, H, 0, device);
+            if (fp8) o.recv_x_scales = gpu_tensor(drs, EPX_DTYPE_FP32, 2, cap, S, 0, device);
+            o.recv_topk_idx = gpu_tensor(dridx, ridt, 2, cap, K, 0, device);
+            o.recv_topk_weights = gpu_tensor(drw, EPX_DTYPE_FP32, 2, cap, K, 0, device);
         }
-        o.num_recv_tokens_per_expert = dev_tensor(dpe, EPX_DTYPE_INT32, L, 0, 1, device);
-        o.num_recv_tokens = dev_tensor(dn, EPX_DTYPE_INT32, 1, 0, 1, device);
+        o.num_recv_tokens_per_expert = gpu_tensor(dpe, EPX_DTYPE_INT32, 1, L, 0, 0, device);
+        o.num_recv_tokens = gpu_tensor(dn, EPX_DTYPE_INT32, 1, 1, 0, 0, device);
         EXPECT_OK(epx_ht_dispatch(buf, &a, &o));
         handle = o.handle;
         if (cs->view) { /* the outputs are views of the library's buffer */
@@ -265,7 +230,7 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
         }
         cudaMemcpy(got, drx, (size_t)(n * H) * es, cudaMemcpyDeviceToHost);
         if (ref_check_bits(rank, "recv_x", got, ex, n * H, es, H)) goto out;
-        uint64_t hash = fnv(got, (size_t)(n * H) * es, 1469598103934665603ull);
+        uint64_t hash = epx_test_fnv(got, (size_t)(n * H) * es, EPX_TEST_FNV_INIT);
         if (fp8) {
             cudaMemcpy(got, drs, (size_t)(n * S) * 4, cudaMemcpyDeviceToHost);
             if (ref_check_bits(rank, "recv_x_scales", got, esc, n * S, 4, S)) goto out;
@@ -318,18 +283,18 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
             cudaMemcpy(in_view.data, dy, (size_t)(n * H) * 2, cudaMemcpyDeviceToDevice);
             ca.x_in_buffer = 1;
         } else {
-            ca.x = dev_tensor(dy, EPX_DTYPE_BF16, n, H, 2, device);
+            ca.x = gpu_tensor(dy, EPX_DTYPE_BF16, 2, n, H, 0, device);
         }
-        ca.topk_weights = dev_tensor(drw, EPX_DTYPE_FP32, n, K, 2, device);
-        ca.bias0 = dev_tensor(db0, EPX_DTYPE_BF16, Tm, H, 2, device);
-        ca.bias1 = dev_tensor(db1, EPX_DTYPE_BF16, Tm, H, 2, device);
+        ca.topk_weights = gpu_tensor(drw, EPX_DTYPE_FP32, 2, n, K, 0, device);
+        ca.bias0 = gpu_tensor(db0, EPX_DTYPE_BF16, 2, Tm, H, 0, device);
+        ca.bias1 = gpu_tensor(db1, EPX_DTYPE_BF16, 2, Tm, H, 0, device);
         epx_ht_combine_outputs_t co = EPX_HT_COMBINE_OUTPUTS_INIT;
-        co.combined_x = dev_tensor(dout, EPX_DTYPE_BF16, Tm, H, 2, device);
-        co.combined_topk_weights = dev_tensor(doutw, EPX_DTYPE_FP32, Tm, K, 2, device);
+        co.combined_x = gpu_tensor(dout, EPX_DTYPE_BF16, 2, Tm, H, 0, device);
+        co.combined_topk_weights = gpu_tensor(doutw, EPX_DTYPE_FP32, 2, Tm, K, 0, device);
         EXPECT_OK(epx_ht_combine(buf, &ca, &co));
         cudaMemcpy(got, dout, (size_t)(Tm * H) * 2, cudaMemcpyDeviceToHost);
         if (ref_check_bits(rank, "combined_x", got, eout, Tm * H, 2, H)) goto out;
-        hash = fnv(got, (size_t)(Tm * H) * 2, hash);
+        hash = epx_test_fnv(got, (size_t)(Tm * H) * 2, hash);
         cudaMemcpy(got, doutw, (size_t)(Tm * K) * 4, cudaMemcpyDeviceToHost);
         if (ref_check_bits(rank, "combined_topk_weights", got, eoutw, Tm * K, 4, K)) goto out;
         if (it == 0) first_hash = hash;
@@ -343,12 +308,7 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
     }
     rc = 0;
 out:
-    if (handle) epx_handle_destroy(handle);
-    dfree(&da);
-    ref_ht_recv_free(&ref);
-    ref_arena_free(&ar);
-    ref_problem_free(&p);
-    return rc;
+    return release(rc, handle, &da, &ref, &ar, &p);
 }
 
 /* Static mode with num_worst_tokens below N_r (not captured): rows past the bound are dropped,
@@ -359,7 +319,7 @@ static int run_overflow(epx_buffer_t buf, int rank, int R, int64_t H, int64_t T_
 {
     int rc = 1;
     ref_arena_t ar = {0};
-    dev_arena_t da = {0};
+    gpu_arena_t da = {0};
     ref_problem_t p;
     ref_ht_recv_t ref = {0};
     epx_handle_t handle = NULL;
@@ -387,11 +347,14 @@ static int run_overflow(epx_buffer_t buf, int rank, int R, int64_t H, int64_t T_
         goto out;
     }
     const int64_t W = worst[rank], kept = ref.n < W ? ref.n : W;
-    void *dx = dalloc(&da, (size_t)(Tm * H) * 2), *dtopk = dalloc(&da, (size_t)(Tm * K) * 4);
-    void *dw = dalloc(&da, (size_t)(Tm * K) * 4), *drx = dalloc(&da, (size_t)(W * H) * 2);
-    void *dridx = dalloc(&da, (size_t)(W * K) * 4), *drw = dalloc(&da, (size_t)(W * K) * 4);
-    void *dpe = dalloc(&da, (size_t)L * 4), *dn = dalloc(&da, 4), *dy = dalloc(&da, (size_t)(W * H) * 2);
-    void *dout = dalloc(&da, (size_t)(Tm * H) * 2), *doutw = dalloc(&da, (size_t)(Tm * K) * 4);
+    void *dx = gpu_alloc(&da, (size_t)(Tm * H) * 2, NULL),
+         *dtopk = gpu_alloc(&da, (size_t)(Tm * K) * 4, NULL);
+    void *dw = gpu_alloc(&da, (size_t)(Tm * K) * 4, NULL), *drx = gpu_alloc(&da, (size_t)(W * H) * 2, NULL);
+    void *dridx = gpu_alloc(&da, (size_t)(W * K) * 4, NULL), *drw = gpu_alloc(&da, (size_t)(W * K) * 4, NULL);
+    void *dpe = gpu_alloc(&da, (size_t)L * 4, NULL), *dn = gpu_alloc(&da, 4, NULL),
+         *dy = gpu_alloc(&da, (size_t)(W * H) * 2, NULL);
+    void *dout = gpu_alloc(&da, (size_t)(Tm * H) * 2, NULL),
+         *doutw = gpu_alloc(&da, (size_t)(Tm * K) * 4, NULL);
     if (!doutw) {
         rc = ref_fail(rank, "cudaMalloc");
         goto out;
@@ -409,25 +372,25 @@ static int run_overflow(epx_buffer_t buf, int rank, int R, int64_t H, int64_t T_
     cudaMemcpy(dy, y, (size_t)(W * H) * 2, cudaMemcpyHostToDevice);
 
     epx_ht_dispatch_args_t a = EPX_HT_DISPATCH_ARGS_INIT;
-    a.x = dev_tensor(dx, EPX_DTYPE_BF16, Tm, H, 2, device);
-    a.topk_idx = dev_tensor(dtopk, EPX_DTYPE_INT32, Tm, K, 2, device);
-    a.topk_weights = dev_tensor(dw, EPX_DTYPE_FP32, Tm, K, 2, device);
+    a.x = gpu_tensor(dx, EPX_DTYPE_BF16, 2, Tm, H, 0, device);
+    a.topk_idx = gpu_tensor(dtopk, EPX_DTYPE_INT32, 2, Tm, K, 0, device);
+    a.topk_weights = gpu_tensor(dw, EPX_DTYPE_FP32, 2, Tm, K, 0, device);
     a.num_worst_tokens = W;
     epx_ht_dispatch_outputs_t o = EPX_HT_DISPATCH_OUTPUTS_INIT;
-    o.recv_x = dev_tensor(drx, EPX_DTYPE_BF16, W, H, 2, device);
-    o.recv_topk_idx = dev_tensor(dridx, EPX_DTYPE_INT32, W, K, 2, device);
-    o.recv_topk_weights = dev_tensor(drw, EPX_DTYPE_FP32, W, K, 2, device);
-    o.num_recv_tokens_per_expert = dev_tensor(dpe, EPX_DTYPE_INT32, L, 0, 1, device);
-    o.num_recv_tokens = dev_tensor(dn, EPX_DTYPE_INT32, 1, 0, 1, device);
+    o.recv_x = gpu_tensor(drx, EPX_DTYPE_BF16, 2, W, H, 0, device);
+    o.recv_topk_idx = gpu_tensor(dridx, EPX_DTYPE_INT32, 2, W, K, 0, device);
+    o.recv_topk_weights = gpu_tensor(drw, EPX_DTYPE_FP32, 2, W, K, 0, device);
+    o.num_recv_tokens_per_expert = gpu_tensor(dpe, EPX_DTYPE_INT32, 1, L, 0, 0, device);
+    o.num_recv_tokens = gpu_tensor(dn, EPX_DTYPE_INT32, 1, 1, 0, 0, device);
     EXPECT_OK(epx_ht_dispatch(buf, &a, &o));
     handle = o.handle;
     epx_ht_combine_args_t ca = EPX_HT_COMBINE_ARGS_INIT;
     ca.handle = handle;
-    ca.x = dev_tensor(dy, EPX_DTYPE_BF16, W, H, 2, device);
-    ca.topk_weights = dev_tensor(drw, EPX_DTYPE_FP32, W, K, 2, device);
+    ca.x = gpu_tensor(dy, EPX_DTYPE_BF16, 2, W, H, 0, device);
+    ca.topk_weights = gpu_tensor(drw, EPX_DTYPE_FP32, 2, W, K, 0, device);
     epx_ht_combine_outputs_t co = EPX_HT_COMBINE_OUTPUTS_INIT;
-    co.combined_x = dev_tensor(dout, EPX_DTYPE_BF16, Tm, H, 2, device);
-    co.combined_topk_weights = dev_tensor(doutw, EPX_DTYPE_FP32, Tm, K, 2, device);
+    co.combined_x = gpu_tensor(dout, EPX_DTYPE_BF16, 2, Tm, H, 0, device);
+    co.combined_topk_weights = gpu_tensor(doutw, EPX_DTYPE_FP32, 2, Tm, K, 0, device);
     EXPECT_OK(epx_ht_combine(buf, &ca, &co));
     if (cudaDeviceSynchronize() != cudaSuccess) {
         rc = ref_fail(rank, "cudaDeviceSynchronize");
@@ -483,12 +446,7 @@ static int run_overflow(epx_buffer_t buf, int rank, int R, int64_t H, int64_t T_
     if (ref_check_bits(rank, "combined_topk_weights after overflow", got, eoutw, Tm * K, 4, K)) goto out;
     rc = 0;
 out:
-    if (handle) epx_handle_destroy(handle);
-    dfree(&da);
-    ref_ht_recv_free(&ref);
-    ref_arena_free(&ar);
-    ref_problem_free(&p);
-    return rc;
+    return release(rc, handle, &da, &ref, &ar, &p);
 }
 
 /* Static mode captured once in a CUDA graph (dispatch, then combine of recv_x itself), replayed
@@ -496,13 +454,14 @@ out:
 static int run_graph(epx_buffer_t buf, int rank, int R, int64_t H, int64_t T_max, uint64_t seed, int device)
 {
     int rc = 1;
-    dev_arena_t da = {0};
+    gpu_arena_t da = {0};
     const int64_t K = TOPK, cap = (int64_t)R * T_max, Tm = T_max;
     int64_t T[REF_MAX_RANKS];
     for (int r = 0; r < R; r++) T[r] = T_max; /* shapes are fixed by the graph */
-    void *dx = dalloc(&da, (size_t)(Tm * H) * 2), *dtopk = dalloc(&da, (size_t)(Tm * K) * 4);
-    void *drx = dalloc(&da, (size_t)(cap * H) * 2), *dn = dalloc(&da, 4);
-    void *dout = dalloc(&da, (size_t)(Tm * H) * 2);
+    void *dx = gpu_alloc(&da, (size_t)(Tm * H) * 2, NULL),
+         *dtopk = gpu_alloc(&da, (size_t)(Tm * K) * 4, NULL);
+    void *drx = gpu_alloc(&da, (size_t)(cap * H) * 2, NULL), *dn = gpu_alloc(&da, 4, NULL);
+    void *dout = gpu_alloc(&da, (size_t)(Tm * H) * 2, NULL);
     if (!dout) return ref_fail(rank, "cudaMalloc");
     cudaStream_t st;
     CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
@@ -514,11 +473,11 @@ static int run_graph(epx_buffer_t buf, int rank, int R, int64_t H, int64_t T_max
     {
         CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
         epx_ht_dispatch_args_t a = EPX_HT_DISPATCH_ARGS_INIT;
-        a.x = dev_tensor(dx, EPX_DTYPE_BF16, Tm, H, 2, device);
-        a.topk_idx = dev_tensor(dtopk, EPX_DTYPE_INT32, Tm, K, 2, device);
+        a.x = gpu_tensor(dx, EPX_DTYPE_BF16, 2, Tm, H, 0, device);
+        a.topk_idx = gpu_tensor(dtopk, EPX_DTYPE_INT32, 2, Tm, K, 0, device);
         a.stream = st;
         epx_ht_dispatch_outputs_t o = EPX_HT_DISPATCH_OUTPUTS_INIT;
-        o.recv_x = dev_tensor(drx, EPX_DTYPE_BF16, cap, H, 2, device);
+        o.recv_x = gpu_tensor(drx, EPX_DTYPE_BF16, 2, cap, H, 0, device);
         epx_result_t res = epx_ht_dispatch(buf, &a, &o);
         cudaGraph_t g = NULL;
         cudaStreamEndCapture(st, &g);
@@ -530,22 +489,22 @@ static int run_graph(epx_buffer_t buf, int rank, int R, int64_t H, int64_t T_max
 
     CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
     epx_ht_dispatch_args_t a = EPX_HT_DISPATCH_ARGS_INIT;
-    a.x = dev_tensor(dx, EPX_DTYPE_BF16, Tm, H, 2, device);
-    a.topk_idx = dev_tensor(dtopk, EPX_DTYPE_INT32, Tm, K, 2, device);
+    a.x = gpu_tensor(dx, EPX_DTYPE_BF16, 2, Tm, H, 0, device);
+    a.topk_idx = gpu_tensor(dtopk, EPX_DTYPE_INT32, 2, Tm, K, 0, device);
     a.num_worst_tokens = cap;
     a.stream = st;
     epx_ht_dispatch_outputs_t o = EPX_HT_DISPATCH_OUTPUTS_INIT;
-    o.recv_x = dev_tensor(drx, EPX_DTYPE_BF16, cap, H, 2, device);
-    o.num_recv_tokens = dev_tensor(dn, EPX_DTYPE_INT32, 1, 0, 1, device);
+    o.recv_x = gpu_tensor(drx, EPX_DTYPE_BF16, 2, cap, H, 0, device);
+    o.num_recv_tokens = gpu_tensor(dn, EPX_DTYPE_INT32, 1, 1, 0, 0, device);
     epx_result_t res = epx_ht_dispatch(buf, &a, &o);
     if (res == EPX_SUCCESS) {
         handle = o.handle;
         epx_ht_combine_args_t ca = EPX_HT_COMBINE_ARGS_INIT;
         ca.handle = handle;
-        ca.x = dev_tensor(drx, EPX_DTYPE_BF16, cap, H, 2, device);
+        ca.x = gpu_tensor(drx, EPX_DTYPE_BF16, 2, cap, H, 0, device);
         ca.stream = st;
         epx_ht_combine_outputs_t co = EPX_HT_COMBINE_OUTPUTS_INIT;
-        co.combined_x = dev_tensor(dout, EPX_DTYPE_BF16, Tm, H, 2, device);
+        co.combined_x = gpu_tensor(dout, EPX_DTYPE_BF16, 2, Tm, H, 0, device);
         res = epx_ht_combine(buf, &ca, &co);
     }
     CUDA_OK(cudaStreamEndCapture(st, &graph));
@@ -619,33 +578,22 @@ out:
     if (graph) cudaGraphDestroy(graph);
     if (handle) epx_handle_destroy(handle);
     cudaStreamDestroy(st);
-    dfree(&da);
+    gpu_arena_free(&da);
     return rc;
 }
 
 static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx)
 {
-    const ctx_t *ctx = vctx;
-    ref_set_seed(ctx->seed);
-    epx_comm_config_t cfg = EPX_COMM_CONFIG_INIT;
-    cfg.backend = EPX_BACKEND_CUDA;
-    cfg.cuda_device = 0;
-    int ngpu = 0;
-    cudaGetDeviceCount(&ngpu);
-    if (ngpu > 0) cfg.cuda_device = rank % ngpu;
+    const gpu_ctx_t *ctx = vctx;
     epx_comm_t comm;
-    EXPECT_OK(epx_comm_init(id, rank, nranks, &cfg, &comm));
+    int device;
+    if (gpu_test_comm(ctx, id, rank, nranks, 0, &comm, &device)) return 1;
     epx_test_current_comm = comm;
     int rc = 0;
     const int64_t Hs[2] = {7168, 2048};
     for (int hi = ctx->quick ? 1 : 0; hi < 2 && rc == 0; hi++) {
         const int64_t H = Hs[hi], T_max = ctx->quick ? 64 : (H == 7168 ? 128 : 256);
-        epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-        bc.max_tokens = T_max;
-        bc.hidden = H;
-        bc.num_topk = TOPK;
-        bc.num_experts = E_EXPERTS;
-        bc.modes = EPX_MODE_HT;
+        epx_buffer_config_t bc = epx_test_buffer_config(T_max, H, TOPK, E_EXPERTS, EPX_MODE_HT);
         bc.dispatch_dtypes = EPX_DTYPE_BIT(EPX_DTYPE_BF16) | EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3);
         epx_buffer_t buf;
         EXPECT_OK(epx_buffer_create(comm, &bc, &buf));
@@ -663,13 +611,12 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
         for (int i = 0; i < ncases && rc == 0; i++) {
             if (ctx->quick && i >= 2 && !cases[i].view) continue;
             if (cases[i].repeats > 3 && H != 2048) continue; /* long repeats at the smaller H */
-            rc = run_eager(buf, rank, nranks, &cases[i], ctx->seed + (uint64_t)i * 1000 + (uint64_t)H,
-                           cfg.cuda_device);
+            rc =
+                run_eager(buf, rank, nranks, &cases[i], ctx->seed + (uint64_t)i * 1000 + (uint64_t)H, device);
         }
-        if (rc == 0 && H == 2048)
-            rc = run_overflow(buf, rank, nranks, H, T_max, ctx->seed + 77, cfg.cuda_device);
+        if (rc == 0 && H == 2048) rc = run_overflow(buf, rank, nranks, H, T_max, ctx->seed + 77, device);
         if (rc == 0 && !ctx->quick && H == 2048)
-            rc = run_graph(buf, rank, nranks, H, T_max, ctx->seed, cfg.cuda_device);
+            rc = run_graph(buf, rank, nranks, H, T_max, ctx->seed, device);
         if (rc == 0) EXPECT_OK(epx_get_async_error(comm));
         /* Peers' last kernels may still write acks into our region: free it only after every rank
          * has synchronised its device work (destroy itself never waits on a peer). */
@@ -680,45 +627,9 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
     return rc;
 }
 
-/* Probes for a GPU in a child so the parent never initialises CUDA before forking ranks. */
-static int gpu_count(void)
-{
-    pid_t pid = fork();
-    if (pid < 0) return 0;
-    if (pid == 0) {
-        int n = 0;
-        if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
-        _exit(n > 100 ? 100 : n);
-    }
-    int status = 0;
-    if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return 0;
-    return WEXITSTATUS(status);
-}
-
 int main(void)
 {
-    if (gpu_count() <= 0) {
-        printf("no usable GPU: skipped\n");
-        return EPX_TEST_SKIP;
-    }
-    ctx_t ctx = {epx_test_seed(), getenv("EPX_GPU_TEST_QUICK") && atoi(getenv("EPX_GPU_TEST_QUICK")) != 0};
-    const char *ranks = getenv("EPX_GPU_TEST_RANKS");
-    if (!ranks) ranks = "2,4,8";
-    int failed = 0;
-    for (const char *p = ranks; *p;) {
-        int R = atoi(p);
-        if (R >= 1 && R <= REF_MAX_RANKS) {
-            printf("ht ipc: %d ranks\n", R);
-            fflush(stdout);
-            if (epx_test_run_ranks(R, rank_main, &ctx, 500) != 0) {
-                fprintf(stderr, "ht ipc: %d ranks failed\n", R);
-                failed = 1;
-                break;
-            }
-        }
-        while (*p && *p != ',') p++;
-        if (*p == ',') p++;
-    }
-    if (!failed) printf("ht ipc: all passed\n");
-    return failed;
+    gpu_ctx_t ctx;
+    if (gpu_test_init(&ctx)) return EPX_TEST_SKIP;
+    return gpu_test_each_nranks("ht ipc", "2,4,8", rank_main, &ctx);
 }

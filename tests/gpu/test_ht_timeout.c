@@ -3,17 +3,14 @@
  * return EPX_ERR_TIMEOUT naming the dead peer within the deadline (device waits give up via
  * %globaltimer), epx_get_async_error must report it, and teardown must not hang.
  */
-#include <cuda_runtime.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "core/internal.h"
-#include "epx_test.h"
+#include "gpu_test.h"
 
 #define NRANKS     4
 #define TIMEOUT_MS 3000
@@ -22,40 +19,26 @@
 #define K          8
 #define E          64
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static epx_tensor_t dt(void *p, epx_dtype_t d, int64_t a, int64_t b)
-{
-    epx_tensor_t t = epx_tensor_2d(p, d, a, b);
-    t.device_type = EPX_DEVICE_CUDA;
-    return t;
-}
-
 static epx_result_t round_trip(epx_buffer_t buf, void *dx, void *dtopk, void *drx, void *dout)
 {
     epx_ht_dispatch_args_t a = EPX_HT_DISPATCH_ARGS_INIT;
-    a.x = dt(dx, EPX_DTYPE_BF16, TM, H);
-    a.topk_idx = dt(dtopk, EPX_DTYPE_INT32, TM, K);
+    a.x = gpu_tensor(dx, EPX_DTYPE_BF16, 2, TM, H, 0, 0);
+    a.topk_idx = gpu_tensor(dtopk, EPX_DTYPE_INT32, 2, TM, K, 0, 0);
     epx_ht_dispatch_outputs_t o = EPX_HT_DISPATCH_OUTPUTS_INIT;
-    o.recv_x = dt(drx, EPX_DTYPE_BF16, (int64_t)NRANKS * TM, H);
+    o.recv_x = gpu_tensor(drx, EPX_DTYPE_BF16, 2, (int64_t)NRANKS * TM, H, 0, 0);
     epx_result_t res = epx_ht_dispatch(buf, &a, &o);
     if (res != EPX_SUCCESS) return res;
     epx_ht_combine_args_t ca = EPX_HT_COMBINE_ARGS_INIT;
     ca.handle = o.handle;
-    ca.x = dt(drx, EPX_DTYPE_BF16, o.num_recv_tokens_host, H);
+    ca.x = gpu_tensor(drx, EPX_DTYPE_BF16, 2, o.num_recv_tokens_host, H, 0, 0);
     epx_ht_combine_outputs_t co = EPX_HT_COMBINE_OUTPUTS_INIT;
-    co.combined_x = dt(dout, EPX_DTYPE_BF16, TM, H);
+    co.combined_x = gpu_tensor(dout, EPX_DTYPE_BF16, 2, TM, H, 0, 0);
     res = epx_ht_combine(buf, &ca, &co);
     epx_handle_destroy(o.handle);
     return res;
 }
 
-static int rank_main(int rank, const epx_unique_id_t *id)
+static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *ctx, void *result)
 {
     epx_comm_config_t cfg = EPX_COMM_CONFIG_INIT;
     cfg.backend = EPX_BACKEND_CUDA;
@@ -63,12 +46,7 @@ static int rank_main(int rank, const epx_unique_id_t *id)
     cfg.timeout_ms = TIMEOUT_MS;
     epx_comm_t comm;
     EXPECT_OK(epx_comm_init(id, rank, NRANKS, &cfg, &comm));
-    epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-    bc.max_tokens = TM;
-    bc.hidden = H;
-    bc.num_topk = K;
-    bc.num_experts = E;
-    bc.modes = EPX_MODE_HT;
+    epx_buffer_config_t bc = epx_test_buffer_config(TM, H, K, E, EPX_MODE_HT);
     bc.dispatch_dtypes = EPX_DTYPE_BIT(EPX_DTYPE_BF16);
     epx_buffer_t buf;
     EXPECT_OK(epx_buffer_create(comm, &bc, &buf));
@@ -86,9 +64,9 @@ static int rank_main(int rank, const epx_unique_id_t *id)
 
     if (rank == NRANKS - 1) kill(getpid(), SIGKILL); /* dies holding its mappings, mid-sequence */
 
-    double t0 = now_s();
+    double t0 = epx_test_now_s();
     epx_result_t res = round_trip(buf, dx, dtopk, drx, dout);
-    double waited = now_s() - t0;
+    double waited = epx_test_now_s() - t0;
     printf("rank %d: second round returned %s after %.2f s: %s\n", rank, epx_result_name(res), waited,
            epx_last_error_message());
     fflush(stdout);
@@ -98,68 +76,31 @@ static int rank_main(int rank, const epx_unique_id_t *id)
     EXPECT_TRUE(waited < TIMEOUT_MS / 1000.0 + 10.0);
     EXPECT_TRUE(waited > TIMEOUT_MS / 1000.0 * 0.9);
     EXPECT_RES(epx_get_async_error(comm), EPX_ERR_TIMEOUT);
-    t0 = now_s();
+    t0 = epx_test_now_s();
     EXPECT_OK(epx_buffer_destroy(buf));
     EXPECT_OK(epx_comm_destroy(comm));
-    EXPECT_TRUE(now_s() - t0 < 10.0);
+    EXPECT_TRUE(epx_test_now_s() - t0 < 10.0);
     return 0;
 }
 
-static int gpu_count(void)
-{
-    pid_t pid = fork();
-    if (pid < 0) return 0;
-    if (pid == 0) {
-        int n = 0;
-        if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
-        _exit(n > 100 ? 100 : n);
-    }
-    int status = 0;
-    if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return 0;
-    return WEXITSTATUS(status);
-}
-
+/* Every rank but the last returns 0; the last kills itself (the harness reports it: expected). */
 int main(void)
 {
-    if (gpu_count() <= 0) {
+    if (epx_harness_gpu_count() <= 0) {
         printf("no usable GPU: skipped\n");
         return EPX_TEST_SKIP;
     }
-    epx_unique_id_t id;
-    EXPECT_OK(epx_get_unique_id(&id));
-    pid_t pids[NRANKS];
-    for (int r = 0; r < NRANKS; r++) {
-        fflush(stdout);
-        pids[r] = fork();
-        if (pids[r] < 0) return 1;
-        if (pids[r] == 0) _exit(rank_main(r, &id) == 0 ? 0 : 1);
-    }
+    epx_harness_opts_t opts = {"ht timeout", NRANKS, rank_main, NULL, 0, 120.0, NULL};
+    epx_harness_report_t report;
+    if (epx_harness_run(&opts, &report) < 0) return 1;
     int failed = 0;
-    double t0 = now_s();
-    for (int done = 0; done < NRANKS;) {
-        int status;
-        pid_t pid = waitpid(-1, &status, WNOHANG);
-        if (pid > 0) {
-            done++;
-            for (int r = 0; r < NRANKS; r++) {
-                if (pids[r] != pid) continue;
-                int killed = WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL;
-                int ok = r == NRANKS - 1 ? killed : (WIFEXITED(status) && WEXITSTATUS(status) == 0);
-                if (!ok) {
-                    fprintf(stderr, "rank %d ended unexpectedly (status 0x%x)\n", r, status);
-                    failed = 1;
-                }
-            }
-            continue;
+    for (int r = 0; r < NRANKS; r++) {
+        const int killed = report.outcome[r] == EPX_HARNESS_RANK_CRASHED && report.detail[r] == SIGKILL;
+        if (r == NRANKS - 1 ? !killed : report.outcome[r] != EPX_HARNESS_RANK_OK) {
+            fprintf(stderr, "rank %d ended unexpectedly (outcome %d, detail %d)\n", r, (int)report.outcome[r],
+                    report.detail[r]);
+            failed = 1;
         }
-        if (now_s() - t0 > 120.0) {
-            fprintf(stderr, "surviving ranks hung; killing them\n");
-            for (int r = 0; r < NRANKS; r++) kill(pids[r], SIGKILL);
-            while (waitpid(-1, NULL, 0) > 0) {
-            }
-            return 1;
-        }
-        usleep(10000);
     }
     if (!failed) printf("killed rank: the others returned EPX_ERR_TIMEOUT in time\n");
     return failed;

@@ -9,46 +9,18 @@
  * sends (recv_count -1, EPX_ERR_TIMEOUT, NaN combine rows). EPX_GPU_TEST_RANKS
  * (default "2,4,8") and EPX_GPU_TEST_QUICK=1 (sanitizer runs) shrink it.
  */
-#include <cuda_runtime.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "core/internal.h"
-#include "epx_test.h"
-#include "reference.h"
+#include "gpu_test.h"
 
 typedef struct ctx {
-    uint64_t seed;
-    int quick;
-    int iters;
+    gpu_ctx_t gpu; /* first: the shared main passes &ctx.gpu */
+    int iters;     /* EPX_GPU_TEST_LL_ITERS */
 } ctx_t;
-
-#define CUDA_OK(call)                                                                          \
-    do {                                                                                       \
-        cudaError_t e_ = (call);                                                               \
-        if (e_ != cudaSuccess) return ref_fail(rank, "%s: %s", #call, cudaGetErrorString(e_)); \
-    } while (0)
-
-static epx_tensor_t dten(void *data, epx_dtype_t dtype, int ndim, int64_t d0, int64_t d1, int64_t d2,
-                         int device)
-{
-    epx_tensor_t t = ndim == 1   ? epx_tensor_1d(data, dtype, d0)
-                     : ndim == 2 ? epx_tensor_2d(data, dtype, d0, d1)
-                                 : epx_tensor_3d(data, dtype, d0, d1, d2);
-    t.device_type = EPX_DEVICE_CUDA;
-    t.device_id = device;
-    return t;
-}
-
-static uint64_t fnv(const void *data, size_t n, uint64_t h)
-{
-    const uint8_t *b = data;
-    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
-    return h;
-}
 
 /* One buffer configuration and the device tensors sized for it. */
 typedef struct cfg {
@@ -69,8 +41,24 @@ typedef struct ll_case {
     int repeats;
 } ll_case_t;
 
-static int cfg_alloc(cfg_t *g, int rank)
+/* Fills g for cf = {E, K, H, T_max} on nranks ranks, creates the LL buffer (*buf, NULL when that
+ * fails) and g's device tensors. Returns 0, or 1 after reporting. */
+static int cfg_open(cfg_t *g, epx_comm_t comm, int rank, int nranks, int device, const int64_t cf[4],
+                    epx_buffer_t *buf)
 {
+    memset(g, 0, sizeof(*g));
+    *buf = NULL;
+    g->E = (int)cf[0];
+    g->K = (int)cf[1];
+    g->H = cf[2];
+    g->T_max = cf[3];
+    g->R = nranks;
+    g->L = g->E / nranks;
+    g->RT = (int64_t)nranks * g->T_max;
+    g->device = device;
+    epx_buffer_config_t bc = epx_test_buffer_config(g->T_max, g->H, g->K, g->E, EPX_MODE_LL);
+    bc.dispatch_dtypes = EPX_DTYPE_BIT(EPX_DTYPE_BF16);
+    EXPECT_OK(epx_buffer_create(comm, &bc, buf));
     const int64_t H = g->H, T = g->T_max, K = g->K, L = g->L, RT = g->RT;
     void **ps[] = {&g->x, &g->topk, &g->w, &g->rx, &g->rs, &g->rc, &g->si, &g->lr, &g->cum, &g->y, &g->out};
     size_t sz[] = {(size_t)(T * H) * 2 + 16,
@@ -149,22 +137,35 @@ static void dispatch_args(const cfg_t *g, const ll_case_t *cs, int64_t T, epx_ll
 {
     const int d = g->device;
     const int64_t H = g->H, L = g->L, RT = g->RT;
-    a->x = dten(g->x, EPX_DTYPE_BF16, 2, T, H, 0, d);
-    a->topk_idx = dten(g->topk, cs->idx64 ? EPX_DTYPE_INT64 : EPX_DTYPE_INT32, 2, T, g->K, 0, d);
-    a->cumulative_recv_stats = dten(g->cum, EPX_DTYPE_INT32, 1, L, 0, 0, d);
+    a->x = gpu_tensor(g->x, EPX_DTYPE_BF16, 2, T, H, 0, d);
+    a->topk_idx = gpu_tensor(g->topk, cs->idx64 ? EPX_DTYPE_INT64 : EPX_DTYPE_INT32, 2, T, g->K, 0, d);
+    a->cumulative_recv_stats = gpu_tensor(g->cum, EPX_DTYPE_INT32, 1, L, 0, 0, d);
     a->use_fp8 = cs->fp8;
     a->round_scale = cs->round_scale;
     a->use_ue8m0 = cs->ue8m0;
     a->return_recv_hook = cs->hook_dispatch;
     a->stream = g->st;
-    o->recv_x = dten(g->rx, cs->fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16, 3, L, RT, H, d);
+    o->recv_x = gpu_tensor(g->rx, cs->fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16, 3, L, RT, H, d);
     if (cs->ue8m0)
-        o->recv_scales = dten(g->rs, EPX_DTYPE_INT32, 3, L, H / 512, RT, d);
+        o->recv_scales = gpu_tensor(g->rs, EPX_DTYPE_INT32, 3, L, H / 512, RT, d);
     else if (cs->fp8)
-        o->recv_scales = dten(g->rs, EPX_DTYPE_FP32, 3, L, H / 128, RT, d);
-    o->recv_count = dten(g->rc, EPX_DTYPE_INT32, 1, L, 0, 0, d);
-    o->src_info = dten(g->si, EPX_DTYPE_INT32, 2, L, RT, 0, d);
-    o->layout_range = dten(g->lr, EPX_DTYPE_INT64, 2, L, g->R, 0, d);
+        o->recv_scales = gpu_tensor(g->rs, EPX_DTYPE_FP32, 3, L, H / 128, RT, d);
+    o->recv_count = gpu_tensor(g->rc, EPX_DTYPE_INT32, 1, L, 0, 0, d);
+    o->src_info = gpu_tensor(g->si, EPX_DTYPE_INT32, 2, L, RT, 0, d);
+    o->layout_range = gpu_tensor(g->lr, EPX_DTYPE_INT64, 2, L, g->R, 0, d);
+}
+
+/* Combine of g's y rows (not zero-copy) into g->out for T tokens, on g's stream. */
+static void combine_args(const cfg_t *g, int64_t T, const epx_tensor_t *topk_idx, epx_ll_combine_args_t *ca,
+                         epx_ll_combine_outputs_t *co)
+{
+    *ca = (epx_ll_combine_args_t)EPX_LL_COMBINE_ARGS_INIT;
+    ca->y = gpu_tensor(g->y, EPX_DTYPE_BF16, 3, g->L, g->RT, g->H, g->device);
+    ca->topk_idx = *topk_idx;
+    ca->topk_weights = gpu_tensor(g->w, EPX_DTYPE_FP32, 2, T, g->K, 0, g->device);
+    ca->stream = g->st;
+    *co = (epx_ll_combine_outputs_t)EPX_LL_COMBINE_OUTPUTS_INIT;
+    co->combined_x = gpu_tensor(g->out, EPX_DTYPE_BF16, 2, T, g->H, 0, g->device);
 }
 
 /* Checks rank's received rows, scales and metadata against the reference; hashes recv_x. */
@@ -194,7 +195,7 @@ static int check_dispatch(const cfg_t *g, const ref_problem_t *p, const ll_case_
         if (ref_check_bits(rank, "src_info", si + j * RT, ref->tok + j * RT, n, 4, RT)) goto out;
         cudaMemcpy(row, (uint8_t *)g->rx + (size_t)(j * RT * H) * es, (size_t)(n * H) * es,
                    cudaMemcpyDeviceToHost);
-        *hash = fnv(row, (size_t)(n * H) * es, *hash);
+        *hash = epx_test_fnv(row, (size_t)(n * H) * es, *hash);
         for (int64_t q = 0; q < n; q++) {
             ref_x_row(p, ref->src[j * RT + q], ref->tok[j * RT + q], REF_TAG_X, xrow);
             char what[64];
@@ -295,7 +296,7 @@ static int run_case(epx_buffer_t buf, cfg_t *g, int rank, const ll_case_t *cs, u
         EXPECT_OK(epx_ll_dispatch(buf, &a, &o));
         if (cs->hook_dispatch) EXPECT_OK(epx_hook_run(&o.hook, g->st));
         CUDA_OK(cudaStreamSynchronize(g->st));
-        uint64_t hash = 1469598103934665603ull;
+        uint64_t hash = EPX_TEST_FNV_INIT;
         if (it == 0 || it == reps - 1) {
             if (check_dispatch(g, &p, cs, rank, &ref, &hash)) {
                 note_async(buf, rank);
@@ -309,13 +310,16 @@ static int run_case(epx_buffer_t buf, cfg_t *g, int rank, const ll_case_t *cs, u
                 const size_t es = cs->fp8 ? 1 : 2;
                 cudaMemcpy(tmp, (uint8_t *)g->rx + (size_t)(j * g->RT * H) * es,
                            (size_t)(ref.count[j] * H) * es, cudaMemcpyDeviceToHost);
-                hash = fnv(tmp, (size_t)(ref.count[j] * H) * es, hash);
+                hash = epx_test_fnv(tmp, (size_t)(ref.count[j] * H) * es, hash);
                 free(tmp);
             }
         }
-        epx_ll_combine_args_t ca = EPX_LL_COMBINE_ARGS_INIT;
+        epx_ll_combine_args_t ca;
+        epx_ll_combine_outputs_t co;
+        combine_args(g, Tm, &a.topk_idx, &ca, &co);
         ca.handle = o.handle;
         if (cs->zero_copy) {
+            memset(&ca.y, 0, sizeof(ca.y));
             epx_tensor_t view;
             EXPECT_OK(epx_ll_get_combine_buffer(buf, &o.handle, &view));
             if (view.shape[0] != g->L || view.shape[1] != g->RT || view.shape[2] != H ||
@@ -324,15 +328,8 @@ static int run_case(epx_buffer_t buf, cfg_t *g, int rank, const ll_case_t *cs, u
                                 (long long)view.shape[1], (long long)view.shape[2]);
             if (upload_y(g, rank, &ref, yseed, view.data) != 0) goto out;
             ca.zero_copy = 1;
-        } else {
-            ca.y = dten(g->y, EPX_DTYPE_BF16, 3, g->L, g->RT, H, g->device);
         }
-        ca.topk_idx = a.topk_idx;
-        ca.topk_weights = dten(g->w, EPX_DTYPE_FP32, 2, Tm, g->K, 0, g->device);
         ca.return_recv_hook = cs->hook_combine;
-        ca.stream = g->st;
-        epx_ll_combine_outputs_t co = EPX_LL_COMBINE_OUTPUTS_INIT;
-        co.combined_x = dten(g->out, EPX_DTYPE_BF16, 2, Tm, H, 0, g->device);
         EXPECT_OK(epx_ll_combine(buf, &ca, &co));
         if (cs->hook_combine) {
             EXPECT_OK(epx_hook_run(&co.hook, g->st));
@@ -345,7 +342,7 @@ static int run_case(epx_buffer_t buf, cfg_t *g, int rank, const ll_case_t *cs, u
             note_async(buf, rank);
             goto out;
         }
-        hash = fnv(got, (size_t)(Tm * H) * 2, hash);
+        hash = epx_test_fnv(got, (size_t)(Tm * H) * 2, hash);
         if (it == 0) first = hash;
         if (hash != first) {
             rc = ref_fail(rank, "iteration %d: hash %016llx differs from iteration 0's %016llx", it,
@@ -379,7 +376,7 @@ out:
  * still work. Outputs of the two batches land in different tensors. */
 static int run_double(epx_buffer_t buf, cfg_t *g, int rank, uint64_t seed)
 {
-    const int64_t H = g->H, K = g->K, L = g->L, RT = g->RT, Tm = g->T_max;
+    const int64_t H = g->H, L = g->L, RT = g->RT, Tm = g->T_max;
     int64_t T[REF_MAX_RANKS];
     for (int r = 0; r < g->R; r++) T[r] = Tm;
     ref_problem_t p;
@@ -417,13 +414,9 @@ static int run_double(epx_buffer_t buf, cfg_t *g, int rank, uint64_t seed)
         return ref_fail(rank, "two dispatches in flight share slot %d", o1.handle.slot);
     EXPECT_OK(epx_hook_run(&o1.hook, g->st));
     EXPECT_OK(epx_hook_run(&o2.hook, g->st));
-    epx_ll_combine_args_t ca = EPX_LL_COMBINE_ARGS_INIT;
-    ca.y = dten(g->y, EPX_DTYPE_BF16, 3, L, RT, H, g->device);
-    ca.topk_idx = a.topk_idx;
-    ca.topk_weights = dten(g->w, EPX_DTYPE_FP32, 2, Tm, K, 0, g->device);
-    ca.stream = g->st;
-    epx_ll_combine_outputs_t co = EPX_LL_COMBINE_OUTPUTS_INIT;
-    co.combined_x = dten(g->out, EPX_DTYPE_BF16, 2, Tm, H, 0, g->device);
+    epx_ll_combine_args_t ca;
+    epx_ll_combine_outputs_t co;
+    combine_args(g, Tm, &a.topk_idx, &ca, &co);
     ca.handle = o1.handle;
     EXPECT_OK(epx_ll_combine(buf, &ca, &co));
     ca.handle = o2.handle;
@@ -488,13 +481,9 @@ static int run_graph(epx_buffer_t buf, cfg_t *g, int rank, uint64_t seed)
     epx_ll_dispatch_outputs_t o = EPX_LL_DISPATCH_OUTPUTS_INIT;
     dispatch_args(g, &cs, Tm, &a, &o);
     a.cumulative_recv_stats.data = NULL;
-    epx_ll_combine_args_t ca = EPX_LL_COMBINE_ARGS_INIT;
-    ca.y = dten(g->y, EPX_DTYPE_BF16, 3, L, RT, H, g->device);
-    ca.topk_idx = a.topk_idx;
-    ca.topk_weights = dten(g->w, EPX_DTYPE_FP32, 2, Tm, K, 0, g->device);
-    ca.stream = g->st;
-    epx_ll_combine_outputs_t co = EPX_LL_COMBINE_OUTPUTS_INIT;
-    co.combined_x = dten(g->out, EPX_DTYPE_BF16, 2, Tm, H, 0, g->device);
+    epx_ll_combine_args_t ca;
+    epx_ll_combine_outputs_t co;
+    combine_args(g, Tm, &a.topk_idx, &ca, &co);
     CUDA_OK(cudaStreamBeginCapture(g->st, cudaStreamCaptureModeThreadLocal));
     epx_result_t res = epx_ll_dispatch(buf, &a, &o);
     if (res == EPX_SUCCESS) {
@@ -561,58 +550,36 @@ out:
 static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx)
 {
     const ctx_t *ctx = vctx;
-    ref_set_seed(ctx->seed);
-    epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
-    cc.backend = EPX_BACKEND_CUDA;
-    int ngpu = 0;
-    cudaGetDeviceCount(&ngpu);
-    cc.cuda_device = ngpu > 0 ? rank % ngpu : 0;
     epx_comm_t comm;
-    EXPECT_OK(epx_comm_init(id, rank, nranks, &cc, &comm));
+    int device;
+    if (gpu_test_comm(&ctx->gpu, id, rank, nranks, 0, &comm, &device)) return 1;
     /* E, K, H, T_max. */
     static const int64_t cfgs[][4] = {{256, 8, 7168, 128}, {288, 9, 2048, 128}, {64, 1, 2048, 96}};
     static const int64_t quick_cfg[4] = {64, 8, 2048, 16};
-    const int ncfg = ctx->quick ? 1 : (int)(sizeof(cfgs) / sizeof(cfgs[0]));
+    const int ncfg = ctx->gpu.quick ? 1 : (int)(sizeof(cfgs) / sizeof(cfgs[0]));
     int rc = 0;
     for (int ci = 0; ci < ncfg && rc == 0; ci++) {
-        const int64_t *cf = ctx->quick ? quick_cfg : cfgs[ci];
         cfg_t g;
-        memset(&g, 0, sizeof(g));
-        g.E = (int)cf[0];
-        g.K = (int)cf[1];
-        g.H = cf[2];
-        g.T_max = cf[3];
-        g.R = nranks;
-        g.L = g.E / nranks;
-        g.RT = (int64_t)nranks * g.T_max;
-        g.device = cc.cuda_device;
-        epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-        bc.max_tokens = g.T_max;
-        bc.hidden = g.H;
-        bc.num_topk = g.K;
-        bc.num_experts = g.E;
-        bc.modes = EPX_MODE_LL;
-        bc.dispatch_dtypes = EPX_DTYPE_BIT(EPX_DTYPE_BF16);
         epx_buffer_t buf;
-        EXPECT_OK(epx_buffer_create(comm, &bc, &buf));
-        rc = cfg_alloc(&g, rank);
+        rc = cfg_open(&g, comm, rank, nranks, device, ctx->gpu.quick ? quick_cfg : cfgs[ci], &buf);
         /* fp8, round_scale, ue8m0, hook d/c, zero-copy, iter, routing, idx64, repeats */
         const ll_case_t cases[] = {
             {0, 0, 0, 0, 0, 0, 0, REF_ROUTE_RANDOM, 0, 1}, {1, 0, 0, 1, 0, 1, 1, REF_ROUTE_SKEWED, 1, 1},
             {1, 1, 0, 0, 1, 1, 2, REF_ROUTE_RANDOM, 0, 1}, {1, 1, 1, 1, 1, 0, 3, REF_ROUTE_GROUPED, 1, 1},
             {0, 0, 0, 1, 1, 1, 4, REF_ROUTE_RANDOM, 0, 1}, {1, 1, 1, 0, 0, 0, 1, REF_ROUTE_RANDOM, 0, 1},
         };
-        const int ncases = ctx->quick ? 2 : (int)(sizeof(cases) / sizeof(cases[0]));
+        const int ncases = ctx->gpu.quick ? 2 : (int)(sizeof(cases) / sizeof(cases[0]));
         for (int i = 0; i < ncases && rc == 0; i++)
-            rc = run_case(buf, &g, rank, &cases[i], ctx->seed + (uint64_t)ci * 100 + (uint64_t)i);
-        if (rc == 0) rc = run_double(buf, &g, rank, ctx->seed + 77);
-        if (rc == 0 && (ctx->quick || ci == 2)) rc = run_graph(buf, &g, rank, ctx->seed + 99);
-        if (rc == 0 && !ctx->quick && ci == 2) {
+            rc = run_case(buf, &g, rank, &cases[i], ctx->gpu.seed + (uint64_t)ci * 100 + (uint64_t)i);
+        if (rc == 0) rc = run_double(buf, &g, rank, ctx->gpu.seed + 77);
+        if (rc == 0 && (ctx->gpu.quick || ci == 2)) rc = run_graph(buf, &g, rank, ctx->gpu.seed + 99);
+        if (rc == 0 && !ctx->gpu.quick && ci == 2) {
             const ll_case_t rep = {0, 0, 0, 1, 1, 1, 2, REF_ROUTE_RANDOM, 0, ctx->iters};
-            rc = run_case(buf, &g, rank, &rep, ctx->seed + 1234);
+            rc = run_case(buf, &g, rank, &rep, ctx->gpu.seed + 1234);
         }
         if (rc == 0) EXPECT_OK(epx_get_async_error(comm));
         cfg_free(&g);
+        if (!buf) return 1;
         EXPECT_OK(epx_buffer_destroy(buf));
     }
     EXPECT_OK(epx_comm_destroy(comm));
@@ -627,39 +594,17 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
 static int fail_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx)
 {
     const ctx_t *ctx = vctx;
-    ref_set_seed(ctx->seed);
-    ref_set_case("failed receive R=%d", nranks);
-    epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
-    cc.backend = EPX_BACKEND_CUDA;
-    int ngpu = 0;
-    cudaGetDeviceCount(&ngpu);
-    cc.cuda_device = ngpu > 0 ? rank % ngpu : 0;
-    const int timeout_ms = ctx->quick ? 10000 : LL_FAIL_TIMEOUT_MS;
-    cc.timeout_ms = timeout_ms;
+    const int timeout_ms = ctx->gpu.quick ? 10000 : LL_FAIL_TIMEOUT_MS;
+    static const int64_t cf[4] = {16, 4, 1024, 8}; /* E, K, H, T_max */
     epx_comm_t comm;
-    EXPECT_OK(epx_comm_init(id, rank, nranks, &cc, &comm));
+    int device;
+    if (gpu_test_comm(&ctx->gpu, id, rank, nranks, timeout_ms, &comm, &device)) return 1;
+    ref_set_case("failed receive R=%d", nranks);
     cfg_t g;
-    memset(&g, 0, sizeof(g));
-    g.E = 16;
-    g.K = 4;
-    g.H = 1024;
-    g.T_max = 8;
-    g.R = nranks;
-    g.L = g.E / nranks;
-    g.RT = (int64_t)nranks * g.T_max;
-    g.device = cc.cuda_device;
-    epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-    bc.max_tokens = g.T_max;
-    bc.hidden = g.H;
-    bc.num_topk = g.K;
-    bc.num_experts = g.E;
-    bc.modes = EPX_MODE_LL;
-    bc.dispatch_dtypes = EPX_DTYPE_BIT(EPX_DTYPE_BF16);
     epx_buffer_t buf;
-    EXPECT_OK(epx_buffer_create(comm, &bc, &buf));
-    int rc = cfg_alloc(&g, rank);
+    int rc = cfg_open(&g, comm, rank, nranks, device, cf, &buf);
     const ll_case_t cs = {0, 0, 0, 0, 0, 0, 0, REF_ROUTE_RANDOM, 0, 1};
-    if (rc == 0) rc = run_case(buf, &g, rank, &cs, ctx->seed + 4242); /* a good round first */
+    if (rc == 0) rc = run_case(buf, &g, rank, &cs, ctx->gpu.seed + 4242); /* a good round first */
     if (rc == 0 && rank == 0) {
         epx_ll_dispatch_args_t a = EPX_LL_DISPATCH_ARGS_INIT;
         epx_ll_dispatch_outputs_t o = EPX_LL_DISPATCH_OUTPUTS_INIT;
@@ -683,14 +628,10 @@ static int fail_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
             rc = ref_fail(rank, "failed dispatch: message '%s' does not name peer 1",
                           epx_last_error_message());
         if (rc == 0) {
-            epx_ll_combine_args_t ca = EPX_LL_COMBINE_ARGS_INIT;
+            epx_ll_combine_args_t ca;
+            epx_ll_combine_outputs_t co;
+            combine_args(&g, g.T_max, &a.topk_idx, &ca, &co);
             ca.handle = o.handle;
-            ca.y = dten(g.y, EPX_DTYPE_BF16, 3, g.L, g.RT, g.H, g.device);
-            ca.topk_idx = a.topk_idx;
-            ca.topk_weights = dten(g.w, EPX_DTYPE_FP32, 2, g.T_max, g.K, 0, g.device);
-            ca.stream = g.st;
-            epx_ll_combine_outputs_t co = EPX_LL_COMBINE_OUTPUTS_INIT;
-            co.combined_x = dten(g.out, EPX_DTYPE_BF16, 2, g.T_max, g.H, 0, g.device);
             EXPECT_OK(epx_ll_combine(buf, &ca, &co));
             CUDA_OK(cudaStreamSynchronize(g.st));
             uint16_t *got = malloc((size_t)(g.T_max * g.H) * 2);
@@ -707,59 +648,25 @@ static int fail_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
         usleep((useconds_t)(timeout_ms + 2500) * 1000u); /* rank 0 gives up meanwhile */
     }
     cfg_free(&g);
+    if (!buf) return 1;
     EXPECT_OK(epx_buffer_destroy(buf));
     EXPECT_OK(epx_comm_destroy(comm));
     return rc;
 }
 
-/* Probes for a GPU in a child so the parent never initialises CUDA before forking ranks. */
-static int gpu_count(void)
-{
-    pid_t pid = fork();
-    if (pid < 0) return 0;
-    if (pid == 0) {
-        int n = 0;
-        if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
-        _exit(n > 100 ? 100 : n);
-    }
-    int status = 0;
-    if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return 0;
-    return WEXITSTATUS(status);
-}
-
 int main(void)
 {
-    if (gpu_count() <= 0) {
-        printf("no usable GPU: skipped\n");
-        return EPX_TEST_SKIP;
+    ctx_t ctx;
+    if (gpu_test_init(&ctx.gpu)) return EPX_TEST_SKIP;
+    const char *iters = getenv("EPX_GPU_TEST_LL_ITERS");
+    ctx.iters = iters && atoi(iters) > 0 ? atoi(iters) : 20;
+    if (gpu_test_each_nranks("ll", "2,4,8", rank_main, &ctx.gpu)) return 1;
+    printf("ll: failed receive, 2 ranks\n");
+    fflush(stdout);
+    if (epx_test_run_ranks(2, fail_main, &ctx, 200) != 0) {
+        fprintf(stderr, "ll: failed-receive check failed\n");
+        return 1;
     }
-    const char *q = getenv("EPX_GPU_TEST_QUICK"), *it = getenv("EPX_GPU_TEST_LL_ITERS");
-    ctx_t ctx = {epx_test_seed(), q && atoi(q) != 0, it && atoi(it) > 0 ? atoi(it) : 20};
-    const char *ranks = getenv("EPX_GPU_TEST_RANKS");
-    if (!ranks) ranks = "2,4,8";
-    int failed = 0;
-    for (const char *p = ranks; *p;) {
-        int R = atoi(p);
-        if (R >= 1 && R <= REF_MAX_RANKS) {
-            printf("ll: %d ranks\n", R);
-            fflush(stdout);
-            if (epx_test_run_ranks(R, rank_main, &ctx, 500) != 0) {
-                fprintf(stderr, "ll: %d ranks failed\n", R);
-                failed = 1;
-                break;
-            }
-        }
-        while (*p && *p != ',') p++;
-        if (*p == ',') p++;
-    }
-    if (!failed) {
-        printf("ll: failed receive, 2 ranks\n");
-        fflush(stdout);
-        if (epx_test_run_ranks(2, fail_main, &ctx, 200) != 0) {
-            fprintf(stderr, "ll: failed-receive check failed\n");
-            failed = 1;
-        }
-    }
-    if (!failed) printf("ll: all passed\n");
-    return failed;
+    printf("ll: failed receive passed\n");
+    return 0;
 }

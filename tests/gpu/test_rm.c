@@ -8,27 +8,12 @@
  * "1,2,4,8"; one rank runs the whole-GPU, all-local path) and EPX_GPU_TEST_QUICK=1 (sanitizer
  * runs) shrink it.
  */
-#include <cuda_runtime.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include "core/internal.h"
-#include "epx_test.h"
-#include "reference.h"
-
-#define MAX_PAD 128
-
-enum { BOUND_NONE = 0, BOUND_EQUAL = 1, BOUND_ABOVE = 2, BOUND_BELOW = 3, BOUND_COUNT = 4 };
-static const char *const k_bound_names[] = {"none", "equal", "above", "below"};
-static const int k_pads[4] = {0, 1, 16, 128}; /* 0: without permute */
-
-typedef struct ctx {
-    uint64_t seed;
-    int quick;
-} ctx_t;
+#include "gpu_test.h"
 
 typedef struct setup {
     int R, E, K, device, rank;
@@ -37,57 +22,11 @@ typedef struct setup {
     epx_buffer_t buf;
 } setup_t;
 
-static epx_tensor_t dev_tensor(void *data, epx_dtype_t dtype, int64_t d0, int64_t d1, int ndim, int device)
-{
-    epx_tensor_t t = ndim == 1 ? epx_tensor_1d(data, dtype, d0) : epx_tensor_2d(data, dtype, d0, d1);
-    t.device_type = EPX_DEVICE_CUDA;
-    t.device_id = device;
-    return t;
-}
-
-typedef struct dev_arena {
-    void *p[32];
-    int n;
-} dev_arena_t;
-
-/* Device memory filled with garbage, so unwritten output shows; optionally copied from host. */
-static void *dalloc(dev_arena_t *a, size_t bytes, const void *init)
-{
-    void *p = NULL;
-    if (bytes == 0) bytes = 16;
-    if (a->n == 32 || cudaMalloc(&p, bytes) != cudaSuccess) return NULL;
-    a->p[a->n++] = p;
-    if (init)
-        cudaMemcpy(p, init, bytes, cudaMemcpyHostToDevice);
-    else
-        cudaMemset(p, 0xa5, bytes);
-    return p;
-}
-
-static void dfree(dev_arena_t *a)
-{
-    for (int i = 0; i < a->n; i++) cudaFree(a->p[i]);
-    a->n = 0;
-}
-
 static void *to_host(ref_arena_t *a, const void *dev, size_t bytes)
 {
     void *h = ref_arena_alloc(a, bytes + 16);
     cudaMemcpy(h, dev, bytes, cudaMemcpyDeviceToHost);
     return h;
-}
-
-static int64_t pick_bound(int mode, int64_t real, int64_t cap)
-{
-    int64_t b;
-    switch (mode) {
-    case BOUND_NONE: return -1;
-    case BOUND_EQUAL: b = real; break;
-    case BOUND_ABOVE: b = real + 5; break;
-    default: b = real >= 2 ? real - (real / 3 > 1 ? real / 3 : 1) : real; break;
-    }
-    if (b < 1) b = 1;
-    return b > cap ? cap : b;
 }
 
 /* Host inputs of rank `me`: hidden, scales, routing map, probs. */
@@ -115,34 +54,14 @@ static void make_inputs(const ref_problem_t *p, int me, ref_arena_t *a, inputs_t
     }
 }
 
-#define CALL(expr)                                                                        \
-    do {                                                                                  \
-        epx_result_t call_res_ = (expr);                                                  \
-        if (call_res_ != EPX_SUCCESS) {                                                   \
-            rc = ref_fail(rank, "%s returned %s (%s)", #expr, epx_result_name(call_res_), \
-                          epx_last_error_message());                                      \
-            rc = 2;                                                                       \
-            goto out;                                                                     \
-        }                                                                                 \
-    } while (0)
-#define CHECK(cond, ...)                                \
-    do {                                                \
-        if (!(cond)) rc |= ref_fail(rank, __VA_ARGS__); \
-    } while (0)
-
 /* One eager dispatch + combine, every output checked. */
 static int rm_iteration(const setup_t *su, uint64_t gseed, int it)
 {
     int rc = 0, R = su->R, K = su->K, E = su->E, rank = su->rank, dev = su->device;
     const int64_t H = su->H, SG = H / 128;
-    const int cfg = it % 4, bound_mode = (it / 4) % BOUND_COUNT;
-    const bool permute = k_pads[cfg] > 0;
-    const int pad = permute ? k_pads[cfg] : 1;
-    const epx_dtype_t dtype = (cfg + bound_mode + it / 16) % 2 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
-    const bool fp8 = dtype == EPX_DTYPE_FP8_E4M3;
-    const bool with_probs = it % 3 != 2;
-    const bool weighted = permute && with_probs && (it / 2) % 2;
-    const ref_routing_t routing = (ref_routing_t)((it / 3) % REF_ROUTE_COUNT);
+    const ref_rm_plan_t pl = ref_rm_plan(it);
+    const bool permute = pl.permute, fp8 = pl.dtype == EPX_DTYPE_FP8_E4M3;
+    const epx_dtype_t dtype = pl.dtype;
     const uint64_t seed = ref_hash(gseed, 0x67726d, (uint64_t)(R * 1000 + E), (uint64_t)H, (uint64_t)it);
     const size_t esz = epx_dtype_size(dtype);
     int64_t T[REF_MAX_RANKS], bounds[REF_MAX_RANKS];
@@ -150,35 +69,24 @@ static int rm_iteration(const setup_t *su, uint64_t gseed, int it)
     ref_problem_t p;
     ref_rm_recv_t rv = {0};
     ref_arena_t a = {0};
-    dev_arena_t da = {0};
+    gpu_arena_t da = {0};
     epx_handle_t handle = NULL;
-    if (ref_problem_init(&p, R, E, K, H, su->T_max, dtype, seed, T, routing))
+    if (ref_problem_init(&p, R, E, K, H, su->T_max, dtype, seed, T, pl.routing))
         return ref_fail(rank, "problem init");
-    const int64_t L = p.L, Ts = p.T[rank], kl = K < L ? K : L;
-    const int64_t cap = permute ? R * su->T_max * kl + L * (MAX_PAD - 1) : R * su->T_max;
-    for (int r = 0; r < R; r++) {
-        ref_rm_recv_t other;
-        if (ref_rm_dispatch(&p, r, permute, pad, -1, &other)) {
-            ref_rm_recv_free(&other);
-            rc = ref_fail(rank, "reference dispatch");
-            goto out;
-        }
-        bounds[r] = pick_bound(bound_mode, other.real, cap);
-        ref_rm_recv_free(&other);
-    }
-    const int64_t bound = bounds[rank];
-    if (ref_rm_dispatch(&p, rank, permute, pad, bound, &rv)) {
+    const int64_t L = p.L, Ts = p.T[rank];
+    if (ref_rm_bounds(&p, permute, pl.pad, pl.bound, bounds) ||
+        ref_rm_dispatch(&p, rank, permute, pl.pad, bounds[rank], &rv)) {
         rc = ref_fail(rank, "reference dispatch");
         goto out;
     }
-    const int64_t real = rv.real, rows = rv.rows, kept = real < rows ? real : rows;
+    const int64_t bound = bounds[rank], real = rv.real, rows = rv.rows, kept = real < rows ? real : rows;
     const bool overflow = bound >= 0 && real > bound;
     ref_set_case(
         "gpu rm R=%d E=%d K=%d H=%lld iter %d: %s, pad %d, %s, bound %s (%lld, real %lld), probs %d, "
         "weighted %d, routing %s, T[rank]=%lld",
-        R, E, K, (long long)H, it, permute ? "permute" : "no permute", pad, epx_dtype_name(dtype),
-        k_bound_names[bound_mode], (long long)bound, (long long)real, with_probs, weighted,
-        ref_routing_name(routing), (long long)Ts);
+        R, E, K, (long long)H, it, permute ? "permute" : "no permute", pl.pad, epx_dtype_name(dtype),
+        ref_bound_name(pl.bound), (long long)bound, (long long)real, pl.with_probs, pl.weighted,
+        ref_routing_name(pl.routing), (long long)Ts);
 
     inputs_t in;
     make_inputs(&p, rank, &a, &in);
@@ -192,38 +100,38 @@ static int rm_iteration(const setup_t *su, uint64_t gseed, int it)
     }
     /* Without a bound the outputs are a little larger than needed (rows past P are not read). */
     const int64_t cap_rows = bound >= 0 ? rows : rows + 3;
-    void *d_hidden = dalloc(&da, esz * (size_t)(Ts * H), in.hidden);
-    void *d_sf = dalloc(&da, 4 * (size_t)(Ts * SG), in.sf);
-    void *d_map = dalloc(&da, (size_t)(Ts * E), in.map);
-    void *d_probs = dalloc(&da, 4 * (size_t)(Ts * E), in.probs);
-    void *o_tok = dalloc(&da, esz * (size_t)(cap_rows * H), NULL);
-    void *o_sf = dalloc(&da, 4 * (size_t)(cap_rows * SG), NULL);
-    void *o_probs = dalloc(&da, 4 * (size_t)(cap_rows * pw), NULL);
-    void *o_tpe = dalloc(&da, 4 * (size_t)L, NULL);
-    void *o_num = dalloc(&da, 4, NULL);
-    void *c_x = dalloc(&da, 2 * (size_t)(cap_rows * H), NULL);
-    void *c_out = dalloc(&da, 2 * (size_t)(Ts * H), NULL);
+    void *d_hidden = gpu_alloc(&da, esz * (size_t)(Ts * H), in.hidden);
+    void *d_sf = gpu_alloc(&da, 4 * (size_t)(Ts * SG), in.sf);
+    void *d_map = gpu_alloc(&da, (size_t)(Ts * E), in.map);
+    void *d_probs = gpu_alloc(&da, 4 * (size_t)(Ts * E), in.probs);
+    void *o_tok = gpu_alloc(&da, esz * (size_t)(cap_rows * H), NULL);
+    void *o_sf = gpu_alloc(&da, 4 * (size_t)(cap_rows * SG), NULL);
+    void *o_probs = gpu_alloc(&da, 4 * (size_t)(cap_rows * pw), NULL);
+    void *o_tpe = gpu_alloc(&da, 4 * (size_t)L, NULL);
+    void *o_num = gpu_alloc(&da, 4, NULL);
+    void *c_x = gpu_alloc(&da, 2 * (size_t)(cap_rows * H), NULL);
+    void *c_out = gpu_alloc(&da, 2 * (size_t)(Ts * H), NULL);
     if (!c_out) {
         rc = ref_fail(rank, "cudaMalloc");
         goto out;
     }
     epx_rm_dispatch_args_t args = EPX_RM_DISPATCH_ARGS_INIT;
-    args.hidden = dev_tensor(d_hidden, dtype, Ts, H, 2, dev);
-    if (fp8) args.scaling_factor = dev_tensor(d_sf, EPX_DTYPE_FP32, Ts, SG, 2, dev);
-    args.routing_map = dev_tensor(d_map, EPX_DTYPE_BOOL, Ts, E, 2, dev);
-    if (with_probs) args.probs = dev_tensor(d_probs, EPX_DTYPE_FP32, Ts, E, 2, dev);
+    args.hidden = gpu_tensor(d_hidden, dtype, 2, Ts, H, 0, dev);
+    if (fp8) args.scaling_factor = gpu_tensor(d_sf, EPX_DTYPE_FP32, 2, Ts, SG, 0, dev);
+    args.routing_map = gpu_tensor(d_map, EPX_DTYPE_BOOL, 2, Ts, E, 0, dev);
+    if (pl.with_probs) args.probs = gpu_tensor(d_probs, EPX_DTYPE_FP32, 2, Ts, E, 0, dev);
     args.permute = permute;
-    args.pad_multiple = pad;
+    args.pad_multiple = pl.pad;
     args.num_dispatched_tokens = permute ? -1 : bound;
     args.num_permuted_tokens = permute ? bound : -1;
     epx_rm_dispatch_outputs_t outs = EPX_RM_DISPATCH_OUTPUTS_INIT;
-    outs.tokens = dev_tensor(o_tok, dtype, cap_rows, H, 2, dev);
-    if (fp8) outs.scaling_factor = dev_tensor(o_sf, EPX_DTYPE_FP32, cap_rows, SG, 2, dev);
-    if (with_probs)
-        outs.probs = permute ? dev_tensor(o_probs, EPX_DTYPE_FP32, cap_rows, 0, 1, dev)
-                             : dev_tensor(o_probs, EPX_DTYPE_FP32, cap_rows, L, 2, dev);
-    if (permute) outs.tokens_per_expert = dev_tensor(o_tpe, EPX_DTYPE_INT32, L, 0, 1, dev);
-    outs.num_tokens = dev_tensor(o_num, EPX_DTYPE_INT32, 1, 0, 1, dev);
+    outs.tokens = gpu_tensor(o_tok, dtype, 2, cap_rows, H, 0, dev);
+    if (fp8) outs.scaling_factor = gpu_tensor(o_sf, EPX_DTYPE_FP32, 2, cap_rows, SG, 0, dev);
+    if (pl.with_probs)
+        outs.probs = permute ? gpu_tensor(o_probs, EPX_DTYPE_FP32, 1, cap_rows, 0, 0, dev)
+                             : gpu_tensor(o_probs, EPX_DTYPE_FP32, 2, cap_rows, L, 0, dev);
+    if (permute) outs.tokens_per_expert = gpu_tensor(o_tpe, EPX_DTYPE_INT32, 1, L, 0, 0, dev);
+    outs.num_tokens = gpu_tensor(o_num, EPX_DTYPE_INT32, 1, 1, 0, 0, dev);
     CALL(epx_rm_dispatch(su->buf, &args, &outs));
     handle = outs.handle;
     if (cudaDeviceSynchronize() != cudaSuccess) {
@@ -240,17 +148,13 @@ static int rm_iteration(const setup_t *su, uint64_t gseed, int it)
     if (fp8)
         rc |= ref_check_bits(rank, "scaling_factor", to_host(&a, o_sf, 4 * (size_t)(rows * SG)), e_sf,
                              rows * SG, 4, SG);
-    if (with_probs)
+    if (pl.with_probs)
         rc |= ref_check_bits(rank, "probs", to_host(&a, o_probs, 4 * (size_t)(rows * pw)), rv.probs,
                              rows * pw, 4, pw);
     if (permute)
         rc |= ref_check_bits(rank, "tokens_per_expert", to_host(&a, o_tpe, 4 * (size_t)L),
                              rv.tokens_per_expert, L, 4, L);
-    epx_result_t q = epx_buffer_query_overflow(su->buf);
-    CHECK(q == (overflow ? EPX_ERR_OVERFLOW : EPX_SUCCESS), "epx_buffer_query_overflow = %s, expected %s",
-          epx_result_name(q), overflow ? "ERR_OVERFLOW" : "SUCCESS");
-    q = epx_buffer_query_overflow(su->buf);
-    CHECK(q == EPX_SUCCESS, "second epx_buffer_query_overflow = %s (flag not cleared)", epx_result_name(q));
+    rc |= ref_check_overflow(rank, su->buf, overflow ? EPX_ERR_OVERFLOW : EPX_SUCCESS);
     epx_handle_info_t info;
     CALL(epx_handle_get_info(handle, &info));
     /* With a bound nothing waits for the real count: the handle covers the bound's rows. */
@@ -271,16 +175,16 @@ static int rm_iteration(const setup_t *su, uint64_t gseed, int it)
         uint16_t *exp = ref_arena_alloc(&a, 2 * (size_t)(Ts * H) + 16);
         epx_rm_combine_args_t cargs = EPX_RM_COMBINE_ARGS_INIT;
         cargs.handle = handle;
-        cargs.x = dev_tensor(c_x, EPX_DTYPE_BF16, cap_rows, H, 2, dev);
-        cargs.weighted = weighted;
+        cargs.x = gpu_tensor(c_x, EPX_DTYPE_BF16, 2, cap_rows, H, 0, dev);
+        cargs.weighted = pl.weighted;
         epx_rm_combine_outputs_t couts = EPX_RM_COMBINE_OUTPUTS_INIT;
-        couts.combined = dev_tensor(c_out, EPX_DTYPE_BF16, Ts, H, 2, dev);
+        couts.combined = gpu_tensor(c_out, EPX_DTYPE_BF16, 2, Ts, H, 0, dev);
         CALL(epx_rm_combine(su->buf, &cargs, &couts));
         if (cudaDeviceSynchronize() != cudaSuccess) {
             rc = ref_fail(rank, "cudaDeviceSynchronize after combine");
             goto out;
         }
-        if (ref_rm_combine(&p, rank, permute, pad, bounds, weighted, yseed, exp)) {
+        if (ref_rm_combine(&p, rank, permute, pl.pad, bounds, pl.weighted, yseed, exp)) {
             rc = ref_fail(rank, "reference combine");
             goto out;
         }
@@ -288,7 +192,7 @@ static int rm_iteration(const setup_t *su, uint64_t gseed, int it)
     }
 out:
     epx_handle_destroy(handle);
-    dfree(&da);
+    gpu_arena_free(&da);
     ref_arena_free(&a);
     ref_rm_recv_free(&rv);
     ref_problem_free(&p);
@@ -302,11 +206,11 @@ static int rm_graph(const setup_t *su, uint64_t gseed)
 {
     int rc = 0, R = su->R, K = su->K, E = su->E, rank = su->rank, dev = su->device;
     const int64_t H = su->H, Tm = su->T_max, pad = 16;
-    const int64_t L = E / R, cap = R * Tm * (K < L ? K : L) + L * (MAX_PAD - 1);
+    const int64_t L = E / R, cap = R * Tm * (K < L ? K : L) + L * (REF_RM_MAX_PAD - 1);
     int64_t T[REF_MAX_RANKS], bounds[REF_MAX_RANKS];
     for (int r = 0; r < REF_MAX_RANKS; r++) T[r] = Tm; /* shapes are fixed by the graph */
     ref_arena_t a = {0};
-    dev_arena_t da = {0};
+    gpu_arena_t da = {0};
     epx_handle_t handle = NULL, eager = NULL;
     cudaGraph_t graph = NULL;
     cudaGraphExec_t exec = NULL;
@@ -330,30 +234,30 @@ static int rm_graph(const setup_t *su, uint64_t gseed)
     const int64_t B = bounds[rank], big = cap;
     inputs_t in;
     make_inputs(&p0, rank, &a, &in);
-    void *d_hidden = dalloc(&da, 2 * (size_t)(Tm * H), in.hidden);
-    void *d_map = dalloc(&da, (size_t)(Tm * E), in.map);
-    void *d_probs = dalloc(&da, 4 * (size_t)(Tm * E), in.probs);
-    void *o_tok = dalloc(&da, 2 * (size_t)(big * H), NULL);
-    void *o_probs = dalloc(&da, 4 * (size_t)big, NULL);
-    void *o_tpe = dalloc(&da, 4 * (size_t)L, NULL);
-    void *o_num = dalloc(&da, 4, NULL);
-    void *c_out = dalloc(&da, 2 * (size_t)(Tm * H), NULL);
+    void *d_hidden = gpu_alloc(&da, 2 * (size_t)(Tm * H), in.hidden);
+    void *d_map = gpu_alloc(&da, (size_t)(Tm * E), in.map);
+    void *d_probs = gpu_alloc(&da, 4 * (size_t)(Tm * E), in.probs);
+    void *o_tok = gpu_alloc(&da, 2 * (size_t)(big * H), NULL);
+    void *o_probs = gpu_alloc(&da, 4 * (size_t)big, NULL);
+    void *o_tpe = gpu_alloc(&da, 4 * (size_t)L, NULL);
+    void *o_num = gpu_alloc(&da, 4, NULL);
+    void *c_out = gpu_alloc(&da, 2 * (size_t)(Tm * H), NULL);
     if (!c_out || cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) != cudaSuccess) {
         rc = ref_fail(rank, "cuda setup");
         goto out;
     }
     epx_rm_dispatch_args_t args = EPX_RM_DISPATCH_ARGS_INIT;
-    args.hidden = dev_tensor(d_hidden, EPX_DTYPE_BF16, Tm, H, 2, dev);
-    args.routing_map = dev_tensor(d_map, EPX_DTYPE_BOOL, Tm, E, 2, dev);
-    args.probs = dev_tensor(d_probs, EPX_DTYPE_FP32, Tm, E, 2, dev);
+    args.hidden = gpu_tensor(d_hidden, EPX_DTYPE_BF16, 2, Tm, H, 0, dev);
+    args.routing_map = gpu_tensor(d_map, EPX_DTYPE_BOOL, 2, Tm, E, 0, dev);
+    args.probs = gpu_tensor(d_probs, EPX_DTYPE_FP32, 2, Tm, E, 0, dev);
     args.permute = 1;
     args.pad_multiple = (int32_t)pad;
     args.stream = st;
     epx_rm_dispatch_outputs_t outs = EPX_RM_DISPATCH_OUTPUTS_INIT;
-    outs.tokens = dev_tensor(o_tok, EPX_DTYPE_BF16, big, H, 2, dev);
-    outs.probs = dev_tensor(o_probs, EPX_DTYPE_FP32, big, 0, 1, dev);
-    outs.tokens_per_expert = dev_tensor(o_tpe, EPX_DTYPE_INT32, L, 0, 1, dev);
-    outs.num_tokens = dev_tensor(o_num, EPX_DTYPE_INT32, 1, 0, 1, dev);
+    outs.tokens = gpu_tensor(o_tok, EPX_DTYPE_BF16, 2, big, H, 0, dev);
+    outs.probs = gpu_tensor(o_probs, EPX_DTYPE_FP32, 1, big, 0, 0, dev);
+    outs.tokens_per_expert = gpu_tensor(o_tpe, EPX_DTYPE_INT32, 1, L, 0, 0, dev);
+    outs.num_tokens = gpu_tensor(o_num, EPX_DTYPE_INT32, 1, 1, 0, 0, dev);
     /* Eager first: the host learns a count that the captured call must not reuse. */
     CALL(epx_rm_dispatch(su->buf, &args, &outs));
     eager = outs.handle;
@@ -366,7 +270,7 @@ static int rm_graph(const setup_t *su, uint64_t gseed)
         na.permute = pm;
         epx_rm_dispatch_outputs_t no = outs;
         if (!pm) { /* without permute: [N_r, H] tokens, no probs, no tokens_per_expert */
-            no.tokens = dev_tensor(o_tok, EPX_DTYPE_BF16, R * Tm, H, 2, dev);
+            no.tokens = gpu_tensor(o_tok, EPX_DTYPE_BF16, 2, R * Tm, H, 0, dev);
             memset(&no.probs, 0, sizeof(no.probs));
             memset(&no.tokens_per_expert, 0, sizeof(no.tokens_per_expert));
             memset(&na.probs, 0, sizeof(na.probs));
@@ -400,11 +304,11 @@ static int rm_graph(const setup_t *su, uint64_t gseed)
         handle = outs.handle;
         epx_rm_combine_args_t ca = EPX_RM_COMBINE_ARGS_INIT;
         ca.handle = handle;
-        ca.x = dev_tensor(o_tok, EPX_DTYPE_BF16, B, H, 2, dev);
+        ca.x = gpu_tensor(o_tok, EPX_DTYPE_BF16, 2, B, H, 0, dev);
         ca.weighted = 1;
         ca.stream = st;
         epx_rm_combine_outputs_t co = EPX_RM_COMBINE_OUTPUTS_INIT;
-        co.combined = dev_tensor(c_out, EPX_DTYPE_BF16, Tm, H, 2, dev);
+        co.combined = gpu_tensor(c_out, EPX_DTYPE_BF16, 2, Tm, H, 0, dev);
         res = epx_rm_combine(su->buf, &ca, &co);
     }
     char msg[1024];
@@ -492,7 +396,7 @@ out:
     epx_handle_destroy(handle);
     epx_handle_destroy(eager);
     if (st) cudaStreamDestroy(st);
-    dfree(&da);
+    gpu_arena_free(&da);
     ref_arena_free(&a);
     ref_problem_free(&p0);
     return rc;
@@ -500,18 +404,11 @@ out:
 
 static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx)
 {
-    const ctx_t *ctx = vctx;
-    ref_set_seed(ctx->seed);
-    epx_comm_config_t cfg = EPX_COMM_CONFIG_INIT;
-    cfg.backend = EPX_BACKEND_CUDA;
-    int ngpu = 0;
-    cudaGetDeviceCount(&ngpu);
-    cfg.cuda_device = ngpu > 0 ? rank % ngpu : 0;
+    const gpu_ctx_t *ctx = vctx;
     setup_t su = {0};
     su.R = nranks;
     su.rank = rank;
-    su.device = cfg.cuda_device;
-    EXPECT_OK(epx_comm_init(id, rank, nranks, &cfg, &su.comm));
+    if (gpu_test_comm(ctx, id, rank, nranks, 0, &su.comm, &su.device)) return 1;
     epx_topology_t topo;
     EXPECT_OK(epx_comm_get_topology(su.comm, &topo));
     if (rank == 0)
@@ -530,16 +427,11 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
         su.K = Ks[ci];
         su.H = ctx->quick ? 256 : Hs[ci];
         su.T_max = ctx->quick ? 12 : (ci ? 24 : 48);
-        epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-        bc.max_tokens = su.T_max;
-        bc.hidden = su.H;
-        bc.num_topk = su.K;
-        bc.num_experts = su.E;
-        bc.modes = EPX_MODE_PERMUTE;
+        epx_buffer_config_t bc = epx_test_buffer_config(su.T_max, su.H, su.K, su.E, EPX_MODE_PERMUTE);
         bc.dispatch_dtypes = EPX_DTYPE_BIT(EPX_DTYPE_BF16) | EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3);
-        bc.max_pad_multiple = MAX_PAD;
+        bc.max_pad_multiple = REF_RM_MAX_PAD;
         EXPECT_OK(epx_buffer_create(su.comm, &bc, &su.buf));
-        const int iters = ctx->quick ? 8 : (ci ? 16 : 2 * 4 * BOUND_COUNT);
+        const int iters = ctx->quick ? 8 : (ci ? 16 : 2 * 4 * REF_BOUND_COUNT);
         for (int it = 0; it < iters && !(rc & 2); it++) rc |= rm_iteration(&su, ctx->seed + (uint64_t)ci, it);
         if (rc == 0 && !ctx->quick) rc = rm_graph(&su, ctx->seed + 17 + (uint64_t)ci);
         if (rc == 0) EXPECT_OK(epx_get_async_error(su.comm));
@@ -549,45 +441,9 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
     return rc;
 }
 
-/* Probes for a GPU in a child so the parent never initialises CUDA before forking ranks. */
-static int gpu_count(void)
-{
-    pid_t pid = fork();
-    if (pid < 0) return 0;
-    if (pid == 0) {
-        int n = 0;
-        if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
-        _exit(n > 100 ? 100 : n);
-    }
-    int status = 0;
-    if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return 0;
-    return WEXITSTATUS(status);
-}
-
 int main(void)
 {
-    if (gpu_count() <= 0) {
-        printf("no usable GPU: skipped\n");
-        return EPX_TEST_SKIP;
-    }
-    ctx_t ctx = {epx_test_seed(), getenv("EPX_GPU_TEST_QUICK") && atoi(getenv("EPX_GPU_TEST_QUICK")) != 0};
-    const char *ranks = getenv("EPX_GPU_TEST_RANKS");
-    if (!ranks) ranks = "1,2,4,8";
-    int failed = 0;
-    for (const char *p = ranks; *p;) {
-        int R = atoi(p);
-        if (R >= 1 && R <= REF_MAX_RANKS) {
-            printf("rm: %d ranks\n", R);
-            fflush(stdout);
-            if (epx_test_run_ranks(R, rank_main, &ctx, 500) != 0) {
-                fprintf(stderr, "rm: %d ranks failed\n", R);
-                failed = 1;
-                break;
-            }
-        }
-        while (*p && *p != ',') p++;
-        if (*p == ',') p++;
-    }
-    if (!failed) printf("rm: all passed\n");
-    return failed;
+    gpu_ctx_t ctx;
+    if (gpu_test_init(&ctx)) return EPX_TEST_SKIP;
+    return gpu_test_each_nranks("rm", "1,2,4,8", rank_main, &ctx);
 }

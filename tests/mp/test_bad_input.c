@@ -6,20 +6,20 @@
  */
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "core/internal.h"
 #include "epx_test.h"
 
-#define TMAX 8
-#define HID 128
-#define TOPK 2
-#define NEXP 4
-#define T_USED 6
-#define OUT_BYTES (1u << 20)
-#define SENTINEL 0xa5
+#define TMAX            8
+#define HID             128
+#define TOPK            2
+#define NEXP            4
+#define T_USED          6
+#define OUT_BYTES       (1u << 20)
+#define SENTINEL        0xa5
 #define SENTINEL_HANDLE ((epx_handle_t)(uintptr_t)0x5a5a5a50)
-#define SENTINEL_COUNT (-77)
+#define SENTINEL_COUNT  (-77)
+#define SENTINEL_BUFFER ((epx_buffer_t)(uintptr_t)0x77)
 
 typedef struct fixture {
     int rank, R, L;
@@ -61,14 +61,6 @@ static int out_untouched(const fixture_t *f)
     return 1;
 }
 
-/* A failed call: exact code, a message naming the culprit, and no output written. */
-#define EXPECT_FAIL(f, call, code, needle)                                                                   \
-    do {                                                                                                     \
-        EXPECT_RES(call, code);                                                                              \
-        EXPECT_MSG_HAS(needle);                                                                              \
-        EXPECT_TRUE(out_untouched(f));                                                                       \
-    } while (0)
-
 /* Valid routing: token t selects experts t % E and (t + 1) % E. */
 static void fill_inputs(fixture_t *f)
 {
@@ -84,577 +76,450 @@ static void fill_inputs(fixture_t *f)
     }
 }
 
-/* ---------------------------------------------------------------- argument builders ---- */
+/* ------------------------------------------------------------------------- one call ---- */
 
-static void ht_setup(fixture_t *f, epx_ht_dispatch_args_t *a, epx_ht_dispatch_outputs_t *o)
-{
-    memset(a, 0, sizeof(*a));
-    memset(o, 0, sizeof(*o));
-    a->size = sizeof(*a);
-    a->version = EPX_VERSION_CODE;
-    o->size = sizeof(*o);
-    o->version = EPX_VERSION_CODE;
-    int64_t cap = (int64_t)f->R * TMAX;
-    a->x = epx_tensor_2d(f->x, EPX_DTYPE_BF16, T_USED, HID);
-    a->topk_idx = epx_tensor_2d(f->topk, EPX_DTYPE_INT32, T_USED, TOPK);
-    a->topk_weights = epx_tensor_2d(f->weights, EPX_DTYPE_FP32, T_USED, TOPK);
-    o->recv_x = epx_tensor_2d(out_take(f, (size_t)cap * HID * 2), EPX_DTYPE_BF16, cap, HID);
-    o->recv_topk_idx = epx_tensor_2d(out_take(f, (size_t)cap * TOPK * 4), EPX_DTYPE_INT32, cap, TOPK);
-    o->recv_topk_weights = epx_tensor_2d(out_take(f, (size_t)cap * TOPK * 4), EPX_DTYPE_FP32, cap, TOPK);
-    o->num_recv_tokens_per_expert = epx_tensor_1d(out_take(f, (size_t)f->L * 4), EPX_DTYPE_INT32, f->L);
-    o->num_recv_tokens_host = SENTINEL_COUNT;
-    o->handle = SENTINEL_HANDLE;
-}
+typedef enum op {
+    HT_DISPATCH,
+    HT_COMBINE,
+    LAYOUT,
+    LL_DISPATCH,
+    LL_COMBINE,
+    RM_DISPATCH,
+    RM_COMBINE,
+    HOOK_RUN,
+    HANDLE_INFO,
+    BUFFER_CREATE,
+    BUFFER_DESTROY,
+} op_t;
 
-static void ht_combine_setup(fixture_t *f, epx_handle_t h, epx_ht_combine_args_t *a,
-                             epx_ht_combine_outputs_t *o)
-{
-    memset(a, 0, sizeof(*a));
-    memset(o, 0, sizeof(*o));
-    a->size = sizeof(*a);
-    a->version = EPX_VERSION_CODE;
-    o->size = sizeof(*o);
-    o->version = EPX_VERSION_CODE;
-    a->handle = h;
-    a->x = epx_tensor_2d(f->x, EPX_DTYPE_BF16, (int64_t)f->R * TMAX, HID);
-    o->combined_x = epx_tensor_2d(out_take(f, (size_t)T_USED * HID * 2), EPX_DTYPE_BF16, T_USED, HID);
-}
-
-static void layout_setup(fixture_t *f, epx_tensor_t *topk, epx_layout_outputs_t *o)
-{
-    memset(o, 0, sizeof(*o));
-    o->size = sizeof(*o);
-    o->version = EPX_VERSION_CODE;
-    *topk = epx_tensor_2d(f->topk, EPX_DTYPE_INT32, T_USED, TOPK);
-    o->num_tokens_per_rank = epx_tensor_1d(out_take(f, (size_t)f->R * 4), EPX_DTYPE_INT32, f->R);
-    o->num_tokens_per_expert = epx_tensor_1d(out_take(f, NEXP * 4), EPX_DTYPE_INT32, NEXP);
-    o->is_token_in_rank = epx_tensor_2d(out_take(f, (size_t)T_USED * f->R), EPX_DTYPE_BOOL, T_USED, f->R);
-}
-
-static void ll_setup(fixture_t *f, epx_ll_dispatch_args_t *a, epx_ll_dispatch_outputs_t *o)
-{
-    memset(a, 0, sizeof(*a));
-    memset(o, 0, sizeof(*o));
-    a->size = sizeof(*a);
-    a->version = EPX_VERSION_CODE;
-    o->size = sizeof(*o);
-    o->version = EPX_VERSION_CODE;
-    int64_t rows = (int64_t)f->R * TMAX;
-    a->x = epx_tensor_2d(f->x, EPX_DTYPE_BF16, T_USED, HID);
-    a->topk_idx = epx_tensor_2d(f->topk, EPX_DTYPE_INT32, T_USED, TOPK);
-    o->recv_x = epx_tensor_3d(out_take(f, (size_t)f->L * rows * HID * 2), EPX_DTYPE_BF16, f->L, rows, HID);
-    o->recv_count = epx_tensor_1d(out_take(f, (size_t)f->L * 4), EPX_DTYPE_INT32, f->L);
-    o->handle.seq = 12345;
-    o->handle.slot = 7;
-}
-
-static void rm_setup(fixture_t *f, epx_rm_dispatch_args_t *a, epx_rm_dispatch_outputs_t *o)
-{
-    memset(a, 0, sizeof(*a));
-    memset(o, 0, sizeof(*o));
-    a->size = sizeof(*a);
-    a->version = EPX_VERSION_CODE;
-    a->pad_multiple = 1;
-    a->num_dispatched_tokens = -1;
-    a->num_permuted_tokens = -1;
-    o->size = sizeof(*o);
-    o->version = EPX_VERSION_CODE;
-    int64_t cap = (int64_t)f->R * TMAX * TOPK + (int64_t)f->L * 127; /* enough with or without permute */
-    a->hidden = epx_tensor_2d(f->x, EPX_DTYPE_BF16, T_USED, HID);
-    a->routing_map = epx_tensor_2d(f->rmap, EPX_DTYPE_BOOL, T_USED, NEXP);
-    o->tokens = epx_tensor_2d(out_take(f, (size_t)cap * HID * 2), EPX_DTYPE_BF16, cap, HID);
-    o->tokens_per_expert = epx_tensor_1d(out_take(f, (size_t)f->L * 4), EPX_DTYPE_INT32, f->L);
-    o->num_tokens_host = SENTINEL_COUNT;
-    o->handle = SENTINEL_HANDLE;
-}
-
-static int ht_outputs_untouched(const epx_ht_dispatch_outputs_t *o)
-{
-    return o->handle == SENTINEL_HANDLE && o->num_recv_tokens_host == SENTINEL_COUNT;
-}
-
-/* A successful HT dispatch on `buffer`; its handle in *h_out. */
-static int ht_dispatch_ok(fixture_t *f, epx_buffer_t buffer, epx_handle_t *h_out)
-{
-    epx_ht_dispatch_args_t a;
-    epx_ht_dispatch_outputs_t o;
-    ht_setup(f, &a, &o);
-    EXPECT_OK(epx_ht_dispatch(buffer, &a, &o));
-    EXPECT_TRUE(o.handle != SENTINEL_HANDLE && o.handle != NULL);
-    EXPECT_TRUE(o.num_recv_tokens_host >= 0);
-    *h_out = o.handle;
-    return 0;
-}
-
-/* -------------------------------------------------------------------- 1-rank cases ---- */
-
-static int case_expert_out_of_range(fixture_t *f)
-{
-    epx_ht_dispatch_args_t a;
-    epx_ht_dispatch_outputs_t o;
-    ht_setup(f, &a, &o);
-    f->topk[3 * TOPK + 1] = NEXP;
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG,
-                "topk_idx[3][1] = 4 is out of range");
-    EXPECT_TRUE(ht_outputs_untouched(&o));
-    f->topk[3 * TOPK + 1] = -2;
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG, "topk_idx[3][1] = -2");
+/* Valid arguments of every call at once; a case spoils the ones of its call. The [out] fields
+ * hold sentinels that a failed call must leave alone. */
+typedef struct call {
+    epx_comm_t comm;
+    epx_buffer_t buffer;     /* the buffer the call goes to: f->buf unless a case changes it */
+    epx_handle_t handle;     /* a live HT handle of f->buf for cases that need one, else NULL */
+    int64_t handle_rows;     /* its N_r */
+    int null_args, null_out; /* pass NULL for the args / outputs struct */
+    epx_ht_dispatch_args_t ht;
+    epx_ht_dispatch_outputs_t ht_out;
+    epx_ht_combine_args_t htc;
+    epx_ht_combine_outputs_t htc_out;
     epx_tensor_t topk;
-    epx_layout_outputs_t lo;
-    layout_setup(f, &topk, &lo);
-    EXPECT_FAIL(f, epx_get_dispatch_layout(f->buf, &topk, &lo, NULL), EPX_ERR_INVALID_ARG, "topk_idx[3][1]");
-    epx_ll_dispatch_args_t la;
-    epx_ll_dispatch_outputs_t llo;
-    ll_setup(f, &la, &llo);
-    EXPECT_FAIL(f, epx_ll_dispatch(f->buf, &la, &llo), EPX_ERR_INVALID_ARG, "topk_idx[3][1]");
-    EXPECT_TRUE(llo.handle.seq == 12345 && llo.handle.slot == 7);
+    epx_layout_outputs_t layout_out;
+    epx_ll_dispatch_args_t ll;
+    epx_ll_dispatch_outputs_t ll_out;
+    epx_ll_combine_args_t llc;
+    epx_ll_combine_outputs_t llc_out;
+    epx_rm_dispatch_args_t rm;
+    epx_rm_dispatch_outputs_t rm_out;
+    epx_rm_combine_args_t rmc;
+    epx_rm_combine_outputs_t rmc_out;
+    epx_buffer_config_t config;
+    epx_buffer_t created;
+} call_t;
+
+static void call_setup(fixture_t *f, call_t *c, epx_handle_t handle, int64_t handle_rows)
+{
+    memset(c, 0, sizeof(*c));
+    const int64_t R = f->R, L = f->L, cap = R * TMAX, rows = R * TMAX;
+    const int64_t rm_cap = R * TMAX * TOPK + L * 127; /* enough with or without permute */
+    c->comm = f->comm;
+    c->buffer = f->buf;
+    c->handle = handle;
+    c->handle_rows = handle_rows;
+
+    c->ht = (epx_ht_dispatch_args_t)EPX_HT_DISPATCH_ARGS_INIT;
+    c->ht.x = epx_tensor_2d(f->x, EPX_DTYPE_BF16, T_USED, HID);
+    c->ht.topk_idx = epx_tensor_2d(f->topk, EPX_DTYPE_INT32, T_USED, TOPK);
+    c->ht.topk_weights = epx_tensor_2d(f->weights, EPX_DTYPE_FP32, T_USED, TOPK);
+    c->ht_out = (epx_ht_dispatch_outputs_t)EPX_HT_DISPATCH_OUTPUTS_INIT;
+    c->ht_out.recv_x = epx_tensor_2d(out_take(f, (size_t)cap * HID * 2), EPX_DTYPE_BF16, cap, HID);
+    c->ht_out.recv_topk_idx = epx_tensor_2d(out_take(f, (size_t)cap * TOPK * 4), EPX_DTYPE_INT32, cap, TOPK);
+    c->ht_out.recv_topk_weights =
+        epx_tensor_2d(out_take(f, (size_t)cap * TOPK * 4), EPX_DTYPE_FP32, cap, TOPK);
+    c->ht_out.num_recv_tokens_per_expert = epx_tensor_1d(out_take(f, (size_t)L * 4), EPX_DTYPE_INT32, L);
+    c->ht_out.num_recv_tokens_host = SENTINEL_COUNT;
+    c->ht_out.handle = SENTINEL_HANDLE;
+
+    c->htc = (epx_ht_combine_args_t)EPX_HT_COMBINE_ARGS_INIT;
+    c->htc.handle = handle;
+    c->htc.x = epx_tensor_2d(f->x, EPX_DTYPE_BF16, R * TMAX, HID);
+    c->htc_out = (epx_ht_combine_outputs_t)EPX_HT_COMBINE_OUTPUTS_INIT;
+    c->htc_out.combined_x = epx_tensor_2d(out_take(f, (size_t)T_USED * HID * 2), EPX_DTYPE_BF16, T_USED, HID);
+
+    c->topk = epx_tensor_2d(f->topk, EPX_DTYPE_INT32, T_USED, TOPK);
+    c->layout_out = (epx_layout_outputs_t)EPX_LAYOUT_OUTPUTS_INIT;
+    c->layout_out.num_tokens_per_rank = epx_tensor_1d(out_take(f, (size_t)R * 4), EPX_DTYPE_INT32, R);
+    c->layout_out.num_tokens_per_expert = epx_tensor_1d(out_take(f, NEXP * 4), EPX_DTYPE_INT32, NEXP);
+    c->layout_out.is_token_in_rank =
+        epx_tensor_2d(out_take(f, (size_t)(T_USED * R)), EPX_DTYPE_BOOL, T_USED, R);
+
+    c->ll = (epx_ll_dispatch_args_t)EPX_LL_DISPATCH_ARGS_INIT;
+    c->ll.x = epx_tensor_2d(f->x, EPX_DTYPE_BF16, T_USED, HID);
+    c->ll.topk_idx = epx_tensor_2d(f->topk, EPX_DTYPE_INT32, T_USED, TOPK);
+    c->ll_out = (epx_ll_dispatch_outputs_t)EPX_LL_DISPATCH_OUTPUTS_INIT;
+    c->ll_out.recv_x = epx_tensor_3d(out_take(f, (size_t)(L * rows * HID) * 2), EPX_DTYPE_BF16, L, rows, HID);
+    c->ll_out.recv_count = epx_tensor_1d(out_take(f, (size_t)L * 4), EPX_DTYPE_INT32, L);
+    c->ll_out.handle.seq = 12345;
+    c->ll_out.handle.slot = 7;
+    c->llc = (epx_ll_combine_args_t)EPX_LL_COMBINE_ARGS_INIT;
+    c->llc_out = (epx_ll_combine_outputs_t)EPX_LL_COMBINE_OUTPUTS_INIT;
+
+    c->rm = (epx_rm_dispatch_args_t)EPX_RM_DISPATCH_ARGS_INIT;
+    c->rm.hidden = epx_tensor_2d(f->x, EPX_DTYPE_BF16, T_USED, HID);
+    c->rm.routing_map = epx_tensor_2d(f->rmap, EPX_DTYPE_BOOL, T_USED, NEXP);
+    c->rm_out = (epx_rm_dispatch_outputs_t)EPX_RM_DISPATCH_OUTPUTS_INIT;
+    c->rm_out.tokens = epx_tensor_2d(out_take(f, (size_t)rm_cap * HID * 2), EPX_DTYPE_BF16, rm_cap, HID);
+    c->rm_out.tokens_per_expert = epx_tensor_1d(out_take(f, (size_t)L * 4), EPX_DTYPE_INT32, L);
+    c->rm_out.num_tokens_host = SENTINEL_COUNT;
+    c->rm_out.handle = SENTINEL_HANDLE;
+    c->rmc = (epx_rm_combine_args_t)EPX_RM_COMBINE_ARGS_INIT;
+    c->rmc.handle = handle;
+    c->rmc.x = epx_tensor_2d(f->x, EPX_DTYPE_BF16, TMAX, HID);
+    c->rmc_out = (epx_rm_combine_outputs_t)EPX_RM_COMBINE_OUTPUTS_INIT;
+    c->rmc_out.combined = epx_tensor_2d(out_take(f, (size_t)T_USED * HID * 2), EPX_DTYPE_BF16, T_USED, HID);
+
+    c->config = (epx_buffer_config_t)EPX_BUFFER_CONFIG_INIT;
+    c->config.max_tokens = TMAX;
+    c->config.hidden = HID;
+    c->config.num_topk = TOPK;
+    c->config.num_experts = NEXP;
+    c->created = SENTINEL_BUFFER;
+}
+
+static epx_result_t call_run(op_t op, call_t *c)
+{
+    const int na = c->null_args, no = c->null_out;
+    switch (op) {
+    case HT_DISPATCH: return epx_ht_dispatch(c->buffer, na ? NULL : &c->ht, no ? NULL : &c->ht_out);
+    case HT_COMBINE: return epx_ht_combine(c->buffer, &c->htc, &c->htc_out);
+    case LAYOUT:
+        return epx_get_dispatch_layout(c->buffer, na ? NULL : &c->topk, no ? NULL : &c->layout_out, NULL);
+    case LL_DISPATCH: return epx_ll_dispatch(c->buffer, &c->ll, &c->ll_out);
+    case LL_COMBINE: return epx_ll_combine(c->buffer, &c->llc, &c->llc_out);
+    case RM_DISPATCH: return epx_rm_dispatch(c->buffer, &c->rm, &c->rm_out);
+    case RM_COMBINE: return epx_rm_combine(c->buffer, &c->rmc, &c->rmc_out);
+    case HOOK_RUN: return epx_hook_run(NULL, NULL);
+    case HANDLE_INFO: return epx_handle_get_info(NULL, NULL);
+    case BUFFER_CREATE: return epx_buffer_create(c->comm, &c->config, &c->created);
+    case BUFFER_DESTROY: return epx_buffer_destroy(c->buffer);
+    }
+    return EPX_ERR_INTERNAL;
+}
+
+/* Every [out] field still holds its sentinel. */
+static int out_fields_untouched(const call_t *c)
+{
+    EXPECT_TRUE(c->ht_out.handle == SENTINEL_HANDLE && c->ht_out.num_recv_tokens_host == SENTINEL_COUNT);
+    EXPECT_TRUE(c->ll_out.handle.seq == 12345 && c->ll_out.handle.slot == 7);
+    EXPECT_TRUE(c->rm_out.handle == SENTINEL_HANDLE && c->rm_out.num_tokens_host == SENTINEL_COUNT);
+    EXPECT_TRUE(c->created == SENTINEL_BUFFER);
     return 0;
 }
 
-static int case_duplicate_expert(fixture_t *f)
+/* A successful HT dispatch on f->buf; its handle and N_r. */
+static int ht_dispatch_ok(fixture_t *f, epx_handle_t *h_out, int64_t *rows_out)
 {
-    epx_ht_dispatch_args_t a;
-    epx_ht_dispatch_outputs_t o;
-    ht_setup(f, &a, &o);
-    f->topk[2 * TOPK + 0] = 1;
-    f->topk[2 * TOPK + 1] = 1;
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG,
-                "topk_idx[2] selects expert 1 twice");
-    EXPECT_TRUE(ht_outputs_untouched(&o));
-    /* "No expert" may repeat. */
-    f->topk[2 * TOPK + 0] = -1;
-    f->topk[2 * TOPK + 1] = -1;
-    EXPECT_OK(epx_ht_dispatch(f->buf, &a, &o));
-    EXPECT_OK(epx_handle_destroy(o.handle));
-    return 0;
-}
-
-static int case_tokens_above_max(fixture_t *f)
-{
-    epx_ht_dispatch_args_t a;
-    epx_ht_dispatch_outputs_t o;
-    ht_setup(f, &a, &o);
-    a.x.shape[0] = TMAX + 1;
-    a.topk_idx.shape[0] = TMAX + 1;
-    a.topk_weights.shape[0] = TMAX + 1;
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG,
-                "x has 9 tokens, more than the buffer's max_tokens = 8");
-    EXPECT_TRUE(ht_outputs_untouched(&o));
-    return 0;
-}
-
-static int case_hidden_differs(fixture_t *f)
-{
-    epx_ht_dispatch_args_t a;
-    epx_ht_dispatch_outputs_t o;
-    ht_setup(f, &a, &o);
-    a.x.shape[1] = 2 * HID;
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG,
-                "x.shape[1] = 256, expected H = 128");
-    EXPECT_TRUE(ht_outputs_untouched(&o));
-    return 0;
-}
-
-static int case_topk_differs(fixture_t *f)
-{
-    epx_ht_dispatch_args_t a;
-    epx_ht_dispatch_outputs_t o;
-    ht_setup(f, &a, &o);
-    a.topk_idx.shape[1] = TOPK - 1;
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG,
-                "topk_idx.shape[1] = 1, expected K = 2");
-    EXPECT_TRUE(ht_outputs_untouched(&o));
-    return 0;
-}
-
-static int case_experts_differ(fixture_t *f)
-{
-    epx_rm_dispatch_args_t a;
-    epx_rm_dispatch_outputs_t o;
-    rm_setup(f, &a, &o);
-    a.routing_map.shape[1] = 2 * NEXP;
-    EXPECT_FAIL(f, epx_rm_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG,
-                "routing_map.shape[1] = 8, expected E = 4");
-    EXPECT_TRUE(o.handle == SENTINEL_HANDLE && o.num_tokens_host == SENTINEL_COUNT);
-    epx_tensor_t topk;
-    epx_layout_outputs_t lo;
-    layout_setup(f, &topk, &lo);
-    lo.num_tokens_per_expert.shape[0] = NEXP + 1;
-    EXPECT_FAIL(f, epx_get_dispatch_layout(f->buf, &topk, &lo, NULL), EPX_ERR_INVALID_ARG,
-                "outputs.num_tokens_per_expert.shape[0] = 5, expected E = 4");
-    return 0;
-}
-
-static int case_wrong_dtype(fixture_t *f)
-{
-    epx_ht_dispatch_args_t a;
-    epx_ht_dispatch_outputs_t o;
-    ht_setup(f, &a, &o);
-    a.x.dtype = EPX_DTYPE_INT32;
-    a.x.shape[1] = HID / 2;
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG, "x has dtype int32");
-    ht_setup(f, &a, &o);
-    a.topk_idx.dtype = EPX_DTYPE_FP32;
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG, "topk_idx has dtype fp32");
-    ht_setup(f, &a, &o);
-    o.recv_x.dtype = EPX_DTYPE_FP32;
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG, "outputs.recv_x has dtype fp32");
-    /* fp32 is a dispatch dtype, but not one buf_ht was created for. */
-    ht_setup(f, &a, &o);
-    a.x.dtype = EPX_DTYPE_FP32;
-    o.recv_x.dtype = EPX_DTYPE_FP32;
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf_ht, &a, &o), EPX_ERR_INVALID_ARG, "dispatch_dtypes");
-    /* fp8 needs its scales. */
-    ht_setup(f, &a, &o);
-    a.x.dtype = EPX_DTYPE_FP8_E4M3;
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG, "x_scales.data is NULL");
-    EXPECT_TRUE(ht_outputs_untouched(&o));
-    return 0;
-}
-
-static int case_wrong_shape(fixture_t *f)
-{
-    epx_ht_dispatch_args_t a;
-    epx_ht_dispatch_outputs_t o;
-    ht_setup(f, &a, &o);
-    a.topk_idx = epx_tensor_1d(f->topk, EPX_DTYPE_INT32, T_USED * TOPK);
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG,
-                "topk_idx has 1 dimensions; expected 2");
-    ht_setup(f, &a, &o);
-    a.topk_idx.shape[0] = T_USED - 1; /* x and topk_idx disagree on T */
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG,
-                "topk_idx.shape[0] = 5, expected T = 6");
-    epx_ll_dispatch_args_t la;
-    epx_ll_dispatch_outputs_t lo;
-    ll_setup(f, &la, &lo);
-    lo.recv_x.shape[1] -= 1;
-    EXPECT_FAIL(f, epx_ll_dispatch(f->buf, &la, &lo), EPX_ERR_INVALID_ARG, "outputs.recv_x.shape[1]");
-    EXPECT_TRUE(ht_outputs_untouched(&o));
-    return 0;
-}
-
-static int case_null_pointer(fixture_t *f)
-{
-    epx_ht_dispatch_args_t a;
-    epx_ht_dispatch_outputs_t o;
-    ht_setup(f, &a, &o);
-    a.x.data = NULL;
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG, "x.data is NULL");
-    ht_setup(f, &a, &o);
-    o.recv_x.data = NULL;
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG, "outputs.recv_x.data is NULL");
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, NULL, &o), EPX_ERR_INVALID_ARG, "args is NULL");
-    ht_setup(f, &a, &o);
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, &a, NULL), EPX_ERR_INVALID_ARG, "outputs is NULL");
-    EXPECT_FAIL(f, epx_ht_dispatch(NULL, &a, &o), EPX_ERR_INVALID_ARG, "buffer is NULL");
-    EXPECT_FAIL(f, epx_get_dispatch_layout(f->buf, NULL, NULL, NULL), EPX_ERR_INVALID_ARG,
-                "topk_idx is NULL");
-    EXPECT_FAIL(f, epx_hook_run(NULL, NULL), EPX_ERR_INVALID_ARG, "hook is NULL");
-    EXPECT_FAIL(f, epx_handle_get_info(NULL, NULL), EPX_ERR_INVALID_ARG, "handle is NULL");
-    EXPECT_TRUE(ht_outputs_untouched(&o));
-    return 0;
-}
-
-static int case_misaligned_pointer(fixture_t *f)
-{
-    epx_ht_dispatch_args_t a;
-    epx_ht_dispatch_outputs_t o;
-    ht_setup(f, &a, &o);
-    a.x.data = f->x + 1; /* element-aligned, not 16-byte aligned */
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG, "x.data");
-    EXPECT_MSG_HAS("not aligned to 16 bytes");
-    ht_setup(f, &a, &o);
-    a.topk_idx.data = (char *)f->topk + 1;
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG, "topk_idx.data");
-    EXPECT_MSG_HAS("not aligned to its 4-byte elements");
-    EXPECT_TRUE(ht_outputs_untouched(&o));
-    return 0;
-}
-
-static int case_output_too_small(fixture_t *f)
-{
-    epx_ht_dispatch_args_t a;
-    epx_ht_dispatch_outputs_t o;
-    ht_setup(f, &a, &o);
-    a.num_worst_tokens = (int64_t)f->R * TMAX;
-    o.recv_x.shape[0] = a.num_worst_tokens - 1;
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG, "outputs.recv_x.shape[0] = 7 rows");
-    EXPECT_MSG_HAS("num_worst_tokens = 8");
-    EXPECT_TRUE(ht_outputs_untouched(&o));
-    epx_tensor_t topk;
-    epx_layout_outputs_t lo;
-    layout_setup(f, &topk, &lo);
-    lo.is_token_in_rank.shape[0] = T_USED - 1;
-    EXPECT_FAIL(f, epx_get_dispatch_layout(f->buf, &topk, &lo, NULL), EPX_ERR_INVALID_ARG,
-                "outputs.is_token_in_rank.shape[0] = 5");
-    /* Combine outputs need the handle's T rows; x needs its N_r rows. */
-    epx_handle_t h;
-    EXPECT_TRUE(ht_dispatch_ok(f, f->buf, &h) == 0);
-    out_reset(f);
-    epx_ht_combine_args_t ca;
-    epx_ht_combine_outputs_t co;
-    ht_combine_setup(f, h, &ca, &co);
-    co.combined_x.shape[0] = T_USED - 1;
-    EXPECT_FAIL(f, epx_ht_combine(f->buf, &ca, &co), EPX_ERR_INVALID_ARG, "outputs.combined_x.shape[0] = 5");
-    EXPECT_MSG_HAS("T = 6");
-    ht_combine_setup(f, h, &ca, &co);
+    call_t c;
+    call_setup(f, &c, NULL, 0);
+    EXPECT_OK(epx_ht_dispatch(f->buf, &c.ht, &c.ht_out));
+    EXPECT_TRUE(c.ht_out.handle != SENTINEL_HANDLE && c.ht_out.handle != NULL);
+    EXPECT_TRUE(c.ht_out.num_recv_tokens_host >= 0);
     epx_handle_info_t info;
-    EXPECT_OK(epx_handle_get_info(h, &info));
+    EXPECT_OK(epx_handle_get_info(c.ht_out.handle, &info));
     EXPECT_TRUE(info.num_recv_tokens > 0);
-    ca.x.shape[0] = info.num_recv_tokens - 1;
-    EXPECT_FAIL(f, epx_ht_combine(f->buf, &ca, &co), EPX_ERR_INVALID_ARG, "x.shape[0]");
-    EXPECT_MSG_HAS("N_r");
-    EXPECT_OK(epx_handle_destroy(h));
+    *h_out = c.ht_out.handle;
+    *rows_out = info.num_recv_tokens;
     return 0;
 }
 
-static int case_non_contiguous(fixture_t *f)
+/* ---------------------------------------------------------------------- the spoilers ---- */
+
+typedef enum spoil {
+    VALID, /* the arguments as call_setup made them */
+    TOPK_ABOVE_RANGE,
+    TOPK_BELOW_RANGE,
+    TOPK_TWICE,
+    TOPK_NONE_TWICE,
+    TOKENS_ABOVE_MAX,
+    X_HIDDEN_DOUBLE,
+    TOPK_K_SHORT,
+    ROUTING_MAP_WIDE,
+    LAYOUT_EXPERTS_LONG,
+    X_INT32,
+    TOPK_FP32,
+    RECV_X_FP32,
+    FP32_ON_BF16_BUFFER,
+    FP8_WITHOUT_SCALES,
+    TOPK_FLAT,
+    TOPK_TOKENS_SHORT,
+    LL_RECV_ROWS_SHORT,
+    X_NULL,
+    RECV_X_NULL,
+    ARGS_NULL,
+    OUTPUTS_NULL,
+    EVERYTHING_NULL,
+    BUFFER_NULL,
+    X_MISALIGNED,
+    TOPK_MISALIGNED,
+    RECV_X_BELOW_WORST,
+    LAYOUT_IN_RANK_SHORT,
+    COMBINED_SHORT,
+    COMBINE_X_SHORT,
+    X_STRIDED,
+    RECV_X_COLUMN_MAJOR,
+    X_ROW_MAJOR_STRIDES,
+    X_ON_CUDA,
+    ON_HT_BUFFER,
+    ON_LLRM_BUFFER,
+    CACHED_HANDLE_OF_BUF,
+    LL_UE8M0_ALONE,
+    LL_ROUND_SCALE_H128,
+    LL_ROUND_SCALE_ALONE,
+    LL_HANDLE_BAD_SLOT,
+    PAD_ZERO,
+    PAD_129,
+    DISPATCHED_ABOVE_CAPACITY,
+    PERMUTED_ABOVE_CAPACITY,
+    TOKENS_BELOW_BOUND,
+    CONFIG_SIZE_ZERO,
+    ARGS_SIZE_4,
+    OUTPUTS_WITHOUT_HANDLE,
+} spoil_t;
+
+/* Spoils the arguments of a call (or the fixture's inputs they point to). */
+static void spoil(fixture_t *f, call_t *c, spoil_t what)
 {
-    epx_ht_dispatch_args_t a;
-    epx_ht_dispatch_outputs_t o;
-    ht_setup(f, &a, &o);
-    a.x.strides[0] = 2 * HID; /* every other row of a wider tensor */
-    a.x.strides[1] = 1;
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG,
-                "x is not contiguous: strides[0] = 256");
-    ht_setup(f, &a, &o);
-    o.recv_x.strides[0] = 1; /* column-major */
-    o.recv_x.strides[1] = o.recv_x.shape[0];
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG, "outputs.recv_x is not contiguous");
-    /* Explicit row-major strides are accepted. */
-    ht_setup(f, &a, &o);
-    a.x.strides[0] = HID;
-    a.x.strides[1] = 1;
-    EXPECT_OK(epx_ht_dispatch(f->buf, &a, &o));
-    EXPECT_OK(epx_handle_destroy(o.handle));
-    return 0;
+    const int64_t cap_plain = (int64_t)f->R * TMAX;
+    const int64_t cap_perm = cap_plain * (TOPK < f->L ? TOPK : f->L) + (int64_t)f->L * 127;
+    epx_tensor_t *const x = &c->ht.x, *const topk = &c->ht.topk_idx, *const recv_x = &c->ht_out.recv_x;
+    switch (what) {
+    case VALID: break;
+    case TOPK_ABOVE_RANGE: f->topk[3 * TOPK + 1] = NEXP; break;
+    case TOPK_BELOW_RANGE: f->topk[3 * TOPK + 1] = -2; break;
+    case TOPK_TWICE: f->topk[2 * TOPK + 0] = f->topk[2 * TOPK + 1] = 1; break;
+    case TOPK_NONE_TWICE: f->topk[2 * TOPK + 0] = f->topk[2 * TOPK + 1] = -1; break;
+    case TOKENS_ABOVE_MAX: x->shape[0] = topk->shape[0] = c->ht.topk_weights.shape[0] = TMAX + 1; break;
+    case X_HIDDEN_DOUBLE: x->shape[1] = c->ll.x.shape[1] = 2 * HID; break;
+    case TOPK_K_SHORT: topk->shape[1] = TOPK - 1; break;
+    case ROUTING_MAP_WIDE: c->rm.routing_map.shape[1] = 2 * NEXP; break;
+    case LAYOUT_EXPERTS_LONG: c->layout_out.num_tokens_per_expert.shape[0] = NEXP + 1; break;
+    case X_INT32:
+        x->dtype = EPX_DTYPE_INT32;
+        x->shape[1] = HID / 2;
+        break;
+    case TOPK_FP32: topk->dtype = EPX_DTYPE_FP32; break;
+    case RECV_X_FP32: recv_x->dtype = EPX_DTYPE_FP32; break;
+    case FP32_ON_BF16_BUFFER: /* fp32 is a dispatch dtype, but not one buf_ht was created for */
+        c->buffer = f->buf_ht;
+        x->dtype = recv_x->dtype = EPX_DTYPE_FP32;
+        break;
+    case FP8_WITHOUT_SCALES: x->dtype = EPX_DTYPE_FP8_E4M3; break;
+    case TOPK_FLAT: *topk = epx_tensor_1d(f->topk, EPX_DTYPE_INT32, T_USED * TOPK); break;
+    case TOPK_TOKENS_SHORT: topk->shape[0] = T_USED - 1; break; /* x and topk_idx disagree on T */
+    case LL_RECV_ROWS_SHORT: c->ll_out.recv_x.shape[1] -= 1; break;
+    case X_NULL: x->data = NULL; break;
+    case RECV_X_NULL: recv_x->data = NULL; break;
+    case ARGS_NULL: c->null_args = 1; break;
+    case OUTPUTS_NULL: c->null_out = 1; break;
+    case EVERYTHING_NULL: c->null_args = c->null_out = 1; break;
+    case BUFFER_NULL: c->buffer = NULL; break;
+    case X_MISALIGNED: x->data = f->x + 1; break; /* element-aligned, not 16-byte aligned */
+    case TOPK_MISALIGNED: topk->data = (char *)f->topk + 1; break;
+    case RECV_X_BELOW_WORST:
+        c->ht.num_worst_tokens = cap_plain;
+        recv_x->shape[0] = cap_plain - 1;
+        break;
+    case LAYOUT_IN_RANK_SHORT: c->layout_out.is_token_in_rank.shape[0] = T_USED - 1; break;
+    /* Combine outputs need the handle's T rows; x needs its N_r rows. */
+    case COMBINED_SHORT: c->htc_out.combined_x.shape[0] = T_USED - 1; break;
+    case COMBINE_X_SHORT: c->htc.x.shape[0] = c->handle_rows - 1; break;
+    case X_STRIDED: /* every other row of a wider tensor */
+        x->strides[0] = 2 * HID;
+        x->strides[1] = 1;
+        break;
+    case RECV_X_COLUMN_MAJOR:
+        recv_x->strides[0] = 1;
+        recv_x->strides[1] = recv_x->shape[0];
+        break;
+    case X_ROW_MAJOR_STRIDES:
+        x->strides[0] = HID;
+        x->strides[1] = 1;
+        break;
+    case X_ON_CUDA: x->device_type = EPX_DEVICE_CUDA; break;
+    case ON_HT_BUFFER: c->buffer = f->buf_ht; break;
+    case ON_LLRM_BUFFER: c->buffer = f->buf_llrm; break;
+    case CACHED_HANDLE_OF_BUF:
+        c->buffer = f->buf_ht;
+        c->ht.cached_handle = c->handle;
+        break;
+    case LL_UE8M0_ALONE:
+    case LL_ROUND_SCALE_H128:
+        c->ll.use_fp8 = c->ll.use_ue8m0 = 1;
+        c->ll_out.recv_x.dtype = EPX_DTYPE_FP8_E4M3;
+        c->ll.round_scale = what == LL_ROUND_SCALE_H128; /* then only H % 512 is wrong: H = 128 */
+        break;
+    case LL_ROUND_SCALE_ALONE: c->ll.round_scale = 1; break;
+    case LL_HANDLE_BAD_SLOT:
+        c->llc.handle.seq = 1;
+        c->llc.handle.slot = 2;
+        c->llc.handle.num_tokens = T_USED;
+        break;
+    case PAD_ZERO:
+    case PAD_129:
+        c->rm.permute = 1;
+        c->rm.pad_multiple = what == PAD_ZERO ? 0 : 129;
+        break;
+    case DISPATCHED_ABOVE_CAPACITY: c->rm.num_dispatched_tokens = cap_plain + 1; break;
+    case PERMUTED_ABOVE_CAPACITY:
+        c->rm.permute = 1;
+        c->rm.num_permuted_tokens = c->rm_out.tokens.shape[0] = cap_perm + 1;
+        break;
+    case TOKENS_BELOW_BOUND: /* a valid bound, but outputs smaller than it */
+        c->rm.num_dispatched_tokens = 4;
+        c->rm_out.tokens.shape[0] = 3;
+        break;
+    case CONFIG_SIZE_ZERO: c->config.size = 0; break;
+    case ARGS_SIZE_4: c->ht.size = 4; break;
+    case OUTPUTS_WITHOUT_HANDLE: /* no room for the handle */
+        c->ht_out.size = offsetof(epx_ht_dispatch_outputs_t, handle);
+        break;
+    }
 }
 
-static int case_wrong_device(fixture_t *f)
-{
-    epx_ht_dispatch_args_t a;
-    epx_ht_dispatch_outputs_t o;
-    ht_setup(f, &a, &o);
-    a.x.device_type = EPX_DEVICE_CUDA;
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG, "x has device_type 1");
-    EXPECT_MSG_HAS("host backend");
-    EXPECT_TRUE(ht_outputs_untouched(&o));
-    return 0;
-}
+/* ------------------------------------------------------------------------ the cases ---- */
 
-static int case_mode_missing(fixture_t *f)
-{
-    epx_ll_dispatch_args_t la;
-    epx_ll_dispatch_outputs_t lo;
-    ll_setup(f, &la, &lo);
-    EXPECT_FAIL(f, epx_ll_dispatch(f->buf_ht, &la, &lo), EPX_ERR_INVALID_ARG,
-                "epx_ll_dispatch needs a buffer created with EPX_MODE_LL");
-    EXPECT_TRUE(lo.handle.seq == 12345 && lo.handle.slot == 7);
-    epx_rm_dispatch_args_t ra;
-    epx_rm_dispatch_outputs_t ro;
-    rm_setup(f, &ra, &ro);
-    EXPECT_FAIL(f, epx_rm_dispatch(f->buf_ht, &ra, &ro), EPX_ERR_INVALID_ARG,
-                "epx_rm_dispatch needs a buffer created with EPX_MODE_PERMUTE");
-    EXPECT_TRUE(ro.handle == SENTINEL_HANDLE);
-    epx_ht_dispatch_args_t ha;
-    epx_ht_dispatch_outputs_t ho;
-    ht_setup(f, &ha, &ho);
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf_llrm, &ha, &ho), EPX_ERR_INVALID_ARG,
-                "epx_ht_dispatch needs a buffer created with EPX_MODE_HT");
-    EXPECT_TRUE(ht_outputs_untouched(&ho));
-    epx_tensor_t topk;
-    epx_layout_outputs_t lyo;
-    layout_setup(f, &topk, &lyo);
-    EXPECT_FAIL(f, epx_get_dispatch_layout(f->buf_llrm, &topk, &lyo, NULL), EPX_ERR_INVALID_ARG,
-                "EPX_MODE_HT");
-    return 0;
-}
-
-static int case_handle_of_other_buffer(fixture_t *f)
-{
-    epx_handle_t h;
-    EXPECT_TRUE(ht_dispatch_ok(f, f->buf, &h) == 0);
-    out_reset(f);
-    epx_ht_combine_args_t ca;
-    epx_ht_combine_outputs_t co;
-    ht_combine_setup(f, h, &ca, &co);
-    EXPECT_FAIL(f, epx_ht_combine(f->buf_ht, &ca, &co), EPX_ERR_INVALID_ARG,
-                "args.handle belongs to another buffer");
-    epx_ht_dispatch_args_t a;
-    epx_ht_dispatch_outputs_t o;
-    ht_setup(f, &a, &o);
-    a.cached_handle = h;
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf_ht, &a, &o), EPX_ERR_INVALID_ARG,
-                "args.cached_handle belongs to another buffer");
-    /* A handle of the other kind is refused too. */
-    out_reset(f);
-    epx_rm_combine_args_t ra;
-    epx_rm_combine_outputs_t ro;
-    memset(&ra, 0, sizeof(ra));
-    memset(&ro, 0, sizeof(ro));
-    ra.size = sizeof(ra);
-    ra.version = EPX_VERSION_CODE;
-    ro.size = sizeof(ro);
-    ro.version = EPX_VERSION_CODE;
-    ra.handle = h;
-    ra.x = epx_tensor_2d(f->x, EPX_DTYPE_BF16, TMAX, HID);
-    ro.combined = epx_tensor_2d(out_take(f, (size_t)T_USED * HID * 2), EPX_DTYPE_BF16, T_USED, HID);
-    EXPECT_FAIL(f, epx_rm_combine(f->buf, &ra, &ro), EPX_ERR_INVALID_ARG, "args.handle is a HT handle");
-    /* A buffer with a live handle cannot go away. */
-    EXPECT_RES(epx_buffer_destroy(f->buf), EPX_ERR_INVALID_ARG);
-    EXPECT_MSG_HAS("1 live handles");
-    EXPECT_OK(epx_handle_destroy(h));
-    return 0;
-}
-
-static int case_ll_flags(fixture_t *f)
-{
-    epx_ll_dispatch_args_t a;
-    epx_ll_dispatch_outputs_t o;
-    ll_setup(f, &a, &o);
-    a.use_fp8 = 1;
-    a.use_ue8m0 = 1;
-    o.recv_x.dtype = EPX_DTYPE_FP8_E4M3;
-    EXPECT_FAIL(f, epx_ll_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG, "use_ue8m0 needs args.round_scale");
-    a.round_scale = 1; /* now only H % 512 is wrong: H = 128 */
-    EXPECT_FAIL(f, epx_ll_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG, "hidden % 512 == 0; hidden = 128");
-    ll_setup(f, &a, &o);
-    a.round_scale = 1;
-    EXPECT_FAIL(f, epx_ll_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG, "round_scale needs args.use_fp8");
-    /* An LL combine handle with an impossible slot. */
-    epx_ll_combine_args_t ca;
-    epx_ll_combine_outputs_t co;
-    memset(&ca, 0, sizeof(ca));
-    memset(&co, 0, sizeof(co));
-    ca.size = sizeof(ca);
-    ca.version = EPX_VERSION_CODE;
-    co.size = sizeof(co);
-    co.version = EPX_VERSION_CODE;
-    ca.handle.seq = 1;
-    ca.handle.slot = 2;
-    ca.handle.num_tokens = T_USED;
-    EXPECT_FAIL(f, epx_ll_combine(f->buf, &ca, &co), EPX_ERR_INVALID_ARG, "args.handle.slot = 2");
-    EXPECT_TRUE(o.handle.seq == 12345 && o.handle.slot == 7);
-    return 0;
-}
-
-static int case_bad_pad_multiple(fixture_t *f)
-{
-    epx_rm_dispatch_args_t a;
-    epx_rm_dispatch_outputs_t o;
-    rm_setup(f, &a, &o);
-    a.permute = 1;
-    a.pad_multiple = 0;
-    EXPECT_FAIL(f, epx_rm_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG,
-                "args.pad_multiple = 0 is out of range [1, 128]");
-    a.pad_multiple = 129;
-    EXPECT_FAIL(f, epx_rm_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG, "args.pad_multiple = 129");
-    EXPECT_TRUE(o.handle == SENTINEL_HANDLE && o.num_tokens_host == SENTINEL_COUNT);
-    return 0;
-}
-
-static int case_bound_above_capacity(fixture_t *f)
-{
-    epx_rm_dispatch_args_t a;
-    epx_rm_dispatch_outputs_t o;
-    int64_t cap_plain = (int64_t)f->R * TMAX;
-    int64_t cap_perm = cap_plain * (TOPK < f->L ? TOPK : f->L) + (int64_t)f->L * 127;
-    rm_setup(f, &a, &o);
-    a.num_dispatched_tokens = cap_plain + 1;
-    EXPECT_FAIL(f, epx_rm_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG, "args.num_dispatched_tokens = 9");
-    rm_setup(f, &a, &o);
-    a.permute = 1;
-    a.num_permuted_tokens = cap_perm + 1;
-    o.tokens.shape[0] = cap_perm + 1;
-    EXPECT_FAIL(f, epx_rm_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG, "args.num_permuted_tokens");
-    /* A valid bound, but outputs smaller than it. */
-    rm_setup(f, &a, &o);
-    a.num_dispatched_tokens = 4;
-    o.tokens.shape[0] = 3;
-    EXPECT_FAIL(f, epx_rm_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG,
-                "num_dispatched_tokens = 4 rows are needed");
-    EXPECT_TRUE(o.handle == SENTINEL_HANDLE && o.num_tokens_host == SENTINEL_COUNT);
-    return 0;
-}
-
-static int case_malformed_struct_size(fixture_t *f)
-{
-    epx_buffer_config_t cfg = {.size = 0,
-                               .version = EPX_VERSION_CODE,
-                               .max_tokens = TMAX,
-                               .hidden = HID,
-                               .num_topk = TOPK,
-                               .num_experts = NEXP};
-    epx_buffer_t b = (epx_buffer_t)(uintptr_t)0x77;
-    EXPECT_RES(epx_buffer_create(f->comm, &cfg, &b), EPX_ERR_INVALID_ARG);
-    EXPECT_MSG_HAS("config->size = 0");
-    EXPECT_TRUE(b == (epx_buffer_t)(uintptr_t)0x77);
-    epx_ht_dispatch_args_t a;
-    epx_ht_dispatch_outputs_t o;
-    ht_setup(f, &a, &o);
-    a.size = 4;
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG, "args->size = 4");
-    ht_setup(f, &a, &o);
-    o.size = offsetof(epx_ht_dispatch_outputs_t, handle); /* no room for the handle */
-    EXPECT_FAIL(f, epx_ht_dispatch(f->buf, &a, &o), EPX_ERR_INVALID_ARG, "outputs.handle");
-    EXPECT_TRUE(ht_outputs_untouched(&o));
-    return 0;
-}
-
-/* After every failure above, the buffer still works: a full round trip succeeds. */
-static int case_still_usable(fixture_t *f)
-{
-    epx_handle_t h;
-    EXPECT_TRUE(ht_dispatch_ok(f, f->buf, &h) == 0);
-    epx_ht_combine_args_t ca;
-    epx_ht_combine_outputs_t co;
-    ht_combine_setup(f, h, &ca, &co);
-    EXPECT_OK(epx_ht_combine(f->buf, &ca, &co));
-    EXPECT_OK(epx_handle_destroy(h));
-    return 0;
-}
-
-typedef struct named_case {
+typedef struct bad_case {
     const char *name;
-    int (*fn)(fixture_t *f);
-} named_case_t;
+    op_t op;
+    spoil_t spoil;
+    epx_result_t expected;
+    const char *needle, *needle2; /* the message contains both (NULL: nothing asked) */
+    int with_handle;              /* needs a live HT handle of f->buf */
+} bad_case_t;
 
-static const named_case_t one_rank_cases[] = {
-    {"expert_out_of_range", case_expert_out_of_range},
-    {"duplicate_expert", case_duplicate_expert},
-    {"tokens_above_max", case_tokens_above_max},
-    {"hidden_differs", case_hidden_differs},
-    {"topk_differs", case_topk_differs},
-    {"experts_differ", case_experts_differ},
-    {"wrong_dtype", case_wrong_dtype},
-    {"wrong_shape", case_wrong_shape},
-    {"null_pointer", case_null_pointer},
-    {"misaligned_pointer", case_misaligned_pointer},
-    {"output_too_small", case_output_too_small},
-    {"non_contiguous", case_non_contiguous},
-    {"wrong_device", case_wrong_device},
-    {"mode_missing", case_mode_missing},
-    {"handle_of_other_buffer", case_handle_of_other_buffer},
-    {"ll_flags", case_ll_flags},
-    {"bad_pad_multiple", case_bad_pad_multiple},
-    {"bound_above_capacity", case_bound_above_capacity},
-    {"malformed_struct_size", case_malformed_struct_size},
-    {"still_usable", case_still_usable},
+#define INVALID EPX_ERR_INVALID_ARG
+static const bad_case_t cases[] = {
+    {"expert above range", HT_DISPATCH, TOPK_ABOVE_RANGE, INVALID, "topk_idx[3][1] = 4 is out of range"},
+    {"expert below range", HT_DISPATCH, TOPK_BELOW_RANGE, INVALID, "topk_idx[3][1] = -2"},
+    {"layout expert below range", LAYOUT, TOPK_BELOW_RANGE, INVALID, "topk_idx[3][1]"},
+    {"ll expert below range", LL_DISPATCH, TOPK_BELOW_RANGE, INVALID, "topk_idx[3][1]"},
+    {"duplicate expert", HT_DISPATCH, TOPK_TWICE, INVALID, "topk_idx[2] selects expert 1 twice"},
+    {"'no expert' may repeat", HT_DISPATCH, TOPK_NONE_TWICE, EPX_SUCCESS},
+    {"tokens above max", HT_DISPATCH, TOKENS_ABOVE_MAX, INVALID,
+     "x has 9 tokens, more than the buffer's max_tokens = 8"},
+    {"hidden differs", HT_DISPATCH, X_HIDDEN_DOUBLE, INVALID, "x.shape[1] = 256, expected H = 128"},
+    {"ll hidden differs", LL_DISPATCH, X_HIDDEN_DOUBLE, INVALID, "x.shape[1] = 256"},
+    {"topk differs", HT_DISPATCH, TOPK_K_SHORT, INVALID, "topk_idx.shape[1] = 1, expected K = 2"},
+    {"experts differ", RM_DISPATCH, ROUTING_MAP_WIDE, INVALID, "routing_map.shape[1] = 8, expected E = 4"},
+    {"layout experts differ", LAYOUT, LAYOUT_EXPERTS_LONG, INVALID,
+     "outputs.num_tokens_per_expert.shape[0] = 5, expected E = 4"},
+    {"x dtype", HT_DISPATCH, X_INT32, INVALID, "x has dtype int32"},
+    {"topk dtype", HT_DISPATCH, TOPK_FP32, INVALID, "topk_idx has dtype fp32"},
+    {"recv_x dtype", HT_DISPATCH, RECV_X_FP32, INVALID, "outputs.recv_x has dtype fp32"},
+    {"dtype not in the buffer", HT_DISPATCH, FP32_ON_BF16_BUFFER, INVALID, "dispatch_dtypes"},
+    {"fp8 without scales", HT_DISPATCH, FP8_WITHOUT_SCALES, INVALID, "x_scales.data is NULL"},
+    {"topk 1-d", HT_DISPATCH, TOPK_FLAT, INVALID, "topk_idx has 1 dimensions; expected 2"},
+    {"topk tokens differ", HT_DISPATCH, TOPK_TOKENS_SHORT, INVALID, "topk_idx.shape[0] = 5, expected T = 6"},
+    {"ll recv rows short", LL_DISPATCH, LL_RECV_ROWS_SHORT, INVALID, "outputs.recv_x.shape[1]"},
+    {"x NULL", HT_DISPATCH, X_NULL, INVALID, "x.data is NULL"},
+    {"recv_x NULL", HT_DISPATCH, RECV_X_NULL, INVALID, "outputs.recv_x.data is NULL"},
+    {"args NULL", HT_DISPATCH, ARGS_NULL, INVALID, "args is NULL"},
+    {"outputs NULL", HT_DISPATCH, OUTPUTS_NULL, INVALID, "outputs is NULL"},
+    {"buffer NULL", HT_DISPATCH, BUFFER_NULL, INVALID, "buffer is NULL"},
+    {"layout topk NULL", LAYOUT, EVERYTHING_NULL, INVALID, "topk_idx is NULL"},
+    {"hook NULL", HOOK_RUN, VALID, INVALID, "hook is NULL"},
+    {"handle NULL", HANDLE_INFO, VALID, INVALID, "handle is NULL"},
+    {"x misaligned", HT_DISPATCH, X_MISALIGNED, INVALID, "x.data", "not aligned to 16 bytes"},
+    {"topk misaligned", HT_DISPATCH, TOPK_MISALIGNED, INVALID, "topk_idx.data",
+     "not aligned to its 4-byte elements"},
+    {"recv_x below num_worst_tokens", HT_DISPATCH, RECV_X_BELOW_WORST, INVALID,
+     "outputs.recv_x.shape[0] = 7 rows", "num_worst_tokens = 8"},
+    {"layout in_rank short", LAYOUT, LAYOUT_IN_RANK_SHORT, INVALID, "outputs.is_token_in_rank.shape[0] = 5"},
+    {"combined short", HT_COMBINE, COMBINED_SHORT, INVALID, "outputs.combined_x.shape[0] = 5", "T = 6", 1},
+    {"combine x short", HT_COMBINE, COMBINE_X_SHORT, INVALID, "x.shape[0]", "N_r", 1},
+    {"x strided", HT_DISPATCH, X_STRIDED, INVALID, "x is not contiguous: strides[0] = 256"},
+    {"recv_x column-major", HT_DISPATCH, RECV_X_COLUMN_MAJOR, INVALID, "outputs.recv_x is not contiguous"},
+    {"explicit row-major strides", HT_DISPATCH, X_ROW_MAJOR_STRIDES, EPX_SUCCESS},
+    {"x on cuda", HT_DISPATCH, X_ON_CUDA, INVALID, "x has device_type 1", "host backend"},
+    {"ll without EPX_MODE_LL", LL_DISPATCH, ON_HT_BUFFER, INVALID,
+     "epx_ll_dispatch needs a buffer created with EPX_MODE_LL"},
+    {"rm without EPX_MODE_PERMUTE", RM_DISPATCH, ON_HT_BUFFER, INVALID,
+     "epx_rm_dispatch needs a buffer created with EPX_MODE_PERMUTE"},
+    {"ht without EPX_MODE_HT", HT_DISPATCH, ON_LLRM_BUFFER, INVALID,
+     "epx_ht_dispatch needs a buffer created with EPX_MODE_HT"},
+    {"layout without EPX_MODE_HT", LAYOUT, ON_LLRM_BUFFER, INVALID, "EPX_MODE_HT"},
+    {"combine on another buffer", HT_COMBINE, ON_HT_BUFFER, INVALID, "args.handle belongs to another buffer",
+     NULL, 1},
+    {"cached handle of another buffer", HT_DISPATCH, CACHED_HANDLE_OF_BUF, INVALID,
+     "args.cached_handle belongs to another buffer", NULL, 1},
+    {"rm combine of an HT handle", RM_COMBINE, VALID, INVALID, "args.handle is a HT handle", NULL, 1},
+    {"buffer with a live handle", BUFFER_DESTROY, VALID, INVALID, "1 live handles", NULL, 1},
+    {"ll ue8m0 without round_scale", LL_DISPATCH, LL_UE8M0_ALONE, INVALID,
+     "use_ue8m0 needs args.round_scale"},
+    {"ll round_scale at H 128", LL_DISPATCH, LL_ROUND_SCALE_H128, INVALID, "hidden % 512 == 0; hidden = 128"},
+    {"ll round_scale without fp8", LL_DISPATCH, LL_ROUND_SCALE_ALONE, INVALID,
+     "round_scale needs args.use_fp8"},
+    {"ll handle slot", LL_COMBINE, LL_HANDLE_BAD_SLOT, INVALID, "args.handle.slot = 2"},
+    {"pad_multiple 0", RM_DISPATCH, PAD_ZERO, INVALID, "args.pad_multiple = 0 is out of range [1, 128]"},
+    {"pad_multiple 129", RM_DISPATCH, PAD_129, INVALID, "args.pad_multiple = 129"},
+    {"dispatched bound above capacity", RM_DISPATCH, DISPATCHED_ABOVE_CAPACITY, INVALID,
+     "args.num_dispatched_tokens = 9"},
+    {"permuted bound above capacity", RM_DISPATCH, PERMUTED_ABOVE_CAPACITY, INVALID,
+     "args.num_permuted_tokens"},
+    {"tokens below the bound", RM_DISPATCH, TOKENS_BELOW_BOUND, INVALID,
+     "num_dispatched_tokens = 4 rows are needed"},
+    {"config size 0", BUFFER_CREATE, CONFIG_SIZE_ZERO, INVALID, "config->size = 0"},
+    {"args size 4", HT_DISPATCH, ARGS_SIZE_4, INVALID, "args->size = 4"},
+    {"outputs without room for the handle", HT_DISPATCH, OUTPUTS_WITHOUT_HANDLE, INVALID, "outputs.handle"},
 };
+#define NUM_CASES ((int)(sizeof(cases) / sizeof(cases[0])))
+
+/* Runs one case on fresh inputs and outputs. With `spoiled`, the case's arguments are spoiled and its
+ * result and message expected; without (a peer spoiled them), EPX_ERR_REMOTE. A failed call must
+ * return at once, leave every [out] field and (when it failed its own checks) every output byte. */
+static int run_case(fixture_t *f, const bad_case_t *bc, int spoiled)
+{
+    epx_handle_t handle = NULL;
+    int64_t rows = 0;
+    fill_inputs(f);
+    out_reset(f);
+    if (bc->with_handle) {
+        EXPECT_TRUE(ht_dispatch_ok(f, &handle, &rows) == 0);
+        out_reset(f);
+    }
+    call_t c;
+    call_setup(f, &c, handle, rows);
+    if (spoiled) spoil(f, &c, bc->spoil);
+    const double t0 = epx_test_now_s();
+    EXPECT_RES(call_run(bc->op, &c), spoiled ? bc->expected : EPX_ERR_REMOTE);
+    EXPECT_TRUE(epx_test_now_s() - t0 < 5.0);
+    if (bc->expected == EPX_SUCCESS) {
+        EXPECT_OK(epx_handle_destroy(c.ht_out.handle));
+        return 0;
+    }
+    if (spoiled && bc->needle) EXPECT_MSG_HAS(bc->needle);
+    if (spoiled && bc->needle2) EXPECT_MSG_HAS(bc->needle2);
+    if (spoiled) EXPECT_TRUE(out_untouched(f));
+    EXPECT_TRUE(out_fields_untouched(&c) == 0);
+    if (handle) EXPECT_OK(epx_handle_destroy(handle));
+    return 0;
+}
+
+static const bad_case_t *case_named(const char *name)
+{
+    for (int i = 0; i < NUM_CASES; i++)
+        if (!strcmp(cases[i].name, name)) return &cases[i];
+    abort(); /* the test's own typo */
+}
 
 /* ------------------------------------------------------------------------- fixtures ---- */
 
 static epx_result_t make_buffer(epx_comm_t comm, uint32_t modes, uint32_t dtypes, int64_t max_tokens,
                                 epx_buffer_t *out)
 {
-    epx_buffer_config_t cfg = {.size = sizeof(cfg),
-                               .version = EPX_VERSION_CODE,
-                               .max_tokens = max_tokens,
-                               .hidden = HID,
-                               .num_topk = TOPK,
-                               .num_experts = NEXP,
-                               .modes = modes,
-                               .dispatch_dtypes = dtypes};
+    epx_buffer_config_t cfg = epx_test_buffer_config(max_tokens, HID, TOPK, NEXP, modes);
+    cfg.dispatch_dtypes = dtypes;
     return epx_buffer_create(comm, &cfg, out);
 }
 
@@ -669,7 +534,10 @@ static epx_result_t make_comm(int rank, int nranks, const epx_unique_id_t *id, e
 }
 
 /* aligned_alloc wants a size that is a multiple of the alignment. */
-static void *alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) & ~(size_t)63); }
+static void *alloc64(size_t bytes)
+{
+    return aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+}
 
 static int fixture_open(fixture_t *f, int rank, int nranks, const epx_unique_id_t *id)
 {
@@ -704,16 +572,29 @@ static int fixture_close(fixture_t *f)
     return 0;
 }
 
+/* A full round trip succeeds: the buffer still works after the failures. */
+static int still_usable(fixture_t *f)
+{
+    epx_handle_t h;
+    int64_t rows;
+    fill_inputs(f);
+    out_reset(f);
+    EXPECT_TRUE(ht_dispatch_ok(f, &h, &rows) == 0);
+    call_t c;
+    call_setup(f, &c, h, rows);
+    EXPECT_OK(epx_ht_combine(f->buf, &c.htc, &c.htc_out));
+    EXPECT_OK(epx_handle_destroy(h));
+    return 0;
+}
+
 static int one_rank_body(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
 {
     fixture_t f;
     if (fixture_open(&f, rank, nranks, id)) return 1;
     int failed = 0;
-    for (size_t i = 0; i < sizeof(one_rank_cases) / sizeof(one_rank_cases[0]); i++) {
-        fill_inputs(&f);
-        out_reset(&f);
-        int rc = one_rank_cases[i].fn(&f);
-        printf("case %-24s %s\n", one_rank_cases[i].name, rc ? "FAILED" : "ok");
+    for (int i = 0; i <= NUM_CASES; i++) {
+        const int rc = i < NUM_CASES ? run_case(&f, &cases[i], 1) : still_usable(&f);
+        printf("case %-36s %s\n", i < NUM_CASES ? cases[i].name : "still usable", rc ? "FAILED" : "ok");
         fflush(stdout);
         failed |= rc;
     }
@@ -723,25 +604,18 @@ static int one_rank_body(int rank, int nranks, const epx_unique_id_t *id, void *
 
 /* -------------------------------------------------------------------- 2-rank cases ---- */
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 /* Ranks disagree on max_tokens: both get EPX_ERR_MISMATCH naming it. A rank whose own config
  * is bad makes the other return EPX_ERR_REMOTE at once. */
 static int config_mismatch_body(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
 {
     epx_comm_t comm;
     EXPECT_OK(make_comm(rank, nranks, id, &comm));
-    epx_buffer_t b = (epx_buffer_t)(uintptr_t)0x77;
+    epx_buffer_t b = SENTINEL_BUFFER;
     EXPECT_RES(make_buffer(comm, 0, 0, rank == 0 ? TMAX : 2 * TMAX, &b), EPX_ERR_MISMATCH);
     EXPECT_MSG_HAS("max_tokens differs: rank 0 has 8, rank 1 has 16");
-    EXPECT_TRUE(b == (epx_buffer_t)(uintptr_t)0x77);
+    EXPECT_TRUE(b == SENTINEL_BUFFER);
 
-    double t0 = now_s();
+    double t0 = epx_test_now_s();
     if (rank == 1) {
         EXPECT_RES(make_buffer(comm, 0, 0, 0, &b), EPX_ERR_INVALID_ARG);
         EXPECT_MSG_HAS("config.max_tokens = 0");
@@ -749,8 +623,8 @@ static int config_mismatch_body(int rank, int nranks, const epx_unique_id_t *id,
         EXPECT_RES(make_buffer(comm, 0, 0, TMAX, &b), EPX_ERR_REMOTE);
         EXPECT_MSG_HAS("rank 1");
     }
-    EXPECT_TRUE(now_s() - t0 < 5.0);
-    EXPECT_TRUE(b == (epx_buffer_t)(uintptr_t)0x77);
+    EXPECT_TRUE(epx_test_now_s() - t0 < 5.0);
+    EXPECT_TRUE(b == SENTINEL_BUFFER);
     /* Still in step: a matching create works. */
     EXPECT_OK(make_buffer(comm, 0, 0, TMAX, &b));
     EXPECT_OK(epx_buffer_destroy(b));
@@ -763,56 +637,12 @@ static int config_mismatch_body(int rank, int nranks, const epx_unique_id_t *id,
  * EPX_ERR_REMOTE long before the 20 s timeout, and both must be able to go on. */
 static int remote_failure_body(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
 {
+    static const char *const spoiled[] = {"expert above range", "ll hidden differs", "pad_multiple 0"};
     fixture_t f;
     if (fixture_open(&f, rank, nranks, id)) return 1;
-    fill_inputs(&f);
-    const int bad = rank == 1;
-
-    out_reset(&f);
-    epx_ht_dispatch_args_t a;
-    epx_ht_dispatch_outputs_t o;
-    ht_setup(&f, &a, &o);
-    if (bad) f.topk[1] = NEXP;
-    double t0 = now_s();
-    epx_result_t res = epx_ht_dispatch(f.buf, &a, &o);
-    double took = now_s() - t0;
-    EXPECT_EQ_INT(res, bad ? EPX_ERR_INVALID_ARG : EPX_ERR_REMOTE);
-    EXPECT_TRUE(took < 5.0);
-    if (bad) EXPECT_MSG_HAS("topk_idx[0][1] = 4");
-    EXPECT_TRUE(ht_outputs_untouched(&o));
-    if (bad) EXPECT_TRUE(out_untouched(&f));
-    fill_inputs(&f);
-
-    out_reset(&f);
-    epx_ll_dispatch_args_t la;
-    epx_ll_dispatch_outputs_t lo;
-    ll_setup(&f, &la, &lo);
-    if (bad) la.x.shape[1] = HID * 2;
-    t0 = now_s();
-    res = epx_ll_dispatch(f.buf, &la, &lo);
-    took = now_s() - t0;
-    EXPECT_EQ_INT(res, bad ? EPX_ERR_INVALID_ARG : EPX_ERR_REMOTE);
-    EXPECT_TRUE(took < 5.0);
-    if (bad) EXPECT_MSG_HAS("x.shape[1] = 256");
-    if (bad) EXPECT_TRUE(out_untouched(&f));
-
-    out_reset(&f);
-    epx_rm_dispatch_args_t ra;
-    epx_rm_dispatch_outputs_t ro;
-    rm_setup(&f, &ra, &ro);
-    ra.permute = 1;
-    if (bad) ra.pad_multiple = 0;
-    t0 = now_s();
-    res = epx_rm_dispatch(f.buf, &ra, &ro);
-    took = now_s() - t0;
-    EXPECT_EQ_INT(res, bad ? EPX_ERR_INVALID_ARG : EPX_ERR_REMOTE);
-    EXPECT_TRUE(took < 5.0);
-    EXPECT_TRUE(ro.handle == SENTINEL_HANDLE && ro.num_tokens_host == SENTINEL_COUNT);
-    if (bad) EXPECT_TRUE(out_untouched(&f));
-
-    /* Both ranks go on with a good round trip. */
-    out_reset(&f);
-    if (case_still_usable(&f)) return 1;
+    for (int i = 0; i < 3; i++)
+        if (run_case(&f, case_named(spoiled[i]), rank == 1)) return 1;
+    if (still_usable(&f)) return 1;
     if (fixture_close(&f)) return 1;
     printf("rank %d: remote failure cases ok\n", rank);
     return 0;

@@ -150,6 +150,23 @@ static void fill_y(int me, const recv_set_t *rs, int64_t rows, uint16_t *y)
         for (int64_t h = 0; h < HID; h++) y[i * HID + h] = yval(me, rs->src[i], rs->tok[i], h);
 }
 
+/* Rows 0..n of recv_x and their local expert indices (int64 or int32) against the listed sources. */
+static int check_rows(const world_t *w, int me, const recv_set_t *rs, int64_t n, const uint16_t *recv_x,
+                      const void *recv_idx, int idx64)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const int s = rs->src[i];
+        const int64_t t = rs->tok[i];
+        for (int64_t h = 0; h < HID; h++) EXPECT_EQ_INT(recv_x[i * HID + h], epx_f32_to_bf16(xval(s, t, h)));
+        for (int k = 0; k < TOPK; k++) {
+            const int64_t e = w->topk[s][t][k], j = i * TOPK + k;
+            EXPECT_EQ_INT(idx64 ? ((const int64_t *)recv_idx)[j] : ((const int32_t *)recv_idx)[j],
+                          e >= 0 && e / LOCAL_EXPERTS == me ? e - me * LOCAL_EXPERTS : -1);
+        }
+    }
+    return 0;
+}
+
 static int run_rank(int me, int R, const epx_unique_id_t *id, void *ctx)
 {
     world_t *w = malloc(sizeof(*w));
@@ -164,12 +181,7 @@ static int run_rank(int me, int R, const epx_unique_id_t *id, void *ctx)
     cc.timeout_ms = 20000;
     epx_comm_t comm;
     EXPECT_OK(epx_comm_init(id, me, R, &cc, &comm));
-    epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-    bc.max_tokens = TM;
-    bc.hidden = HID;
-    bc.num_topk = TOPK;
-    bc.num_experts = w->E;
-    bc.modes = EPX_MODE_HT;
+    epx_buffer_config_t bc = epx_test_buffer_config(TM, HID, TOPK, w->E, EPX_MODE_HT);
     epx_buffer_t buf;
     EXPECT_OK(epx_buffer_create(comm, &bc, &buf));
 
@@ -213,19 +225,14 @@ static int run_rank(int me, int R, const epx_unique_id_t *id, void *ctx)
     EXPECT_OK(epx_ht_dispatch(buf, &da, &dout));
     EXPECT_EQ_INT(dout.num_recv_tokens_host, N);
     EXPECT_EQ_INT(num_recv, N);
+    if (check_rows(w, me, rs, N, recv_x, recv_idx, 1)) return 1;
     int32_t expected_count[LOCAL_EXPERTS] = {0};
-    for (int64_t i = 0; i < N; i++) {
-        const int s = rs->src[i];
-        const int64_t t = rs->tok[i];
-        for (int64_t h = 0; h < HID; h++) EXPECT_EQ_INT(recv_x[i * HID + h], epx_f32_to_bf16(xval(s, t, h)));
+    for (int64_t i = 0; i < N; i++)
         for (int k = 0; k < TOPK; k++) {
-            int64_t e = w->topk[s][t][k];
-            int64_t local = e >= 0 && e / LOCAL_EXPERTS == me ? e - me * LOCAL_EXPERTS : -1;
-            EXPECT_EQ_INT(recv_idx[i * TOPK + k], local);
-            EXPECT_TRUE(recv_w[i * TOPK + k] == (local >= 0 ? wval(s, t, k) : 0.0f));
+            const int64_t local = recv_idx[i * TOPK + k];
+            EXPECT_TRUE(recv_w[i * TOPK + k] == (local >= 0 ? wval(rs->src[i], rs->tok[i], k) : 0.0f));
             if (local >= 0) expected_count[local]++;
         }
-    }
     for (int j = 0; j < LOCAL_EXPERTS; j++)
         EXPECT_EQ_INT(per_expert[j], (expected_count[j] + ALIGN - 1) / ALIGN * ALIGN);
     epx_handle_t handle = dout.handle;
@@ -277,16 +284,7 @@ static int run_rank(int me, int R, const epx_unique_id_t *id, void *ctx)
     EXPECT_OK(epx_ht_dispatch(buf, &sa, &so));
     EXPECT_EQ_INT(so.num_recv_tokens_host, N);
     EXPECT_EQ_INT(num_recv, N);
-    for (int64_t i = 0; i < kept; i++) {
-        const int s = rs->src[i];
-        const int64_t t = rs->tok[i];
-        for (int64_t h = 0; h < HID; h++) EXPECT_EQ_INT(recv_x[i * HID + h], epx_f32_to_bf16(xval(s, t, h)));
-        for (int k = 0; k < TOPK; k++) {
-            int64_t e = w->topk[s][t][k];
-            EXPECT_EQ_INT(recv_idx32[i * TOPK + k],
-                          e >= 0 && e / LOCAL_EXPERTS == me ? e - me * LOCAL_EXPERTS : -1);
-        }
-    }
+    if (check_rows(w, me, rs, kept, recv_x, recv_idx32, 0)) return 1;
     EXPECT_RES(epx_buffer_query_overflow(buf), N > W ? EPX_ERR_OVERFLOW : EPX_SUCCESS);
     EXPECT_RES(epx_buffer_query_overflow(buf), EPX_SUCCESS);
     if (me == 0) EXPECT_TRUE(N > W); /* the case this step exists for */

@@ -86,12 +86,7 @@ static epx_result_t make_buffer(int rank, int nranks, const epx_unique_id_t *id,
     cc.timeout_ms = 20000;
     epx_result_t res = epx_comm_init(id, rank, nranks, &cc, comm);
     if (res != EPX_SUCCESS) return res;
-    epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-    bc.max_tokens = T_MAX;
-    bc.hidden = HID;
-    bc.num_topk = TOPK;
-    bc.num_experts = NEXP;
-    bc.modes = EPX_MODE_LL | EPX_MODE_PERMUTE;
+    epx_buffer_config_t bc = epx_test_buffer_config(T_MAX, HID, TOPK, NEXP, EPX_MODE_LL | EPX_MODE_PERMUTE);
     bc.max_pad_multiple = 16;
     return epx_buffer_create(*comm, &bc, buf);
 }
@@ -380,6 +375,19 @@ static int has_rank(const world_t *w, int s, int t, int r)
     return 0;
 }
 
+/* Routing-map combine of `rows` rows of x into out [T, HID]. */
+static epx_result_t rm_combine(epx_buffer_t buf, epx_handle_t handle, uint16_t *x, int64_t rows, int weighted,
+                               uint16_t *out, int64_t T)
+{
+    epx_rm_combine_args_t ca = EPX_RM_COMBINE_ARGS_INIT;
+    ca.handle = handle;
+    ca.x = epx_tensor_2d(x, EPX_DTYPE_BF16, rows, HID);
+    ca.weighted = weighted;
+    epx_rm_combine_outputs_t co = EPX_RM_COMBINE_OUTPUTS_INIT;
+    co.combined = epx_tensor_2d(out, EPX_DTYPE_BF16, T, HID);
+    return epx_rm_combine(buf, &ca, &co);
+}
+
 static int rm_tests(const world_t *w, int me, epx_buffer_t buf)
 {
     int L = w->L, T = w->T[me];
@@ -459,12 +467,7 @@ static int rm_tests(const world_t *w, int me, epx_buffer_t buf)
             }
         for (int64_t i = 0; i < N * HID; i++)
             x[i] = epx_f32_to_bf16(epx_bf16_to_f32(tokens[i]) * (float)(me + 1));
-        epx_rm_combine_args_t ca = EPX_RM_COMBINE_ARGS_INIT;
-        ca.handle = o.handle;
-        ca.x = epx_tensor_2d(x, EPX_DTYPE_BF16, N, HID);
-        epx_rm_combine_outputs_t co = EPX_RM_COMBINE_OUTPUTS_INIT;
-        co.combined = epx_tensor_2d(out, EPX_DTYPE_BF16, T, HID);
-        EXPECT_OK(epx_rm_combine(buf, &ca, &co));
+        EXPECT_OK(rm_combine(buf, o.handle, x, N, 0, out, T));
         for (int t = 0; t < T; t++)
             for (int h = 0; h < HID; h++) {
                 float acc = 0.0f;
@@ -534,13 +537,7 @@ static int rm_tests(const world_t *w, int me, epx_buffer_t buf)
                         epx_f32_to_bf16(epx_bf16_to_f32(tokens[row * HID + h]) * (float)(j + 1));
             }
         free(filled);
-        epx_rm_combine_args_t ca = EPX_RM_COMBINE_ARGS_INIT;
-        ca.handle = o.handle;
-        ca.x = epx_tensor_2d(x, EPX_DTYPE_BF16, kept, HID);
-        ca.weighted = 1;
-        epx_rm_combine_outputs_t co = EPX_RM_COMBINE_OUTPUTS_INIT;
-        co.combined = epx_tensor_2d(out, EPX_DTYPE_BF16, T, HID);
-        EXPECT_OK(epx_rm_combine(buf, &ca, &co));
+        EXPECT_OK(rm_combine(buf, o.handle, x, kept, 1, out, T));
         for (int t = 0; t < T; t++)
             for (int h = 0; h < HID; h++) {
                 float acc = 0.0f;

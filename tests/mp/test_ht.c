@@ -21,35 +21,88 @@ typedef struct ht_case {
 
 static uint64_t g_seed;
 
-#define CALL(expr)                                                                   \
-    do {                                                                             \
-        epx_result_t call_res_ = (expr);                                             \
-        if (call_res_ != EPX_SUCCESS) {                                              \
-            ref_fail(rank, "%s returned %s (%s)", #expr, epx_result_name(call_res_), \
-                     epx_last_error_message());                                      \
-            rc = 2;                                                                  \
-            goto out;                                                                \
-        }                                                                            \
-    } while (0)
-#define CHECK(cond, ...)                                \
-    do {                                                \
-        if (!(cond)) rc |= ref_fail(rank, __VA_ARGS__); \
-    } while (0)
+/* Rank's x of one tag (with fp8 scales) and the rows (and scales) it must receive for rv. */
+typedef struct x_rows {
+    uint8_t *x, *e_x;
+    float *xs, *e_xs;
+} x_rows_t;
 
-static epx_tensor_t idx_tensor(void *data, epx_dtype_t dtype, int64_t rows, int64_t K)
+static void make_x(ref_arena_t *a, const ref_problem_t *p, int rank, const ref_ht_recv_t *rv, uint64_t tag,
+                   x_rows_t *o)
 {
-    return epx_tensor_2d(data, dtype, rows, K);
+    const int64_t Ts = p->T[rank], H = p->H, SG = H / 128, N = rv->n;
+    const size_t esz = epx_dtype_size(p->dtype);
+    o->x = ref_arena_alloc(a, esz * (size_t)(Ts * H));
+    o->xs = ref_arena_alloc(a, sizeof(float) * (size_t)(Ts * SG));
+    for (int64_t t = 0; t < Ts; t++) {
+        ref_x_row(p, rank, t, tag, o->x + (size_t)(t * H) * esz);
+        ref_scales_row(p, rank, t, tag, o->xs + t * SG);
+    }
+    o->e_x = ref_arena_alloc(a, esz * (size_t)(N * H));
+    o->e_xs = ref_arena_alloc(a, sizeof(float) * (size_t)(N * SG));
+    for (int64_t i = 0; i < N; i++) {
+        ref_x_row(p, rv->src[i], rv->tok[i], tag, o->e_x + (size_t)(i * H) * esz);
+        ref_scales_row(p, rv->src[i], rv->tok[i], tag, o->e_xs + i * SG);
+    }
 }
 
-/* Expected recv_x rows (and scales) for the mapping (src, tok) of n rows. */
-static void expected_rows(const ref_problem_t *p, const int32_t *src, const int64_t *tok, int64_t n,
-                          uint64_t tag, uint8_t *x_out, float *scales_out)
+/* A dispatch of in->x (and its scales for fp8); topk_t.data NULL for a cached dispatch. */
+static epx_ht_dispatch_args_t dispatch_args(const ref_problem_t *p, int rank, const x_rows_t *in,
+                                            epx_tensor_t topk_t, bool with_weights, int alignment)
 {
-    size_t row_bytes = (size_t)p->H * epx_dtype_size(p->dtype);
-    for (int64_t i = 0; i < n; i++) {
-        ref_x_row(p, src[i], tok[i], tag, x_out + (size_t)i * row_bytes);
-        if (scales_out) ref_scales_row(p, src[i], tok[i], tag, scales_out + i * (p->H / 128));
+    const int64_t Ts = p->T[rank], H = p->H, K = p->K;
+    epx_ht_dispatch_args_t args = EPX_HT_DISPATCH_ARGS_INIT;
+    args.x = epx_tensor_2d(in->x, p->dtype, Ts, H);
+    if (p->dtype == EPX_DTYPE_FP8_E4M3) args.x_scales = epx_tensor_2d(in->xs, EPX_DTYPE_FP32, Ts, H / 128);
+    args.topk_idx = topk_t;
+    if (with_weights) args.topk_weights = epx_tensor_2d(p->weights[rank], EPX_DTYPE_FP32, Ts, K);
+    args.expert_alignment = alignment;
+    return args;
+}
+
+/* Caller outputs of `rows` rows, garbage-filled so unwritten rows show; indices and weights only
+ * `with_idx`. */
+typedef struct recv_bufs {
+    uint8_t *rx;
+    float *rxs, *rw;
+    void *ridx;
+    int32_t *rpe, *nrecv;
+} recv_bufs_t;
+
+static epx_ht_dispatch_outputs_t caller_outputs(ref_arena_t *a, const ref_problem_t *p, int64_t rows,
+                                                epx_dtype_t idx_dtype, bool with_idx, recv_bufs_t *b)
+{
+    const int64_t H = p->H, SG = H / 128, K = p->K, L = p->L;
+    b->rx = ref_arena_garbage(a, epx_dtype_size(p->dtype) * (size_t)(rows * H));
+    b->rxs = ref_arena_garbage(a, sizeof(float) * (size_t)(rows * SG));
+    b->ridx = ref_arena_garbage(a, 8 * (size_t)(rows * K));
+    b->rw = ref_arena_garbage(a, sizeof(float) * (size_t)(rows * K));
+    b->rpe = ref_arena_garbage(a, 4 * (size_t)L);
+    b->nrecv = ref_arena_garbage(a, 4);
+    epx_ht_dispatch_outputs_t outs = EPX_HT_DISPATCH_OUTPUTS_INIT;
+    outs.recv_x = epx_tensor_2d(b->rx, p->dtype, rows, H);
+    if (p->dtype == EPX_DTYPE_FP8_E4M3) outs.recv_x_scales = epx_tensor_2d(b->rxs, EPX_DTYPE_FP32, rows, SG);
+    if (with_idx) {
+        outs.recv_topk_idx = epx_tensor_2d(b->ridx, idx_dtype, rows, K);
+        outs.recv_topk_weights = epx_tensor_2d(b->rw, EPX_DTYPE_FP32, rows, K);
     }
+    outs.num_recv_tokens_per_expert = epx_tensor_1d(b->rpe, EPX_DTYPE_INT32, L);
+    outs.num_recv_tokens = epx_tensor_1d(b->nrecv, EPX_DTYPE_INT32, 1);
+    return outs;
+}
+
+/* The most rows any rank receives (-1 when the reference fails). */
+static int64_t max_recv(const ref_problem_t *p)
+{
+    int64_t most = 0;
+    for (int r = 0; r < p->R; r++) {
+        ref_ht_recv_t other;
+        const int bad = ref_ht_dispatch(p, r, 1, &other);
+        if (!bad && other.n > most) most = other.n;
+        ref_ht_recv_free(&other);
+        if (bad) return -1;
+    }
+    return most;
 }
 
 static void fill_idx(const int64_t *src, int64_t n, epx_dtype_t dtype, void *dst)
@@ -166,7 +219,7 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
     /* ---- layout ---- */
     void *topk = ref_arena_alloc(&a, 8 * (size_t)(Ts * K));
     ref_fill_topk(&p, rank, idx_dtype, topk);
-    epx_tensor_t topk_t = idx_tensor(topk, idx_dtype, Ts, K);
+    epx_tensor_t topk_t = epx_tensor_2d(topk, idx_dtype, Ts, K);
     {
         int ndom = R / D;
         int32_t *per_rank = ref_arena_garbage(&a, 4 * (size_t)R),
@@ -191,61 +244,31 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
     }
 
     /* ---- dispatch, default mode ---- */
-    uint8_t *x = ref_arena_alloc(&a, esz * (size_t)(Ts * H));
-    float *xs = ref_arena_alloc(&a, sizeof(float) * (size_t)(Ts * SG));
-    for (int64_t t = 0; t < Ts; t++) {
-        ref_x_row(&p, rank, t, REF_TAG_X, x + (size_t)(t * H) * esz);
-        ref_scales_row(&p, rank, t, REF_TAG_X, xs + t * SG);
-    }
-    uint8_t *e_x = ref_arena_alloc(&a, esz * (size_t)(N * H));
-    float *e_xs = ref_arena_alloc(&a, sizeof(float) * (size_t)(N * SG));
-    expected_rows(&p, rv.src, rv.tok, N, REF_TAG_X, e_x, e_xs);
+    x_rows_t in;
+    make_x(&a, &p, rank, &rv, REF_TAG_X, &in);
     void *e_idx = ref_arena_alloc(&a, 8 * (size_t)(N * K));
     fill_idx(rv.idx, N * K, out_idx_dtype, e_idx);
     size_t isz = epx_dtype_size(out_idx_dtype);
     {
-        uint8_t *rx = ref_arena_garbage(&a, esz * (size_t)(N * H));
-        float *rxs = ref_arena_garbage(&a, sizeof(float) * (size_t)(N * SG));
-        void *ridx = ref_arena_garbage(&a, 8 * (size_t)(N * K));
-        float *rw = ref_arena_garbage(&a, sizeof(float) * (size_t)(N * K));
-        int32_t *rpe = ref_arena_garbage(&a, 4 * (size_t)L);
-        int32_t *nrecv = ref_arena_garbage(&a, 4);
-        epx_ht_dispatch_args_t args = EPX_HT_DISPATCH_ARGS_INIT;
-        args.x = epx_tensor_2d(x, dtype, Ts, H);
-        if (fp8) args.x_scales = epx_tensor_2d(xs, EPX_DTYPE_FP32, Ts, SG);
-        args.topk_idx = topk_t;
-        if (with_weights) args.topk_weights = epx_tensor_2d(p.weights[rank], EPX_DTYPE_FP32, Ts, K);
-        args.expert_alignment = alignment;
-        epx_ht_dispatch_outputs_t outs = EPX_HT_DISPATCH_OUTPUTS_INIT;
-        outs.recv_x = epx_tensor_2d(rx, dtype, N, H);
-        if (fp8) outs.recv_x_scales = epx_tensor_2d(rxs, EPX_DTYPE_FP32, N, SG);
-        if (with_weights) {
-            outs.recv_topk_idx = idx_tensor(ridx, out_idx_dtype, N, K);
-            outs.recv_topk_weights = epx_tensor_2d(rw, EPX_DTYPE_FP32, N, K);
-        }
-        outs.num_recv_tokens_per_expert = epx_tensor_1d(rpe, EPX_DTYPE_INT32, L);
-        outs.num_recv_tokens = epx_tensor_1d(nrecv, EPX_DTYPE_INT32, 1);
+        recv_bufs_t b;
+        epx_ht_dispatch_args_t args = dispatch_args(&p, rank, &in, topk_t, with_weights, alignment);
+        epx_ht_dispatch_outputs_t outs = caller_outputs(&a, &p, N, out_idx_dtype, with_weights, &b);
         CALL(epx_ht_dispatch(buf, &args, &outs));
         handle = outs.handle;
         CHECK(handle != NULL, "dispatch returned no handle");
         CHECK(outs.num_recv_tokens_host == N, "num_recv_tokens_host = %lld, expected %lld",
               (long long)outs.num_recv_tokens_host, (long long)N);
-        CHECK(nrecv[0] == N, "num_recv_tokens[0] = %d, expected %lld", nrecv[0], (long long)N);
-        rc |= ref_check_bits(rank, "recv_x", rx, e_x, N * H, esz, H);
-        if (fp8) rc |= ref_check_bits(rank, "recv_x_scales", rxs, e_xs, N * SG, 4, SG);
+        CHECK(b.nrecv[0] == N, "num_recv_tokens[0] = %d, expected %lld", b.nrecv[0], (long long)N);
+        rc |= ref_check_bits(rank, "recv_x", b.rx, in.e_x, N * H, esz, H);
+        if (fp8) rc |= ref_check_bits(rank, "recv_x_scales", b.rxs, in.e_xs, N * SG, 4, SG);
         if (with_weights) {
-            rc |= ref_check_bits(rank, "recv_topk_idx", ridx, e_idx, N * K, isz, K);
-            rc |= ref_check_bits(rank, "recv_topk_weights", rw, rv.w, N * K, 4, K);
+            rc |= ref_check_bits(rank, "recv_topk_idx", b.ridx, e_idx, N * K, isz, K);
+            rc |= ref_check_bits(rank, "recv_topk_weights", b.rw, rv.w, N * K, 4, K);
         }
-        rc |= ref_check_bits(rank, "num_recv_tokens_per_expert", rpe, rv.per_expert, L, 4, L);
+        rc |= ref_check_bits(rank, "num_recv_tokens_per_expert", b.rpe, rv.per_expert, L, 4, L);
         if (!handle) goto out;
-        epx_handle_info_t info;
-        CALL(epx_handle_get_info(handle, &info));
-        CHECK(info.num_tokens == Ts && info.num_recv_tokens == N && info.num_ranks == R &&
-                  info.num_local_experts == L,
-              "handle info {%lld, %lld, %d, %d}, expected {%lld, %lld, %d, %lld}", (long long)info.num_tokens,
-              (long long)info.num_recv_tokens, info.num_ranks, info.num_local_experts, (long long)Ts,
-              (long long)N, R, (long long)L);
+        rc |= ref_check_handle(rank, handle, Ts, N, R, L);
+        if (rc & 2) goto out;
     }
 
     /* ---- combine (weights and biases as this iteration says) ---- */
@@ -254,72 +277,41 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
 
     /* ---- cached dispatch with new x: only recv_x (and scales) are written ---- */
     {
-        uint8_t *x2 = ref_arena_alloc(&a, esz * (size_t)(Ts * H));
-        float *xs2 = ref_arena_alloc(&a, sizeof(float) * (size_t)(Ts * SG));
-        for (int64_t t = 0; t < Ts; t++) {
-            ref_x_row(&p, rank, t, REF_TAG_X2, x2 + (size_t)(t * H) * esz);
-            ref_scales_row(&p, rank, t, REF_TAG_X2, xs2 + t * SG);
-        }
-        uint8_t *e_x2 = ref_arena_alloc(&a, esz * (size_t)(N * H));
-        float *e_xs2 = ref_arena_alloc(&a, sizeof(float) * (size_t)(N * SG));
-        expected_rows(&p, rv.src, rv.tok, N, REF_TAG_X2, e_x2, e_xs2);
+        x_rows_t in2;
+        make_x(&a, &p, rank, &rv, REF_TAG_X2, &in2);
         uint8_t *rx = ref_arena_garbage(&a, esz * (size_t)(N * H));
         float *rxs = ref_arena_garbage(&a, sizeof(float) * (size_t)(N * SG));
-        epx_ht_dispatch_args_t args = EPX_HT_DISPATCH_ARGS_INIT;
-        args.x = epx_tensor_2d(x2, dtype, Ts, H);
-        if (fp8) args.x_scales = epx_tensor_2d(xs2, EPX_DTYPE_FP32, Ts, SG);
+        const epx_tensor_t none = {0};
+        epx_ht_dispatch_args_t args = dispatch_args(&p, rank, &in2, none, false, 1);
         args.cached_handle = handle;
-        args.expert_alignment = 1;
         epx_ht_dispatch_outputs_t outs = EPX_HT_DISPATCH_OUTPUTS_INIT;
         outs.recv_x = epx_tensor_2d(rx, dtype, N, H);
         if (fp8) outs.recv_x_scales = epx_tensor_2d(rxs, EPX_DTYPE_FP32, N, SG);
         CALL(epx_ht_dispatch(buf, &args, &outs));
         CHECK(outs.handle == NULL, "cached dispatch wrote a new handle");
-        rc |= ref_check_bits(rank, "cached recv_x", rx, e_x2, N * H, esz, H);
-        if (fp8) rc |= ref_check_bits(rank, "cached recv_x_scales", rxs, e_xs2, N * SG, 4, SG);
+        rc |= ref_check_bits(rank, "cached recv_x", rx, in2.e_x, N * H, esz, H);
+        if (fp8) rc |= ref_check_bits(rank, "cached recv_x_scales", rxs, in2.e_xs, N * SG, 4, SG);
     }
     epx_handle_destroy(handle);
     handle = NULL;
 
+    const int64_t maxN = max_recv(&p);
+    if (maxN < 0) {
+        rc = ref_fail(rank, "reference setup failed");
+        goto out;
+    }
     /* ---- static-shape mode: one W for all ranks; odd iterations make the busiest ranks overflow ---- */
     {
-        int64_t maxN = 0;
-        for (int r = 0; r < R; r++) {
-            ref_ht_recv_t other;
-            if (ref_ht_dispatch(&p, r, 1, &other)) {
-                ref_ht_recv_free(&other);
-                rc = ref_fail(rank, "reference setup failed");
-                goto out;
-            }
-            if (other.n > maxN) maxN = other.n;
-            ref_ht_recv_free(&other);
-        }
         bool want_overflow = it % 2 == 1;
         int64_t W = want_overflow ? maxN - 2 - maxN / 4 : maxN + 3;
         if (W < 1) W = 1;
         if (W > R * hc->T_max) W = R * hc->T_max;
         bool over = N > W;
         int64_t valid = over ? W : N;
-        uint8_t *rx = ref_arena_garbage(&a, esz * (size_t)(W * H));
-        float *rxs = ref_arena_garbage(&a, sizeof(float) * (size_t)(W * SG));
-        void *ridx = ref_arena_garbage(&a, 8 * (size_t)(W * K));
-        float *rw = ref_arena_garbage(&a, sizeof(float) * (size_t)(W * K));
-        int32_t *rpe = ref_arena_garbage(&a, 4 * (size_t)L);
-        int32_t *nrecv = ref_arena_garbage(&a, 4);
-        epx_ht_dispatch_args_t args = EPX_HT_DISPATCH_ARGS_INIT;
-        args.x = epx_tensor_2d(x, dtype, Ts, H);
-        if (fp8) args.x_scales = epx_tensor_2d(xs, EPX_DTYPE_FP32, Ts, SG);
-        args.topk_idx = topk_t;
-        args.topk_weights = epx_tensor_2d(p.weights[rank], EPX_DTYPE_FP32, Ts, K);
-        args.expert_alignment = alignment;
+        recv_bufs_t b;
+        epx_ht_dispatch_args_t args = dispatch_args(&p, rank, &in, topk_t, true, alignment);
         args.num_worst_tokens = W;
-        epx_ht_dispatch_outputs_t outs = EPX_HT_DISPATCH_OUTPUTS_INIT;
-        outs.recv_x = epx_tensor_2d(rx, dtype, W, H);
-        if (fp8) outs.recv_x_scales = epx_tensor_2d(rxs, EPX_DTYPE_FP32, W, SG);
-        outs.recv_topk_idx = idx_tensor(ridx, out_idx_dtype, W, K);
-        outs.recv_topk_weights = epx_tensor_2d(rw, EPX_DTYPE_FP32, W, K);
-        outs.num_recv_tokens_per_expert = epx_tensor_1d(rpe, EPX_DTYPE_INT32, L);
-        outs.num_recv_tokens = epx_tensor_1d(nrecv, EPX_DTYPE_INT32, 1);
+        epx_ht_dispatch_outputs_t outs = caller_outputs(&a, &p, W, out_idx_dtype, true, &b);
         CALL(epx_ht_dispatch(buf, &args, &outs));
         shandle = outs.handle;
         ref_set_case(
@@ -328,20 +320,15 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
             ref_routing_name(routing), epx_dtype_name(out_idx_dtype));
         CHECK(outs.num_recv_tokens_host == N, "static num_recv_tokens_host = %lld, expected %lld",
               (long long)outs.num_recv_tokens_host, (long long)N);
-        CHECK(nrecv[0] == N, "static num_recv_tokens[0] = %d, expected %lld", nrecv[0], (long long)N);
-        rc |= ref_check_bits(rank, "static recv_x", rx, e_x, valid * H, esz, H);
-        if (fp8) rc |= ref_check_bits(rank, "static recv_x_scales", rxs, e_xs, valid * SG, 4, SG);
-        rc |= ref_check_bits(rank, "static recv_topk_idx", ridx, e_idx, valid * K, isz, K);
-        rc |= ref_check_bits(rank, "static recv_topk_weights", rw, rv.w, valid * K, 4, K);
+        CHECK(b.nrecv[0] == N, "static num_recv_tokens[0] = %d, expected %lld", b.nrecv[0], (long long)N);
+        rc |= ref_check_bits(rank, "static recv_x", b.rx, in.e_x, valid * H, esz, H);
+        if (fp8) rc |= ref_check_bits(rank, "static recv_x_scales", b.rxs, in.e_xs, valid * SG, 4, SG);
+        rc |= ref_check_bits(rank, "static recv_topk_idx", b.ridx, e_idx, valid * K, isz, K);
+        rc |= ref_check_bits(rank, "static recv_topk_weights", b.rw, rv.w, valid * K, 4, K);
         /* Per-expert counts after an overflow are not pinned; without one they are the real counts. */
         if (!over)
-            rc |= ref_check_bits(rank, "static num_recv_tokens_per_expert", rpe, rv.per_expert, L, 4, L);
-        epx_result_t q = epx_buffer_query_overflow(buf);
-        CHECK(q == (over ? EPX_ERR_OVERFLOW : EPX_SUCCESS), "epx_buffer_query_overflow = %s, expected %s",
-              epx_result_name(q), over ? "ERR_OVERFLOW" : "SUCCESS");
-        q = epx_buffer_query_overflow(buf);
-        CHECK(q == EPX_SUCCESS, "second epx_buffer_query_overflow = %s, expected SUCCESS (flag not cleared)",
-              epx_result_name(q));
+            rc |= ref_check_bits(rank, "static num_recv_tokens_per_expert", b.rpe, rv.per_expert, L, 4, L);
+        rc |= ref_check_overflow(rank, buf, over ? EPX_ERR_OVERFLOW : EPX_SUCCESS);
         /* Combine after a static dispatch that kept every row (every rank must take part). */
         if (!want_overflow && shandle)
             rc |= run_combine(buf, &p, rank, &rv, shandle, W, true, true, false, seed ^ 0x737461ull, false);
@@ -352,17 +339,6 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
     /* ---- view mode: outputs are views of the library's buffer; combine reads rows written there.
      * Odd iterations run it in static mode (no overflow), every third one adds a cached dispatch. ---- */
     {
-        int64_t maxN = 0;
-        for (int r = 0; r < R; r++) {
-            ref_ht_recv_t other;
-            if (ref_ht_dispatch(&p, r, 1, &other)) {
-                ref_ht_recv_free(&other);
-                rc = ref_fail(rank, "reference setup failed");
-                goto out;
-            }
-            if (other.n > maxN) maxN = other.n;
-            ref_ht_recv_free(&other);
-        }
         const bool is_static = it % 2 == 1;
         int64_t W = maxN + 1 < R * hc->T_max ? maxN + 1 : R * hc->T_max;
         if (W < 1) W = 1;
@@ -370,12 +346,7 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
         void *e_idx32 = ref_arena_alloc(&a, 4 * (size_t)(N * K));
         fill_idx(rv.idx, N * K, EPX_DTYPE_INT32, e_idx32);
         int32_t *rpe = ref_arena_garbage(&a, 4 * (size_t)L);
-        epx_ht_dispatch_args_t args = EPX_HT_DISPATCH_ARGS_INIT;
-        args.x = epx_tensor_2d(x, dtype, Ts, H);
-        if (fp8) args.x_scales = epx_tensor_2d(xs, EPX_DTYPE_FP32, Ts, SG);
-        args.topk_idx = topk_t;
-        if (with_weights) args.topk_weights = epx_tensor_2d(p.weights[rank], EPX_DTYPE_FP32, Ts, K);
-        args.expert_alignment = alignment;
+        epx_ht_dispatch_args_t args = dispatch_args(&p, rank, &in, topk_t, with_weights, alignment);
         args.num_worst_tokens = is_static ? W : 0;
         args.recv_in_buffer = 1;
         epx_ht_dispatch_outputs_t outs = EPX_HT_DISPATCH_OUTPUTS_INIT;
@@ -401,9 +372,9 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
         CHECK((outs.recv_topk_weights.data != NULL) == with_weights, "view recv_topk_weights %s",
               with_weights ? "missing" : "given without topk_weights");
         if (rc) goto out;
-        rc |= ref_check_bits(rank, "view recv_x", outs.recv_x.data, e_x, N * H, esz, H);
+        rc |= ref_check_bits(rank, "view recv_x", outs.recv_x.data, in.e_x, N * H, esz, H);
         if (fp8)
-            rc |= ref_check_bits(rank, "view recv_x_scales", outs.recv_x_scales.data, e_xs, N * SG, 4, SG);
+            rc |= ref_check_bits(rank, "view recv_x_scales", outs.recv_x_scales.data, in.e_xs, N * SG, 4, SG);
         rc |= ref_check_bits(rank, "view recv_topk_idx", outs.recv_topk_idx.data, e_idx32, N * K, 4, K);
         if (with_weights)
             rc |= ref_check_bits(rank, "view recv_topk_weights", outs.recv_topk_weights.data, rv.w, N * K, 4,
@@ -418,18 +389,10 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
         if (rc & 2) goto out;
 
         if (it % 3 == 0) {
-            uint8_t *x2 = ref_arena_alloc(&a, esz * (size_t)(Ts * H));
-            float *xs2 = ref_arena_alloc(&a, sizeof(float) * (size_t)(Ts * SG));
-            for (int64_t t = 0; t < Ts; t++) {
-                ref_x_row(&p, rank, t, REF_TAG_X2, x2 + (size_t)(t * H) * esz);
-                ref_scales_row(&p, rank, t, REF_TAG_X2, xs2 + t * SG);
-            }
-            uint8_t *e_x2 = ref_arena_alloc(&a, esz * (size_t)(N * H));
-            float *e_xs2 = ref_arena_alloc(&a, sizeof(float) * (size_t)(N * SG));
-            expected_rows(&p, rv.src, rv.tok, N, REF_TAG_X2, e_x2, e_xs2);
-            epx_ht_dispatch_args_t cargs = EPX_HT_DISPATCH_ARGS_INIT;
-            cargs.x = epx_tensor_2d(x2, dtype, Ts, H);
-            if (fp8) cargs.x_scales = epx_tensor_2d(xs2, EPX_DTYPE_FP32, Ts, SG);
+            x_rows_t in2;
+            make_x(&a, &p, rank, &rv, REF_TAG_X2, &in2);
+            const epx_tensor_t none = {0};
+            epx_ht_dispatch_args_t cargs = dispatch_args(&p, rank, &in2, none, false, 0);
             cargs.cached_handle = handle;
             cargs.num_worst_tokens = is_static ? W : 0;
             cargs.recv_in_buffer = 1;
@@ -439,9 +402,9 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
                   "cached view outputs: recv_x %p rows %lld, recv_topk_idx %p", couts.recv_x.data,
                   (long long)couts.recv_x.shape[0], couts.recv_topk_idx.data);
             if (rc) goto out;
-            rc |= ref_check_bits(rank, "cached view recv_x", couts.recv_x.data, e_x2, N * H, esz, H);
+            rc |= ref_check_bits(rank, "cached view recv_x", couts.recv_x.data, in2.e_x, N * H, esz, H);
             if (fp8)
-                rc |= ref_check_bits(rank, "cached view recv_x_scales", couts.recv_x_scales.data, e_xs2,
+                rc |= ref_check_bits(rank, "cached view recv_x_scales", couts.recv_x_scales.data, in2.e_xs,
                                      N * SG, 4, SG);
         }
 
@@ -470,8 +433,7 @@ static int ht_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
 {
     const ht_case_t *hc = ctx;
     int rc = 0;
-    epx_comm_t comm = NULL;
-    epx_buffer_t buf = NULL;
+    ref_session_t s = {0};
     ref_set_seed(g_seed);
     ref_set_case("ht R=%d E=%d K=%d H=%lld T_max=%lld domain cap %d: setup", nranks, hc->E, hc->K,
                  (long long)hc->H, (long long)hc->T_max, hc->domain_cap);
@@ -483,9 +445,10 @@ static int ht_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
         unsetenv("EPX_RANKS_PER_NVLINK_DOMAIN");
     }
     CALL(epx_params_reload());
-    if (ref_open_comm(id, rank, nranks, &comm)) return 2;
+    const epx_buffer_config_t cfg = epx_test_buffer_config(hc->T_max, hc->H, hc->K, hc->E, EPX_MODE_HT);
+    if (ref_session_open(id, rank, nranks, &cfg, &s)) return 2;
     epx_topology_t topo;
-    CALL(epx_comm_get_topology(comm, &topo));
+    CALL(epx_comm_get_topology(s.comm, &topo));
     int D = topo.ranks_per_nvlink_domain;
     CHECK(topo.rank == rank && topo.nranks == nranks && topo.backend == EPX_BACKEND_HOST,
           "topology rank %d nranks %d backend %d", topo.rank, topo.nranks, (int)topo.backend);
@@ -495,22 +458,14 @@ static int ht_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
                       hc->domain_cap);
         goto out;
     }
-    epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-    cfg.max_tokens = hc->T_max;
-    cfg.hidden = hc->H;
-    cfg.num_topk = hc->K;
-    cfg.num_experts = hc->E;
-    cfg.modes = EPX_MODE_HT;
-    CALL(epx_buffer_create(comm, &cfg, &buf));
     int iters = hc->iters;
     if (ref_fast_mode()) iters = (iters + 2) / 3;
     for (int it = 0; it < iters; it++) {
-        rc |= ht_iteration(buf, hc, rank, D, it);
+        rc |= ht_iteration(s.buf, hc, rank, D, it);
         if (rc & 2) break; /* a failed call leaves the ranks out of step */
     }
 out:
-    epx_buffer_destroy(buf);
-    epx_comm_destroy(comm);
+    ref_session_close(&s);
     return rc;
 }
 
@@ -526,16 +481,5 @@ static const ht_case_t k_cases[] = {
 int main(void)
 {
     g_seed = epx_test_seed();
-    int failed = 0;
-    for (size_t i = 0; i < sizeof(k_cases) / sizeof(k_cases[0]); i++) {
-        const ht_case_t *hc = &k_cases[i];
-        if (epx_test_run_ranks(hc->R, ht_rank, (void *)hc, 300)) {
-            fprintf(stderr, "FAILED: ht case R=%d E=%d K=%d H=%lld T_max=%lld cap %d (seed %llu)\n", hc->R,
-                    hc->E, hc->K, (long long)hc->H, (long long)hc->T_max, hc->domain_cap,
-                    (unsigned long long)g_seed);
-            failed = 1;
-        }
-    }
-    printf(failed ? "ht: FAILED\n" : "ht: ok\n");
-    return failed;
+    return EPX_TEST_RUN_CASES("ht", k_cases, ht_rank, 300, g_seed);
 }

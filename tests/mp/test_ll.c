@@ -22,21 +22,6 @@ static const char *const k_mode_names[] = {"bf16", "fp8", "fp8+round_scale", "fp
 
 static uint64_t g_seed;
 
-#define CALL(expr)                                                                   \
-    do {                                                                             \
-        epx_result_t call_res_ = (expr);                                             \
-        if (call_res_ != EPX_SUCCESS) {                                              \
-            ref_fail(rank, "%s returned %s (%s)", #expr, epx_result_name(call_res_), \
-                     epx_last_error_message());                                      \
-            rc = 2;                                                                  \
-            goto out;                                                                \
-        }                                                                            \
-    } while (0)
-#define CHECK(cond, ...)                                \
-    do {                                                \
-        if (!(cond)) rc |= ref_fail(rank, __VA_ARGS__); \
-    } while (0)
-
 /* One LL batch of this rank: inputs, caller outputs and the reference's view of them. */
 typedef struct ll_io {
     ref_problem_t p;
@@ -262,8 +247,7 @@ static int ll_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
 {
     const ll_case_t *lc = ctx;
     int rc = 0;
-    epx_comm_t comm = NULL;
-    epx_buffer_t buf = NULL;
+    ref_session_t s = {0};
     int64_t L = lc->E / nranks;
     int32_t *stats = calloc((size_t)L, 4), *exp_stats = calloc((size_t)L, 4);
     ll_io_t io[3];
@@ -275,17 +259,12 @@ static int ll_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
         rc = ref_fail(rank, "out of memory");
         goto out;
     }
-    if (ref_open_comm(id, rank, nranks, &comm)) {
+    const epx_buffer_config_t cfg = epx_test_buffer_config(lc->T_max, lc->H, lc->K, lc->E, EPX_MODE_LL);
+    if (ref_session_open(id, rank, nranks, &cfg, &s)) {
         rc = 2;
         goto out;
     }
-    epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-    cfg.max_tokens = lc->T_max;
-    cfg.hidden = lc->H;
-    cfg.num_topk = lc->K;
-    cfg.num_experts = lc->E;
-    cfg.modes = EPX_MODE_LL;
-    CALL(epx_buffer_create(comm, &cfg, &buf));
+    epx_buffer_t buf = s.buf;
 
     int iters = lc->iters;
     if (ref_fast_mode()) iters = (iters + 1) / 2;
@@ -389,8 +368,7 @@ static int ll_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
     }
 out:
     for (int i = 0; i < 3; i++) ll_free(&io[i]);
-    epx_buffer_destroy(buf);
-    epx_comm_destroy(comm);
+    ref_session_close(&s);
     free(stats);
     free(exp_stats);
     return rc;
@@ -455,15 +433,5 @@ int main(void)
 {
     g_seed = epx_test_seed();
     if (check_reference_numerics()) return 1;
-    int failed = 0;
-    for (size_t i = 0; i < sizeof(k_cases) / sizeof(k_cases[0]); i++) {
-        const ll_case_t *lc = &k_cases[i];
-        if (epx_test_run_ranks(lc->R, ll_rank, (void *)lc, 300)) {
-            fprintf(stderr, "FAILED: ll case R=%d E=%d K=%d H=%lld T_max=%lld (seed %llu)\n", lc->R, lc->E,
-                    lc->K, (long long)lc->H, (long long)lc->T_max, (unsigned long long)g_seed);
-            failed = 1;
-        }
-    }
-    printf(failed ? "ll: FAILED\n" : "ll: ok\n");
-    return failed;
+    return EPX_TEST_RUN_CASES("ll", k_cases, ll_rank, 300, g_seed);
 }

@@ -16,53 +16,15 @@ typedef struct rm_case {
     int64_t H, T_max;
 } rm_case_t;
 
-enum { BOUND_NONE = 0, BOUND_EQUAL = 1, BOUND_ABOVE = 2, BOUND_BELOW = 3, BOUND_COUNT = 4 };
-static const char *const k_bound_names[] = {"none", "equal", "above", "below"};
-static const int k_pads[4] = {0, 1, 16, 128}; /* 0: without permute */
-#define MAX_PAD 128
-
 static uint64_t g_seed;
-
-#define CALL(expr)                                                                   \
-    do {                                                                             \
-        epx_result_t call_res_ = (expr);                                             \
-        if (call_res_ != EPX_SUCCESS) {                                              \
-            ref_fail(rank, "%s returned %s (%s)", #expr, epx_result_name(call_res_), \
-                     epx_last_error_message());                                      \
-            rc = 2;                                                                  \
-            goto out;                                                                \
-        }                                                                            \
-    } while (0)
-#define CHECK(cond, ...)                                \
-    do {                                                \
-        if (!(cond)) rc |= ref_fail(rank, __VA_ARGS__); \
-    } while (0)
-
-static int64_t pick_bound(int mode, int64_t real, int64_t cap)
-{
-    int64_t b;
-    switch (mode) {
-    case BOUND_NONE: return -1;
-    case BOUND_EQUAL: b = real; break;
-    case BOUND_ABOVE: b = real + 5; break;
-    default: b = real >= 2 ? real - (real / 3 > 1 ? real / 3 : 1) : real; break;
-    }
-    if (b < 1) b = 1;
-    return b > cap ? cap : b;
-}
 
 static int rm_iteration(epx_buffer_t buf, const rm_case_t *rc_, int rank, int it)
 {
     int rc = 0, R = rc_->R, K = rc_->K, E = rc_->E;
     int64_t H = rc_->H, SG = H / 128;
-    int cfg = it % 4, bound_mode = (it / 4) % BOUND_COUNT;
-    bool permute = k_pads[cfg] > 0;
-    int pad = permute ? k_pads[cfg] : 1;
-    epx_dtype_t dtype = (cfg + bound_mode + it / 16) % 2 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
-    bool fp8 = dtype == EPX_DTYPE_FP8_E4M3;
-    bool with_probs = it % 3 != 2;
-    bool weighted = permute && with_probs && (it / 2) % 2;
-    ref_routing_t routing = (ref_routing_t)((it / 3) % REF_ROUTE_COUNT);
+    const ref_rm_plan_t pl = ref_rm_plan(it);
+    const bool permute = pl.permute, fp8 = pl.dtype == EPX_DTYPE_FP8_E4M3;
+    const epx_dtype_t dtype = pl.dtype;
     uint64_t seed = ref_hash(g_seed, 0x524d, (uint64_t)(R * 100000 + E * 10 + K), (uint64_t)H, (uint64_t)it);
     size_t esz = epx_dtype_size(dtype);
     int64_t T[REF_MAX_RANKS], bounds[REF_MAX_RANKS];
@@ -71,36 +33,24 @@ static int rm_iteration(epx_buffer_t buf, const rm_case_t *rc_, int rank, int it
     ref_rm_recv_t rv = {0};
     ref_arena_t a = {0};
     epx_handle_t handle = NULL;
-    if (ref_problem_init(&p, R, E, K, H, rc_->T_max, dtype, seed, T, routing)) {
+    if (ref_problem_init(&p, R, E, K, H, rc_->T_max, dtype, seed, T, pl.routing)) {
         rc = ref_fail(rank, "reference setup failed");
         goto out;
     }
     int64_t L = p.L, Ts = p.T[rank];
-    int64_t kl = K < L ? K : L;
-    int64_t cap = permute ? R * rc_->T_max * kl + L * (MAX_PAD - 1) : R * rc_->T_max;
-    for (int r = 0; r < R; r++) {
-        ref_rm_recv_t other;
-        if (ref_rm_dispatch(&p, r, permute, pad, -1, &other)) {
-            ref_rm_recv_free(&other);
-            rc = ref_fail(rank, "reference setup failed");
-            goto out;
-        }
-        bounds[r] = pick_bound(bound_mode, other.real, cap);
-        ref_rm_recv_free(&other);
-    }
-    int64_t bound = bounds[rank];
-    if (ref_rm_dispatch(&p, rank, permute, pad, bound, &rv)) {
+    if (ref_rm_bounds(&p, permute, pl.pad, pl.bound, bounds) ||
+        ref_rm_dispatch(&p, rank, permute, pl.pad, bounds[rank], &rv)) {
         rc = ref_fail(rank, "reference setup failed");
         goto out;
     }
-    int64_t real = rv.real, rows = rv.rows, kept = real < rows ? real : rows;
+    const int64_t bound = bounds[rank], real = rv.real, rows = rv.rows, kept = real < rows ? real : rows;
     bool overflow = bound >= 0 && real > bound;
     ref_set_case(
         "rm R=%d E=%d K=%d H=%lld T_max=%lld iter %d: %s, pad %d, %s, bound %s (%lld, real %lld), probs %d, "
         "weighted %d, routing %s, T[0]=%lld",
-        R, E, K, (long long)H, (long long)rc_->T_max, it, permute ? "permute" : "no permute", pad,
-        epx_dtype_name(dtype), k_bound_names[bound_mode], (long long)bound, (long long)real, with_probs,
-        weighted, ref_routing_name(routing), (long long)T[0]);
+        R, E, K, (long long)H, (long long)rc_->T_max, it, permute ? "permute" : "no permute", pl.pad,
+        epx_dtype_name(dtype), ref_bound_name(pl.bound), (long long)bound, (long long)real, pl.with_probs,
+        pl.weighted, ref_routing_name(pl.routing), (long long)T[0]);
 
     /* ---- inputs ---- */
     uint8_t *hidden = ref_arena_alloc(&a, esz * (size_t)(Ts * H));
@@ -136,15 +86,15 @@ static int rm_iteration(epx_buffer_t buf, const rm_case_t *rc_, int rank, int it
     args.hidden = epx_tensor_2d(hidden, dtype, Ts, H);
     if (fp8) args.scaling_factor = epx_tensor_2d(sf, EPX_DTYPE_FP32, Ts, SG);
     args.routing_map = epx_tensor_2d(map, EPX_DTYPE_BOOL, Ts, E);
-    if (with_probs) args.probs = epx_tensor_2d(probs, EPX_DTYPE_FP32, Ts, E);
+    if (pl.with_probs) args.probs = epx_tensor_2d(probs, EPX_DTYPE_FP32, Ts, E);
     args.permute = permute;
-    args.pad_multiple = pad;
+    args.pad_multiple = pl.pad;
     args.num_dispatched_tokens = permute ? -1 : bound;
     args.num_permuted_tokens = permute ? bound : -1;
     epx_rm_dispatch_outputs_t outs = EPX_RM_DISPATCH_OUTPUTS_INIT;
     outs.tokens = epx_tensor_2d(o_tok, dtype, rows, H);
     if (fp8) outs.scaling_factor = epx_tensor_2d(o_sf, EPX_DTYPE_FP32, rows, SG);
-    if (with_probs)
+    if (pl.with_probs)
         outs.probs = permute ? epx_tensor_1d(o_probs, EPX_DTYPE_FP32, rows)
                              : epx_tensor_2d(o_probs, EPX_DTYPE_FP32, rows, L);
     if (permute) outs.tokens_per_expert = epx_tensor_1d(o_tpe, EPX_DTYPE_INT32, L);
@@ -156,26 +106,16 @@ static int rm_iteration(epx_buffer_t buf, const rm_case_t *rc_, int rank, int it
     CHECK(o_num[0] == real, "num_tokens[0] = %d, expected %lld", o_num[0], (long long)real);
     rc |= ref_check_bits(rank, "tokens", o_tok, e_tok, rows * H, esz, H);
     if (fp8) rc |= ref_check_bits(rank, "scaling_factor", o_sf, e_sf, rows * SG, 4, SG);
-    if (with_probs) rc |= ref_check_bits(rank, "probs", o_probs, rv.probs, rows * pw, 4, pw);
+    if (pl.with_probs) rc |= ref_check_bits(rank, "probs", o_probs, rv.probs, rows * pw, 4, pw);
     if (permute) rc |= ref_check_bits(rank, "tokens_per_expert", o_tpe, rv.tokens_per_expert, L, 4, L);
-    epx_result_t q = epx_buffer_query_overflow(buf);
-    CHECK(q == (overflow ? EPX_ERR_OVERFLOW : EPX_SUCCESS), "epx_buffer_query_overflow = %s, expected %s",
-          epx_result_name(q), overflow ? "ERR_OVERFLOW" : "SUCCESS");
-    q = epx_buffer_query_overflow(buf);
-    CHECK(q == EPX_SUCCESS, "second epx_buffer_query_overflow = %s, expected SUCCESS (flag not cleared)",
-          epx_result_name(q));
+    rc |= ref_check_overflow(rank, buf, overflow ? EPX_ERR_OVERFLOW : EPX_SUCCESS);
     if (!handle) {
         rc = ref_fail(rank, "dispatch returned no handle");
         rc = 2; /* the peers go on to the combine; this rank cannot */
         goto out;
     }
-    epx_handle_info_t info;
-    CALL(epx_handle_get_info(handle, &info));
-    CHECK(info.num_tokens == Ts && info.num_recv_tokens == kept && info.num_ranks == R &&
-              info.num_local_experts == L,
-          "handle info {%lld, %lld, %d, %d}, expected {%lld, %lld, %d, %lld}", (long long)info.num_tokens,
-          (long long)info.num_recv_tokens, info.num_ranks, info.num_local_experts, (long long)Ts,
-          (long long)kept, R, (long long)L);
+    rc |= ref_check_handle(rank, handle, Ts, kept, R, L);
+    if (rc & 2) goto out;
 
     /* ---- combine: rows the handle does not cover, and padding rows, hold a value that would show ---- */
     {
@@ -191,11 +131,11 @@ static int rm_iteration(epx_buffer_t buf, const rm_case_t *rc_, int rank, int it
         epx_rm_combine_args_t cargs = EPX_RM_COMBINE_ARGS_INIT;
         cargs.handle = handle;
         cargs.x = epx_tensor_2d(cx, EPX_DTYPE_BF16, rows, H);
-        cargs.weighted = weighted;
+        cargs.weighted = pl.weighted;
         epx_rm_combine_outputs_t couts = EPX_RM_COMBINE_OUTPUTS_INIT;
         couts.combined = epx_tensor_2d(out_x, EPX_DTYPE_BF16, Ts, H);
         CALL(epx_rm_combine(buf, &cargs, &couts));
-        if (ref_rm_combine(&p, rank, permute, pad, bounds, weighted, yseed, exp)) {
+        if (ref_rm_combine(&p, rank, permute, pl.pad, bounds, pl.weighted, yseed, exp)) {
             rc = ref_fail(rank, "reference combine failed");
             goto out;
         }
@@ -212,32 +152,23 @@ out:
 static int rm_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
 {
     const rm_case_t *c = ctx;
-    int rc = 0;
-    epx_comm_t comm = NULL;
-    epx_buffer_t buf = NULL;
     ref_set_seed(g_seed);
     ref_set_case("rm R=%d E=%d K=%d H=%lld T_max=%lld: setup", nranks, c->E, c->K, (long long)c->H,
                  (long long)c->T_max);
-    if (ref_open_comm(id, rank, nranks, &comm)) return 2;
-    epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-    cfg.max_tokens = c->T_max;
-    cfg.hidden = c->H;
-    cfg.num_topk = c->K;
-    cfg.num_experts = c->E;
-    cfg.modes = EPX_MODE_PERMUTE;
+    epx_buffer_config_t cfg = epx_test_buffer_config(c->T_max, c->H, c->K, c->E, EPX_MODE_PERMUTE);
     cfg.dispatch_dtypes = EPX_DTYPE_BIT(EPX_DTYPE_BF16) | EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3);
-    cfg.max_pad_multiple = MAX_PAD;
-    CALL(epx_buffer_create(comm, &cfg, &buf));
+    cfg.max_pad_multiple = REF_RM_MAX_PAD;
+    ref_session_t s;
+    if (ref_session_open(id, rank, nranks, &cfg, &s)) return 2;
+    int rc = 0;
     /* Every (permute/pad, bound) pair once; dtype, probs and weighting vary with it. */
-    int iters = 2 * 4 * BOUND_COUNT;
-    if (ref_fast_mode()) iters = 4 * BOUND_COUNT;
+    int iters = 2 * 4 * REF_BOUND_COUNT;
+    if (ref_fast_mode()) iters = 4 * REF_BOUND_COUNT;
     for (int it = 0; it < iters; it++) {
-        rc |= rm_iteration(buf, c, rank, it);
+        rc |= rm_iteration(s.buf, c, rank, it);
         if (rc & 2) break;
     }
-out:
-    epx_buffer_destroy(buf);
-    epx_comm_destroy(comm);
+    ref_session_close(&s);
     return rc;
 }
 
@@ -250,15 +181,5 @@ static const rm_case_t k_cases[] = {
 int main(void)
 {
     g_seed = epx_test_seed();
-    int failed = 0;
-    for (size_t i = 0; i < sizeof(k_cases) / sizeof(k_cases[0]); i++) {
-        const rm_case_t *c = &k_cases[i];
-        if (epx_test_run_ranks(c->R, rm_rank, (void *)c, 300)) {
-            fprintf(stderr, "FAILED: rm case R=%d E=%d K=%d H=%lld T_max=%lld (seed %llu)\n", c->R, c->E,
-                    c->K, (long long)c->H, (long long)c->T_max, (unsigned long long)g_seed);
-            failed = 1;
-        }
-    }
-    printf(failed ? "rm: FAILED\n" : "rm: ok\n");
-    return failed;
+    return EPX_TEST_RUN_CASES("rm", k_cases, rm_rank, 300, g_seed);
 }

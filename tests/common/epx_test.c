@@ -1,0 +1,78 @@
+/* Seed, buffer config, clock and hash helpers, and the tests' multi-rank launcher over the harness. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core/internal.h"
+#include "epx_test.h"
+
+uint64_t epx_test_seed(void)
+{
+    const char *env = getenv("EPX_TEST_SEED");
+    uint64_t seed = env ? strtoull(env, NULL, 0) : (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 20);
+    printf("seed %llu (EPX_TEST_SEED to replay)\n", (unsigned long long)seed);
+    fflush(stdout);
+    return seed;
+}
+
+epx_buffer_config_t epx_test_buffer_config(int64_t max_tokens, int64_t hidden, int num_topk, int num_experts,
+                                           uint32_t modes)
+{
+    const epx_buffer_config_t cfg = {.size = sizeof(epx_buffer_config_t),
+                                     .version = EPX_VERSION_CODE,
+                                     .max_tokens = max_tokens,
+                                     .hidden = hidden,
+                                     .num_topk = num_topk,
+                                     .num_experts = num_experts,
+                                     .modes = modes};
+    return cfg;
+}
+
+double epx_test_now_s(void)
+{
+    return (double)epx_time_ns() * 1e-9;
+}
+
+uint64_t epx_test_fnv(const void *data, size_t n, uint64_t h)
+{
+    const uint8_t *b = data;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+    return h;
+}
+
+/* The tests' rank bodies take no result slot: adapt them to the harness's. */
+typedef struct adapter {
+    epx_test_rank_fn fn;
+    void *ctx;
+} adapter_t;
+
+static int adapt(int rank, int nranks, const epx_unique_id_t *id, void *ctx, void *result)
+{
+    const adapter_t *a = ctx;
+    (void)result;
+    return a->fn(rank, nranks, id, a->ctx);
+}
+
+int epx_test_run_ranks(int nranks, epx_test_rank_fn fn, void *ctx, int timeout_s)
+{
+    adapter_t a = {fn, ctx};
+    return epx_harness_run_simple("ranks", nranks, adapt, &a, timeout_s);
+}
+
+int epx_test_run_cases(const char *name, const void *cases, size_t n, size_t size, epx_test_rank_fn fn,
+                       int timeout_s, uint64_t seed)
+{
+    int failed = 0;
+    for (size_t i = 0; i < n; i++) {
+        void *c = (char *)(uintptr_t)cases + i * size; /* the ranks only read it */
+        const int nranks = *(const int *)c;
+        if (epx_test_run_ranks(nranks, fn, c, timeout_s)) {
+            fprintf(stderr, "FAILED: %s case %zu on %d ranks (seed %llu)\n", name, i, nranks,
+                    (unsigned long long)seed);
+            failed = 1;
+        }
+    }
+    printf(failed ? "%s: FAILED\n" : "%s: ok\n", name);
+    return failed;
+}
