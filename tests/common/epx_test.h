@@ -11,57 +11,57 @@
 #include <string.h>
 
 #include "epx/epx.h"
+#include "epx_harness.h"
 
-#define EPX_TEST_SKIP 77
+#define EPX_TEST_SKIP EPX_HARNESS_SKIP
 
-#define EXPECT_TRUE(cond)                                                                      \
-    do {                                                                                       \
-        if (!(cond)) {                                                                         \
-            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond);           \
-            return 1;                                                                          \
-        }                                                                                      \
+#define EXPECT_TRUE(cond)                                                            \
+    do {                                                                             \
+        if (!(cond)) {                                                               \
+            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
+            return 1;                                                                \
+        }                                                                            \
     } while (0)
 
-#define EXPECT_EQ_INT(a, b)                                                                    \
-    do {                                                                                       \
-        long long epx_a_ = (long long)(a), epx_b_ = (long long)(b);                            \
-        if (epx_a_ != epx_b_) {                                                                \
-            fprintf(stderr, "%s:%d: %s == %s failed: %lld != %lld\n", __FILE__, __LINE__, #a,  \
-                    #b, epx_a_, epx_b_);                                                       \
-            return 1;                                                                          \
-        }                                                                                      \
+#define EXPECT_EQ_INT(a, b)                                                                               \
+    do {                                                                                                  \
+        long long epx_a_ = (long long)(a), epx_b_ = (long long)(b);                                       \
+        if (epx_a_ != epx_b_) {                                                                           \
+            fprintf(stderr, "%s:%d: %s == %s failed: %lld != %lld\n", __FILE__, __LINE__, #a, #b, epx_a_, \
+                    epx_b_);                                                                              \
+            return 1;                                                                                     \
+        }                                                                                                 \
     } while (0)
 
 /* Checks an epx call's result and prints the library's message when it differs. */
-#define EXPECT_RES(call, expected)                                                             \
-    do {                                                                                       \
-        epx_result_t epx_r_ = (call);                                                          \
-        if (epx_r_ != (expected)) {                                                            \
-            fprintf(stderr, "%s:%d: %s returned %s, expected %s (%s)\n", __FILE__, __LINE__,   \
-                    #call, epx_result_name(epx_r_), epx_result_name(expected),                 \
-                    epx_last_error_message());                                                 \
-            return 1;                                                                          \
-        }                                                                                      \
+#define EXPECT_RES(call, expected)                                                                  \
+    do {                                                                                            \
+        epx_result_t epx_r_ = (call);                                                               \
+        if (epx_r_ != (expected)) {                                                                 \
+            fprintf(stderr, "%s:%d: %s returned %s, expected %s (%s)\n", __FILE__, __LINE__, #call, \
+                    epx_result_name(epx_r_), epx_result_name(expected), epx_last_error_message());  \
+            return 1;                                                                               \
+        }                                                                                           \
     } while (0)
 
 #define EXPECT_OK(call) EXPECT_RES(call, EPX_SUCCESS)
 
 /* The message of the last failure contains `needle`. */
-#define EXPECT_MSG_HAS(needle)                                                                 \
-    do {                                                                                       \
-        if (!strstr(epx_last_error_message(), (needle))) {                                     \
-            fprintf(stderr, "%s:%d: message '%s' lacks '%s'\n", __FILE__, __LINE__,            \
-                    epx_last_error_message(), (needle));                                       \
-            return 1;                                                                          \
-        }                                                                                      \
+#define EXPECT_MSG_HAS(needle)                                                      \
+    do {                                                                            \
+        if (!strstr(epx_last_error_message(), (needle))) {                          \
+            fprintf(stderr, "%s:%d: message '%s' lacks '%s'\n", __FILE__, __LINE__, \
+                    epx_last_error_message(), (needle));                            \
+            return 1;                                                               \
+        }                                                                           \
     } while (0)
 
 /* A rank's body: returns 0 on success. */
 typedef int (*epx_test_rank_fn)(int rank, int nranks, const epx_unique_id_t *id, void *ctx);
 
-/* Forks nranks processes that each run fn with a fresh unique id; waits at most timeout_s
- * seconds (then kills them and fails). Returns 0 when every rank returned 0, else 1, printing
- * which ranks failed. */
+/* Forks nranks processes that each run fn with a fresh unique id (epx_harness_run); waits at most
+ * timeout_s seconds (then kills them and fails). Returns 0 when every rank returned 0, else 1,
+ * printing which ranks failed. */
 int epx_test_run_ranks(int nranks, epx_test_rank_fn fn, void *ctx, int timeout_s);
 
 /* Deterministic 64-bit generator (splitmix64) for inputs and routing. */
