@@ -137,15 +137,23 @@ int mem_copy_async(bench_rank_t *b, void *dst, const void *src, size_t bytes)
 
 void *dev_take(bench_rank_t *b, bench_mem_t *m, size_t bytes)
 {
-    for (int i = 0; i < 20; i++)
-        if (!m->dev[i]) return m->dev[i] = mem_alloc(b, bytes);
+    for (int i = 0; i < 20 && !m->failed; i++)
+        if (!m->dev[i]) {
+            m->failed = (m->dev[i] = mem_alloc(b, bytes)) == NULL;
+            return m->dev[i];
+        }
+    m->failed = 1;
     return NULL;
 }
 
 void *host_take(bench_mem_t *m, size_t bytes)
 {
-    for (int i = 0; i < 8; i++)
-        if (!m->host[i]) return m->host[i] = calloc(1, bytes ? bytes : 1);
+    for (int i = 0; i < 8 && !m->failed; i++)
+        if (!m->host[i]) {
+            m->failed = (m->host[i] = calloc(1, bytes ? bytes : 1)) == NULL;
+            return m->host[i];
+        }
+    m->failed = 1;
     return NULL;
 }
 

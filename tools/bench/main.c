@@ -339,11 +339,12 @@ static void print_header(const bench_opts_t *opt)
         "#   combine = bf16 bytes (ht, view: sent back once per rank; ll: once per selected expert;\n"
         "#   permute: the permuted rows read); permute pads groups to %d rows\n",
         opt->pad);
-    printf("# ceil_us: the same run's ceiling for the row's traffic with no protocol (%s); ratio = GB/s\n"
-           "#   over the ceiling's GB/s\n",
-           opt->ceilings ? "ht: plain copies of the same rows to the same peers; ll: the same stores with no "
-                           "wait;\n#   permute: a local device copy of the permuted rows"
-                         : "GPU only: not measured here");
+    printf(
+        "# ceil_us, ceil_GB/s: the same traffic with no protocol, timed in the same run (GPU only);\n"
+        "#   ratio = GB/s / ceil_GB/s. ht, view: plain copies of the same rows to the same peers\n"
+        "#   (ht-ceiling); ll: the same stores with no wait or flag (ll-*-floor); permute: a local device\n"
+        "#   copy of the permuted rows (permute-ceil-copy; permute-ceil-ht: the HT copy of its token "
+        "rows)\n");
     printf("%-17s %5s %7s %7s %5s %8s %-9s %11s %12s %9s %9s %9s %6s  %s\n", "op", "ranks", "tokens",
            "hidden", "topk", "experts", "dtype", "time_us", "bytes", "GB/s", "ceil_us", "ceil_GB/s", "ratio",
            "check");

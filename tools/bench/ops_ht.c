@@ -44,7 +44,7 @@ static int ht_cached(ht_run_t *h, int view)
                       epx_ht_dispatch(h->o.buf, &ac, view ? &h->view_cached_out : &h->cached_out));
 }
 
-/* The timed call of each row, as the ceiling tool of docs/benchmarks.md made it: a fresh
+/* The timed call of each row, as the HT figures of docs/benchmarks.md were measured: a fresh
  * dispatch destroys the previous handle inside its timed window. */
 static int ht_call(void *ctx, int kind)
 {
@@ -56,8 +56,8 @@ static int ht_call(void *ctx, int kind)
     case K_HT_DISPATCH:
         if (h->handle) epx_handle_destroy(h->handle);
         h->handle = NULL;
-        if ((rc = bench_call(b, "epx_ht_dispatch", epx_ht_dispatch(h->o.buf, &h->a, &h->out))) == 0)
-            h->handle = h->out.handle;
+        rc = bench_call(b, "epx_ht_dispatch", epx_ht_dispatch(h->o.buf, &h->a, &h->out));
+        if (rc == 0) h->handle = h->out.handle;
         return rc;
     case K_HT_CACHED: return ht_cached(h, 0);
     case K_HT_COMBINE: return ht_combine(h, h->handle, 0);
@@ -67,9 +67,8 @@ static int ht_call(void *ctx, int kind)
         h->vhandle = NULL;
         h->view_out = (epx_ht_dispatch_outputs_t)EPX_HT_DISPATCH_OUTPUTS_INIT;
         h->view_out.num_recv_tokens = h->out.num_recv_tokens;
-        if ((rc = bench_call(b, "view epx_ht_dispatch", epx_ht_dispatch(h->o.buf, &h->av, &h->view_out))) ==
-            0)
-            h->vhandle = h->view_out.handle;
+        rc = bench_call(b, "view epx_ht_dispatch", epx_ht_dispatch(h->o.buf, &h->av, &h->view_out));
+        if (rc == 0) h->vhandle = h->view_out.handle;
         return rc;
     case K_VIEW_CACHED: return ht_cached(h, 1);
     case K_VIEW_COMBINE:
@@ -147,7 +146,7 @@ static int ht_full_dispatch(ht_run_t *h, bench_check_t *ck)
 
 /* Untimed set-up of a row: outputs cleared so that the row's own call must write them, the
  * combine inputs written. */
-static int ht_prepare_row(ht_run_t *h, int kind)
+static int ht_prepare(ht_run_t *h, int kind)
 {
     bench_rank_t *b = h->o.b;
     const size_t x_bytes = (size_t)(h->o.rt->n_ht * h->o.H) * h->o.esz,
@@ -158,11 +157,15 @@ static int ht_prepare_row(ht_run_t *h, int kind)
     case K_HT_DISPATCH:
     case K_HT_CACHED:
         return mem_zero(b, h->out.recv_x.data, x_bytes) ||
-               (fp8 && mem_zero(b, h->out.recv_x_scales.data, s_bytes)) ||
-               mem_zero(b, h->num_recv, sizeof(int32_t));
+                       (fp8 && mem_zero(b, h->out.recv_x_scales.data, s_bytes)) ||
+                       mem_zero(b, h->num_recv, sizeof(int32_t))
+                   ? -1
+                   : 0;
     case K_HT_COMBINE:
         return mem_zero(b, h->y, (size_t)(h->cap * h->o.H) * 2) || mem_put(b, h->y, h->hy, y_bytes) ||
-               mem_zero(b, h->combined, (size_t)(h->o.T * h->o.H) * 2);
+                       mem_zero(b, h->combined, (size_t)(h->o.T * h->o.H) * 2)
+                   ? -1
+                   : 0;
     case K_HT_CEILING:
         /* The ceiling copies the rows of a static dispatch's routing: make one if no row did. */
         if (h->handle) return 0;
@@ -172,23 +175,22 @@ static int ht_prepare_row(ht_run_t *h, int kind)
     case K_VIEW_DISPATCH: return mem_zero(b, h->num_recv, sizeof(int32_t));
     case K_VIEW_CACHED:
         return mem_zero(b, h->view_out.recv_x.data, x_bytes) ||
-               (fp8 && mem_zero(b, h->view_out.recv_x_scales.data, s_bytes));
+                       (fp8 && mem_zero(b, h->view_out.recv_x_scales.data, s_bytes))
+                   ? -1
+                   : 0;
     case K_VIEW_COMBINE: {
         epx_tensor_t in_view;
         if (bench_call(b, "epx_ht_get_combine_input",
                        epx_ht_get_combine_input(h->o.buf, h->vhandle, &in_view)))
             return -1;
         return mem_zero(b, in_view.data, (size_t)(in_view.shape[0] * h->o.H) * 2) ||
-               mem_put(b, in_view.data, h->hy, y_bytes) ||
-               mem_zero(b, h->combined, (size_t)(h->o.T * h->o.H) * 2);
+                       mem_put(b, in_view.data, h->hy, y_bytes) ||
+                       mem_zero(b, h->combined, (size_t)(h->o.T * h->o.H) * 2)
+                   ? -1
+                   : 0;
     }
     default: return 0;
     }
-}
-
-static int ht_prepare(ht_run_t *h, int kind)
-{
-    return ht_prepare_row(h, kind) ? -1 : 0;
 }
 
 /* Checks the row's outputs and reports it. Bytes per rank: dispatch the token rows sent once per
@@ -232,7 +234,7 @@ int run_ht(bench_rank_t *b, epx_buffer_t buf, const bench_routing_t *rt)
     h.y = dev_take(b, &m, (size_t)(cap * H) * 2);
     h.combined = dev_take(b, &m, (size_t)(T * H) * 2);
     h.hy = host_take(&m, (size_t)((rt->n_ht ? rt->n_ht : 1) * H) * 2);
-    if (rc || !h.combined || !h.hy) {
+    if (rc || m.failed) {
         rc = -1;
         goto out;
     }

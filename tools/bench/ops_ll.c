@@ -91,10 +91,10 @@ static void ll_report(ll_run_t *l, double *samples, bench_check_t *ck)
     for (int i = 0; i < 8; i++) {
         const int kind = ll_order[i];
         const int comb = kind >= K_LL_COMBINE,
-                  floor = kind == K_LL_DISPATCH_FLOOR || kind == K_LL_COMBINE_FLOOR;
+                  is_floor = kind == K_LL_DISPATCH_FLOOR || kind == K_LL_COMBINE_FLOOR;
         const int whole = kind == K_LL_DISPATCH || kind == K_LL_COMBINE;
         const bench_check_t *c = &ck[2 * !whole + comb];
-        const int status = floor ? ROW_UNCHECKED : c->bad ? ROW_FAIL : ROW_OK;
+        const int status = is_floor ? ROW_UNCHECKED : c->bad ? ROW_FAIL : ROW_OK;
         const double bytes =
             pairs * (comb ? (double)l->o.H * 2
                           : (double)row_bytes(l->o.fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16, l->o.H));
@@ -120,7 +120,7 @@ int run_ll(bench_rank_t *b, epx_buffer_t buf, const bench_routing_t *rt, int64_t
     uint16_t *combined = dev_take(b, &m, (size_t)(T * H) * 2);
     uint16_t *hrow = host_take(&m, (size_t)H * 2);
     double *samples = host_take(&m, sizeof(double) * 8 * (size_t)(warm + n));
-    if (rc || !combined || !samples) {
+    if (rc || m.failed) {
         rc = -1;
         goto out;
     }
@@ -129,7 +129,10 @@ int run_ll(bench_rank_t *b, epx_buffer_t buf, const bench_routing_t *rt, int64_t
         for (int64_t i = rt->exp_off[j]; i < rt->exp_off[j + 1]; i++) {
             for (int64_t c = 0; c < H; c++)
                 hrow[c] = epx_f32_to_bf16(value_of(rt->exp_src[i], rt->exp_tok[i], c, me * L + j));
-            if (mem_put(b, y + ((int64_t)j * slots + i - rt->exp_off[j]) * H, hrow, (size_t)H * 2)) goto out;
+            if (mem_put(b, y + ((int64_t)j * slots + i - rt->exp_off[j]) * H, hrow, (size_t)H * 2)) {
+                rc = -1;
+                goto out;
+            }
         }
 
     l.a = (epx_ll_dispatch_args_t)EPX_LL_DISPATCH_ARGS_INIT;

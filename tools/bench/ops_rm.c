@@ -136,11 +136,13 @@ static int rm_setup_calls(rm_run_t *r, void *topk, bench_mem_t *m, bench_check_t
     const int64_t RT = (int64_t)r->o.rt->R * r->o.T;
     int rc = bench_call(b, "epx_rm_dispatch", epx_rm_dispatch(r->o.buf, &r->a, &r->out));
     if (rc) return rc;
-    r->P = r->out.num_tokens_host;
-    if (r->P != r->group_start[r->o.rt->L])
-        check_fail(ck, "num_tokens (eager)", 0, 0, (double)r->P, (double)r->group_start[r->o.rt->L]);
-    else
-        rm_check_tokens(r, ck);
+    /* The timed rows take P as their bound and size their buffers by the routing's P. */
+    if (r->out.num_tokens_host != r->P) {
+        check_fail(ck, "num_tokens (eager)", 0, 0, (double)r->out.num_tokens_host, (double)r->P);
+        epx_handle_destroy(r->out.handle);
+        return -1;
+    }
+    rm_check_tokens(r, ck);
     rc = bench_call(b, "epx_handle_destroy", epx_handle_destroy(r->out.handle));
     r->a.num_permuted_tokens = r->P;
     if (rc || !has_row(b, K_RM_CEIL_HT)) return rc;
@@ -155,7 +157,7 @@ static int rm_setup_calls(rm_run_t *r, void *topk, bench_mem_t *m, bench_check_t
     if (ha.x_scales.data)
         ho.recv_x_scales = tensor(b, dev_take(b, m, (size_t)(RT * r->o.G) * sizeof(float)), EPX_DTYPE_FP32, 2,
                                   RT, r->o.G, 0);
-    if (!ho.recv_x.data || (ha.x_scales.data && !ho.recv_x_scales.data)) return -1;
+    if (m->failed) return -1;
     rc = bench_call(b, "epx_ht_dispatch", epx_ht_dispatch(r->o.buf, &ha, &ho));
     r->ht = rc ? NULL : ho.handle;
     return rc ? rc : stream_sync(b);
@@ -194,7 +196,7 @@ int run_rm(bench_rank_t *b, epx_buffer_t buf, const bench_routing_t *rt)
     uint8_t *hmap = host_take(&m, (size_t)(T * E));
     float *hprobs = host_take(&m, (size_t)(T * E) * sizeof(float));
     r.hy = host_take(&m, (size_t)(r.P * H) * 2);
-    if (!r.copy || !r.hy) goto out;
+    if (m.failed) goto out;
 
     for (int64_t t = 0; t < T; t++)
         for (int k = 0; k < K; k++) {

@@ -182,10 +182,12 @@ void mem_view_release(bench_rank_t *b, const void *view);
 /* Device-to-device copy on the rank's stream (the routing-map local-copy ceiling). */
 int mem_copy_async(bench_rank_t *b, void *dst, const void *src, size_t bytes);
 
-/* Everything one (group, size) run allocates; freed in one place. */
+/* Everything one (group, size) run allocates; freed in one place. failed: an allocation failed
+ * (checked once after all of them). */
 typedef struct bench_mem {
     void *dev[20];
     void *host[8];
+    int failed;
 } bench_mem_t;
 
 void *dev_take(bench_rank_t *b, bench_mem_t *m, size_t bytes);
