@@ -79,7 +79,8 @@ bench() {
     local name=$1 secs=$2
     shift 2
     log "epx-bench $name: $*"
-    timeout "$secs" "$BENCH" -B cuda "$@" >"$LOGDIR/bench-$name.log" 2>&1 || { log "  epx-bench $name FAILED"; status=1; }
+    timeout "$secs" "$BENCH" -B cuda "$@" >"$LOGDIR/bench-$name.log" 2>&1 ||
+        { log "  epx-bench $name FAILED"; status=1; }
     cat "$LOGDIR/bench-$name.log" | tee -a "$LOGDIR/summary.log"
 }
 if [ -x "$BENCH" ]; then
