@@ -1,7 +1,7 @@
 /*
- * epx-bench internals, shared by its files: options and the plan of rows (main.c), inputs built
- * from (rank, token, channel) (inputs.c), output checks (check.c), memory, tensors and timing on
- * the host or the device (device.c), and the operations (ops_ht.c, ops_ll.c, ops_rm.c).
+ * epx-bench internals, shared by its files: options, the plan of rows and the table (main.c),
+ * inputs built from (rank, token, channel) (inputs.c), output checks (check.c), memory and timing
+ * on the host or the device (device.c), the ranks (rank.c) and the operations (ops_*.c).
  */
 #ifndef EPX_TOOLS_BENCH_TOOL_H
 #define EPX_TOOLS_BENCH_TOOL_H
