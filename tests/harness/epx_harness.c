@@ -64,7 +64,7 @@ static void print_outcomes(const char *name, const epx_harness_report_t *rep)
             fprintf(stderr, "%s: rank %d crashed (signal %d, %s)\n", name, r, d, strsignal(d));
             break;
         case EPX_HARNESS_RANK_TIMED_OUT:
-            fprintf(stderr, "%s: rank %d was still running at the deadline: killed\n", name, r);
+            fprintf(stderr, "%s: rank %d was still running when the run stopped: killed\n", name, r);
             break;
         case EPX_HARNESS_RANK_NOT_STARTED: fprintf(stderr, "%s: rank %d was not started\n", name, r); break;
         }
@@ -182,12 +182,15 @@ int epx_harness_run(const epx_harness_opts_t *opts, epx_harness_report_t *report
             }
         }
         if (left > 0 && !stop && now_s() > deadline) {
-            fprintf(stderr, "%s: %.0f s deadline passed; killing the ranks\n", name, timeout);
+            fprintf(stderr, "%s: %g s deadline passed; killing the ranks\n", name, timeout);
             stop = 1;
         }
         if (left > 0 && !stop) usleep(1000);
     }
-    if (left > 0) kill_and_reap(name, rep, pids, started, running);
+    if (left > 0)
+        kill_and_reap(name, rep, pids, started, running);
+    else if (opts->watch && !stop) /* the last results, after every rank has written them */
+        opts->watch(opts->ctx, rep->results, nfailed);
     print_outcomes(name, rep);
     if (started < n) goto err_unmap;
     int rc = 0;

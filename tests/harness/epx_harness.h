@@ -23,11 +23,11 @@
  * Returns 0 on success; anything else fails the run (the exit status is the value's low byte, or 1). */
 typedef int (*epx_harness_rank_fn)(int rank, int nranks, const epx_unique_id_t *id, void *ctx, void *result);
 
-/* Optional parent-side watcher, called about every millisecond while ranks run (and once more
- * after the last one ends). results: the whole block (nranks slots, ranks write it concurrently);
- * nfailed: ranks that have already ended badly (a tool raises its abort flag on it).
- * Returns > 0 when it saw progress (the deadline then counts again from now: a stall limit rather
- * than a total), 0 when not, < 0 to stop the run (every rank is killed and the run fails). */
+/* Optional parent-side watcher, called about every millisecond while ranks run, and once more
+ * after the last one ended (that call's return value is ignored). results: the whole block (nranks slots,
+ * ranks write it concurrently); nfailed: ranks that have already ended badly (a tool raises its abort flag on
+ * it). Returns > 0 when it saw progress (the deadline then counts again from now: a stall limit rather than a
+ * total), 0 when not, < 0 to stop the run (every rank is killed and the run fails). */
 typedef int (*epx_harness_watch_fn)(void *ctx, void *results, int nfailed);
 
 typedef struct epx_harness_opts {
