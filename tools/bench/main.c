@@ -440,7 +440,6 @@ int main(int argc, char **argv)
     epx_harness_report_t rep;
     const int rc = epx_harness_run(&run, &rep);
     if (rc < 0) return 2;
-    watch(NULL, rep.results, 0);
     while (table.next < opt.nrows) print_row(rep.results, table.next++);
     const bench_result_t *r0 = epx_harness_result(&rep, 0);
     if (opt.gpu && r0->device_sms)
