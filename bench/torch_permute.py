@@ -4,7 +4,7 @@
 Times, with CUDA events (median of --iters after warm-up): the permute of hidden [T, H] bf16 into
 expert-grouped rows with index_select, the weighted combine back with index_add_ in fp32, and a plain
 device copy of the same bytes as the permuted output. epx's own R = 1 figures come from
-tools/epx-rm-bench (-r 1 -L 256). Usage: python3 bench/torch_permute.py [--tokens 4096] [--hidden 7168]
+epx-bench -o permute -r 1 -L 256 -p 1. Usage: python3 bench/torch_permute.py [--tokens 4096] [--hidden 7168]
 [--topk 8] [--experts 256] [--iters 50]
 """
 import argparse

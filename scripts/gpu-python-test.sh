@@ -25,18 +25,9 @@ START=$(date +%s)
 status=0
 log() { echo "[$(($(date +%s) - START)) s] $*" | tee -a "$LOGDIR/summary.log"; }
 
-MPS_DIR=$(mktemp -d /tmp/epx-py-mps.XXXXXX)
-MPS_STARTED=0
-stop_mps() {
-    if [ "$MPS_STARTED" = 1 ]; then
-        echo quit | CUDA_MPS_PIPE_DIRECTORY=$MPS_DIR/pipe nvidia-cuda-mps-control >/dev/null 2>&1
-        for _ in $(seq 50); do pgrep -f "nvidia-cuda-mps-server" >/dev/null || break; sleep 0.2; done
-        MPS_STARTED=0
-    fi
-    cp -r "$MPS_DIR/log" "$LOGDIR/mps-log" 2>/dev/null
-    rm -rf "$MPS_DIR"
-}
-trap stop_mps EXIT
+# shellcheck source=scripts/mps.sh
+. "$ROOT/scripts/mps.sh"
+mps_init epx-py-mps
 
 log "python: $PY; nvcc: $(command -v nvcc || echo none); cmake: $(command -v cmake || echo none)"
 "$PY" -c "import torch, numpy, pytest; print('torch', torch.__version__, 'cuda', torch.version.cuda,
@@ -78,15 +69,7 @@ else
     log "  smoke FAILED: the installed epx has no working cuda backend"; cat "$LOGDIR/smoke.log"; exit 1
 fi
 
-if [ "${NGPU:-0}" -lt 8 ] && command -v nvidia-cuda-mps-control >/dev/null; then
-    mkdir -p "$MPS_DIR/pipe" "$MPS_DIR/log"
-    export CUDA_MPS_PIPE_DIRECTORY=$MPS_DIR/pipe CUDA_MPS_LOG_DIRECTORY=$MPS_DIR/log
-    if nvidia-cuda-mps-control -d; then
-        MPS_STARTED=1; log "mps daemon started ($MPS_DIR)"
-    else
-        log "mps start failed"
-    fi
-fi
+mps_start "$NGPU"
 
 TIMEOUT_ARGS=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT_ARGS=(--timeout=80)

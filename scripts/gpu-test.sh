@@ -16,18 +16,9 @@ START=$(date +%s)
 status=0
 log() { echo "[$(($(date +%s) - START)) s] $*" | tee -a "$LOGDIR/summary.log"; }
 
-MPS_DIR=$(mktemp -d /tmp/epx-mps.XXXXXX)
-MPS_STARTED=0
-stop_mps() {
-    if [ "$MPS_STARTED" = 1 ]; then
-        echo quit | CUDA_MPS_PIPE_DIRECTORY=$MPS_DIR/pipe nvidia-cuda-mps-control >/dev/null 2>&1
-        for _ in $(seq 50); do pgrep -f "nvidia-cuda-mps-server" >/dev/null || break; sleep 0.2; done
-        MPS_STARTED=0
-    fi
-    cp -r "$MPS_DIR/log" "$LOGDIR/mps-log" 2>/dev/null
-    rm -rf "$MPS_DIR"
-}
-trap stop_mps EXIT
+# shellcheck source=scripts/mps.sh
+. "$ROOT/scripts/mps.sh"
+mps_init epx-mps
 
 log "build (cuda on) in $BUILD"
 if ! { cmake -S "$ROOT" -B "$BUILD" -DEPX_CUDA=ON -DCMAKE_BUILD_TYPE=Release >"$LOGDIR/cmake.log" 2>&1 &&
@@ -64,11 +55,7 @@ if phase sanitize && command -v compute-sanitizer >/dev/null; then
     fi
 fi
 
-if [ "${NGPU:-0}" -lt 8 ] && command -v nvidia-cuda-mps-control >/dev/null; then
-    mkdir -p "$MPS_DIR/pipe" "$MPS_DIR/log"
-    export CUDA_MPS_PIPE_DIRECTORY=$MPS_DIR/pipe CUDA_MPS_LOG_DIRECTORY=$MPS_DIR/log
-    if nvidia-cuda-mps-control -d; then MPS_STARTED=1; log "mps daemon started ($MPS_DIR)"; else log "mps start failed"; fi
-fi
+mps_start "$NGPU"
 
 if phase tests; then
     # The issue-level repeat counts: LL runs 1000 dispatch+combine iterations with matching hashes.
@@ -85,34 +72,27 @@ if phase tests; then
 fi
 phase bench || { log "done, status $status"; exit $status; }
 
-if [ -x "$BUILD/tools/epx-ceiling" ]; then
+# Benchmark rows, each next to its same-run ceiling or floor (epx-bench -h lists the flags; every
+# output is checked). bench NAME SECONDS ARGS... keeps the table in bench-NAME.log.
+BENCH=$BUILD/tools/epx-bench
+bench() {
+    local name=$1 secs=$2
+    shift 2
+    log "epx-bench $name: $*"
+    timeout "$secs" "$BENCH" -B cuda "$@" >"$LOGDIR/bench-$name.log" 2>&1 ||
+        { log "  epx-bench $name FAILED"; status=1; }
+    cat "$LOGDIR/bench-$name.log" | tee -a "$LOGDIR/summary.log"
+}
+if [ -x "$BENCH" ]; then
+    # HT, default and view mode, with the plain-copy ceiling: 8 ranks, 4096 tokens per rank, H 7168,
+    # top-8, 256 experts, 16 SMs per rank, bf16 and fp8 dispatch, bf16 combine.
     for d in bf16 fp8; do
-        log "epx-ceiling $d (8 ranks, 16 SMs each)"
-        timeout 150 "$BUILD/tools/epx-ceiling" -r 8 -t 4096 -H 7168 -k 8 -E 256 -s 16 -n 20 -d "$d" \
-            >"$LOGDIR/ceiling-$d.log" 2>&1 || { log "  epx-ceiling $d FAILED"; status=1; }
-        cat "$LOGDIR/ceiling-$d.log" | tee -a "$LOGDIR/summary.log"
+        bench "ht-$d" 150 -o ht,view -r 8 -t 4096 -H 7168 -k 8 -E 256 -S 16 -n 20 -w 3 -d "$d"
     done
-fi
-# Benchmark rows: 8 ranks, 4096 tokens per rank, H 7168, top-8, 256 experts, 16 SMs per rank.
-if [ -x "$BUILD/tools/epx-bench" ]; then
-    for d in fp8 bf16; do
-        log "epx-bench ht $d"
-        timeout 150 "$BUILD/tools/epx-bench" -B cuda -r 8 -t 4096 -H 7168 -k 8 -E 256 -n 20 -w 5 -d "$d" -o ht \
-            >"$LOGDIR/bench-ht-$d.log" 2>&1 || { log "  bench $d FAILED"; status=1; }
-        tail -5 "$LOGDIR/bench-ht-$d.log" | tee -a "$LOGDIR/summary.log"
-    done
-fi
-# Routing-map rows: dispatch with permute / combine with unpermute, 4096 tokens per rank, H 7168,
-# top-8, 8 local experts per rank (8 ranks, 16 SMs each); R = 1 with 256 local experts against torch.
-if [ -x "$BUILD/tools/epx-rm-bench" ]; then
-    log "epx-rm-bench 8 ranks"
-    timeout 120 "$BUILD/tools/epx-rm-bench" -r 8 -t 4096 -H 7168 -k 8 -L 8 -s 16 -n 20 \
-        >"$LOGDIR/rm-bench-r8.log" 2>&1 || { log "  epx-rm-bench r8 FAILED"; status=1; }
-    cat "$LOGDIR/rm-bench-r8.log" | tee -a "$LOGDIR/summary.log"
-    log "epx-rm-bench 1 rank, 256 experts"
-    timeout 60 "$BUILD/tools/epx-rm-bench" -r 1 -t 4096 -H 7168 -k 8 -L 256 -n 20 \
-        >"$LOGDIR/rm-bench-r1.log" 2>&1 || { log "  epx-rm-bench r1 FAILED"; status=1; }
-    cat "$LOGDIR/rm-bench-r1.log" | tee -a "$LOGDIR/summary.log"
+    # Routing map: dispatch with permute / combine with unpermute, 4096 tokens per rank, H 7168, top-8,
+    # no padding; 8 local experts per rank (8 ranks, 16 SMs each), then R = 1 with 256 local experts.
+    bench rm-r8 120 -o permute -r 8 -t 4096 -H 7168 -k 8 -L 8 -p 1 -S 16 -n 20 -w 3
+    bench rm-r1 90 -o permute -r 1 -t 4096 -H 7168 -k 8 -L 256 -p 1 -n 20 -w 3
 fi
 if python3 -c "import torch; assert torch.cuda.is_available()" >/dev/null 2>&1; then
     log "torch permute baseline"
@@ -120,13 +100,10 @@ if python3 -c "import torch; assert torch.cuda.is_available()" >/dev/null 2>&1; 
         { log "  torch baseline FAILED"; status=1; }
     cat "$LOGDIR/torch-permute.log" | tee -a "$LOGDIR/summary.log"
 fi
-# LL rows: 128 tokens per rank, H 7168, top-8, 256 experts, 8 ranks with 16 SMs each: dispatch fp8,
+# LL: 128 tokens per rank, H 7168, top-8, 256 experts, 8 ranks with 16 SMs each: dispatch fp8,
 # combine bf16, their hook halves and the same-run floor.
-if [ -x "$BUILD/tools/epx-ll-bench" ]; then
-    log "epx-ll-bench 8 ranks"
-    timeout 120 "$BUILD/tools/epx-ll-bench" -r 8 -t 128 -H 7168 -k 8 -E 256 -s 16 -n 50 -d fp8 \
-        >"$LOGDIR/ll-bench-r8.log" 2>&1 || { log "  epx-ll-bench FAILED"; status=1; }
-    cat "$LOGDIR/ll-bench-r8.log" | tee -a "$LOGDIR/summary.log"
+if [ -x "$BENCH" ]; then
+    bench ll-r8 120 -o ll -r 8 -t 128 -H 7168 -k 8 -E 256 -S 16 -n 50 -w 5 -d fp8
 fi
 log "done, status $status"
 exit $status
