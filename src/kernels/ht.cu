@@ -9,61 +9,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "kernels/sync.cuh"
-
-#define EPX_THREADS 512
-#define EPX_WARPS   (EPX_THREADS / 32)
-#define EPX_UNROLL  4
-
-enum { DONE_SEND = 0, DONE_RECV = 1, DONE_COMB_SEND = 2, DONE_COMB_REDUCE = 3 };
-
-__device__ __forceinline__ int64_t topk_at(const void *idx, int is64, int64_t i)
-{
-    return is64 ? ((const int64_t *)idx)[i] : (int64_t)((const int32_t *)idx)[i];
-}
-
-__device__ __forceinline__ unsigned lanemask_lt(void)
-{
-    unsigned m;
-    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
-    return m;
-}
-
-/* Expert id valid for routing (invalid device ids are reported and treated as -1). */
-__device__ __forceinline__ bool expert_ok(int64_t e, int E)
-{
-    return e >= 0 && e < E;
-}
-
-/* Copies `bytes` from src to each of n destinations, reading every 16-byte vector once. */
-__device__ __forceinline__ void copy_fanout(const uint8_t *src, uint8_t *const *dst, int n, int64_t bytes,
-                                            int lane)
-{
-    if (n == 0) return;
-    uintptr_t align = (uintptr_t)src;
-    for (int d = 0; d < n; d++) align |= (uintptr_t)dst[d];
-    if ((bytes & 15) == 0 && (align & 15) == 0) {
-        const int4 *s = (const int4 *)src;
-        const int64_t n16 = bytes >> 4;
-        for (int64_t i = lane; i < n16; i += 32 * EPX_UNROLL) {
-            int4 v[EPX_UNROLL];
-#pragma unroll
-            for (int u = 0; u < EPX_UNROLL; u++)
-                if (i + u * 32 < n16) v[u] = ld_nc_v4(s + i + u * 32);
-            for (int d = 0; d < n; d++) {
-                int4 *o = (int4 *)dst[d];
-#pragma unroll
-                for (int u = 0; u < EPX_UNROLL; u++)
-                    if (i + u * 32 < n16) st_na_v4(o + i + u * 32, v[u]);
-            }
-        }
-    } else {
-        for (int64_t i = lane; i < bytes; i += 32) {
-            uint8_t v = src[i];
-            for (int d = 0; d < n; d++) dst[d][i] = v;
-        }
-    }
-}
+#include "kernels/common.cuh"
 
 /* ----------------------------------------------------------------------------- layout ---- */
 
@@ -111,7 +57,7 @@ __global__ void __launch_bounds__(1024) layout_kernel(const __grid_constant__ ep
                     if ((mask >> (d * D)) & (D == 64 ? ~0ull : ((1ull << D) - 1))) atomicAdd(&dom_cnt[d], 1);
         }
         for (int r = 0; r < R; r++) {
-            unsigned b = __ballot_sync(0xffffffffu, (mask >> r) & 1);
+            unsigned b = __ballot_sync(kFullMask, (mask >> r) & 1);
             if (lane == 0) warp_cnt[warp][r] = __popc(b);
         }
         __syncthreads();
@@ -127,7 +73,7 @@ __global__ void __launch_bounds__(1024) layout_kernel(const __grid_constant__ ep
         __syncthreads();
         for (int r = 0; r < R; r++) {
             bool in = (mask >> r) & 1;
-            unsigned b = __ballot_sync(0xffffffffu, in);
+            unsigned b = __ballot_sync(kFullMask, in);
             if (t < a.num_tokens && a.send_row)
                 a.send_row[t * R + r] = in ? warp_cnt[warp][r] + __popc(b & lanemask_lt()) : -1;
         }
@@ -150,35 +96,30 @@ extern "C" int epx_cuda_launch_layout(const epx_cuda_layout_args_t *args, void *
 /* Sender. Block prologue: wait until every receiver released our slice of its area (previous
  * dispatch). Then one warp per token: collect its destinations, write metadata and the row into
  * each destination's slice. The last block publishes counts and the epoch to every receiver. */
-__global__ void __launch_bounds__(EPX_THREADS)
+__global__ void __launch_bounds__(kBlockThreads)
     dispatch_send_kernel(const __grid_constant__ epx_cuda_dispatch_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, me = c->rank;
     const int E = L * R;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    epx_cuda_ctrl_t *own = ctrl_of(c->peers[me]);
+    epx_cuda_ctrl_t *own = peer_ctrl(c, me);
     const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
     const uint64_t prev = ld_volatile_u64(&own->disp_last);
-    __shared__ int ok;
-    __shared__ int dst_rank[EPX_WARPS][EPX_CUDA_MAX_RANKS];
-    __shared__ uint8_t *dst_ptr[EPX_WARPS][EPX_CUDA_MAX_RANKS];
-    __shared__ int64_t dst_slot[EPX_WARPS][EPX_CUDA_MAX_RANKS];
-    if (threadIdx.x == 0) ok = 1;
-    __syncthreads();
-    if (threadIdx.x < R &&
-        !wait_flag_geq(c, &own->disp_ack[threadIdx.x], prev, epoch, threadIdx.x, EPX_CUDA_WAIT_DISPATCH_ACK))
-        ok = 0;
-    __syncthreads();
+    __shared__ int dst_rank[kBlockWarps][EPX_CUDA_MAX_RANKS];
+    __shared__ uint8_t *dst_ptr[kBlockWarps][EPX_CUDA_MAX_RANKS];
+    __shared__ int64_t dst_slot[kBlockWarps][EPX_CUDA_MAX_RANKS];
+    const int &ok =
+        wait_peers(c, [&](int r) { return &own->disp_ack[r]; }, prev, epoch, EPX_CUDA_WAIT_DISPATCH_ACK);
     const int ns = a.x_scales ? a.num_scales : 0;
     if (ok) {
-        for (int64_t t = (int64_t)blockIdx.x * EPX_WARPS + warp; t < a.num_tokens;
-             t += (int64_t)gridDim.x * EPX_WARPS) {
+        for (int64_t t = (int64_t)blockIdx.x * kBlockWarps + warp; t < a.num_tokens;
+             t += (int64_t)gridDim.x * kBlockWarps) {
             int n = 0;
             for (int r0 = 0; r0 < R; r0 += 32) {
                 const int r = r0 + lane;
                 const int row = r < R ? a.h.send_row[t * R + r] : -1;
-                const unsigned b = __ballot_sync(0xffffffffu, row >= 0);
+                const unsigned b = __ballot_sync(kFullMask, row >= 0);
                 if (row >= 0) {
                     const int pos = n + __popc(b & lanemask_lt());
                     const int64_t slot = (int64_t)me * c->max_tokens + row;
@@ -206,24 +147,23 @@ __global__ void __launch_bounds__(EPX_THREADS)
                 for (int j = lane; j < ns; j += 32)
                     ((float *)(base + c->lay.disp_scales))[slot * ns + j] = a.x_scales[t * ns + j];
             }
-            copy_fanout(a.x + t * a.row_bytes, dst_ptr[warp], n, a.row_bytes, lane);
+            copy_fanout<4, false>(a.x + t * a.row_bytes, dst_ptr[warp], n, a.row_bytes, lane);
             __syncwarp();
         }
     }
-    if (last_block_arrive(&own->done_counter[DONE_SEND])) {
-        if (!epoch_failed(c, epoch) && threadIdx.x < R) {
-            epx_cuda_ctrl_t *peer = ctrl_of(c->peers[threadIdx.x]);
-            st_relaxed_sys(&peer->disp_count[me], (uint64_t)a.h.send_count[threadIdx.x]);
+    if (last_block_arrive(&own->done_counter[DONE_HT_SEND]))
+        publish_peers(c, epoch, [&](int r) {
+            epx_cuda_ctrl_t *peer = peer_ctrl(c, r);
+            st_relaxed_sys(&peer->disp_count[me], (uint64_t)a.h.send_count[r]);
             st_release_sys(&peer->disp_flag[me], epoch);
-        }
-    }
+        });
 }
 
 /* Receiver. Block prologue: wait for every source's epoch, prefix the counts. Then one warp per
  * output row copies it out of its source slice. The last block writes N_r, the per-expert
  * counts, releases every source's slice and closes the epoch (also after a failure, so all
  * ranks stay in step). */
-__global__ void __launch_bounds__(EPX_THREADS)
+__global__ void __launch_bounds__(kBlockThreads)
     dispatch_recv_kernel(const __grid_constant__ epx_cuda_dispatch_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
@@ -233,22 +173,17 @@ __global__ void __launch_bounds__(EPX_THREADS)
     epx_cuda_ctrl_t *own = ctrl_of(region);
     const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
     extern __shared__ int expert_cnt[]; /* [L] */
-    __shared__ int ok;
     __shared__ int prefix[EPX_CUDA_MAX_RANKS + 1];
     __shared__ int cnt[EPX_CUDA_MAX_RANKS];
     const bool want_counts = !a.cached && a.num_recv_tokens_per_expert;
-    if (threadIdx.x == 0) ok = 1;
     if (want_counts)
         for (int j = threadIdx.x; j < L; j += blockDim.x) expert_cnt[j] = 0;
-    __syncthreads();
-    if (threadIdx.x < R) {
-        if (wait_flag_geq(c, &own->disp_flag[threadIdx.x], epoch, epoch, threadIdx.x,
-                          EPX_CUDA_WAIT_DISPATCH_DATA))
-            cnt[threadIdx.x] = (int)ld_volatile_u64(&own->disp_count[threadIdx.x]);
-        else
-            ok = 0;
-    }
-    __syncthreads();
+    const int &ok = wait_peers(
+        c, [&](int r) { return &own->disp_flag[r]; }, epoch, epoch, EPX_CUDA_WAIT_DISPATCH_DATA,
+        [&](int r) {
+            cnt[r] = (int)ld_volatile_u64(&own->disp_count[r]);
+            return true;
+        });
     if (threadIdx.x == 0) {
         prefix[0] = 0;
         for (int r = 0; r < R; r++) prefix[r + 1] = prefix[r] + (ok ? cnt[r] : 0);
@@ -263,15 +198,15 @@ __global__ void __launch_bounds__(EPX_THREADS)
      * token, so combine can clear their slot on the source. */
     const int64_t meta_rows = (fits && !a.cached) ? total : rows;
     const int ns = a.x_scales ? a.num_scales : 0;
-    for (int64_t i = (int64_t)blockIdx.x * EPX_WARPS + warp; i < meta_rows;
-         i += (int64_t)gridDim.x * EPX_WARPS) {
+    for (int64_t i = (int64_t)blockIdx.x * kBlockWarps + warp; i < meta_rows;
+         i += (int64_t)gridDim.x * kBlockWarps) {
         int s = 0;
         while (s + 1 < R && prefix[s + 1] <= i) s++;
         const int64_t slot = (int64_t)s * c->max_tokens + (i - prefix[s]);
         const bool kept = i < rows;
         if (kept) {
             uint8_t *dst = a.recv_x + i * a.row_bytes;
-            copy_fanout(region + c->lay.disp_x + slot * c->lay.x_stride, &dst, 1, a.row_bytes, lane);
+            copy_fanout<4, false>(region + c->lay.disp_x + slot * c->lay.x_stride, &dst, 1, a.row_bytes, lane);
             for (int j = lane; j < ns; j += 32)
                 a.recv_scales[i * ns + j] = ((const float *)(region + c->lay.disp_scales))[slot * ns + j];
         }
@@ -297,7 +232,7 @@ __global__ void __launch_bounds__(EPX_THREADS)
         for (int j = threadIdx.x; j < L; j += blockDim.x)
             if (expert_cnt[j]) atomicAdd(&scratch[j], expert_cnt[j]);
     }
-    if (last_block_arrive(&own->done_counter[DONE_RECV])) {
+    if (last_block_arrive(&own->done_counter[DONE_HT_RECV])) {
         if (threadIdx.x == 0) {
             c->host->num_recv = ok ? total : -1;
             if (ok && a.static_mode && total > a.capacity) c->host->overflow = 1;
@@ -314,20 +249,14 @@ __global__ void __launch_bounds__(EPX_THREADS)
                 scratch[j] = 0;
             }
         }
-        __syncthreads();
-        if (threadIdx.x < R) st_release_sys(&ctrl_of(c->peers[threadIdx.x])->disp_ack[me], epoch);
-        if (threadIdx.x == 0) {
-            own->disp_last = epoch;
-            own->epoch = epoch;
-            __threadfence_system();
-        }
+        finish_dispatch_recv(c, epoch);
     }
 }
 
 extern "C" int epx_cuda_launch_dispatch(const epx_cuda_dispatch_args_t *args, void *stream)
 {
     cudaStream_t s = (cudaStream_t)stream;
-    dispatch_send_kernel<<<args->c.num_blocks, EPX_THREADS, 0, s>>>(*args);
+    dispatch_send_kernel<<<args->c.num_blocks, kBlockThreads, 0, s>>>(*args);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return (int)err;
     const size_t smem = (size_t)args->c.num_local_experts * sizeof(int);
@@ -336,7 +265,7 @@ extern "C" int epx_cuda_launch_dispatch(const epx_cuda_dispatch_args_t *args, vo
                                    (int)smem);
         if (err != cudaSuccess) return (int)err;
     }
-    dispatch_recv_kernel<<<args->c.num_blocks, EPX_THREADS, smem, s>>>(*args);
+    dispatch_recv_kernel<<<args->c.num_blocks, kBlockThreads, smem, s>>>(*args);
     return (int)cudaGetLastError();
 }
 
@@ -344,32 +273,27 @@ extern "C" int epx_cuda_launch_dispatch(const epx_cuda_dispatch_args_t *args, vo
 
 /* Sender of combine (rank holding received rows): after each source released its combine area,
  * one warp per received row writes it into the source's slice [me][source token]. */
-__global__ void __launch_bounds__(EPX_THREADS)
+__global__ void __launch_bounds__(kBlockThreads)
     combine_send_kernel(const __grid_constant__ epx_cuda_combine_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, K = c->num_topk, me = c->rank;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    epx_cuda_ctrl_t *own = ctrl_of(c->peers[me]);
+    epx_cuda_ctrl_t *own = peer_ctrl(c, me);
     const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
     const uint64_t prev = ld_volatile_u64(&own->comb_last);
     const int64_t row_bytes = c->hidden * 2;
-    __shared__ int ok;
     __shared__ int prefix[EPX_CUDA_MAX_RANKS + 1];
-    if (threadIdx.x == 0) ok = 1;
     for (int r = threadIdx.x; r <= R; r += blockDim.x) prefix[r] = a.h.recv_prefix[r];
-    __syncthreads();
-    if (threadIdx.x < R &&
-        !wait_flag_geq(c, &own->comb_ack[threadIdx.x], prev, epoch, threadIdx.x, EPX_CUDA_WAIT_COMBINE_ACK))
-        ok = 0;
-    __syncthreads();
+    const int &ok =
+        wait_peers(c, [&](int r) { return &own->comb_ack[r]; }, prev, epoch, EPX_CUDA_WAIT_COMBINE_ACK);
     const int64_t rows = ok ? *a.h.rows_valid : 0;
     /* Rows past rows_valid were dropped by a static bound: the source still counts us among the
      * token's ranks, so its slot gets zeros (+0.0f leaves an fp32 sum that started at +0.0f
      * unchanged, so the result equals skipping the rank). */
     const int64_t arrived = ok ? prefix[R] : 0;
-    for (int64_t i = (int64_t)blockIdx.x * EPX_WARPS + warp; i < arrived;
-         i += (int64_t)gridDim.x * EPX_WARPS) {
+    for (int64_t i = (int64_t)blockIdx.x * kBlockWarps + warp; i < arrived;
+         i += (int64_t)gridDim.x * kBlockWarps) {
         int s = 0;
         while (s + 1 < R && prefix[s + 1] <= i) s++;
         const int64_t t = a.h.recv_src[i];
@@ -378,7 +302,7 @@ __global__ void __launch_bounds__(EPX_THREADS)
         uint8_t *dst = base + c->lay.comb_x + slot * row_bytes;
         float *dst_w = (float *)(base + c->lay.comb_w) + slot * K;
         if (i < rows) {
-            copy_fanout((const uint8_t *)(a.x + i * c->hidden), &dst, 1, row_bytes, lane);
+            copy_fanout<4, false>((const uint8_t *)(a.x + i * c->hidden), &dst, 1, row_bytes, lane);
             if (a.topk_weights)
                 for (int k = lane; k < K; k += 32) dst_w[k] = a.topk_weights[i * K + k];
         } else {
@@ -386,10 +310,8 @@ __global__ void __launch_bounds__(EPX_THREADS)
             for (int k = lane; k < K; k += 32) dst_w[k] = 0.0f;
         }
     }
-    if (last_block_arrive(&own->done_counter[DONE_COMB_SEND])) {
-        if (!epoch_failed(c, epoch) && threadIdx.x < R)
-            st_release_sys(&ctrl_of(c->peers[threadIdx.x])->comb_flag[me], epoch);
-    }
+    if (last_block_arrive(&own->done_counter[DONE_HT_COMB_SEND]))
+        publish_peers(c, epoch, [&](int r) { st_release_sys(&peer_ctrl(c, r)->comb_flag[me], epoch); });
 }
 
 __device__ __forceinline__ float bf16_lo(uint32_t v)
@@ -422,7 +344,7 @@ __device__ __forceinline__ void acc_add8(float *acc, int4 v)
 /* Source side: wait for every rank's rows, then one warp per token sums its ranks' rows
  * ascending, + bias0, + bias1, in one fp32 accumulator, one rounding. The last block releases
  * every rank's slice of our area and closes the epoch. */
-__global__ void __launch_bounds__(EPX_THREADS)
+__global__ void __launch_bounds__(kBlockThreads)
     combine_reduce_kernel(const __grid_constant__ epx_cuda_combine_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
@@ -432,24 +354,19 @@ __global__ void __launch_bounds__(EPX_THREADS)
     epx_cuda_ctrl_t *own = ctrl_of(region);
     const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
     const int64_t H = c->hidden;
-    __shared__ int ok;
-    __shared__ int src_rank[EPX_WARPS][EPX_CUDA_MAX_RANKS];
-    if (threadIdx.x == 0) ok = 1;
-    __syncthreads();
-    if (threadIdx.x < R && !wait_flag_geq(c, &own->comb_flag[threadIdx.x], epoch, epoch, threadIdx.x,
-                                          EPX_CUDA_WAIT_COMBINE_DATA))
-        ok = 0;
-    __syncthreads();
+    __shared__ int src_rank[kBlockWarps][EPX_CUDA_MAX_RANKS];
+    const int &ok =
+        wait_peers(c, [&](int r) { return &own->comb_flag[r]; }, epoch, epoch, EPX_CUDA_WAIT_COMBINE_DATA);
     const uint16_t *comb = (const uint16_t *)(region + c->lay.comb_x);
     const float *combw = (const float *)(region + c->lay.comb_w);
     const int64_t T = ok ? a.num_tokens : 0;
     const bool vec = (H % 8) == 0;
-    for (int64_t t = (int64_t)blockIdx.x * EPX_WARPS + warp; t < T; t += (int64_t)gridDim.x * EPX_WARPS) {
+    for (int64_t t = (int64_t)blockIdx.x * kBlockWarps + warp; t < T; t += (int64_t)gridDim.x * kBlockWarps) {
         int n = 0;
         for (int r0 = 0; r0 < R; r0 += 32) {
             const int r = r0 + lane;
             const bool in = r < R && a.h.send_row[t * R + r] >= 0;
-            const unsigned b = __ballot_sync(0xffffffffu, in);
+            const unsigned b = __ballot_sync(kFullMask, in);
             if (in) src_rank[warp][n + __popc(b & lanemask_lt())] = r;
             n += __popc(b);
         }
@@ -494,23 +411,16 @@ __global__ void __launch_bounds__(EPX_THREADS)
             }
         __syncwarp();
     }
-    if (last_block_arrive(&own->done_counter[DONE_COMB_REDUCE])) {
-        if (threadIdx.x < R) st_release_sys(&ctrl_of(c->peers[threadIdx.x])->comb_ack[me], epoch);
-        if (threadIdx.x == 0) {
-            own->comb_last = epoch;
-            own->epoch = epoch;
-            __threadfence_system();
-        }
-    }
+    if (last_block_arrive(&own->done_counter[DONE_HT_COMB_REDUCE])) finish_combine_reduce(c, epoch);
 }
 
 extern "C" int epx_cuda_launch_combine(const epx_cuda_combine_args_t *args, void *stream)
 {
     cudaStream_t s = (cudaStream_t)stream;
-    combine_send_kernel<<<args->c.num_blocks, EPX_THREADS, 0, s>>>(*args);
+    combine_send_kernel<<<args->c.num_blocks, kBlockThreads, 0, s>>>(*args);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return (int)err;
-    combine_reduce_kernel<<<args->c.num_blocks, EPX_THREADS, 0, s>>>(*args);
+    combine_reduce_kernel<<<args->c.num_blocks, kBlockThreads, 0, s>>>(*args);
     return (int)cudaGetLastError();
 }
 
@@ -520,10 +430,10 @@ extern "C" int epx_cuda_launch_combine(const epx_cuda_combine_args_t *args, void
  * both our areas' slices as if consumed, and close the epoch. */
 __global__ void fail_kernel(const __grid_constant__ epx_cuda_common_t c)
 {
-    epx_cuda_ctrl_t *own = ctrl_of(c.peers[c.rank]);
+    epx_cuda_ctrl_t *own = peer_ctrl(&c, c.rank);
     const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
     if ((int)threadIdx.x < c.nranks) {
-        epx_cuda_ctrl_t *peer = ctrl_of(c.peers[threadIdx.x]);
+        epx_cuda_ctrl_t *peer = peer_ctrl(&c, threadIdx.x);
         st_release_sys(&peer->fail[c.rank], epoch);
         st_release_sys(&peer->disp_ack[c.rank], epoch);
         st_release_sys(&peer->comb_ack[c.rank], epoch);
@@ -543,83 +453,78 @@ extern "C" int epx_cuda_launch_fail(const epx_cuda_common_t *c, void *stream)
 
 /* The same token rows as dispatch_send_kernel to the same slots through the same mappings,
  * with plain copies: no waits, no metadata, no flags. */
-__global__ void __launch_bounds__(EPX_THREADS)
+__global__ void __launch_bounds__(kBlockThreads)
     ceiling_copy_kernel(const __grid_constant__ epx_cuda_dispatch_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, me = c->rank;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __shared__ uint8_t *dst_ptr[EPX_WARPS][EPX_CUDA_MAX_RANKS];
-    for (int64_t t = (int64_t)blockIdx.x * EPX_WARPS + warp; t < a.num_tokens;
-         t += (int64_t)gridDim.x * EPX_WARPS) {
+    __shared__ uint8_t *dst_ptr[kBlockWarps][EPX_CUDA_MAX_RANKS];
+    for (int64_t t = (int64_t)blockIdx.x * kBlockWarps + warp; t < a.num_tokens;
+         t += (int64_t)gridDim.x * kBlockWarps) {
         int n = 0;
         for (int r0 = 0; r0 < R; r0 += 32) {
             const int r = r0 + lane;
             const int row = r < R ? a.h.send_row[t * R + r] : -1;
-            const unsigned b = __ballot_sync(0xffffffffu, row >= 0);
+            const unsigned b = __ballot_sync(kFullMask, row >= 0);
             if (row >= 0)
                 dst_ptr[warp][n + __popc(b & lanemask_lt())] =
                     c->peers[r] + c->lay.disp_x + ((int64_t)me * c->max_tokens + row) * c->lay.x_stride;
             n += __popc(b);
         }
         __syncwarp();
-        copy_fanout(a.x + t * a.row_bytes, dst_ptr[warp], n, a.row_bytes, lane);
+        copy_fanout<4, false>(a.x + t * a.row_bytes, dst_ptr[warp], n, a.row_bytes, lane);
         __syncwarp();
     }
 }
 
 extern "C" int epx_cuda_launch_ceiling_copy(const epx_cuda_dispatch_args_t *args, void *stream)
 {
-    ceiling_copy_kernel<<<args->c.num_blocks, EPX_THREADS, 0, (cudaStream_t)stream>>>(*args);
+    ceiling_copy_kernel<<<args->c.num_blocks, kBlockThreads, 0, (cudaStream_t)stream>>>(*args);
     return (int)cudaGetLastError();
 }
 
 /* ------------------------------------------------------------------------ view mode ---- */
-
-enum { VDONE_SEND = 0, VDONE_RECV = 1, VDONE_COMB_POST = 2, VDONE_COMB_REDUCE = 3 };
 
 /* Sender of a view-mode dispatch. Prologue: tell every peer that our views of its earlier rows
  * are dead (our consumers ran before this kernel on our stream), wait until every receiver said
  * the same, post our per-destination counts (block 0), then read from each destination the
  * counts of the lower-ranked sources: their sum is where our rows start there. Then one warp per
  * token writes each of its rows once, into its final row. */
-__global__ void __launch_bounds__(EPX_THREADS)
+__global__ void __launch_bounds__(kBlockThreads)
     dispatch_view_send_kernel(const __grid_constant__ epx_cuda_dispatch_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, me = c->rank;
     const int E = L * R;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    epx_cuda_ctrl_t *own = ctrl_of(c->peers[me]);
+    epx_cuda_ctrl_t *own = peer_ctrl(c, me);
     const uint64_t closed = ld_volatile_u64(&own->epoch);
     const uint64_t epoch = closed + 1;
     const uint64_t prev = ld_volatile_u64(&own->view_last);
-    __shared__ int ok;
+    __shared__ int counted;
     __shared__ int64_t base[EPX_CUDA_MAX_RANKS];
-    __shared__ int dst_rank[EPX_WARPS][EPX_CUDA_MAX_RANKS];
-    __shared__ int64_t dst_row[EPX_WARPS][EPX_CUDA_MAX_RANKS];
-    __shared__ uint8_t *dst_ptr[EPX_WARPS][EPX_CUDA_MAX_RANKS];
-    if (threadIdx.x == 0) ok = 1;
+    __shared__ int dst_rank[kBlockWarps][EPX_CUDA_MAX_RANKS];
+    __shared__ int64_t dst_row[kBlockWarps][EPX_CUDA_MAX_RANKS];
+    __shared__ uint8_t *dst_ptr[kBlockWarps][EPX_CUDA_MAX_RANKS];
+    if (threadIdx.x == 0) counted = 1;
     if (blockIdx.x == 0 && threadIdx.x < R) {
-        epx_cuda_ctrl_t *peer = ctrl_of(c->peers[threadIdx.x]);
+        epx_cuda_ctrl_t *peer = peer_ctrl(c, threadIdx.x);
         if (ld_volatile_u64(&peer->view_ack[me]) < closed) st_release_sys(&peer->view_ack[me], closed);
     }
-    __syncthreads();
-    if (threadIdx.x < R &&
-        !wait_flag_geq(c, &own->view_ack[threadIdx.x], prev, epoch, threadIdx.x, EPX_CUDA_WAIT_DISPATCH_ACK))
-        ok = 0;
-    __syncthreads();
-    if (ok && blockIdx.x == 0 && threadIdx.x < R) {
-        epx_cuda_ctrl_t *peer = ctrl_of(c->peers[threadIdx.x]);
+    const int &acked =
+        wait_peers(c, [&](int r) { return &own->view_ack[r]; }, prev, epoch, EPX_CUDA_WAIT_DISPATCH_ACK);
+    if (acked && blockIdx.x == 0 && threadIdx.x < R) {
+        epx_cuda_ctrl_t *peer = peer_ctrl(c, threadIdx.x);
         st_relaxed_sys(&peer->disp_count[me], (uint64_t)a.h.send_count[threadIdx.x]);
         st_release_sys(&peer->cnt_flag[me], epoch);
     }
-    if (ok && threadIdx.x < R) {
-        epx_cuda_ctrl_t *peer = ctrl_of(c->peers[threadIdx.x]);
+    if (acked && threadIdx.x < R) {
+        epx_cuda_ctrl_t *peer = peer_ctrl(c, threadIdx.x);
         int64_t sum = 0;
         for (int s = 0; s < me; s++) {
             if (!wait_flag_geq(c, &peer->cnt_flag[s], epoch, epoch, s, EPX_CUDA_WAIT_DISPATCH_DATA)) {
-                ok = 0;
+                counted = 0;
                 break;
             }
             sum += (int64_t)ld_volatile_u64(&peer->disp_count[s]);
@@ -627,17 +532,18 @@ __global__ void __launch_bounds__(EPX_THREADS)
         base[threadIdx.x] = sum;
     }
     __syncthreads();
+    const bool ok = acked && counted;
     const int ns = a.x_scales ? a.num_scales : 0;
     const int64_t cap = (int64_t)R * c->max_tokens;
     if (ok) {
-        for (int64_t t = (int64_t)blockIdx.x * EPX_WARPS + warp; t < a.num_tokens;
-             t += (int64_t)gridDim.x * EPX_WARPS) {
+        for (int64_t t = (int64_t)blockIdx.x * kBlockWarps + warp; t < a.num_tokens;
+             t += (int64_t)gridDim.x * kBlockWarps) {
             int n = 0;
             for (int r0 = 0; r0 < R; r0 += 32) {
                 const int r = r0 + lane;
                 const int row = r < R ? a.h.send_row[t * R + r] : -1;
                 const int64_t fin = row >= 0 ? base[r] + row : -1;
-                const unsigned b = __ballot_sync(0xffffffffu, fin >= 0 && fin < cap);
+                const unsigned b = __ballot_sync(kFullMask, fin >= 0 && fin < cap);
                 if (fin >= 0 && fin < cap) {
                     const int pos = n + __popc(b & lanemask_lt());
                     dst_rank[warp][pos] = r;
@@ -664,23 +570,22 @@ __global__ void __launch_bounds__(EPX_THREADS)
                 for (int j = lane; j < ns; j += 32)
                     ((float *)(rb + c->lay.view_scales))[fin * ns + j] = a.x_scales[t * ns + j];
             }
-            copy_fanout(a.x + t * a.row_bytes, dst_ptr[warp], n, a.row_bytes, lane);
+            copy_fanout<4, false>(a.x + t * a.row_bytes, dst_ptr[warp], n, a.row_bytes, lane);
             __syncwarp();
         }
     }
-    if (last_block_arrive(&own->view_done_counter[VDONE_SEND])) {
-        if (!epoch_failed(c, epoch) && threadIdx.x < R) {
-            epx_cuda_ctrl_t *peer = ctrl_of(c->peers[threadIdx.x]);
-            st_relaxed_sys(&peer->disp_count[me], (uint64_t)a.h.send_count[threadIdx.x]);
+    if (last_block_arrive(&own->view_done_counter[DONE_VIEW_SEND]))
+        publish_peers(c, epoch, [&](int r) {
+            epx_cuda_ctrl_t *peer = peer_ctrl(c, r);
+            st_relaxed_sys(&peer->disp_count[me], (uint64_t)a.h.send_count[r]);
             st_release_sys(&peer->disp_flag[me], epoch);
-        }
-    }
+        });
 }
 
 /* Receiver of a view-mode dispatch: the rows are in place once every source's flag arrived; it
  * keeps the source index per row for combine and counts per local expert. The default areas were
  * not touched, so they are released at once; the view areas at our next view dispatch. */
-__global__ void __launch_bounds__(EPX_THREADS)
+__global__ void __launch_bounds__(kBlockThreads)
     dispatch_view_recv_kernel(const __grid_constant__ epx_cuda_dispatch_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
@@ -690,22 +595,17 @@ __global__ void __launch_bounds__(EPX_THREADS)
     epx_cuda_ctrl_t *own = ctrl_of(region);
     const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
     extern __shared__ int expert_cnt[]; /* [L] */
-    __shared__ int ok;
     __shared__ int prefix[EPX_CUDA_MAX_RANKS + 1];
     __shared__ int cnt[EPX_CUDA_MAX_RANKS];
     const bool want_counts = !a.cached && a.num_recv_tokens_per_expert;
-    if (threadIdx.x == 0) ok = 1;
     if (want_counts)
         for (int j = threadIdx.x; j < L; j += blockDim.x) expert_cnt[j] = 0;
-    __syncthreads();
-    if (threadIdx.x < R) {
-        if (wait_flag_geq(c, &own->disp_flag[threadIdx.x], epoch, epoch, threadIdx.x,
-                          EPX_CUDA_WAIT_DISPATCH_DATA))
-            cnt[threadIdx.x] = (int)ld_volatile_u64(&own->disp_count[threadIdx.x]);
-        else
-            ok = 0;
-    }
-    __syncthreads();
+    const int &ok = wait_peers(
+        c, [&](int r) { return &own->disp_flag[r]; }, epoch, epoch, EPX_CUDA_WAIT_DISPATCH_DATA,
+        [&](int r) {
+            cnt[r] = (int)ld_volatile_u64(&own->disp_count[r]);
+            return true;
+        });
     if (threadIdx.x == 0) {
         prefix[0] = 0;
         for (int r = 0; r < R; r++) prefix[r + 1] = prefix[r] + (ok ? cnt[r] : 0);
@@ -714,8 +614,8 @@ __global__ void __launch_bounds__(EPX_THREADS)
     const int64_t total = prefix[R];
     const int64_t rows = total < a.capacity ? total : a.capacity;
     if (!a.cached) {
-        for (int64_t i = (int64_t)blockIdx.x * EPX_WARPS + warp; i < total;
-             i += (int64_t)gridDim.x * EPX_WARPS) {
+        for (int64_t i = (int64_t)blockIdx.x * kBlockWarps + warp; i < total;
+             i += (int64_t)gridDim.x * kBlockWarps) {
             if (want_counts)
                 for (int k = lane; k < K; k += 32) {
                     const int32_t loc = ((const int32_t *)(region + c->lay.view_idx))[i * K + k];
@@ -730,7 +630,7 @@ __global__ void __launch_bounds__(EPX_THREADS)
         for (int j = threadIdx.x; j < L; j += blockDim.x)
             if (expert_cnt[j]) atomicAdd(&scratch[j], expert_cnt[j]);
     }
-    if (last_block_arrive(&own->view_done_counter[VDONE_RECV])) {
+    if (last_block_arrive(&own->view_done_counter[DONE_VIEW_RECV])) {
         if (threadIdx.x == 0) {
             c->host->num_recv = ok ? total : -1;
             if (ok && a.static_mode && total > a.capacity) c->host->overflow = 1;
@@ -747,21 +647,14 @@ __global__ void __launch_bounds__(EPX_THREADS)
                 scratch[j] = 0;
             }
         }
-        __syncthreads();
-        if (threadIdx.x < R) st_release_sys(&ctrl_of(c->peers[threadIdx.x])->disp_ack[me], epoch);
-        if (threadIdx.x == 0) {
-            own->disp_last = epoch;
-            own->view_last = epoch;
-            own->epoch = epoch;
-            __threadfence_system();
-        }
+        finish_dispatch_recv(c, epoch, &own->view_last);
     }
 }
 
 extern "C" int epx_cuda_launch_dispatch_view(const epx_cuda_dispatch_args_t *args, void *stream)
 {
     cudaStream_t s = (cudaStream_t)stream;
-    dispatch_view_send_kernel<<<args->c.num_blocks, EPX_THREADS, 0, s>>>(*args);
+    dispatch_view_send_kernel<<<args->c.num_blocks, kBlockThreads, 0, s>>>(*args);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return (int)err;
     const size_t smem = (size_t)args->c.num_local_experts * sizeof(int);
@@ -770,13 +663,13 @@ extern "C" int epx_cuda_launch_dispatch_view(const epx_cuda_dispatch_args_t *arg
                                    (int)smem);
         if (err != cudaSuccess) return (int)err;
     }
-    dispatch_view_recv_kernel<<<args->c.num_blocks, EPX_THREADS, smem, s>>>(*args);
+    dispatch_view_recv_kernel<<<args->c.num_blocks, kBlockThreads, smem, s>>>(*args);
     return (int)cudaGetLastError();
 }
 
 /* Expert side of a view-mode combine: stage the weights (if any) next to the rows the caller
  * wrote into comb_x, then tell every source how many rows we hold and where its tokens start. */
-__global__ void __launch_bounds__(EPX_THREADS)
+__global__ void __launch_bounds__(kBlockThreads)
     combine_view_post_kernel(const __grid_constant__ epx_cuda_combine_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
@@ -791,9 +684,9 @@ __global__ void __launch_bounds__(EPX_THREADS)
              i += (int64_t)gridDim.x * blockDim.x)
             w[i] = a.topk_weights[i];
     }
-    if (last_block_arrive(&own->view_done_counter[VDONE_COMB_POST])) {
+    if (last_block_arrive(&own->view_done_counter[DONE_VIEW_COMB_POST])) {
         if (threadIdx.x < R) {
-            epx_cuda_ctrl_t *peer = ctrl_of(c->peers[threadIdx.x]);
+            epx_cuda_ctrl_t *peer = peer_ctrl(c, threadIdx.x);
             st_relaxed_sys(&peer->comb_rows[me], (uint64_t)rows);
             st_relaxed_sys(&peer->comb_base[me], (uint64_t)a.h.recv_prefix[threadIdx.x]);
             st_release_sys(&peer->comb_flag[me], epoch);
@@ -805,7 +698,7 @@ __global__ void __launch_bounds__(EPX_THREADS)
  * loads, every rank's load in flight before the sum), add in rank order, biases, round once.
  * The last block tells the peers we are done with their rows, waits until every source is done
  * with ours (the caller may then overwrite them), releases the combine areas and closes the epoch. */
-__global__ void __launch_bounds__(EPX_THREADS)
+__global__ void __launch_bounds__(kBlockThreads)
     combine_view_reduce_kernel(const __grid_constant__ epx_cuda_combine_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
@@ -815,26 +708,20 @@ __global__ void __launch_bounds__(EPX_THREADS)
     epx_cuda_ctrl_t *own = ctrl_of(region);
     const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
     const int64_t H = c->hidden;
-    __shared__ int ok;
     __shared__ int64_t peer_rows[EPX_CUDA_MAX_RANKS];
     __shared__ int64_t peer_base[EPX_CUDA_MAX_RANKS];
-    __shared__ const uint16_t *src_ptr[EPX_WARPS][EPX_CUDA_MAX_RANKS];
-    __shared__ const float *src_w[EPX_WARPS][EPX_CUDA_MAX_RANKS];
-    if (threadIdx.x == 0) ok = 1;
-    __syncthreads();
-    if (threadIdx.x < R) {
-        if (wait_flag_geq(c, &own->comb_flag[threadIdx.x], epoch, epoch, threadIdx.x,
-                          EPX_CUDA_WAIT_COMBINE_DATA)) {
-            peer_rows[threadIdx.x] = (int64_t)ld_volatile_u64(&own->comb_rows[threadIdx.x]);
-            peer_base[threadIdx.x] = (int64_t)ld_volatile_u64(&own->comb_base[threadIdx.x]);
-        } else {
-            ok = 0;
-        }
-    }
-    __syncthreads();
+    __shared__ const uint16_t *src_ptr[kBlockWarps][EPX_CUDA_MAX_RANKS];
+    __shared__ const float *src_w[kBlockWarps][EPX_CUDA_MAX_RANKS];
+    const int &ok = wait_peers(
+        c, [&](int r) { return &own->comb_flag[r]; }, epoch, epoch, EPX_CUDA_WAIT_COMBINE_DATA,
+        [&](int r) {
+            peer_rows[r] = (int64_t)ld_volatile_u64(&own->comb_rows[r]);
+            peer_base[r] = (int64_t)ld_volatile_u64(&own->comb_base[r]);
+            return true;
+        });
     const int64_t T = ok ? a.num_tokens : 0;
     const bool vec = (H % 8) == 0;
-    for (int64_t t = (int64_t)blockIdx.x * EPX_WARPS + warp; t < T; t += (int64_t)gridDim.x * EPX_WARPS) {
+    for (int64_t t = (int64_t)blockIdx.x * kBlockWarps + warp; t < T; t += (int64_t)gridDim.x * kBlockWarps) {
         int n = 0;
         for (int r0 = 0; r0 < R; r0 += 32) {
             const int r = r0 + lane;
@@ -842,7 +729,7 @@ __global__ void __launch_bounds__(EPX_THREADS)
             const int64_t fin = row >= 0 ? peer_base[r] + row : -1;
             /* A row past the holder's rows was dropped by its static bound: it adds nothing. */
             const bool in = fin >= 0 && fin < peer_rows[r];
-            const unsigned b = __ballot_sync(0xffffffffu, in);
+            const unsigned b = __ballot_sync(kFullMask, in);
             if (in) {
                 const int pos = n + __popc(b & lanemask_lt());
                 src_ptr[warp][pos] = (const uint16_t *)(c->peers[r] + c->lay.comb_x) + fin * H;
@@ -894,32 +781,22 @@ __global__ void __launch_bounds__(EPX_THREADS)
             }
         __syncwarp();
     }
-    if (last_block_arrive(&own->view_done_counter[VDONE_COMB_REDUCE])) {
-        __shared__ int all_done;
-        if (threadIdx.x == 0) all_done = 1;
-        __syncthreads();
-        if (threadIdx.x < R) st_release_sys(&ctrl_of(c->peers[threadIdx.x])->comb_pulled[me], epoch);
-        __syncthreads();
-        if (threadIdx.x < R && !wait_flag_geq(c, &own->comb_pulled[threadIdx.x], epoch, epoch, threadIdx.x,
-                                              EPX_CUDA_WAIT_COMBINE_ACK))
-            all_done = 0;
-        __syncthreads();
+    if (last_block_arrive(&own->view_done_counter[DONE_VIEW_COMB_REDUCE])) {
+        release_peers(c, [&](int r) { return &peer_ctrl(c, r)->comb_pulled[me]; }, epoch);
+        const int &all_done =
+            wait_peers(c, [&](int r) { return &own->comb_pulled[r]; }, epoch, epoch, EPX_CUDA_WAIT_COMBINE_ACK);
         /* Our area is free for the next writer (a default combine's peers) only now. */
-        if (threadIdx.x < R && all_done) st_release_sys(&ctrl_of(c->peers[threadIdx.x])->comb_ack[me], epoch);
-        if (threadIdx.x == 0) {
-            own->comb_last = epoch;
-            own->epoch = epoch;
-            __threadfence_system();
-        }
+        if (all_done) release_peers(c, [&](int r) { return &peer_ctrl(c, r)->comb_ack[me]; }, epoch);
+        close_epoch(own, &own->comb_last, epoch);
     }
 }
 
 extern "C" int epx_cuda_launch_combine_view(const epx_cuda_combine_args_t *args, void *stream)
 {
     cudaStream_t s = (cudaStream_t)stream;
-    combine_view_post_kernel<<<args->c.num_blocks, EPX_THREADS, 0, s>>>(*args);
+    combine_view_post_kernel<<<args->c.num_blocks, kBlockThreads, 0, s>>>(*args);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return (int)err;
-    combine_view_reduce_kernel<<<args->c.num_blocks, EPX_THREADS, 0, s>>>(*args);
+    combine_view_reduce_kernel<<<args->c.num_blocks, kBlockThreads, 0, s>>>(*args);
     return (int)cudaGetLastError();
 }

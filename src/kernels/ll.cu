@@ -9,10 +9,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "kernels/sync.cuh"
-
-#define LL_THREADS 512
-#define LL_WARPS   (LL_THREADS / 32)
+#include "kernels/common.cuh"
 
 enum { LL_DONE_DISP_SEND = 0, LL_DONE_DISP_RECV = 1, LL_DONE_COMB_SEND = 2, LL_DONE_COMB_RECV = 3 };
 
@@ -23,7 +20,7 @@ __device__ __forceinline__ epx_cuda_ll_ctrl_t *ll_ctrl(const epx_cuda_ll_args_t 
 
 __device__ __forceinline__ int64_t ll_topk(const epx_cuda_ll_args_t &a, int64_t i)
 {
-    return a.idx_is_64 ? ((const int64_t *)a.topk_idx)[i] : (int64_t)((const int32_t *)a.topk_idx)[i];
+    return topk_at(a.topk_idx, a.idx_is_64, i);
 }
 
 /* Dispatch slice of (slot, local expert j, source s) in rank r's region. */
@@ -94,6 +91,19 @@ __device__ __forceinline__ void ll_drops(const epx_cuda_ll_args_t &a)
     }
 }
 
+/* A send half's end: the last block publishes `epoch` to every rank through flag_of(r) (unless
+ * this rank failed it), remembers it as the slot's last use and closes the collective. */
+template <typename FlagOf>
+__device__ __forceinline__ void ll_finish_send(const epx_cuda_ll_args_t &a, bool ok, uint64_t epoch,
+                                               uint32_t *counter, FlagOf flag_of, uint64_t *slot_epoch)
+{
+    if (last_block_arrive(counter)) {
+        if (ok) publish_peers(&a.c, epoch, [&](int r) { st_release_sys(flag_of(r), epoch); });
+        __syncthreads();
+        close_epoch(peer_ctrl(&a.c, a.c.rank), slot_epoch, epoch);
+    }
+}
+
 /* ---------------------------------------------------------------------------- dispatch ---- */
 
 /* Casts 16 bf16 channels (two 16-byte loads) to 16 fp8 bytes; the 8 lanes of one 128-channel
@@ -112,7 +122,7 @@ __device__ __forceinline__ int4 ll_cast16(int4 v0, int4 v1, int round_scale, flo
 #pragma unroll
     for (int q = 0; q < 16; q++) amax = fmaxf(amax, fabsf(f[q]));
 #pragma unroll
-    for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
     amax = fmaxf(amax, 1e-4f);
     float scale_inv = __fdiv_rn(amax, 448.0f);
     if (round_scale) {
@@ -188,14 +198,14 @@ __device__ __forceinline__ void ll_dispatch_floor(const epx_cuda_ll_args_t &a)
     const int64_t H = a.c.hidden, T = a.num_tokens;
     const int64_t bytes = a.use_fp8 ? (H + (H / 128) * 4 + 15) / 16 * 16 : H * 2;
     const int64_t stride = (int64_t)a.ll.row_stride;
-    __shared__ uint8_t *dst[LL_WARPS][64];
-    for (int64_t t = (int64_t)blockIdx.x * LL_WARPS + warp; t < T; t += (int64_t)gridDim.x * LL_WARPS) {
+    __shared__ uint8_t *dst[kBlockWarps][64];
+    for (int64_t t = (int64_t)blockIdx.x * kBlockWarps + warp; t < T; t += (int64_t)gridDim.x * kBlockWarps) {
         int n = 0;
         for (int k0 = 0; k0 < K; k0 += 32) {
             const int k = k0 + lane;
             const int64_t e = k < K ? ll_topk(a, t * K + k) : -1;
             const bool in = e >= 0 && e < E;
-            const unsigned b = __ballot_sync(0xffffffffu, in);
+            const unsigned b = __ballot_sync(kFullMask, in);
             if (in)
                 dst[warp][n + __popc(b & ((1u << lane) - 1u))] =
                     ll_slice(a, (int)(e / L), (int)(e % L), me) + t * stride;
@@ -218,7 +228,7 @@ __device__ __forceinline__ void ll_dispatch_floor(const epx_cuda_ll_args_t &a)
  * destination. The last block publishes
  * the epoch to every rank. A token that repeats an expert is sent once (the repeat is an error
  * reported through the poller). */
-__global__ void __launch_bounds__(LL_THREADS)
+__global__ void __launch_bounds__(kBlockThreads)
     ll_dispatch_send_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
     if (a.floor_only) {
@@ -229,22 +239,17 @@ __global__ void __launch_bounds__(LL_THREADS)
     const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, me = c->rank, E = a.num_experts;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t T = a.num_tokens, stride = (int64_t)a.ll.row_stride;
-    const int64_t gwarp = (int64_t)blockIdx.x * LL_WARPS + warp, nwarps = (int64_t)gridDim.x * LL_WARPS;
-    epx_cuda_ctrl_t *own = ctrl_of(c->peers[me]);
+    const int64_t gwarp = (int64_t)blockIdx.x * kBlockWarps + warp, nwarps = (int64_t)gridDim.x * kBlockWarps;
+    epx_cuda_ctrl_t *own = peer_ctrl(c, me);
     epx_cuda_ll_ctrl_t *lown = ll_ctrl(a, me);
     const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
     const uint64_t prev = ld_volatile_u64(&lown->disp_epoch[a.slot]);
-    __shared__ int ok;
-    __shared__ int sel[LL_WARPS][64]; /* the token's experts, first occurrence only (else -1) */
-    __shared__ int pos[LL_WARPS][64]; /* earlier tokens selecting sel[k] */
-    __shared__ uint8_t *rows[LL_WARPS][64];
-    if (threadIdx.x == 0) ok = 1;
+    __shared__ int sel[kBlockWarps][64]; /* the token's experts, first occurrence only (else -1) */
+    __shared__ int pos[kBlockWarps][64]; /* earlier tokens selecting sel[k] */
+    __shared__ uint8_t *rows[kBlockWarps][64];
     ll_drops(a);
-    __syncthreads();
-    if ((int)threadIdx.x < R && !wait_flag_geq(c, &lown->disp_ack[a.slot][threadIdx.x], prev, epoch,
-                                               threadIdx.x, EPX_CUDA_WAIT_DISPATCH_ACK))
-        ok = 0;
-    __syncthreads();
+    const int &ok = wait_peers(c, [&](int r) { return &lown->disp_ack[a.slot][r]; }, prev, epoch,
+                               EPX_CUDA_WAIT_DISPATCH_ACK);
     /* The host cannot read device topk_idx: an id out of range or repeated goes to the poller as
      * the call's async error (a repeated id would otherwise make the combine sum a stale row). */
     for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < T;
@@ -268,7 +273,7 @@ __global__ void __launch_bounds__(LL_THREADS)
                 n += hit;
             }
 #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) n += __shfl_xor_sync(0xffffffffu, n, off);
+            for (int off = 16; off > 0; off >>= 1) n += __shfl_xor_sync(kFullMask, n, off);
             if (lane == 0)
                 ((int32_t *)(c->peers[e / L] + a.ll.cnt))[((int64_t)a.slot * R + me) * L + e % L] = n;
         }
@@ -309,7 +314,7 @@ __global__ void __launch_bounds__(LL_THREADS)
             for (int k0 = 0; k0 < K; k0 += 32) {
                 const int k = k0 + lane;
                 const int e = k < K ? sel[warp][k] : -1;
-                const unsigned b = __ballot_sync(0xffffffffu, e >= 0);
+                const unsigned b = __ballot_sync(kFullMask, e >= 0);
                 if (e >= 0) {
                     uint8_t *row = ll_slice(a, e / L, e % L, me) + (int64_t)pos[warp][k] * stride;
                     rows[warp][n + __popc(b & ((1u << lane) - 1u))] = row;
@@ -322,23 +327,15 @@ __global__ void __launch_bounds__(LL_THREADS)
             __syncwarp();
         }
     }
-    if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_DISP_SEND])) {
-        if (ok && !epoch_failed(c, epoch) && (int)threadIdx.x < R)
-            st_release_sys(&ll_ctrl(a, threadIdx.x)->disp_flag[a.slot][me], epoch);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            lown->disp_epoch[a.slot] = epoch;
-            own->epoch = epoch;
-            __threadfence_system();
-        }
-    }
+    ll_finish_send(a, ok, epoch, &lown->done_counter[a.slot][LL_DONE_DISP_SEND],
+                   [&](int r) { return &ll_ctrl(a, r)->disp_flag[a.slot][me]; }, &lown->disp_epoch[a.slot]);
 }
 
 /* Receiver: block b serves local experts b, b + gridDim.x, ... After every source's epoch arrived,
  * the counts give each source's first row; the block's warps copy the slice rows out packed, with
  * scales in the grouped-GEMM layout, src_info and the private (t, s, k) map for the combine. The
  * last block releases the slot to every source. */
-__global__ void __launch_bounds__(LL_THREADS)
+__global__ void __launch_bounds__(kBlockThreads)
     ll_dispatch_recv_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
@@ -349,16 +346,11 @@ __global__ void __launch_bounds__(LL_THREADS)
     uint8_t *region = c->peers[me];
     epx_cuda_ll_ctrl_t *lown = ll_ctrl(a, me);
     const uint64_t epoch = ld_volatile_u64(&lown->disp_epoch[a.slot]);
-    __shared__ int ok;
     __shared__ int prefix[EPX_CUDA_MAX_RANKS + 1];
     __shared__ int cnt[EPX_CUDA_MAX_RANKS];
-    if (threadIdx.x == 0) ok = 1;
-    __syncthreads();
     const int first_expert = (int)blockIdx.x < L ? me * L + (int)blockIdx.x : -1;
-    if ((int)threadIdx.x < R && !wait_flag_geq(c, &lown->disp_flag[a.slot][threadIdx.x], epoch, epoch,
-                                               threadIdx.x, EPX_CUDA_WAIT_DISPATCH_DATA, first_expert))
-        ok = 0;
-    __syncthreads();
+    const int &ok = wait_peers(c, [&](int r) { return &lown->disp_flag[a.slot][r]; }, epoch, epoch,
+                               EPX_CUDA_WAIT_DISPATCH_DATA, no_arrival(), open_gate(), first_expert);
     const int32_t *counts = (const int32_t *)(region + a.ll.cnt) + (int64_t)a.slot * R * L;
     int32_t *rcount = (int32_t *)(region + a.ll.rcount) + (int64_t)a.slot * L;
     int2 *meta = (int2 *)(region + a.ll.meta) + (int64_t)a.slot * L * RT;
@@ -381,7 +373,7 @@ __global__ void __launch_bounds__(LL_THREADS)
             a.layout_range[(int64_t)j * R + s] = cnt[s] ? ((int64_t)prefix[s] << 32) | cnt[s] : 0;
         }
         const int total = prefix[R];
-        for (int q = warp; q < total; q += LL_WARPS) {
+        for (int q = warp; q < total; q += kBlockWarps) {
             int s = 0;
             while (s + 1 < R && prefix[s + 1] <= q) s++;
             const uint8_t *src = ll_slice(a, me, j, s) + (int64_t)(q - prefix[s]) * stride;
@@ -410,20 +402,19 @@ __global__ void __launch_bounds__(LL_THREADS)
         }
         __syncthreads();
     }
-    if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_DISP_RECV])) {
-        if ((int)threadIdx.x < R) st_release_sys(&ll_ctrl(a, threadIdx.x)->disp_ack[a.slot][me], epoch);
-    }
+    if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_DISP_RECV]))
+        release_peers(c, [&](int r) { return &ll_ctrl(a, r)->disp_ack[a.slot][me]; }, epoch);
 }
 
 extern "C" int epx_cuda_launch_ll_dispatch_send(const epx_cuda_ll_args_t *args, void *stream)
 {
-    ll_dispatch_send_kernel<<<args->c.num_blocks, LL_THREADS, 0, (cudaStream_t)stream>>>(*args);
+    ll_dispatch_send_kernel<<<args->c.num_blocks, kBlockThreads, 0, (cudaStream_t)stream>>>(*args);
     return (int)cudaGetLastError();
 }
 
 extern "C" int epx_cuda_launch_ll_dispatch_recv(const epx_cuda_ll_args_t *args, void *stream)
 {
-    ll_dispatch_recv_kernel<<<args->c.num_blocks, LL_THREADS, 0, (cudaStream_t)stream>>>(*args);
+    ll_dispatch_recv_kernel<<<args->c.num_blocks, kBlockThreads, 0, (cudaStream_t)stream>>>(*args);
     return (int)cudaGetLastError();
 }
 
@@ -432,7 +423,7 @@ extern "C" int epx_cuda_launch_ll_dispatch_recv(const epx_cuda_ll_args_t *args, 
 /* Expert side: after every source read the slot's previous combine rows, block b's warps send the
  * rows of local experts b, b + gridDim.x, ... to their sources' (slot, t, k) places. The last
  * block publishes the epoch to every rank (a source may get no row from us). */
-__global__ void __launch_bounds__(LL_THREADS)
+__global__ void __launch_bounds__(kBlockThreads)
     ll_combine_send_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
@@ -444,21 +435,16 @@ __global__ void __launch_bounds__(LL_THREADS)
     epx_cuda_ll_ctrl_t *lown = ll_ctrl(a, me);
     const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
     const uint64_t prev = ld_volatile_u64(&lown->comb_epoch[a.slot]);
-    __shared__ int ok;
-    if (threadIdx.x == 0) ok = 1;
     if (!a.floor_only) ll_drops(a);
-    __syncthreads();
-    if (!a.floor_only && (int)threadIdx.x < R &&
-        !wait_flag_geq(c, &lown->comb_ack[a.slot][threadIdx.x], prev, epoch, threadIdx.x,
-                       EPX_CUDA_WAIT_COMBINE_ACK))
-        ok = 0;
-    __syncthreads();
+    /* The benchmark floor neither waits nor publishes: its gate stays shut, its rows go anyway. */
+    const int &ok = wait_peers(c, [&](int r) { return &lown->comb_ack[a.slot][r]; }, prev, epoch,
+                               EPX_CUDA_WAIT_COMBINE_ACK, no_arrival(), [&] { return !a.floor_only; });
     const int32_t *rcount = (const int32_t *)(region + a.ll.rcount) + (int64_t)a.slot * L;
     const int2 *meta = (const int2 *)(region + a.ll.meta) + (int64_t)a.slot * L * RT;
-    if (ok) {
+    if (ok || a.floor_only) {
         for (int j = blockIdx.x; j < L; j += gridDim.x) {
             const int total = rcount[j];
-            for (int q = warp; q < total; q += LL_WARPS) {
+            for (int q = warp; q < total; q += kBlockWarps) {
                 const int2 m = meta[(int64_t)j * RT + q];
                 const int s = m.y >> 6, k = m.y & 63;
                 uint8_t *dst =
@@ -468,16 +454,8 @@ __global__ void __launch_bounds__(LL_THREADS)
         }
     }
     if (a.floor_only) return;
-    if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_COMB_SEND])) {
-        if (ok && !epoch_failed(c, epoch) && (int)threadIdx.x < R)
-            st_release_sys(&ll_ctrl(a, threadIdx.x)->comb_flag[a.slot][me], epoch);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            lown->comb_epoch[a.slot] = epoch;
-            own->epoch = epoch;
-            __threadfence_system();
-        }
-    }
+    ll_finish_send(a, ok, epoch, &lown->done_counter[a.slot][LL_DONE_COMB_SEND],
+                   [&](int r) { return &ll_ctrl(a, r)->comb_flag[a.slot][me]; }, &lown->comb_epoch[a.slot]);
 }
 
 /* Source side: after every rank's epoch arrived, warps take (token, 1024-channel chunk) items and
@@ -485,33 +463,29 @@ __global__ void __launch_bounds__(LL_THREADS)
  * one rounding to bf16; the rows' loads are issued before the ordered sums. A receive that failed
  * (or whose dispatch failed on this rank) writes bf16 NaN rows, never plausible values. The last
  * block releases the slot's combine area to every rank. */
-__global__ void __launch_bounds__(LL_THREADS)
+__global__ void __launch_bounds__(kBlockThreads)
     ll_combine_recv_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
-    const int R = c->nranks, K = c->num_topk, me = c->rank, E = a.num_experts;
+    const int K = c->num_topk, me = c->rank, E = a.num_experts;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t H = c->hidden, T = a.num_tokens;
     uint8_t *region = c->peers[me];
     epx_cuda_ll_ctrl_t *lown = ll_ctrl(a, me);
     const uint64_t epoch = ld_volatile_u64(&lown->comb_epoch[a.slot]);
     const uint64_t disp_epoch = ld_volatile_u64(&lown->disp_epoch[a.slot]);
-    __shared__ int ok;
-    __shared__ float wsel[LL_WARPS][64];
-    __shared__ int ksel[LL_WARPS][64];
-    if (threadIdx.x == 0) ok = !epoch_failed(c, disp_epoch);
-    __syncthreads();
-    if (ok && (int)threadIdx.x < R &&
-        !wait_flag_geq(c, &lown->comb_flag[a.slot][threadIdx.x], epoch, epoch, threadIdx.x,
-                       EPX_CUDA_WAIT_COMBINE_DATA))
-        ok = 0;
-    __syncthreads();
+    __shared__ float wsel[kBlockWarps][64];
+    __shared__ int ksel[kBlockWarps][64];
+    /* A dispatch that failed on this rank left nothing to combine: no waits. */
+    const int &ok = wait_peers(c, [&](int r) { return &lown->comb_flag[a.slot][r]; }, epoch, epoch,
+                               EPX_CUDA_WAIT_COMBINE_DATA, no_arrival(),
+                               [&] { return !epoch_failed(c, disp_epoch); });
     const uint16_t *area = (const uint16_t *)(region + a.ll.comb) + (int64_t)a.slot * c->max_tokens * K * H;
     const bool vec = (H & 7) == 0 && ((uintptr_t)a.combined_x & 15) == 0;
     const int64_t chunk = vec ? 1024 : 32, nch = (H + chunk - 1) / chunk;
     const int64_t items = T * nch;
-    for (int64_t it = (int64_t)blockIdx.x * LL_WARPS + warp; it < items;
-         it += (int64_t)gridDim.x * LL_WARPS) {
+    for (int64_t it = (int64_t)blockIdx.x * kBlockWarps + warp; it < items;
+         it += (int64_t)gridDim.x * kBlockWarps) {
         const int64_t t = it / nch, h0 = (it % nch) * chunk;
         if (!ok) {
             for (int64_t h = h0 + lane; h < H && h < h0 + chunk; h += 32) a.combined_x[t * H + h] = 0x7fc0;
@@ -522,7 +496,7 @@ __global__ void __launch_bounds__(LL_THREADS)
             const int k = k0 + lane;
             const int64_t e = k < K ? ll_topk(a, t * K + k) : -1;
             const bool in = e >= 0 && e < E;
-            const unsigned b = __ballot_sync(0xffffffffu, in);
+            const unsigned b = __ballot_sync(kFullMask, in);
             if (in) {
                 const int p = n + __popc(b & ((1u << lane) - 1u));
                 ksel[warp][p] = k;
@@ -590,20 +564,19 @@ __global__ void __launch_bounds__(LL_THREADS)
         }
         __syncwarp();
     }
-    if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_COMB_RECV])) {
-        if ((int)threadIdx.x < R) st_release_sys(&ll_ctrl(a, threadIdx.x)->comb_ack[a.slot][me], epoch);
-    }
+    if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_COMB_RECV]))
+        release_peers(c, [&](int r) { return &ll_ctrl(a, r)->comb_ack[a.slot][me]; }, epoch);
 }
 
 extern "C" int epx_cuda_launch_ll_combine_send(const epx_cuda_ll_args_t *args, void *stream)
 {
-    ll_combine_send_kernel<<<args->c.num_blocks, LL_THREADS, 0, (cudaStream_t)stream>>>(*args);
+    ll_combine_send_kernel<<<args->c.num_blocks, kBlockThreads, 0, (cudaStream_t)stream>>>(*args);
     return (int)cudaGetLastError();
 }
 
 extern "C" int epx_cuda_launch_ll_combine_recv(const epx_cuda_ll_args_t *args, void *stream)
 {
-    ll_combine_recv_kernel<<<args->c.num_blocks, LL_THREADS, 0, (cudaStream_t)stream>>>(*args);
+    ll_combine_recv_kernel<<<args->c.num_blocks, kBlockThreads, 0, (cudaStream_t)stream>>>(*args);
     return (int)cudaGetLastError();
 }
 
@@ -614,7 +587,7 @@ extern "C" int epx_cuda_launch_ll_combine_recv(const epx_cuda_ll_args_t *args, v
 __global__ void ll_fail_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
     const int me = a.c.rank;
-    const uint64_t epoch = ld_volatile_u64(&ctrl_of(a.c.peers[me])->epoch) + 1;
+    const uint64_t epoch = ld_volatile_u64(&peer_ctrl(&a.c, me)->epoch) + 1;
     if ((int)threadIdx.x < a.c.nranks) {
         epx_cuda_ll_ctrl_t *peer = ll_ctrl(a, threadIdx.x);
         if (a.drop_disp) st_release_sys(&peer->disp_ack[a.slot][me], epoch);
