@@ -139,6 +139,17 @@ __device__ __forceinline__ void st_na_v4(int4 *p, int4 v)
                  : "memory");
 }
 
+/* Eight fp32 values rounded once each to bf16 (core/numeric.h), as one 16-byte store. */
+__device__ __forceinline__ void st_na_bf16x8(int4 *p, const float *v)
+{
+    int4 o;
+    o.x = (int)epx_f32x2_to_bf16x2(v[0], v[1]);
+    o.y = (int)epx_f32x2_to_bf16x2(v[2], v[3]);
+    o.z = (int)epx_f32x2_to_bf16x2(v[4], v[5]);
+    o.w = (int)epx_f32x2_to_bf16x2(v[6], v[7]);
+    st_na_v4(p, o);
+}
+
 /* Warp copy of `bytes` from src to each of n destinations, reading every 16-byte vector once with
  * kUnroll vectors in flight per lane (bytes in flight, not threads, set the bandwidth). With
  * kZeroFill, src == NULL writes zeros. */

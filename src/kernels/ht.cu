@@ -314,30 +314,13 @@ __global__ void __launch_bounds__(kBlockThreads)
         publish_peers(c, epoch, [&](int r) { st_release_sys(&peer_ctrl(c, r)->comb_flag[me], epoch); });
 }
 
-__device__ __forceinline__ float bf16_lo(uint32_t v)
-{
-    return __uint_as_float(v << 16);
-}
-__device__ __forceinline__ float bf16_hi(uint32_t v)
-{
-    return __uint_as_float(v & 0xffff0000u);
-}
-
-/* Round to nearest even, quiet NaN kept (same bits as the host backend's epx_f32_to_bf16). */
-__device__ __forceinline__ uint32_t f32_to_bf16_bits(float f)
-{
-    uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return ((u >> 16) | 0x40u) & 0xffffu;
-    return ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & 0xffffu;
-}
-
 __device__ __forceinline__ void acc_add8(float *acc, int4 v)
 {
     const uint32_t w[4] = {(uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w};
 #pragma unroll
     for (int q = 0; q < 4; q++) {
-        acc[2 * q] = __fadd_rn(acc[2 * q], bf16_lo(w[q]));
-        acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], bf16_hi(w[q]));
+        acc[2 * q] = __fadd_rn(acc[2 * q], epx_bf16_to_f32(w[q]));
+        acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], epx_bf16_to_f32(w[q] >> 16));
     }
 }
 
@@ -383,23 +366,18 @@ __global__ void __launch_bounds__(kBlockThreads)
                 }
                 if (a.bias0) acc_add8(acc, ld_nc_v4((const int4 *)(a.bias0 + t * H) + i));
                 if (a.bias1) acc_add8(acc, ld_nc_v4((const int4 *)(a.bias1 + t * H) + i));
-                int4 o;
-                o.x = (int)(f32_to_bf16_bits(acc[0]) | (f32_to_bf16_bits(acc[1]) << 16));
-                o.y = (int)(f32_to_bf16_bits(acc[2]) | (f32_to_bf16_bits(acc[3]) << 16));
-                o.z = (int)(f32_to_bf16_bits(acc[4]) | (f32_to_bf16_bits(acc[5]) << 16));
-                o.w = (int)(f32_to_bf16_bits(acc[6]) | (f32_to_bf16_bits(acc[7]) << 16));
-                st_na_v4((int4 *)(a.combined_x + t * H) + i, o);
+                st_na_bf16x8((int4 *)(a.combined_x + t * H) + i, acc);
             }
         } else {
             for (int64_t h = lane; h < H; h += 32) {
                 float acc = 0.0f;
                 for (int d = 0; d < n; d++) {
                     const int64_t slot = (int64_t)src_rank[warp][d] * c->max_tokens + t;
-                    acc = __fadd_rn(acc, __uint_as_float((uint32_t)comb[slot * H + h] << 16));
+                    acc = __fadd_rn(acc, epx_bf16_to_f32(comb[slot * H + h]));
                 }
-                if (a.bias0) acc = __fadd_rn(acc, __uint_as_float((uint32_t)a.bias0[t * H + h] << 16));
-                if (a.bias1) acc = __fadd_rn(acc, __uint_as_float((uint32_t)a.bias1[t * H + h] << 16));
-                a.combined_x[t * H + h] = (uint16_t)f32_to_bf16_bits(acc);
+                if (a.bias0) acc = __fadd_rn(acc, epx_bf16_to_f32(a.bias0[t * H + h]));
+                if (a.bias1) acc = __fadd_rn(acc, epx_bf16_to_f32(a.bias1[t * H + h]));
+                a.combined_x[t * H + h] = epx_f32_to_bf16(acc);
             }
         }
         if (a.combined_topk_weights)
@@ -756,21 +734,16 @@ __global__ void __launch_bounds__(kBlockThreads)
                 for (; d < n; d++) acc_add8(acc, ld_nc_v4((const int4 *)src_ptr[warp][d] + i));
                 if (a.bias0) acc_add8(acc, ld_nc_v4((const int4 *)(a.bias0 + t * H) + i));
                 if (a.bias1) acc_add8(acc, ld_nc_v4((const int4 *)(a.bias1 + t * H) + i));
-                int4 o;
-                o.x = (int)(f32_to_bf16_bits(acc[0]) | (f32_to_bf16_bits(acc[1]) << 16));
-                o.y = (int)(f32_to_bf16_bits(acc[2]) | (f32_to_bf16_bits(acc[3]) << 16));
-                o.z = (int)(f32_to_bf16_bits(acc[4]) | (f32_to_bf16_bits(acc[5]) << 16));
-                o.w = (int)(f32_to_bf16_bits(acc[6]) | (f32_to_bf16_bits(acc[7]) << 16));
-                st_na_v4((int4 *)(a.combined_x + t * H) + i, o);
+                st_na_bf16x8((int4 *)(a.combined_x + t * H) + i, acc);
             }
         } else {
             for (int64_t h = lane; h < H; h += 32) {
                 float acc = 0.0f;
                 for (int d = 0; d < n; d++)
-                    acc = __fadd_rn(acc, __uint_as_float((uint32_t)src_ptr[warp][d][h] << 16));
-                if (a.bias0) acc = __fadd_rn(acc, __uint_as_float((uint32_t)a.bias0[t * H + h] << 16));
-                if (a.bias1) acc = __fadd_rn(acc, __uint_as_float((uint32_t)a.bias1[t * H + h] << 16));
-                a.combined_x[t * H + h] = (uint16_t)f32_to_bf16_bits(acc);
+                    acc = __fadd_rn(acc, epx_bf16_to_f32(src_ptr[warp][d][h]));
+                if (a.bias0) acc = __fadd_rn(acc, epx_bf16_to_f32(a.bias0[t * H + h]));
+                if (a.bias1) acc = __fadd_rn(acc, epx_bf16_to_f32(a.bias1[t * H + h]));
+                a.combined_x[t * H + h] = epx_f32_to_bf16(acc);
             }
         }
         if (a.combined_topk_weights)

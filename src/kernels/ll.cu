@@ -51,32 +51,6 @@ __device__ __forceinline__ void warp_copy(uint8_t *dst, const uint8_t *src, int6
     }
 }
 
-/* fp32 -> fp8 e4m3 "fn", saturating, round to nearest even: the same bits as the host's
- * epx_f32_to_fp8_e4m3 (NaN -> 0x7f). */
-__device__ __forceinline__ uint32_t ll_f32_to_e4m3(float f)
-{
-    const uint32_t u = __float_as_uint(f);
-    const uint32_t sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return 0x7fu;
-    if (a >= 0x43e00000u) return sign | 0x7eu;
-    if (a < 0x3c800000u) return sign | (uint32_t)__float2int_rn(__fmul_rn(__uint_as_float(a), 512.0f));
-    const uint32_t rounded = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;
-    const uint32_t code = rounded - (120u << 3);
-    return sign | (code > 0x7eu ? 0x7eu : code);
-}
-
-__device__ __forceinline__ float ll_bf16(uint32_t bits16)
-{
-    return __uint_as_float(bits16 << 16);
-}
-
-__device__ __forceinline__ uint32_t ll_f32_to_bf16(float f)
-{
-    const uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return ((u >> 16) | 0x40u) & 0xffffu;
-    return ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & 0xffffu;
-}
-
 /* Releases what a receive half that never ran (or this rank's failed call) would have released. */
 __device__ __forceinline__ void ll_drops(const epx_cuda_ll_args_t &a)
 {
@@ -115,8 +89,8 @@ __device__ __forceinline__ int4 ll_cast16(int4 v0, int4 v1, int round_scale, flo
     float f[16];
 #pragma unroll
     for (int q = 0; q < 8; q++) {
-        f[2 * q] = ll_bf16(w[q] & 0xffffu);
-        f[2 * q + 1] = ll_bf16(w[q] >> 16);
+        f[2 * q] = epx_bf16_to_f32(w[q]);
+        f[2 * q + 1] = epx_bf16_to_f32(w[q] >> 16);
     }
     float amax = 0.0f;
 #pragma unroll
@@ -131,7 +105,7 @@ __device__ __forceinline__ int4 ll_cast16(int4 v0, int4 v1, int round_scale, flo
     }
     uint32_t o[4] = {0, 0, 0, 0};
 #pragma unroll
-    for (int q = 0; q < 16; q++) o[q >> 2] |= ll_f32_to_e4m3(__fdiv_rn(f[q], scale_inv)) << (8 * (q & 3));
+    for (int q = 0; q < 16; q++) o[q >> 2] |= (uint32_t)epx_f32_to_fp8_e4m3(__fdiv_rn(f[q], scale_inv)) << (8 * (q & 3));
     *scale_out = scale_inv;
     return make_int4((int)o[0], (int)o[1], (int)o[2], (int)o[3]);
 }
@@ -534,9 +508,9 @@ __global__ void __launch_bounds__(kBlockThreads)
                                                (uint32_t)v[u][m].w};
 #pragma unroll
                         for (int q = 0; q < 4; q++) {
-                            acc[m][2 * q] = __fadd_rn(acc[m][2 * q], __fmul_rn(w, ll_bf16(x[q] & 0xffffu)));
+                            acc[m][2 * q] = __fadd_rn(acc[m][2 * q], __fmul_rn(w, epx_bf16_to_f32(x[q])));
                             acc[m][2 * q + 1] =
-                                __fadd_rn(acc[m][2 * q + 1], __fmul_rn(w, ll_bf16(x[q] >> 16)));
+                                __fadd_rn(acc[m][2 * q + 1], __fmul_rn(w, epx_bf16_to_f32(x[q] >> 16)));
                         }
                     }
                 }
@@ -545,12 +519,7 @@ __global__ void __launch_bounds__(kBlockThreads)
             for (int m = 0; m < 4; m++) {
                 const int64_t h = h0 + 8 * (lane + 32 * m);
                 if (h >= H) continue;
-                int4 o;
-                o.x = (int)(ll_f32_to_bf16(acc[m][0]) | (ll_f32_to_bf16(acc[m][1]) << 16));
-                o.y = (int)(ll_f32_to_bf16(acc[m][2]) | (ll_f32_to_bf16(acc[m][3]) << 16));
-                o.z = (int)(ll_f32_to_bf16(acc[m][4]) | (ll_f32_to_bf16(acc[m][5]) << 16));
-                o.w = (int)(ll_f32_to_bf16(acc[m][6]) | (ll_f32_to_bf16(acc[m][7]) << 16));
-                st_na_v4((int4 *)(a.combined_x + t * H + h), o);
+                st_na_bf16x8((int4 *)(a.combined_x + t * H + h), acc[m]);
             }
         } else {
             const int64_t h = h0 + lane;
@@ -558,8 +527,8 @@ __global__ void __launch_bounds__(kBlockThreads)
                 float acc = 0.0f;
                 for (int d = 0; d < n; d++)
                     acc = __fadd_rn(acc,
-                                    __fmul_rn(wsel[warp][d], ll_bf16(rows[(int64_t)ksel[warp][d] * H + h])));
-                a.combined_x[t * H + h] = (uint16_t)ll_f32_to_bf16(acc);
+                                    __fmul_rn(wsel[warp][d], epx_bf16_to_f32(rows[(int64_t)ksel[warp][d] * H + h])));
+                a.combined_x[t * H + h] = epx_f32_to_bf16(acc);
             }
         }
         __syncwarp();

@@ -500,20 +500,13 @@ __global__ void __launch_bounds__(kBlockThreads)
         publish_peers(c, epoch, [&](int r) { st_release_sys(&peer_ctrl(c, r)->comb_flag[me], epoch); });
 }
 
-static __device__ __forceinline__ uint32_t rm_f32_to_bf16(float f)
-{
-    uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return ((u >> 16) | 0x40u) & 0xffffu;
-    return ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & 0xffffu;
-}
-
 /* acc += w * y (weighted) or acc += y for 8 bf16 channels, rounding each step (no fma). */
 static __device__ __forceinline__ void rm_acc8(float *acc, int4 v, bool weighted, float w)
 {
     const uint32_t q[4] = {(uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w};
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        const float lo = __uint_as_float(q[i] << 16), hi = __uint_as_float(q[i] & 0xffff0000u);
+        const float lo = epx_bf16_to_f32(q[i]), hi = epx_bf16_to_f32(q[i] >> 16);
         acc[2 * i] = __fadd_rn(acc[2 * i], weighted ? __fmul_rn(w, lo) : lo);
         acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], weighted ? __fmul_rn(w, hi) : hi);
     }
@@ -602,21 +595,16 @@ __global__ void __launch_bounds__(kBlockThreads)
                     for (int u = 0; u < RM_UNROLL; u++)
                         if (d0 + u < n) rm_acc8(acc, v[u], weighted, weighted ? src_w[warp][d0 + u] : 0.0f);
                 }
-                int4 o;
-                o.x = (int)(rm_f32_to_bf16(acc[0]) | (rm_f32_to_bf16(acc[1]) << 16));
-                o.y = (int)(rm_f32_to_bf16(acc[2]) | (rm_f32_to_bf16(acc[3]) << 16));
-                o.z = (int)(rm_f32_to_bf16(acc[4]) | (rm_f32_to_bf16(acc[5]) << 16));
-                o.w = (int)(rm_f32_to_bf16(acc[6]) | (rm_f32_to_bf16(acc[7]) << 16));
-                st_na_v4((int4 *)(a.combined + t * H) + i, o);
+                st_na_bf16x8((int4 *)(a.combined + t * H) + i, acc);
             }
         } else {
             for (int64_t h = lane; h < H; h += 32) {
                 float acc = 0.0f;
                 for (int d = 0; d < n; d++) {
-                    const float y = __uint_as_float((uint32_t)src_row[warp][d][h] << 16);
+                    const float y = epx_bf16_to_f32(src_row[warp][d][h]);
                     acc = __fadd_rn(acc, weighted ? __fmul_rn(src_w[warp][d], y) : y);
                 }
-                a.combined[t * H + h] = (uint16_t)rm_f32_to_bf16(acc);
+                a.combined[t * H + h] = epx_f32_to_bf16(acc);
             }
         }
         __syncwarp();
