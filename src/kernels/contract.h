@@ -47,7 +47,7 @@ typedef struct epx_cuda_host_block {
     int32_t abort_flag; /* host sets it at teardown: every device wait gives up */
     int32_t overflow;   /* static mode dropped rows */
     int64_t num_recv;   /* N_r of the last dispatch (-1 when it failed) */
-    int64_t bad_where;  /* 1 + token * 64 + slot of an invalid device topk_idx entry, 0 = none */
+    int64_t bad_where;  /* 1 + token * EPX_MAX_TOPK + slot of an invalid device topk_idx entry, 0 = none */
     int64_t bad_value;
 } epx_cuda_host_block_t;
 

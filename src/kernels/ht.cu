@@ -35,17 +35,7 @@ __global__ void __launch_bounds__(1024) layout_kernel(const __grid_constant__ ep
         uint64_t mask = 0;
         if (t < a.num_tokens) {
             for (int k = 0; k < K; k++) {
-                int64_t e = topk_at(a.topk_idx, a.idx_is_64, t * K + k);
-                bool bad = (e < -1 || e >= E);
-                for (int j = 0; j < k && !bad && e >= 0; j++)
-                    bad = topk_at(a.topk_idx, a.idx_is_64, t * K + j) == e;
-                if (bad) {
-                    if (a.host) {
-                        a.host->bad_value = e;
-                        a.host->bad_where = 1 + t * 64 + k;
-                    }
-                    continue;
-                }
+                const int64_t e = topk_checked(a.topk_idx, a.idx_is_64, t, K, k, E, a.host);
                 if (e < 0) continue;
                 mask |= 1ull << (e / L);
                 if (a.num_tokens_per_expert) atomicAdd(&a.num_tokens_per_expert[e], 1);

@@ -228,15 +228,7 @@ __global__ void __launch_bounds__(kBlockThreads)
      * the call's async error (a repeated id would otherwise make the combine sum a stale row). */
     for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < T;
          t += (int64_t)gridDim.x * blockDim.x)
-        for (int k = 0; k < K; k++) {
-            const int64_t v = ll_topk(a, t * K + k);
-            bool bad = v < -1 || v >= E;
-            for (int q = 0; q < k && !bad && v >= 0; q++) bad = ll_topk(a, t * K + q) == v;
-            if (bad) {
-                c->host->bad_value = v;
-                c->host->bad_where = 1 + t * 64 + k;
-            }
-        }
+        for (int k = 0; k < K; k++) topk_checked(a.topk_idx, a.idx_is_64, t, K, k, E, c->host);
     if (ok) {
         /* (1) Counts: tokens selecting e (each token once). */
         for (int64_t e = gwarp; e < E; e += nwarps) {
