@@ -36,26 +36,18 @@ __device__ __forceinline__ unsigned lanemask_lt(void)
     return m;
 }
 
-/* Warp-wide compaction of items [0, count), item i on lane i % 32 of step i / 32: `keep(i)` (called
- * only for i < count) says whether it stays, `emit(pos, i)` stores it at its place among the kept
- * ones, ascending i. Returns how many were kept. All lanes call it. */
-template <typename Keep, typename Emit>
-__device__ __forceinline__ int warp_compact(int count, int lane, Keep keep, Emit emit)
+/* One step of a warp-wide compaction (all lanes): returns this lane's place among the lanes kept
+ * so far, ascending lane order (meaningful where `keep`), and adds this step's kept lanes to n. */
+__device__ __forceinline__ int warp_slot(bool keep, int &n)
 {
-    int n = 0;
-    for (int i0 = 0; i0 < count; i0 += 32) {
-        const int i = i0 + lane;
-        const bool in = i < count && keep(i);
-        const unsigned b = __ballot_sync(kFullMask, in);
-        if (in) emit(n + __popc(b & lanemask_lt()), i);
-        n += __popc(b);
-    }
-    return n;
+    const unsigned b = __ballot_sync(kFullMask, keep);
+    const int pos = n + __popc(b & lanemask_lt());
+    n += __popc(b);
+    return pos;
 }
 
 /* The source s whose rows [prefix[s], prefix[s + 1]) hold row i (R <= 64: a walk beats a search). */
-template <typename Index>
-__device__ __forceinline__ int source_of_row(const int *prefix, int R, Index i)
+template <typename Index> __device__ __forceinline__ int source_of_row(const int *prefix, int R, Index i)
 {
     int s = 0;
     while (s + 1 < R && prefix[s + 1] <= i) s++;
@@ -139,6 +131,18 @@ __device__ __forceinline__ void st_na_v4(int4 *p, int4 v)
                  : "memory");
 }
 
+/* acc[0..7] += (w *) the 8 bf16 channels of v, each step rounded (no fma). */
+__device__ __forceinline__ void acc_add_bf16x8(float *acc, int4 v, bool weighted, float w)
+{
+    const uint32_t q[4] = {(uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float lo = epx_bf16_to_f32(q[i]), hi = epx_bf16_to_f32(q[i] >> 16);
+        acc[2 * i] = __fadd_rn(acc[2 * i], weighted ? __fmul_rn(w, lo) : lo);
+        acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], weighted ? __fmul_rn(w, hi) : hi);
+    }
+}
+
 /* Eight fp32 values rounded once each to bf16 (core/numeric.h), as one 16-byte store. */
 __device__ __forceinline__ void st_na_bf16x8(int4 *p, const float *v)
 {
@@ -167,7 +171,8 @@ __device__ __forceinline__ void copy_fanout(const uint8_t *src, uint8_t *const *
             int4 v[kUnroll];
 #pragma unroll
             for (int u = 0; u < kUnroll; u++)
-                if (i + u * 32 < n16) v[u] = (!kZeroFill || s) ? ld_nc_v4(s + i + u * 32) : make_int4(0, 0, 0, 0);
+                if (i + u * 32 < n16)
+                    v[u] = (!kZeroFill || s) ? ld_nc_v4(s + i + u * 32) : make_int4(0, 0, 0, 0);
             for (int d = 0; d < n; d++) {
                 int4 *o = (int4 *)dst[d];
 #pragma unroll
@@ -194,6 +199,18 @@ __device__ __forceinline__ epx_cuda_ctrl_t *peer_ctrl(const epx_cuda_common_t *c
 {
     return ctrl_of(c->peers[r]);
 }
+
+/* Where a collective kernel of this rank stands: the rank's region and ctrl, and the epoch of the
+ * collective the kernel runs (one past the last one closed). */
+struct kernel_frame {
+    uint8_t *region;
+    epx_cuda_ctrl_t *own;
+    uint64_t epoch;
+    __device__ __forceinline__ explicit kernel_frame(const epx_cuda_common_t *c)
+        : region(c->peers[c->rank]), own(ctrl_of(region)), epoch(ld_volatile_u64(&own->epoch) + 1)
+    {
+    }
+};
 
 /* Records the first failure of `epoch` (the device-local claim word picks one writer), then
  * publishes it to the host with the code written last. */
@@ -382,17 +399,35 @@ __device__ __forceinline__ void finish_dispatch_recv(const epx_cuda_common_t *c,
 {
     epx_cuda_ctrl_t *own = peer_ctrl(c, c->rank);
     __syncthreads();
-    release_peers(c, [&](int r) { return &peer_ctrl(c, r)->disp_ack[c->rank]; }, epoch);
+    release_peers(
+        c, [&](int r) { return &peer_ctrl(c, r)->disp_ack[c->rank]; }, epoch);
     close_epoch(own, &own->disp_last, epoch, also_last);
 }
 
-/* A combine reducer's end (last block): every rank may write its slice of our combine area
- * again, and the collective closes. */
-__device__ __forceinline__ void finish_combine_reduce(const epx_cuda_common_t *c, uint64_t epoch)
+/* -------------------------------------------------------------------------- launchers ---- */
+
+/* Enqueues kernel<<<grid, block, smem>>>(args) on `stream`; a cudaError_t value (0 = success). */
+template <typename Args>
+static inline int launch_kernel(void (*kernel)(Args), const Args &args, int grid, int block, size_t smem,
+                                void *stream)
 {
-    epx_cuda_ctrl_t *own = peer_ctrl(c, c->rank);
-    release_peers(c, [&](int r) { return &peer_ctrl(c, r)->comb_ack[c->rank]; }, epoch);
-    close_epoch(own, &own->comb_last, epoch);
+    kernel<<<grid, block, smem, (cudaStream_t)stream>>>(args);
+    return (int)cudaGetLastError();
+}
+
+/* The two halves of an operation, in stream order over the args' grid: `second` gets `smem` bytes
+ * of dynamic shared memory (opted in past the 48 KB that need none). */
+template <typename Args>
+static inline int launch_pair(void (*first)(Args), void (*second)(Args), const Args *args, size_t smem,
+                              void *stream)
+{
+    cudaError_t err = (cudaError_t)launch_kernel(first, *args, args->c.num_blocks, kBlockThreads, 0, stream);
+    if (err != cudaSuccess) return (int)err;
+    if (smem > 48 * 1024) {
+        err = cudaFuncSetAttribute(second, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (err != cudaSuccess) return (int)err;
+    }
+    return launch_kernel(second, *args, args->c.num_blocks, kBlockThreads, smem, stream);
 }
 
 #endif /* EPX_KERNELS_COMMON_CUH */

@@ -105,7 +105,8 @@ __device__ __forceinline__ int4 ll_cast16(int4 v0, int4 v1, int round_scale, flo
     }
     uint32_t o[4] = {0, 0, 0, 0};
 #pragma unroll
-    for (int q = 0; q < 16; q++) o[q >> 2] |= (uint32_t)epx_f32_to_fp8_e4m3(__fdiv_rn(f[q], scale_inv)) << (8 * (q & 3));
+    for (int q = 0; q < 16; q++)
+        o[q >> 2] |= (uint32_t)epx_f32_to_fp8_e4m3(__fdiv_rn(f[q], scale_inv)) << (8 * (q & 3));
     *scale_out = scale_inv;
     return make_int4((int)o[0], (int)o[1], (int)o[2], (int)o[3]);
 }
@@ -179,11 +180,8 @@ __device__ __forceinline__ void ll_dispatch_floor(const epx_cuda_ll_args_t &a)
             const int k = k0 + lane;
             const int64_t e = k < K ? ll_topk(a, t * K + k) : -1;
             const bool in = e >= 0 && e < E;
-            const unsigned b = __ballot_sync(kFullMask, in);
-            if (in)
-                dst[warp][n + __popc(b & ((1u << lane) - 1u))] =
-                    ll_slice(a, (int)(e / L), (int)(e % L), me) + t * stride;
-            n += __popc(b);
+            const int at = warp_slot(in, n);
+            if (in) dst[warp][at] = ll_slice(a, (int)(e / L), (int)(e % L), me) + t * stride;
         }
         __syncwarp();
         const int4 *src = (const int4 *)(a.x + t * H);
@@ -214,16 +212,15 @@ __global__ void __launch_bounds__(kBlockThreads)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t T = a.num_tokens, stride = (int64_t)a.ll.row_stride;
     const int64_t gwarp = (int64_t)blockIdx.x * kBlockWarps + warp, nwarps = (int64_t)gridDim.x * kBlockWarps;
-    epx_cuda_ctrl_t *own = peer_ctrl(c, me);
+    const kernel_frame f(c);
     epx_cuda_ll_ctrl_t *lown = ll_ctrl(a, me);
-    const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
     const uint64_t prev = ld_volatile_u64(&lown->disp_epoch[a.slot]);
     __shared__ int sel[kBlockWarps][64]; /* the token's experts, first occurrence only (else -1) */
     __shared__ int pos[kBlockWarps][64]; /* earlier tokens selecting sel[k] */
     __shared__ uint8_t *rows[kBlockWarps][64];
     ll_drops(a);
-    const int &ok = wait_peers(c, [&](int r) { return &lown->disp_ack[a.slot][r]; }, prev, epoch,
-                               EPX_CUDA_WAIT_DISPATCH_ACK);
+    const int &ok = wait_peers(
+        c, [&](int r) { return &lown->disp_ack[a.slot][r]; }, prev, f.epoch, EPX_CUDA_WAIT_DISPATCH_ACK);
     /* The host cannot read device topk_idx: an id out of range or repeated goes to the poller as
      * the call's async error (a repeated id would otherwise make the combine sum a stale row). */
     for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < T;
@@ -280,21 +277,21 @@ __global__ void __launch_bounds__(kBlockThreads)
             for (int k0 = 0; k0 < K; k0 += 32) {
                 const int k = k0 + lane;
                 const int e = k < K ? sel[warp][k] : -1;
-                const unsigned b = __ballot_sync(kFullMask, e >= 0);
+                const int at = warp_slot(e >= 0, n);
                 if (e >= 0) {
                     uint8_t *row = ll_slice(a, e / L, e % L, me) + (int64_t)pos[warp][k] * stride;
-                    rows[warp][n + __popc(b & ((1u << lane) - 1u))] = row;
+                    rows[warp][at] = row;
                     if (part == 0) *(int2 *)(row + stride - 16) = make_int2((int)t, k);
                 }
-                n += __popc(b);
             }
             __syncwarp();
             ll_fan_out(a, a.x + t * H, rows[warp], n, lo, hi, lane);
             __syncwarp();
         }
     }
-    ll_finish_send(a, ok, epoch, &lown->done_counter[a.slot][LL_DONE_DISP_SEND],
-                   [&](int r) { return &ll_ctrl(a, r)->disp_flag[a.slot][me]; }, &lown->disp_epoch[a.slot]);
+    ll_finish_send(
+        a, ok, f.epoch, &lown->done_counter[a.slot][LL_DONE_DISP_SEND],
+        [&](int r) { return &ll_ctrl(a, r)->disp_flag[a.slot][me]; }, &lown->disp_epoch[a.slot]);
 }
 
 /* Receiver: block b serves local experts b, b + gridDim.x, ... After every source's epoch arrived,
@@ -315,8 +312,9 @@ __global__ void __launch_bounds__(kBlockThreads)
     __shared__ int prefix[EPX_CUDA_MAX_RANKS + 1];
     __shared__ int cnt[EPX_CUDA_MAX_RANKS];
     const int first_expert = (int)blockIdx.x < L ? me * L + (int)blockIdx.x : -1;
-    const int &ok = wait_peers(c, [&](int r) { return &lown->disp_flag[a.slot][r]; }, epoch, epoch,
-                               EPX_CUDA_WAIT_DISPATCH_DATA, no_arrival(), open_gate(), first_expert);
+    const int &ok = wait_peers(
+        c, [&](int r) { return &lown->disp_flag[a.slot][r]; }, epoch, epoch, EPX_CUDA_WAIT_DISPATCH_DATA,
+        no_arrival(), open_gate(), first_expert);
     const int32_t *counts = (const int32_t *)(region + a.ll.cnt) + (int64_t)a.slot * R * L;
     int32_t *rcount = (int32_t *)(region + a.ll.rcount) + (int64_t)a.slot * L;
     int2 *meta = (int2 *)(region + a.ll.meta) + (int64_t)a.slot * L * RT;
@@ -340,8 +338,7 @@ __global__ void __launch_bounds__(kBlockThreads)
         }
         const int total = prefix[R];
         for (int q = warp; q < total; q += kBlockWarps) {
-            int s = 0;
-            while (s + 1 < R && prefix[s + 1] <= q) s++;
+            const int s = source_of_row(prefix, R, q);
             const uint8_t *src = ll_slice(a, me, j, s) + (int64_t)(q - prefix[s]) * stride;
             const int64_t out_row = (int64_t)j * RT + q;
             warp_copy((uint8_t *)a.recv_x + out_row * xb, src, xb, lane);
@@ -369,19 +366,18 @@ __global__ void __launch_bounds__(kBlockThreads)
         __syncthreads();
     }
     if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_DISP_RECV]))
-        release_peers(c, [&](int r) { return &ll_ctrl(a, r)->disp_ack[a.slot][me]; }, epoch);
+        release_peers(
+            c, [&](int r) { return &ll_ctrl(a, r)->disp_ack[a.slot][me]; }, epoch);
 }
 
 extern "C" int epx_cuda_launch_ll_dispatch_send(const epx_cuda_ll_args_t *args, void *stream)
 {
-    ll_dispatch_send_kernel<<<args->c.num_blocks, kBlockThreads, 0, (cudaStream_t)stream>>>(*args);
-    return (int)cudaGetLastError();
+    return launch_kernel(ll_dispatch_send_kernel, *args, args->c.num_blocks, kBlockThreads, 0, stream);
 }
 
 extern "C" int epx_cuda_launch_ll_dispatch_recv(const epx_cuda_ll_args_t *args, void *stream)
 {
-    ll_dispatch_recv_kernel<<<args->c.num_blocks, kBlockThreads, 0, (cudaStream_t)stream>>>(*args);
-    return (int)cudaGetLastError();
+    return launch_kernel(ll_dispatch_recv_kernel, *args, args->c.num_blocks, kBlockThreads, 0, stream);
 }
 
 /* ----------------------------------------------------------------------------- combine ---- */
@@ -396,17 +392,16 @@ __global__ void __launch_bounds__(kBlockThreads)
     const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, me = c->rank;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t H = c->hidden, RT = (int64_t)R * c->max_tokens;
-    uint8_t *region = c->peers[me];
-    epx_cuda_ctrl_t *own = ctrl_of(region);
+    const kernel_frame f(c);
     epx_cuda_ll_ctrl_t *lown = ll_ctrl(a, me);
-    const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
     const uint64_t prev = ld_volatile_u64(&lown->comb_epoch[a.slot]);
     if (!a.floor_only) ll_drops(a);
     /* The benchmark floor neither waits nor publishes: its gate stays shut, its rows go anyway. */
-    const int &ok = wait_peers(c, [&](int r) { return &lown->comb_ack[a.slot][r]; }, prev, epoch,
-                               EPX_CUDA_WAIT_COMBINE_ACK, no_arrival(), [&] { return !a.floor_only; });
-    const int32_t *rcount = (const int32_t *)(region + a.ll.rcount) + (int64_t)a.slot * L;
-    const int2 *meta = (const int2 *)(region + a.ll.meta) + (int64_t)a.slot * L * RT;
+    const int &ok = wait_peers(
+        c, [&](int r) { return &lown->comb_ack[a.slot][r]; }, prev, f.epoch, EPX_CUDA_WAIT_COMBINE_ACK,
+        no_arrival(), [&] { return !a.floor_only; });
+    const int32_t *rcount = (const int32_t *)(f.region + a.ll.rcount) + (int64_t)a.slot * L;
+    const int2 *meta = (const int2 *)(f.region + a.ll.meta) + (int64_t)a.slot * L * RT;
     if (ok || a.floor_only) {
         for (int j = blockIdx.x; j < L; j += gridDim.x) {
             const int total = rcount[j];
@@ -420,8 +415,9 @@ __global__ void __launch_bounds__(kBlockThreads)
         }
     }
     if (a.floor_only) return;
-    ll_finish_send(a, ok, epoch, &lown->done_counter[a.slot][LL_DONE_COMB_SEND],
-                   [&](int r) { return &ll_ctrl(a, r)->comb_flag[a.slot][me]; }, &lown->comb_epoch[a.slot]);
+    ll_finish_send(
+        a, ok, f.epoch, &lown->done_counter[a.slot][LL_DONE_COMB_SEND],
+        [&](int r) { return &ll_ctrl(a, r)->comb_flag[a.slot][me]; }, &lown->comb_epoch[a.slot]);
 }
 
 /* Source side: after every rank's epoch arrived, warps take (token, 1024-channel chunk) items and
@@ -443,9 +439,9 @@ __global__ void __launch_bounds__(kBlockThreads)
     __shared__ float wsel[kBlockWarps][64];
     __shared__ int ksel[kBlockWarps][64];
     /* A dispatch that failed on this rank left nothing to combine: no waits. */
-    const int &ok = wait_peers(c, [&](int r) { return &lown->comb_flag[a.slot][r]; }, epoch, epoch,
-                               EPX_CUDA_WAIT_COMBINE_DATA, no_arrival(),
-                               [&] { return !epoch_failed(c, disp_epoch); });
+    const int &ok = wait_peers(
+        c, [&](int r) { return &lown->comb_flag[a.slot][r]; }, epoch, epoch, EPX_CUDA_WAIT_COMBINE_DATA,
+        no_arrival(), [&] { return !epoch_failed(c, disp_epoch); });
     const uint16_t *area = (const uint16_t *)(region + a.ll.comb) + (int64_t)a.slot * c->max_tokens * K * H;
     const bool vec = (H & 7) == 0 && ((uintptr_t)a.combined_x & 15) == 0;
     const int64_t chunk = vec ? 1024 : 32, nch = (H + chunk - 1) / chunk;
@@ -462,13 +458,11 @@ __global__ void __launch_bounds__(kBlockThreads)
             const int k = k0 + lane;
             const int64_t e = k < K ? ll_topk(a, t * K + k) : -1;
             const bool in = e >= 0 && e < E;
-            const unsigned b = __ballot_sync(kFullMask, in);
+            const int at = warp_slot(in, n);
             if (in) {
-                const int p = n + __popc(b & ((1u << lane) - 1u));
-                ksel[warp][p] = k;
-                wsel[warp][p] = a.topk_weights[t * K + k];
+                ksel[warp][at] = k;
+                wsel[warp][at] = a.topk_weights[t * K + k];
             }
-            n += __popc(b);
         }
         __syncwarp();
         const uint16_t *rows = area + t * K * H;
@@ -495,16 +489,7 @@ __global__ void __launch_bounds__(kBlockThreads)
                     if (d0 + u >= n) break;
                     const float w = wsel[warp][d0 + u];
 #pragma unroll
-                    for (int m = 0; m < 4; m++) {
-                        const uint32_t x[4] = {(uint32_t)v[u][m].x, (uint32_t)v[u][m].y, (uint32_t)v[u][m].z,
-                                               (uint32_t)v[u][m].w};
-#pragma unroll
-                        for (int q = 0; q < 4; q++) {
-                            acc[m][2 * q] = __fadd_rn(acc[m][2 * q], __fmul_rn(w, epx_bf16_to_f32(x[q])));
-                            acc[m][2 * q + 1] =
-                                __fadd_rn(acc[m][2 * q + 1], __fmul_rn(w, epx_bf16_to_f32(x[q] >> 16)));
-                        }
-                    }
+                    for (int m = 0; m < 4; m++) acc_add_bf16x8(acc[m], v[u][m], true, w);
                 }
             }
 #pragma unroll
@@ -518,27 +503,26 @@ __global__ void __launch_bounds__(kBlockThreads)
             if (h < H) {
                 float acc = 0.0f;
                 for (int d = 0; d < n; d++)
-                    acc = __fadd_rn(acc,
-                                    __fmul_rn(wsel[warp][d], epx_bf16_to_f32(rows[(int64_t)ksel[warp][d] * H + h])));
+                    acc = __fadd_rn(
+                        acc, __fmul_rn(wsel[warp][d], epx_bf16_to_f32(rows[(int64_t)ksel[warp][d] * H + h])));
                 a.combined_x[t * H + h] = epx_f32_to_bf16(acc);
             }
         }
         __syncwarp();
     }
     if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_COMB_RECV]))
-        release_peers(c, [&](int r) { return &ll_ctrl(a, r)->comb_ack[a.slot][me]; }, epoch);
+        release_peers(
+            c, [&](int r) { return &ll_ctrl(a, r)->comb_ack[a.slot][me]; }, epoch);
 }
 
 extern "C" int epx_cuda_launch_ll_combine_send(const epx_cuda_ll_args_t *args, void *stream)
 {
-    ll_combine_send_kernel<<<args->c.num_blocks, kBlockThreads, 0, (cudaStream_t)stream>>>(*args);
-    return (int)cudaGetLastError();
+    return launch_kernel(ll_combine_send_kernel, *args, args->c.num_blocks, kBlockThreads, 0, stream);
 }
 
 extern "C" int epx_cuda_launch_ll_combine_recv(const epx_cuda_ll_args_t *args, void *stream)
 {
-    ll_combine_recv_kernel<<<args->c.num_blocks, kBlockThreads, 0, (cudaStream_t)stream>>>(*args);
-    return (int)cudaGetLastError();
+    return launch_kernel(ll_combine_recv_kernel, *args, args->c.num_blocks, kBlockThreads, 0, stream);
 }
 
 /* --------------------------------------------------------------------------- failure ---- */
@@ -559,6 +543,5 @@ __global__ void ll_fail_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 
 extern "C" int epx_cuda_launch_ll_fail(const epx_cuda_ll_args_t *args, void *stream)
 {
-    ll_fail_kernel<<<1, EPX_CUDA_MAX_RANKS, 0, (cudaStream_t)stream>>>(*args);
-    return (int)cudaGetLastError();
+    return launch_kernel(ll_fail_kernel, *args, 1, EPX_CUDA_MAX_RANKS, 0, stream);
 }

@@ -13,7 +13,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "kernels/common.cuh"
+#include "kernels/combine.cuh"
 
 #define RM_UNROLL 8
 
@@ -128,7 +128,8 @@ __global__ void __launch_bounds__(kBlockThreads) rm_scan_kernel(const __grid_con
 
 /* One warp per column (expert, then rank): the exclusive prefix over tiles, 32 tiles per step
  * by shuffles (a serial walk costs one memory latency per tile), and the column's total. */
-__global__ void __launch_bounds__(kBlockThreads) rm_prefix_kernel(const __grid_constant__ epx_cuda_rm_args_t a)
+__global__ void __launch_bounds__(kBlockThreads)
+    rm_prefix_kernel(const __grid_constant__ epx_cuda_rm_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
     const int64_t W = a.num_experts + c->nranks, ntiles = rm_tiles(a.num_tokens);
@@ -162,15 +163,14 @@ __global__ void __launch_bounds__(kBlockThreads) rm_send_kernel(const __grid_con
     const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, E = a.num_experts, me = c->rank;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t W = E + R;
-    epx_cuda_ctrl_t *own = peer_ctrl(c, me);
-    const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
-    const uint64_t prev = ld_volatile_u64(&own->disp_last);
+    const kernel_frame f(c);
+    const uint64_t prev = ld_volatile_u64(&f.own->disp_last);
     const int32_t *base = rm_scratch(c);
     __shared__ int dst_rank[kBlockWarps][EPX_CUDA_MAX_RANKS];
     __shared__ uint8_t *dst_ptr[kBlockWarps][EPX_CUDA_MAX_RANKS];
     __shared__ int64_t dst_slot[kBlockWarps][EPX_CUDA_MAX_RANKS];
-    const int &ok =
-        wait_peers(c, [&](int r) { return &own->disp_ack[r]; }, prev, epoch, EPX_CUDA_WAIT_DISPATCH_ACK);
+    const int &ok = wait_peers(
+        c, [&](int r) { return &f.own->disp_ack[r]; }, prev, f.epoch, EPX_CUDA_WAIT_DISPATCH_ACK);
     const int ns = a.scales ? a.num_scales : 0;
     if (ok) {
         for (int64_t t = (int64_t)blockIdx.x * kBlockWarps + warp; t < a.num_tokens;
@@ -217,9 +217,9 @@ __global__ void __launch_bounds__(kBlockThreads) rm_send_kernel(const __grid_con
             __syncwarp();
         }
     }
-    if (last_block_arrive(&own->done_counter[EPX_CUDA_RM_DONE_SEND])) {
+    if (last_block_arrive(&f.own->done_counter[EPX_CUDA_RM_DONE_SEND])) {
         __shared__ int good;
-        if (threadIdx.x == 0) good = !epoch_failed(c, epoch);
+        if (threadIdx.x == 0) good = !epoch_failed(c, f.epoch);
         __syncthreads();
         const int32_t *tot = rm_totals(c, E);
         if (good) {
@@ -232,7 +232,7 @@ __global__ void __launch_bounds__(kBlockThreads) rm_send_kernel(const __grid_con
         if (good && threadIdx.x < R) {
             epx_cuda_ctrl_t *peer = peer_ctrl(c, threadIdx.x);
             st_relaxed_sys(&peer->disp_count[me], (uint64_t)tot[E + threadIdx.x]);
-            st_release_sys(&peer->disp_flag[me], epoch);
+            st_release_sys(&peer->disp_flag[me], f.epoch);
         }
     }
 }
@@ -249,9 +249,7 @@ __global__ void __launch_bounds__(kBlockThreads) rm_recv_kernel(const __grid_con
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, me = c->rank;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    uint8_t *region = c->peers[me];
-    epx_cuda_ctrl_t *own = ctrl_of(region);
-    const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
+    const kernel_frame f(c);
     extern __shared__ int rm_smem[];
     int *gb = rm_smem;      /* [L + 1] padded group starts */
     int *cntj = gb + L + 1; /* [L] real rows per group */
@@ -263,12 +261,12 @@ __global__ void __launch_bounds__(kBlockThreads) rm_recv_kernel(const __grid_con
     __shared__ float dst_w[kBlockWarps][EPX_MAX_TOPK];
     /* Source s's rows are usable when its signature (dtype, permute, probs) matches ours. */
     const int &ok = wait_peers(
-        c, [&](int s) { return &own->disp_flag[s]; }, epoch, epoch, EPX_CUDA_WAIT_DISPATCH_DATA,
+        c, [&](int s) { return &f.own->disp_flag[s]; }, f.epoch, f.epoch, EPX_CUDA_WAIT_DISPATCH_DATA,
         [&](int s) {
-            cnt[s] = (int)ld_volatile_u64(&own->disp_count[s]);
-            const uint64_t sig = ld_volatile_u64((const uint64_t *)(region + c->lay.rm_sig) + s);
+            cnt[s] = (int)ld_volatile_u64(&f.own->disp_count[s]);
+            const uint64_t sig = ld_volatile_u64((const uint64_t *)(f.region + c->lay.rm_sig) + s);
             if (sig == a.sig) return true;
-            record_error(c, epoch, EPX_ERR_MISMATCH, s, EPX_CUDA_WAIT_DISPATCH_DATA, sig, a.sig);
+            record_error(c, f.epoch, EPX_ERR_MISMATCH, s, EPX_CUDA_WAIT_DISPATCH_DATA, sig, a.sig);
             return false;
         });
     if (threadIdx.x == 0) {
@@ -276,7 +274,7 @@ __global__ void __launch_bounds__(kBlockThreads) rm_recv_kernel(const __grid_con
         for (int r = 0; r < R; r++) prefix[r + 1] = prefix[r] + (ok ? cnt[r] : 0);
     }
     if (a.permute) {
-        const int32_t *rc = (const int32_t *)(region + c->lay.rm_cnt);
+        const int32_t *rc = (const int32_t *)(f.region + c->lay.rm_cnt);
         for (int j = threadIdx.x; j < L; j += blockDim.x) {
             int run = 0;
             for (int s = 0; s < R; s++) {
@@ -302,16 +300,16 @@ __global__ void __launch_bounds__(kBlockThreads) rm_recv_kernel(const __grid_con
     const bool writable = ok && (a.bounded || real <= a.limit);
     const int64_t lim = writable ? a.limit : 0;
     const int ns = a.out_scales ? a.num_scales : 0;
-    const uint8_t *dx = region + c->lay.disp_x;
-    const float *dscales = (const float *)(region + c->lay.disp_scales);
-    const int32_t *didx = (const int32_t *)(region + c->lay.disp_idx);
-    const float *dw = (const float *)(region + c->lay.disp_w);
-    const int32_t *dwithin = (const int32_t *)(region + c->lay.rm_within);
-    const int32_t *dsrc = (const int32_t *)(region + c->lay.disp_src);
+    const uint8_t *dx = f.region + c->lay.disp_x;
+    const float *dscales = (const float *)(f.region + c->lay.disp_scales);
+    const int32_t *didx = (const int32_t *)(f.region + c->lay.disp_idx);
+    const float *dw = (const float *)(f.region + c->lay.disp_w);
+    const int32_t *dwithin = (const int32_t *)(f.region + c->lay.rm_within);
+    const int32_t *dsrc = (const int32_t *)(f.region + c->lay.disp_src);
     const int64_t nrows = ok ? total : 0;
-    for (int64_t i = (int64_t)blockIdx.x * kBlockWarps + warp; i < nrows; i += (int64_t)gridDim.x * kBlockWarps) {
-        int s = 0;
-        while (s + 1 < R && prefix[s + 1] <= i) s++;
+    for (int64_t i = (int64_t)blockIdx.x * kBlockWarps + warp; i < nrows;
+         i += (int64_t)gridDim.x * kBlockWarps) {
+        const int s = source_of_row(prefix, R, i);
         const int64_t slot = (int64_t)s * c->max_tokens + (i - prefix[s]);
         const int64_t t = dsrc[slot];
         /* Our own tokens were not copied into our slice: read them where they are. */
@@ -396,7 +394,7 @@ __global__ void __launch_bounds__(kBlockThreads) rm_recv_kernel(const __grid_con
                 for (int j = lane; j < pw; j += 32) a.out_probs[row * pw + j] = 0.0f;
         }
     }
-    if (last_block_arrive(&own->done_counter[EPX_CUDA_RM_DONE_RECV])) {
+    if (last_block_arrive(&f.own->done_counter[EPX_CUDA_RM_DONE_RECV])) {
         if (threadIdx.x == 0) {
             c->host->num_recv = ok ? real : -1;
             if (ok && a.bounded && real > a.limit) c->host->overflow = 1;
@@ -407,7 +405,7 @@ __global__ void __launch_bounds__(kBlockThreads) rm_recv_kernel(const __grid_con
         for (int r = threadIdx.x; r <= R; r += blockDim.x) a.h.recv_prefix[r] = ok ? prefix[r] : 0;
         if (writable && a.permute && a.tokens_per_expert)
             for (int j = threadIdx.x; j < L; j += blockDim.x) a.tokens_per_expert[j] = gb[j + 1] - gb[j];
-        finish_dispatch_recv(c, epoch);
+        finish_dispatch_recv(c, f.epoch);
     }
 }
 
@@ -419,26 +417,22 @@ static size_t rm_recv_smem(const epx_cuda_rm_args_t *a)
 
 extern "C" int epx_cuda_launch_rm_dispatch(const epx_cuda_rm_args_t *args, void *stream)
 {
-    cudaStream_t s = (cudaStream_t)stream;
     const int nb = args->c.num_blocks;
-    rm_scan_kernel<<<nb, kBlockThreads, 0, s>>>(*args);
-    cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return (int)err;
+    int err = launch_kernel(rm_scan_kernel, *args, nb, kBlockThreads, 0, stream);
+    if (err != cudaSuccess) return err;
     /* Launch bounds cap the block at kBlockThreads; the kernel loops over columns. */
-    rm_prefix_kernel<<<1, kBlockThreads, 0, s>>>(*args);
-    if ((err = cudaGetLastError()) != cudaSuccess) return (int)err;
-    rm_send_kernel<<<nb, kBlockThreads, 0, s>>>(*args);
-    if ((err = cudaGetLastError()) != cudaSuccess) return (int)err;
+    if ((err = launch_kernel(rm_prefix_kernel, *args, 1, kBlockThreads, 0, stream)) != cudaSuccess)
+        return err;
+    if ((err = launch_kernel(rm_send_kernel, *args, nb, kBlockThreads, 0, stream)) != cudaSuccess) return err;
     const size_t smem = rm_recv_smem(args);
     /* The 48 KB that need no opt-in cover static and dynamic shared memory together. */
     cudaFuncAttributes fa;
-    if ((err = cudaFuncGetAttributes(&fa, rm_recv_kernel)) != cudaSuccess) return (int)err;
+    if ((err = cudaFuncGetAttributes(&fa, rm_recv_kernel)) != cudaSuccess) return err;
     if (smem + fa.sharedSizeBytes > 48 * 1024) {
         err = cudaFuncSetAttribute(rm_recv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-        if (err != cudaSuccess) return (int)err;
+        if (err != cudaSuccess) return err;
     }
-    rm_recv_kernel<<<nb, kBlockThreads, smem, s>>>(*args);
-    return (int)cudaGetLastError();
+    return launch_kernel(rm_recv_kernel, *args, nb, kBlockThreads, smem, stream);
 }
 
 /* ----------------------------------------------------------------------- combine ---- */
@@ -455,61 +449,43 @@ __global__ void __launch_bounds__(kBlockThreads)
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, K = c->num_topk, me = c->rank;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    epx_cuda_ctrl_t *own = peer_ctrl(c, me);
-    const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
-    const uint64_t prev = ld_volatile_u64(&own->comb_last);
+    const kernel_frame f(c);
     const int64_t row_bytes = c->hidden * 2;
     __shared__ int prefix[EPX_CUDA_MAX_RANKS + 1];
     __shared__ const uint8_t *src_ptr[kBlockWarps][EPX_MAX_TOPK];
     __shared__ uint8_t *dst_ptr[kBlockWarps][EPX_MAX_TOPK];
-    for (int r = threadIdx.x; r <= R; r += blockDim.x) prefix[r] = a.h.recv_prefix[r];
-    const int &ok =
-        wait_peers(c, [&](int r) { return &own->comb_ack[r]; }, prev, epoch, EPX_CUDA_WAIT_COMBINE_ACK);
+    const int &ok = open_combine_send(c, a.h.recv_prefix, prefix, f.epoch);
     const int64_t rows = ok ? a.h.meta[0] : 0, kept = a.h.meta[1];
     /* Rows in HT order, our own block [prefix[me], prefix[me + 1]) skipped. */
     const int64_t own_lo = prefix[me], own_n = prefix[me + 1] - prefix[me];
     const int64_t remote = rows - own_n;
-    for (int64_t q = (int64_t)blockIdx.x * kBlockWarps + warp; q < remote; q += (int64_t)gridDim.x * kBlockWarps) {
+    for (int64_t q = (int64_t)blockIdx.x * kBlockWarps + warp; q < remote;
+         q += (int64_t)gridDim.x * kBlockWarps) {
         const int64_t i = q < own_lo ? q : q + own_n;
-        int s = 0;
-        while (s + 1 < R && prefix[s + 1] <= i) s++;
+        const int s = source_of_row(prefix, R, i);
         const int64_t t = a.h.recv_src[i];
         uint8_t *peer = c->peers[s];
         if (!a.permute) {
             uint8_t *dst = peer + c->lay.comb_x + ((int64_t)me * c->max_tokens + t) * row_bytes;
-            copy_fanout<RM_UNROLL, true>(i < kept ? (const uint8_t *)(a.x + i * c->hidden) : NULL, &dst, 1, row_bytes, lane);
+            copy_fanout<RM_UNROLL, true>(i < kept ? (const uint8_t *)(a.x + i * c->hidden) : NULL, &dst, 1,
+                                         row_bytes, lane);
             continue;
         }
         int n = 0;
         for (int k0 = 0; k0 < K; k0 += 32) {
             const int k = k0 + lane;
             const int32_t pr = k < K ? a.h.perm_row[i * K + k] : -1;
-            const unsigned b = __ballot_sync(kFullMask, pr != -1);
+            const int pos = warp_slot(pr != -1, n);
             if (pr != -1) {
-                const int pos = n + __popc(b & lanemask_lt());
                 src_ptr[warp][pos] = pr >= 0 ? (const uint8_t *)(a.x + (int64_t)pr * c->hidden) : NULL;
                 dst_ptr[warp][pos] = peer + c->lay.rm_comb + (t * K + k) * row_bytes;
             }
-            n += __popc(b);
         }
         __syncwarp();
         rm_copy_pairs(src_ptr[warp], dst_ptr[warp], n, row_bytes, lane);
         __syncwarp();
     }
-    if (last_block_arrive(&own->done_counter[EPX_CUDA_RM_DONE_COMB_SEND]))
-        publish_peers(c, epoch, [&](int r) { st_release_sys(&peer_ctrl(c, r)->comb_flag[me], epoch); });
-}
-
-/* acc += w * y (weighted) or acc += y for 8 bf16 channels, rounding each step (no fma). */
-static __device__ __forceinline__ void rm_acc8(float *acc, int4 v, bool weighted, float w)
-{
-    const uint32_t q[4] = {(uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float lo = epx_bf16_to_f32(q[i]), hi = epx_bf16_to_f32(q[i] >> 16);
-        acc[2 * i] = __fadd_rn(acc[2 * i], weighted ? __fmul_rn(w, lo) : lo);
-        acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], weighted ? __fmul_rn(w, hi) : hi);
-    }
+    finish_combine_send(c, &f.own->done_counter[EPX_CUDA_RM_DONE_COMB_SEND], f.epoch);
 }
 
 /* Source side: wait for every rank's rows, then one warp per token sums its rows in one
@@ -523,17 +499,14 @@ __global__ void __launch_bounds__(kBlockThreads)
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, me = c->rank;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    uint8_t *region = c->peers[me];
-    epx_cuda_ctrl_t *own = ctrl_of(region);
-    const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
+    const kernel_frame f(c);
     const int64_t H = c->hidden;
     __shared__ const uint16_t
         *src_row[kBlockWarps][EPX_MAX_TOPK > EPX_CUDA_MAX_RANKS ? EPX_MAX_TOPK : EPX_CUDA_MAX_RANKS];
     __shared__ float src_w[kBlockWarps][EPX_MAX_TOPK];
-    const int &ok =
-        wait_peers(c, [&](int r) { return &own->comb_flag[r]; }, epoch, epoch, EPX_CUDA_WAIT_COMBINE_DATA);
-    const uint16_t *comb = (const uint16_t *)(region + c->lay.comb_x);
-    const uint16_t *pcomb = (const uint16_t *)(region + c->lay.rm_comb);
+    const int &ok = open_combine_reduce(c, f.epoch);
+    const uint16_t *comb = (const uint16_t *)(f.region + c->lay.comb_x);
+    const uint16_t *pcomb = (const uint16_t *)(f.region + c->lay.rm_comb);
     const int64_t T = ok ? a.num_tokens : 0;
     const int64_t rows = a.h.meta[0], kept = a.h.meta[1];
     const bool weighted = a.permute && a.weighted;
@@ -552,9 +525,8 @@ __global__ void __launch_bounds__(kBlockThreads)
                 } else if (in) {
                     p = comb + ((int64_t)r * c->max_tokens + t) * H;
                 }
-                const unsigned b = __ballot_sync(kFullMask, in);
-                if (in) src_row[warp][n + __popc(b & lanemask_lt())] = p;
-                n += __popc(b);
+                const int pos = warp_slot(in, n);
+                if (in) src_row[warp][pos] = p;
             }
         } else {
             for (int k0 = 0; k0 < K; k0 += 32) {
@@ -571,53 +543,23 @@ __global__ void __launch_bounds__(kBlockThreads)
                 } else if (in) {
                     p = pcomb + (t * K + k) * H;
                 }
-                const unsigned b = __ballot_sync(kFullMask, in);
+                const int pos = warp_slot(in, n);
                 if (in) {
-                    const int pos = n + __popc(b & lanemask_lt());
                     src_row[warp][pos] = p;
                     src_w[warp][pos] = a.h.src_prob[t * K + k];
                 }
-                n += __popc(b);
             }
         }
         __syncwarp();
-        if (vec) {
-            for (int64_t i = lane; i < H / 8; i += 32) {
-                float acc[8];
-#pragma unroll
-                for (int q = 0; q < 8; q++) acc[q] = 0.0f;
-                for (int d0 = 0; d0 < n; d0 += RM_UNROLL) {
-                    int4 v[RM_UNROLL];
-#pragma unroll
-                    for (int u = 0; u < RM_UNROLL; u++)
-                        if (d0 + u < n) v[u] = ld_nc_v4((const int4 *)src_row[warp][d0 + u] + i);
-#pragma unroll
-                    for (int u = 0; u < RM_UNROLL; u++)
-                        if (d0 + u < n) rm_acc8(acc, v[u], weighted, weighted ? src_w[warp][d0 + u] : 0.0f);
-                }
-                st_na_bf16x8((int4 *)(a.combined + t * H) + i, acc);
-            }
-        } else {
-            for (int64_t h = lane; h < H; h += 32) {
-                float acc = 0.0f;
-                for (int d = 0; d < n; d++) {
-                    const float y = epx_bf16_to_f32(src_row[warp][d][h]);
-                    acc = __fadd_rn(acc, weighted ? __fmul_rn(src_w[warp][d], y) : y);
-                }
-                a.combined[t * H + h] = epx_f32_to_bf16(acc);
-            }
-        }
+        reduce_token<RM_UNROLL, true>(
+            a.combined + t * H, H, vec, n, [&](int d) { return src_row[warp][d]; }, weighted,
+            [&](int d) { return src_w[warp][d]; }, nullptr, nullptr, 0, lane);
         __syncwarp();
     }
-    if (last_block_arrive(&own->done_counter[EPX_CUDA_RM_DONE_COMB_REDUCE])) finish_combine_reduce(c, epoch);
+    finish_combine_reduce(c, &f.own->done_counter[EPX_CUDA_RM_DONE_COMB_REDUCE], f.epoch);
 }
 
 extern "C" int epx_cuda_launch_rm_combine(const epx_cuda_rm_args_t *args, void *stream)
 {
-    cudaStream_t s = (cudaStream_t)stream;
-    rm_comb_send_kernel<<<args->c.num_blocks, kBlockThreads, 0, s>>>(*args);
-    cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return (int)err;
-    rm_comb_reduce_kernel<<<args->c.num_blocks, kBlockThreads, 0, s>>>(*args);
-    return (int)cudaGetLastError();
+    return launch_pair(rm_comb_send_kernel, rm_comb_reduce_kernel, args, 0, stream);
 }
