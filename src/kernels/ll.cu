@@ -13,6 +13,9 @@
 
 enum { LL_DONE_DISP_SEND = 0, LL_DONE_DISP_RECV = 1, LL_DONE_COMB_SEND = 2, LL_DONE_COMB_RECV = 3 };
 
+/* The receiver's row map packs a row's source and slot as s * 64 + k (k < EPX_MAX_TOPK). */
+static_assert(EPX_MAX_TOPK == 64, "meta packs k in 6 bits");
+
 __device__ __forceinline__ epx_cuda_ll_ctrl_t *ll_ctrl(const epx_cuda_ll_args_t &a, int r)
 {
     return (epx_cuda_ll_ctrl_t *)(a.c.peers[r] + a.ll.ctrl);
@@ -173,7 +176,7 @@ __device__ __forceinline__ void ll_dispatch_floor(const epx_cuda_ll_args_t &a)
     const int64_t H = a.c.hidden, T = a.num_tokens;
     const int64_t bytes = a.use_fp8 ? (H + (H / 128) * 4 + 15) / 16 * 16 : H * 2;
     const int64_t stride = (int64_t)a.ll.row_stride;
-    __shared__ uint8_t *dst[kBlockWarps][64];
+    __shared__ uint8_t *dst[kBlockWarps][EPX_MAX_TOPK];
     for (int64_t t = (int64_t)blockIdx.x * kBlockWarps + warp; t < T; t += (int64_t)gridDim.x * kBlockWarps) {
         int n = 0;
         for (int k0 = 0; k0 < K; k0 += 32) {
@@ -193,13 +196,13 @@ __device__ __forceinline__ void ll_dispatch_floor(const epx_cuda_ll_args_t &a)
     }
 }
 
-/* Sender: wait until every receiver read the slot's previous rows. Then (1) one warp per expert
- * counts the tokens that select it and writes the count to the expert's rank; (2) one warp per
- * token (or per part of its channels) finds, for each expert it selects, how many earlier tokens
- * select that expert (its row in the slice), casts the token once and writes it to every
- * destination. The last block publishes
- * the epoch to every rank. A token that repeats an expert is sent once (the repeat is an error
- * reported through the poller). */
+/* Sender: threads r < R wait until rank r read the slot's previous rows, and every thread checks
+ * the ids of its tokens (thread = token, grid-strided). Then (1) one warp per expert counts the
+ * tokens that select it and writes the count to the expert's rank; (2) one warp per token (or per
+ * part of its channels) finds, for each expert it selects, how many earlier tokens select that
+ * expert (its row in the slice), casts the token once and writes it to every destination. The
+ * last block publishes the epoch to every rank. A token that repeats an expert is sent once (the
+ * repeat is an error reported through the poller). */
 __global__ void __launch_bounds__(kBlockThreads)
     ll_dispatch_send_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
@@ -215,9 +218,9 @@ __global__ void __launch_bounds__(kBlockThreads)
     const kernel_frame f(c);
     epx_cuda_ll_ctrl_t *lown = ll_ctrl(a, me);
     const uint64_t prev = ld_volatile_u64(&lown->disp_epoch[a.slot]);
-    __shared__ int sel[kBlockWarps][64]; /* the token's experts, first occurrence only (else -1) */
-    __shared__ int pos[kBlockWarps][64]; /* earlier tokens selecting sel[k] */
-    __shared__ uint8_t *rows[kBlockWarps][64];
+    __shared__ int sel[kBlockWarps][EPX_MAX_TOPK]; /* the token's experts, first occurrence only (else -1) */
+    __shared__ int pos[kBlockWarps][EPX_MAX_TOPK]; /* earlier tokens selecting sel[k] */
+    __shared__ uint8_t *rows[kBlockWarps][EPX_MAX_TOPK];
     ll_drops(a);
     const int &ok = wait_peers(
         c, [&](int r) { return &lown->disp_ack[a.slot][r]; }, prev, f.epoch, EPX_CUDA_WAIT_DISPATCH_ACK);
@@ -294,10 +297,11 @@ __global__ void __launch_bounds__(kBlockThreads)
         [&](int r) { return &ll_ctrl(a, r)->disp_flag[a.slot][me]; }, &lown->disp_epoch[a.slot]);
 }
 
-/* Receiver: block b serves local experts b, b + gridDim.x, ... After every source's epoch arrived,
- * the counts give each source's first row; the block's warps copy the slice rows out packed, with
- * scales in the grouped-GEMM layout, src_info and the private (t, s, k) map for the combine. The
- * last block releases the slot to every source. */
+/* Receiver: block b serves local experts b, b + gridDim.x, ... After its threads s < R saw source
+ * s's epoch, thread 0 turns the counts into each source's first row and the block's warps copy the
+ * slice rows out packed (warp w: rows w, w + 16, ...), with scales in the grouped-GEMM layout,
+ * src_info and the private (t, s, k) map for the combine. The last block releases the slot to
+ * every source. */
 __global__ void __launch_bounds__(kBlockThreads)
     ll_dispatch_recv_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
@@ -382,9 +386,10 @@ extern "C" int epx_cuda_launch_ll_dispatch_recv(const epx_cuda_ll_args_t *args, 
 
 /* ----------------------------------------------------------------------------- combine ---- */
 
-/* Expert side: after every source read the slot's previous combine rows, block b's warps send the
- * rows of local experts b, b + gridDim.x, ... to their sources' (slot, t, k) places. The last
- * block publishes the epoch to every rank (a source may get no row from us). */
+/* Expert side: after threads r < R saw rank r read the slot's previous combine rows, block b's
+ * warps send the rows of local experts b, b + gridDim.x, ... (warp w: rows w, w + 16, ...) to
+ * their sources' (slot, t, k) places. The last block publishes the epoch to every rank (a source
+ * may get no row from us). */
 __global__ void __launch_bounds__(kBlockThreads)
     ll_combine_send_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
@@ -420,11 +425,11 @@ __global__ void __launch_bounds__(kBlockThreads)
         [&](int r) { return &ll_ctrl(a, r)->comb_flag[a.slot][me]; }, &lown->comb_epoch[a.slot]);
 }
 
-/* Source side: after every rank's epoch arrived, warps take (token, 1024-channel chunk) items and
- * sum w[t,k] * y(t, k) over the slots k ascending in one fp32 accumulator per channel (no fma),
- * one rounding to bf16; the rows' loads are issued before the ordered sums. A receive that failed
- * (or whose dispatch failed on this rank) writes bf16 NaN rows, never plausible values. The last
- * block releases the slot's combine area to every rank. */
+/* Source side: after threads r < R saw rank r's epoch, warps take (token, 1024-channel chunk)
+ * items, grid-strided, and sum w[t,k] * y(t, k) over the slots k ascending in one fp32
+ * accumulator per channel (no fma), one rounding to bf16; the rows' loads are issued before the
+ * ordered sums. A receive that failed (or whose dispatch failed on this rank) writes bf16 NaN rows,
+ * never plausible values. The last block releases the slot's combine area to every rank. */
 __global__ void __launch_bounds__(kBlockThreads)
     ll_combine_recv_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
@@ -436,8 +441,8 @@ __global__ void __launch_bounds__(kBlockThreads)
     epx_cuda_ll_ctrl_t *lown = ll_ctrl(a, me);
     const uint64_t epoch = ld_volatile_u64(&lown->comb_epoch[a.slot]);
     const uint64_t disp_epoch = ld_volatile_u64(&lown->disp_epoch[a.slot]);
-    __shared__ float wsel[kBlockWarps][64];
-    __shared__ int ksel[kBlockWarps][64];
+    __shared__ float wsel[kBlockWarps][EPX_MAX_TOPK];
+    __shared__ int ksel[kBlockWarps][EPX_MAX_TOPK];
     /* A dispatch that failed on this rank left nothing to combine: no waits. */
     const int &ok = wait_peers(
         c, [&](int r) { return &lown->comb_flag[a.slot][r]; }, epoch, epoch, EPX_CUDA_WAIT_COMBINE_DATA,
@@ -528,7 +533,8 @@ extern "C" int epx_cuda_launch_ll_combine_recv(const epx_cuda_ll_args_t *args, v
 /* --------------------------------------------------------------------------- failure ---- */
 
 /* Runs before the ctrl's fail kernel closes the failed epoch: peers that ran the call recorded it
- * as the slot's last use and will wait for our release of exactly that epoch. */
+ * as the slot's last use and will wait for our release of exactly that epoch (thread r releases
+ * peer r). */
 __global__ void ll_fail_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
     const int me = a.c.rank;

@@ -154,9 +154,9 @@ __global__ void __launch_bounds__(kBlockThreads)
     }
 }
 
-/* Sender. Prologue: every receiver released our slice (previous dispatch). Then one warp per
- * token writes metadata and the row into each destination's slice; the last block publishes
- * the per-expert counts, the signature and the row count, then the epoch. */
+/* Sender. Threads r < R wait until receiver r released our slice (previous dispatch). Then one
+ * warp per token (grid-strided) writes metadata and the row into each destination's slice; the
+ * last block publishes the per-expert counts, the signature and the row count, then the epoch. */
 __global__ void __launch_bounds__(kBlockThreads) rm_send_kernel(const __grid_constant__ epx_cuda_rm_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
@@ -239,11 +239,12 @@ __global__ void __launch_bounds__(kBlockThreads) rm_send_kernel(const __grid_con
 
 /* ---------------------------------------------------------------------- receiver ---- */
 
-/* Receiver. Prologue: every source's epoch, row count and signature; per local expert the
- * padded group starts and each source's first row inside the group (dynamic shared memory).
- * Then one warp per received row copies it once to its HT row or to each of its groups; warps
- * zero padding rows and rows past the real count. The last block writes counts, the handle's
- * totals, releases every source's slice and closes the epoch. */
+/* Receiver. Threads s < R wait for source s's epoch, row count and signature; thread j < L (then
+ * thread 0) finds local expert j's padded group start and each source's first row inside the
+ * group (dynamic shared memory). Then one warp per received row (grid-strided) copies it once to
+ * its HT row or to each of its groups; each warp then zeroes 32-row stretches of padding and rows
+ * past the real count. The last block writes counts, the handle's totals, releases every source's
+ * slice and closes the epoch. */
 __global__ void __launch_bounds__(kBlockThreads) rm_recv_kernel(const __grid_constant__ epx_cuda_rm_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
@@ -437,12 +438,12 @@ extern "C" int epx_cuda_launch_rm_dispatch(const epx_cuda_rm_args_t *args, void 
 
 /* ----------------------------------------------------------------------- combine ---- */
 
-/* Sender of combine (the rank holding rows): after each source released its combine area, one
- * warp per row received from another rank writes it back into the source's area: [me][token]
- * without permute, [token][k] with (k = the expert's place in the token's selection), the row's
- * copies flattened into one copy. Our own rows stay where they are (the reduce reads them). A
- * remote row dropped by the bound goes back as zeros: the accumulator never holds -0 (it starts
- * at +0), so adding +0 (or w * 0, finite w) leaves it unchanged. */
+/* Sender of combine (the rank holding rows): after threads r < R saw source r release its combine
+ * area, one warp per row received from another rank (grid-strided) writes it back into the
+ * source's area: [me][token] without permute, [token][k] with (k = the expert's place in the
+ * token's selection), the row's copies flattened into one copy. Our own rows stay where they are
+ * (the reduce reads them). A remote row dropped by the bound goes back as zeros: the accumulator
+ * never holds -0 (it starts at +0), so adding +0 (or w * 0, finite w) leaves it unchanged. */
 __global__ void __launch_bounds__(kBlockThreads)
     rm_comb_send_kernel(const __grid_constant__ epx_cuda_rm_args_t a)
 {
@@ -488,11 +489,11 @@ __global__ void __launch_bounds__(kBlockThreads)
     finish_combine_send(c, &f.own->done_counter[EPX_CUDA_RM_DONE_COMB_SEND], f.epoch);
 }
 
-/* Source side: wait for every rank's rows, then one warp per token sums its rows in one
- * fp32 accumulator: ranks ascending (without permute) or the token's experts ascending, which is
- * ranks then local experts ascending (with permute); one rounding to bf16. Our own rows are read
- * from the combine input x (no push), rows dropped there are skipped. Each lane loads a vector
- * of up to RM_UNROLL rows before adding them in order, so the loads overlap. */
+/* Source side: threads r < R wait for rank r's rows, then one warp per token (grid-strided) sums
+ * its rows in one fp32 accumulator: ranks ascending (without permute) or the token's experts ascending, which
+ * is ranks then local experts ascending (with permute); one rounding to bf16. Our own rows are read from the
+ * combine input x (no push), rows dropped there are skipped. Each lane loads a vector of up to RM_UNROLL rows
+ * before adding them in order, so the loads overlap. */
 __global__ void __launch_bounds__(kBlockThreads)
     rm_comb_reduce_kernel(const __grid_constant__ epx_cuda_rm_args_t a)
 {
