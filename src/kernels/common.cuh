@@ -345,8 +345,9 @@ struct open_gate {
 /* The opening of a collective kernel (all threads): thread r < R waits until peer r's word
  * flag_of(r) reaches `target`, then runs arrived(r) (false fails the block). Returns the block's
  * verdict, a shared word (nonzero: every wait succeeded) that stays in shared memory rather than
- * a register through the kernel. Shared memory the caller set up before is visible after it. A
- * gate (thread 0) that says false skips the waits and fails the block. */
+ * a register through the kernel (one word per call site: each lambda is its own instantiation).
+ * Shared memory the caller set up before is visible after it. A gate (thread 0) that says false
+ * skips the waits and fails the block. */
 template <typename FlagOf, typename Arrived = no_arrival, typename Gate = open_gate>
 __device__ __forceinline__ const int &wait_peers(const epx_cuda_common_t *c, FlagOf flag_of, uint64_t target,
                                                  uint64_t epoch, int what, Arrived arrived = Arrived(),
