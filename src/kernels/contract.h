@@ -47,7 +47,7 @@ typedef struct epx_cuda_host_block {
     int32_t abort_flag; /* host sets it at teardown: every device wait gives up */
     int32_t overflow;   /* static mode dropped rows */
     int64_t num_recv;   /* N_r of the last dispatch (-1 when it failed) */
-    int64_t bad_where;  /* 1 + token * 64 + slot of an invalid device topk_idx entry, 0 = none */
+    int64_t bad_where;  /* 1 + token * EPX_MAX_TOPK + slot of an invalid device topk_idx entry, 0 = none */
     int64_t bad_value;
 } epx_cuda_host_block_t;
 
@@ -187,9 +187,6 @@ int epx_cuda_launch_dispatch(const epx_cuda_dispatch_args_t *args, void *stream)
 int epx_cuda_launch_combine(const epx_cuda_combine_args_t *args, void *stream);
 /* This rank failed its checks: bump the epoch and release every peer (see epx_cuda_ctrl_t). */
 int epx_cuda_launch_fail(const epx_cuda_common_t *c, void *stream);
-/* Same-bytes ceiling: every row the dispatch would move, copied with plain 16-byte stores from
- * `src` rows to peers' dispatch areas through the same mappings, no flags. */
-int epx_cuda_launch_ceiling_copy(const epx_cuda_dispatch_args_t *args, void *stream);
 /* HT view mode (recv_in_buffer / x_in_buffer): one pass over the bytes.
  * Dispatch: the sender posts its per-destination counts, reads the lower sources' counts from
  * each destination to get its rows' final positions, and writes every row (scales, remapped ids,

@@ -9,12 +9,12 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "kernels/sync.cuh"
-
-#define LL_THREADS 512
-#define LL_WARPS   (LL_THREADS / 32)
+#include "kernels/common.cuh"
 
 enum { LL_DONE_DISP_SEND = 0, LL_DONE_DISP_RECV = 1, LL_DONE_COMB_SEND = 2, LL_DONE_COMB_RECV = 3 };
+
+/* The receiver's row map packs a row's source and slot as s * 64 + k (k < EPX_MAX_TOPK). */
+static_assert(EPX_MAX_TOPK == 64, "meta packs k in 6 bits");
 
 __device__ __forceinline__ epx_cuda_ll_ctrl_t *ll_ctrl(const epx_cuda_ll_args_t &a, int r)
 {
@@ -23,7 +23,7 @@ __device__ __forceinline__ epx_cuda_ll_ctrl_t *ll_ctrl(const epx_cuda_ll_args_t 
 
 __device__ __forceinline__ int64_t ll_topk(const epx_cuda_ll_args_t &a, int64_t i)
 {
-    return a.idx_is_64 ? ((const int64_t *)a.topk_idx)[i] : (int64_t)((const int32_t *)a.topk_idx)[i];
+    return topk_at(a.topk_idx, a.idx_is_64, i);
 }
 
 /* Dispatch slice of (slot, local expert j, source s) in rank r's region. */
@@ -54,32 +54,6 @@ __device__ __forceinline__ void warp_copy(uint8_t *dst, const uint8_t *src, int6
     }
 }
 
-/* fp32 -> fp8 e4m3 "fn", saturating, round to nearest even: the same bits as the host's
- * epx_f32_to_fp8_e4m3 (NaN -> 0x7f). */
-__device__ __forceinline__ uint32_t ll_f32_to_e4m3(float f)
-{
-    const uint32_t u = __float_as_uint(f);
-    const uint32_t sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return 0x7fu;
-    if (a >= 0x43e00000u) return sign | 0x7eu;
-    if (a < 0x3c800000u) return sign | (uint32_t)__float2int_rn(__fmul_rn(__uint_as_float(a), 512.0f));
-    const uint32_t rounded = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;
-    const uint32_t code = rounded - (120u << 3);
-    return sign | (code > 0x7eu ? 0x7eu : code);
-}
-
-__device__ __forceinline__ float ll_bf16(uint32_t bits16)
-{
-    return __uint_as_float(bits16 << 16);
-}
-
-__device__ __forceinline__ uint32_t ll_f32_to_bf16(float f)
-{
-    const uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return ((u >> 16) | 0x40u) & 0xffffu;
-    return ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & 0xffffu;
-}
-
 /* Releases what a receive half that never ran (or this rank's failed call) would have released. */
 __device__ __forceinline__ void ll_drops(const epx_cuda_ll_args_t &a)
 {
@@ -94,6 +68,19 @@ __device__ __forceinline__ void ll_drops(const epx_cuda_ll_args_t &a)
     }
 }
 
+/* A send half's end: the last block publishes `epoch` to every rank through flag_of(r) (unless
+ * this rank failed it), remembers it as the slot's last use and closes the collective. */
+template <typename FlagOf>
+__device__ __forceinline__ void ll_finish_send(const epx_cuda_ll_args_t &a, bool ok, uint64_t epoch,
+                                               uint32_t *counter, FlagOf flag_of, uint64_t *slot_epoch)
+{
+    if (last_block_arrive(counter)) {
+        if (ok) publish_peers(&a.c, epoch, [&](int r) { st_release_sys(flag_of(r), epoch); });
+        __syncthreads();
+        close_epoch(peer_ctrl(&a.c, a.c.rank), slot_epoch, epoch);
+    }
+}
+
 /* ---------------------------------------------------------------------------- dispatch ---- */
 
 /* Casts 16 bf16 channels (two 16-byte loads) to 16 fp8 bytes; the 8 lanes of one 128-channel
@@ -105,14 +92,14 @@ __device__ __forceinline__ int4 ll_cast16(int4 v0, int4 v1, int round_scale, flo
     float f[16];
 #pragma unroll
     for (int q = 0; q < 8; q++) {
-        f[2 * q] = ll_bf16(w[q] & 0xffffu);
-        f[2 * q + 1] = ll_bf16(w[q] >> 16);
+        f[2 * q] = epx_bf16_to_f32(w[q]);
+        f[2 * q + 1] = epx_bf16_to_f32(w[q] >> 16);
     }
     float amax = 0.0f;
 #pragma unroll
     for (int q = 0; q < 16; q++) amax = fmaxf(amax, fabsf(f[q]));
 #pragma unroll
-    for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
     amax = fmaxf(amax, 1e-4f);
     float scale_inv = __fdiv_rn(amax, 448.0f);
     if (round_scale) {
@@ -121,7 +108,8 @@ __device__ __forceinline__ int4 ll_cast16(int4 v0, int4 v1, int round_scale, flo
     }
     uint32_t o[4] = {0, 0, 0, 0};
 #pragma unroll
-    for (int q = 0; q < 16; q++) o[q >> 2] |= ll_f32_to_e4m3(__fdiv_rn(f[q], scale_inv)) << (8 * (q & 3));
+    for (int q = 0; q < 16; q++)
+        o[q >> 2] |= (uint32_t)epx_f32_to_fp8_e4m3(__fdiv_rn(f[q], scale_inv)) << (8 * (q & 3));
     *scale_out = scale_inv;
     return make_int4((int)o[0], (int)o[1], (int)o[2], (int)o[3]);
 }
@@ -188,18 +176,15 @@ __device__ __forceinline__ void ll_dispatch_floor(const epx_cuda_ll_args_t &a)
     const int64_t H = a.c.hidden, T = a.num_tokens;
     const int64_t bytes = a.use_fp8 ? (H + (H / 128) * 4 + 15) / 16 * 16 : H * 2;
     const int64_t stride = (int64_t)a.ll.row_stride;
-    __shared__ uint8_t *dst[LL_WARPS][64];
-    for (int64_t t = (int64_t)blockIdx.x * LL_WARPS + warp; t < T; t += (int64_t)gridDim.x * LL_WARPS) {
+    __shared__ uint8_t *dst[kBlockWarps][EPX_MAX_TOPK];
+    for (int64_t t = (int64_t)blockIdx.x * kBlockWarps + warp; t < T; t += (int64_t)gridDim.x * kBlockWarps) {
         int n = 0;
         for (int k0 = 0; k0 < K; k0 += 32) {
             const int k = k0 + lane;
             const int64_t e = k < K ? ll_topk(a, t * K + k) : -1;
             const bool in = e >= 0 && e < E;
-            const unsigned b = __ballot_sync(0xffffffffu, in);
-            if (in)
-                dst[warp][n + __popc(b & ((1u << lane) - 1u))] =
-                    ll_slice(a, (int)(e / L), (int)(e % L), me) + t * stride;
-            n += __popc(b);
+            const int at = warp_slot(in, n);
+            if (in) dst[warp][at] = ll_slice(a, (int)(e / L), (int)(e % L), me) + t * stride;
         }
         __syncwarp();
         const int4 *src = (const int4 *)(a.x + t * H);
@@ -211,14 +196,14 @@ __device__ __forceinline__ void ll_dispatch_floor(const epx_cuda_ll_args_t &a)
     }
 }
 
-/* Sender: wait until every receiver read the slot's previous rows. Then (1) one warp per expert
- * counts the tokens that select it and writes the count to the expert's rank; (2) one warp per
- * token (or per part of its channels) finds, for each expert it selects, how many earlier tokens
- * select that expert (its row in the slice), casts the token once and writes it to every
- * destination. The last block publishes
- * the epoch to every rank. A token that repeats an expert is sent once (the repeat is an error
- * reported through the poller). */
-__global__ void __launch_bounds__(LL_THREADS)
+/* Sender: threads r < R wait until rank r read the slot's previous rows, and every thread checks
+ * the ids of its tokens (thread = token, grid-strided). Then (1) one warp per expert counts the
+ * tokens that select it and writes the count to the expert's rank; (2) one warp per token (or per
+ * part of its channels) finds, for each expert it selects, how many earlier tokens select that
+ * expert (its row in the slice), casts the token once and writes it to every destination. The
+ * last block publishes the epoch to every rank. A token that repeats an expert is sent once (the
+ * repeat is an error reported through the poller). */
+__global__ void __launch_bounds__(kBlockThreads)
     ll_dispatch_send_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
     if (a.floor_only) {
@@ -229,35 +214,21 @@ __global__ void __launch_bounds__(LL_THREADS)
     const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, me = c->rank, E = a.num_experts;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t T = a.num_tokens, stride = (int64_t)a.ll.row_stride;
-    const int64_t gwarp = (int64_t)blockIdx.x * LL_WARPS + warp, nwarps = (int64_t)gridDim.x * LL_WARPS;
-    epx_cuda_ctrl_t *own = ctrl_of(c->peers[me]);
+    const int64_t gwarp = (int64_t)blockIdx.x * kBlockWarps + warp, nwarps = (int64_t)gridDim.x * kBlockWarps;
+    const kernel_frame f(c);
     epx_cuda_ll_ctrl_t *lown = ll_ctrl(a, me);
-    const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
     const uint64_t prev = ld_volatile_u64(&lown->disp_epoch[a.slot]);
-    __shared__ int ok;
-    __shared__ int sel[LL_WARPS][64]; /* the token's experts, first occurrence only (else -1) */
-    __shared__ int pos[LL_WARPS][64]; /* earlier tokens selecting sel[k] */
-    __shared__ uint8_t *rows[LL_WARPS][64];
-    if (threadIdx.x == 0) ok = 1;
+    __shared__ int sel[kBlockWarps][EPX_MAX_TOPK]; /* the token's experts, first occurrence only (else -1) */
+    __shared__ int pos[kBlockWarps][EPX_MAX_TOPK]; /* earlier tokens selecting sel[k] */
+    __shared__ uint8_t *rows[kBlockWarps][EPX_MAX_TOPK];
     ll_drops(a);
-    __syncthreads();
-    if ((int)threadIdx.x < R && !wait_flag_geq(c, &lown->disp_ack[a.slot][threadIdx.x], prev, epoch,
-                                               threadIdx.x, EPX_CUDA_WAIT_DISPATCH_ACK))
-        ok = 0;
-    __syncthreads();
+    const int &ok = wait_peers(
+        c, [&](int r) { return &lown->disp_ack[a.slot][r]; }, prev, f.epoch, EPX_CUDA_WAIT_DISPATCH_ACK);
     /* The host cannot read device topk_idx: an id out of range or repeated goes to the poller as
      * the call's async error (a repeated id would otherwise make the combine sum a stale row). */
     for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < T;
          t += (int64_t)gridDim.x * blockDim.x)
-        for (int k = 0; k < K; k++) {
-            const int64_t v = ll_topk(a, t * K + k);
-            bool bad = v < -1 || v >= E;
-            for (int q = 0; q < k && !bad && v >= 0; q++) bad = ll_topk(a, t * K + q) == v;
-            if (bad) {
-                c->host->bad_value = v;
-                c->host->bad_where = 1 + t * 64 + k;
-            }
-        }
+        for (int k = 0; k < K; k++) topk_checked(a.topk_idx, a.idx_is_64, t, K, k, E, c->host);
     if (ok) {
         /* (1) Counts: tokens selecting e (each token once). */
         for (int64_t e = gwarp; e < E; e += nwarps) {
@@ -268,7 +239,7 @@ __global__ void __launch_bounds__(LL_THREADS)
                 n += hit;
             }
 #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) n += __shfl_xor_sync(0xffffffffu, n, off);
+            for (int off = 16; off > 0; off >>= 1) n += __shfl_xor_sync(kFullMask, n, off);
             if (lane == 0)
                 ((int32_t *)(c->peers[e / L] + a.ll.cnt))[((int64_t)a.slot * R + me) * L + e % L] = n;
         }
@@ -309,36 +280,29 @@ __global__ void __launch_bounds__(LL_THREADS)
             for (int k0 = 0; k0 < K; k0 += 32) {
                 const int k = k0 + lane;
                 const int e = k < K ? sel[warp][k] : -1;
-                const unsigned b = __ballot_sync(0xffffffffu, e >= 0);
+                const int at = warp_slot(e >= 0, n);
                 if (e >= 0) {
                     uint8_t *row = ll_slice(a, e / L, e % L, me) + (int64_t)pos[warp][k] * stride;
-                    rows[warp][n + __popc(b & ((1u << lane) - 1u))] = row;
+                    rows[warp][at] = row;
                     if (part == 0) *(int2 *)(row + stride - 16) = make_int2((int)t, k);
                 }
-                n += __popc(b);
             }
             __syncwarp();
             ll_fan_out(a, a.x + t * H, rows[warp], n, lo, hi, lane);
             __syncwarp();
         }
     }
-    if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_DISP_SEND])) {
-        if (ok && !epoch_failed(c, epoch) && (int)threadIdx.x < R)
-            st_release_sys(&ll_ctrl(a, threadIdx.x)->disp_flag[a.slot][me], epoch);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            lown->disp_epoch[a.slot] = epoch;
-            own->epoch = epoch;
-            __threadfence_system();
-        }
-    }
+    ll_finish_send(
+        a, ok, f.epoch, &lown->done_counter[a.slot][LL_DONE_DISP_SEND],
+        [&](int r) { return &ll_ctrl(a, r)->disp_flag[a.slot][me]; }, &lown->disp_epoch[a.slot]);
 }
 
-/* Receiver: block b serves local experts b, b + gridDim.x, ... After every source's epoch arrived,
- * the counts give each source's first row; the block's warps copy the slice rows out packed, with
- * scales in the grouped-GEMM layout, src_info and the private (t, s, k) map for the combine. The
- * last block releases the slot to every source. */
-__global__ void __launch_bounds__(LL_THREADS)
+/* Receiver: block b serves local experts b, b + gridDim.x, ... After its threads s < R saw source
+ * s's epoch, thread 0 turns the counts into each source's first row and the block's warps copy the
+ * slice rows out packed (warp w: rows w, w + 16, ...), with scales in the grouped-GEMM layout,
+ * src_info and the private (t, s, k) map for the combine. The last block releases the slot to
+ * every source. */
+__global__ void __launch_bounds__(kBlockThreads)
     ll_dispatch_recv_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
@@ -349,16 +313,12 @@ __global__ void __launch_bounds__(LL_THREADS)
     uint8_t *region = c->peers[me];
     epx_cuda_ll_ctrl_t *lown = ll_ctrl(a, me);
     const uint64_t epoch = ld_volatile_u64(&lown->disp_epoch[a.slot]);
-    __shared__ int ok;
     __shared__ int prefix[EPX_CUDA_MAX_RANKS + 1];
     __shared__ int cnt[EPX_CUDA_MAX_RANKS];
-    if (threadIdx.x == 0) ok = 1;
-    __syncthreads();
     const int first_expert = (int)blockIdx.x < L ? me * L + (int)blockIdx.x : -1;
-    if ((int)threadIdx.x < R && !wait_flag_geq(c, &lown->disp_flag[a.slot][threadIdx.x], epoch, epoch,
-                                               threadIdx.x, EPX_CUDA_WAIT_DISPATCH_DATA, first_expert))
-        ok = 0;
-    __syncthreads();
+    const int &ok = wait_peers(
+        c, [&](int r) { return &lown->disp_flag[a.slot][r]; }, epoch, epoch, EPX_CUDA_WAIT_DISPATCH_DATA,
+        no_arrival(), open_gate(), first_expert);
     const int32_t *counts = (const int32_t *)(region + a.ll.cnt) + (int64_t)a.slot * R * L;
     int32_t *rcount = (int32_t *)(region + a.ll.rcount) + (int64_t)a.slot * L;
     int2 *meta = (int2 *)(region + a.ll.meta) + (int64_t)a.slot * L * RT;
@@ -381,9 +341,8 @@ __global__ void __launch_bounds__(LL_THREADS)
             a.layout_range[(int64_t)j * R + s] = cnt[s] ? ((int64_t)prefix[s] << 32) | cnt[s] : 0;
         }
         const int total = prefix[R];
-        for (int q = warp; q < total; q += LL_WARPS) {
-            int s = 0;
-            while (s + 1 < R && prefix[s + 1] <= q) s++;
+        for (int q = warp; q < total; q += kBlockWarps) {
+            const int s = source_of_row(prefix, R, q);
             const uint8_t *src = ll_slice(a, me, j, s) + (int64_t)(q - prefix[s]) * stride;
             const int64_t out_row = (int64_t)j * RT + q;
             warp_copy((uint8_t *)a.recv_x + out_row * xb, src, xb, lane);
@@ -410,55 +369,48 @@ __global__ void __launch_bounds__(LL_THREADS)
         }
         __syncthreads();
     }
-    if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_DISP_RECV])) {
-        if ((int)threadIdx.x < R) st_release_sys(&ll_ctrl(a, threadIdx.x)->disp_ack[a.slot][me], epoch);
-    }
+    if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_DISP_RECV]))
+        release_peers(
+            c, [&](int r) { return &ll_ctrl(a, r)->disp_ack[a.slot][me]; }, epoch);
 }
 
 extern "C" int epx_cuda_launch_ll_dispatch_send(const epx_cuda_ll_args_t *args, void *stream)
 {
-    ll_dispatch_send_kernel<<<args->c.num_blocks, LL_THREADS, 0, (cudaStream_t)stream>>>(*args);
-    return (int)cudaGetLastError();
+    return launch_kernel(ll_dispatch_send_kernel, *args, args->c.num_blocks, kBlockThreads, 0, stream);
 }
 
 extern "C" int epx_cuda_launch_ll_dispatch_recv(const epx_cuda_ll_args_t *args, void *stream)
 {
-    ll_dispatch_recv_kernel<<<args->c.num_blocks, LL_THREADS, 0, (cudaStream_t)stream>>>(*args);
-    return (int)cudaGetLastError();
+    return launch_kernel(ll_dispatch_recv_kernel, *args, args->c.num_blocks, kBlockThreads, 0, stream);
 }
 
 /* ----------------------------------------------------------------------------- combine ---- */
 
-/* Expert side: after every source read the slot's previous combine rows, block b's warps send the
- * rows of local experts b, b + gridDim.x, ... to their sources' (slot, t, k) places. The last
- * block publishes the epoch to every rank (a source may get no row from us). */
-__global__ void __launch_bounds__(LL_THREADS)
+/* Expert side: after threads r < R saw rank r read the slot's previous combine rows, block b's
+ * warps send the rows of local experts b, b + gridDim.x, ... (warp w: rows w, w + 16, ...) to
+ * their sources' (slot, t, k) places. The last block publishes the epoch to every rank (a source
+ * may get no row from us). */
+__global__ void __launch_bounds__(kBlockThreads)
     ll_combine_send_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, me = c->rank;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t H = c->hidden, RT = (int64_t)R * c->max_tokens;
-    uint8_t *region = c->peers[me];
-    epx_cuda_ctrl_t *own = ctrl_of(region);
+    const kernel_frame f(c);
     epx_cuda_ll_ctrl_t *lown = ll_ctrl(a, me);
-    const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
     const uint64_t prev = ld_volatile_u64(&lown->comb_epoch[a.slot]);
-    __shared__ int ok;
-    if (threadIdx.x == 0) ok = 1;
     if (!a.floor_only) ll_drops(a);
-    __syncthreads();
-    if (!a.floor_only && (int)threadIdx.x < R &&
-        !wait_flag_geq(c, &lown->comb_ack[a.slot][threadIdx.x], prev, epoch, threadIdx.x,
-                       EPX_CUDA_WAIT_COMBINE_ACK))
-        ok = 0;
-    __syncthreads();
-    const int32_t *rcount = (const int32_t *)(region + a.ll.rcount) + (int64_t)a.slot * L;
-    const int2 *meta = (const int2 *)(region + a.ll.meta) + (int64_t)a.slot * L * RT;
-    if (ok) {
+    /* The benchmark floor neither waits nor publishes: its gate stays shut, its rows go anyway. */
+    const int &ok = wait_peers(
+        c, [&](int r) { return &lown->comb_ack[a.slot][r]; }, prev, f.epoch, EPX_CUDA_WAIT_COMBINE_ACK,
+        no_arrival(), [&] { return !a.floor_only; });
+    const int32_t *rcount = (const int32_t *)(f.region + a.ll.rcount) + (int64_t)a.slot * L;
+    const int2 *meta = (const int2 *)(f.region + a.ll.meta) + (int64_t)a.slot * L * RT;
+    if (ok || a.floor_only) {
         for (int j = blockIdx.x; j < L; j += gridDim.x) {
             const int total = rcount[j];
-            for (int q = warp; q < total; q += LL_WARPS) {
+            for (int q = warp; q < total; q += kBlockWarps) {
                 const int2 m = meta[(int64_t)j * RT + q];
                 const int s = m.y >> 6, k = m.y & 63;
                 uint8_t *dst =
@@ -468,50 +420,39 @@ __global__ void __launch_bounds__(LL_THREADS)
         }
     }
     if (a.floor_only) return;
-    if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_COMB_SEND])) {
-        if (ok && !epoch_failed(c, epoch) && (int)threadIdx.x < R)
-            st_release_sys(&ll_ctrl(a, threadIdx.x)->comb_flag[a.slot][me], epoch);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            lown->comb_epoch[a.slot] = epoch;
-            own->epoch = epoch;
-            __threadfence_system();
-        }
-    }
+    ll_finish_send(
+        a, ok, f.epoch, &lown->done_counter[a.slot][LL_DONE_COMB_SEND],
+        [&](int r) { return &ll_ctrl(a, r)->comb_flag[a.slot][me]; }, &lown->comb_epoch[a.slot]);
 }
 
-/* Source side: after every rank's epoch arrived, warps take (token, 1024-channel chunk) items and
- * sum w[t,k] * y(t, k) over the slots k ascending in one fp32 accumulator per channel (no fma),
- * one rounding to bf16; the rows' loads are issued before the ordered sums. A receive that failed
- * (or whose dispatch failed on this rank) writes bf16 NaN rows, never plausible values. The last
- * block releases the slot's combine area to every rank. */
-__global__ void __launch_bounds__(LL_THREADS)
+/* Source side: after threads r < R saw rank r's epoch, warps take (token, 1024-channel chunk)
+ * items, grid-strided, and sum w[t,k] * y(t, k) over the slots k ascending in one fp32
+ * accumulator per channel (no fma), one rounding to bf16; the rows' loads are issued before the
+ * ordered sums. A receive that failed (or whose dispatch failed on this rank) writes bf16 NaN rows,
+ * never plausible values. The last block releases the slot's combine area to every rank. */
+__global__ void __launch_bounds__(kBlockThreads)
     ll_combine_recv_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
-    const int R = c->nranks, K = c->num_topk, me = c->rank, E = a.num_experts;
+    const int K = c->num_topk, me = c->rank, E = a.num_experts;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t H = c->hidden, T = a.num_tokens;
     uint8_t *region = c->peers[me];
     epx_cuda_ll_ctrl_t *lown = ll_ctrl(a, me);
     const uint64_t epoch = ld_volatile_u64(&lown->comb_epoch[a.slot]);
     const uint64_t disp_epoch = ld_volatile_u64(&lown->disp_epoch[a.slot]);
-    __shared__ int ok;
-    __shared__ float wsel[LL_WARPS][64];
-    __shared__ int ksel[LL_WARPS][64];
-    if (threadIdx.x == 0) ok = !epoch_failed(c, disp_epoch);
-    __syncthreads();
-    if (ok && (int)threadIdx.x < R &&
-        !wait_flag_geq(c, &lown->comb_flag[a.slot][threadIdx.x], epoch, epoch, threadIdx.x,
-                       EPX_CUDA_WAIT_COMBINE_DATA))
-        ok = 0;
-    __syncthreads();
+    __shared__ float wsel[kBlockWarps][EPX_MAX_TOPK];
+    __shared__ int ksel[kBlockWarps][EPX_MAX_TOPK];
+    /* A dispatch that failed on this rank left nothing to combine: no waits. */
+    const int &ok = wait_peers(
+        c, [&](int r) { return &lown->comb_flag[a.slot][r]; }, epoch, epoch, EPX_CUDA_WAIT_COMBINE_DATA,
+        no_arrival(), [&] { return !epoch_failed(c, disp_epoch); });
     const uint16_t *area = (const uint16_t *)(region + a.ll.comb) + (int64_t)a.slot * c->max_tokens * K * H;
     const bool vec = (H & 7) == 0 && ((uintptr_t)a.combined_x & 15) == 0;
     const int64_t chunk = vec ? 1024 : 32, nch = (H + chunk - 1) / chunk;
     const int64_t items = T * nch;
-    for (int64_t it = (int64_t)blockIdx.x * LL_WARPS + warp; it < items;
-         it += (int64_t)gridDim.x * LL_WARPS) {
+    for (int64_t it = (int64_t)blockIdx.x * kBlockWarps + warp; it < items;
+         it += (int64_t)gridDim.x * kBlockWarps) {
         const int64_t t = it / nch, h0 = (it % nch) * chunk;
         if (!ok) {
             for (int64_t h = h0 + lane; h < H && h < h0 + chunk; h += 32) a.combined_x[t * H + h] = 0x7fc0;
@@ -522,13 +463,11 @@ __global__ void __launch_bounds__(LL_THREADS)
             const int k = k0 + lane;
             const int64_t e = k < K ? ll_topk(a, t * K + k) : -1;
             const bool in = e >= 0 && e < E;
-            const unsigned b = __ballot_sync(0xffffffffu, in);
+            const int at = warp_slot(in, n);
             if (in) {
-                const int p = n + __popc(b & ((1u << lane) - 1u));
-                ksel[warp][p] = k;
-                wsel[warp][p] = a.topk_weights[t * K + k];
+                ksel[warp][at] = k;
+                wsel[warp][at] = a.topk_weights[t * K + k];
             }
-            n += __popc(b);
         }
         __syncwarp();
         const uint16_t *rows = area + t * K * H;
@@ -555,66 +494,51 @@ __global__ void __launch_bounds__(LL_THREADS)
                     if (d0 + u >= n) break;
                     const float w = wsel[warp][d0 + u];
 #pragma unroll
-                    for (int m = 0; m < 4; m++) {
-                        const uint32_t x[4] = {(uint32_t)v[u][m].x, (uint32_t)v[u][m].y, (uint32_t)v[u][m].z,
-                                               (uint32_t)v[u][m].w};
-#pragma unroll
-                        for (int q = 0; q < 4; q++) {
-                            acc[m][2 * q] = __fadd_rn(acc[m][2 * q], __fmul_rn(w, ll_bf16(x[q] & 0xffffu)));
-                            acc[m][2 * q + 1] =
-                                __fadd_rn(acc[m][2 * q + 1], __fmul_rn(w, ll_bf16(x[q] >> 16)));
-                        }
-                    }
+                    for (int m = 0; m < 4; m++) acc_add_bf16x8(acc[m], v[u][m], true, w);
                 }
             }
 #pragma unroll
             for (int m = 0; m < 4; m++) {
                 const int64_t h = h0 + 8 * (lane + 32 * m);
                 if (h >= H) continue;
-                int4 o;
-                o.x = (int)(ll_f32_to_bf16(acc[m][0]) | (ll_f32_to_bf16(acc[m][1]) << 16));
-                o.y = (int)(ll_f32_to_bf16(acc[m][2]) | (ll_f32_to_bf16(acc[m][3]) << 16));
-                o.z = (int)(ll_f32_to_bf16(acc[m][4]) | (ll_f32_to_bf16(acc[m][5]) << 16));
-                o.w = (int)(ll_f32_to_bf16(acc[m][6]) | (ll_f32_to_bf16(acc[m][7]) << 16));
-                st_na_v4((int4 *)(a.combined_x + t * H + h), o);
+                st_na_bf16x8((int4 *)(a.combined_x + t * H + h), acc[m]);
             }
         } else {
             const int64_t h = h0 + lane;
             if (h < H) {
                 float acc = 0.0f;
                 for (int d = 0; d < n; d++)
-                    acc = __fadd_rn(acc,
-                                    __fmul_rn(wsel[warp][d], ll_bf16(rows[(int64_t)ksel[warp][d] * H + h])));
-                a.combined_x[t * H + h] = (uint16_t)ll_f32_to_bf16(acc);
+                    acc = __fadd_rn(
+                        acc, __fmul_rn(wsel[warp][d], epx_bf16_to_f32(rows[(int64_t)ksel[warp][d] * H + h])));
+                a.combined_x[t * H + h] = epx_f32_to_bf16(acc);
             }
         }
         __syncwarp();
     }
-    if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_COMB_RECV])) {
-        if ((int)threadIdx.x < R) st_release_sys(&ll_ctrl(a, threadIdx.x)->comb_ack[a.slot][me], epoch);
-    }
+    if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_COMB_RECV]))
+        release_peers(
+            c, [&](int r) { return &ll_ctrl(a, r)->comb_ack[a.slot][me]; }, epoch);
 }
 
 extern "C" int epx_cuda_launch_ll_combine_send(const epx_cuda_ll_args_t *args, void *stream)
 {
-    ll_combine_send_kernel<<<args->c.num_blocks, LL_THREADS, 0, (cudaStream_t)stream>>>(*args);
-    return (int)cudaGetLastError();
+    return launch_kernel(ll_combine_send_kernel, *args, args->c.num_blocks, kBlockThreads, 0, stream);
 }
 
 extern "C" int epx_cuda_launch_ll_combine_recv(const epx_cuda_ll_args_t *args, void *stream)
 {
-    ll_combine_recv_kernel<<<args->c.num_blocks, LL_THREADS, 0, (cudaStream_t)stream>>>(*args);
-    return (int)cudaGetLastError();
+    return launch_kernel(ll_combine_recv_kernel, *args, args->c.num_blocks, kBlockThreads, 0, stream);
 }
 
 /* --------------------------------------------------------------------------- failure ---- */
 
 /* Runs before the ctrl's fail kernel closes the failed epoch: peers that ran the call recorded it
- * as the slot's last use and will wait for our release of exactly that epoch. */
+ * as the slot's last use and will wait for our release of exactly that epoch (thread r releases
+ * peer r). */
 __global__ void ll_fail_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
     const int me = a.c.rank;
-    const uint64_t epoch = ld_volatile_u64(&ctrl_of(a.c.peers[me])->epoch) + 1;
+    const uint64_t epoch = ld_volatile_u64(&peer_ctrl(&a.c, me)->epoch) + 1;
     if ((int)threadIdx.x < a.c.nranks) {
         epx_cuda_ll_ctrl_t *peer = ll_ctrl(a, threadIdx.x);
         if (a.drop_disp) st_release_sys(&peer->disp_ack[a.slot][me], epoch);
@@ -625,6 +549,5 @@ __global__ void ll_fail_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 
 extern "C" int epx_cuda_launch_ll_fail(const epx_cuda_ll_args_t *args, void *stream)
 {
-    ll_fail_kernel<<<1, EPX_CUDA_MAX_RANKS, 0, (cudaStream_t)stream>>>(*args);
-    return (int)cudaGetLastError();
+    return launch_kernel(ll_fail_kernel, *args, 1, EPX_CUDA_MAX_RANKS, 0, stream);
 }

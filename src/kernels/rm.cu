@@ -13,51 +13,9 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "kernels/sync.cuh"
+#include "kernels/combine.cuh"
 
-#define RM_THREADS      512
-#define RM_WARPS        (RM_THREADS / 32)
-#define RM_UNROLL       8
-#define RM_MAX_TOPK     64
-#define RM_RES_MISMATCH 9 /* EPX_ERR_MISMATCH */
-
-static __device__ __forceinline__ unsigned rm_lanemask_lt(void)
-{
-    unsigned m;
-    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
-    return m;
-}
-
-/* Copies `bytes` from src to each of n destinations (src == NULL: zeros), reading every 16-byte
- * vector once. */
-static __device__ __forceinline__ void rm_copy(const uint8_t *src, uint8_t *const *dst, int n, int64_t bytes,
-                                               int lane)
-{
-    if (n == 0) return;
-    uintptr_t align = (uintptr_t)src;
-    for (int d = 0; d < n; d++) align |= (uintptr_t)dst[d];
-    if ((bytes & 15) == 0 && (align & 15) == 0) {
-        const int4 *s = (const int4 *)src;
-        const int64_t n16 = bytes >> 4;
-        for (int64_t i = lane; i < n16; i += 32 * RM_UNROLL) {
-            int4 v[RM_UNROLL];
-#pragma unroll
-            for (int u = 0; u < RM_UNROLL; u++)
-                if (i + u * 32 < n16) v[u] = s ? ld_nc_v4(s + i + u * 32) : make_int4(0, 0, 0, 0);
-            for (int d = 0; d < n; d++) {
-                int4 *o = (int4 *)dst[d];
-#pragma unroll
-                for (int u = 0; u < RM_UNROLL; u++)
-                    if (i + u * 32 < n16) st_na_v4(o + i + u * 32, v[u]);
-            }
-        }
-    } else {
-        for (int64_t i = lane; i < bytes; i += 32) {
-            const uint8_t v = src ? src[i] : 0;
-            for (int d = 0; d < n; d++) dst[d][i] = v;
-        }
-    }
-}
+#define RM_UNROLL 8
 
 /* Copies n rows of `bytes`: src[d] (NULL: zeros) to dst[d], the rows' vectors flattened so a
  * lane has RM_UNROLL loads in flight even across short rows. */
@@ -87,7 +45,7 @@ static __device__ __forceinline__ void rm_copy_pairs(const uint8_t *const *src, 
             }
         }
     } else {
-        for (int d = 0; d < n; d++) rm_copy(src[d], &dst[d], 1, bytes, lane);
+        for (int d = 0; d < n; d++) copy_fanout<RM_UNROLL, true>(src[d], &dst[d], 1, bytes, lane);
     }
 }
 
@@ -111,7 +69,7 @@ static __device__ __forceinline__ int32_t *rm_totals(const epx_cuda_common_t *c,
 
 /* One warp per tile of 32 tokens, lane = token: experts in ascending order (the first K selected
  * ones), each with its row among the tile's tokens of that expert; ranks likewise. */
-__global__ void __launch_bounds__(RM_THREADS) rm_scan_kernel(const __grid_constant__ epx_cuda_rm_args_t a)
+__global__ void __launch_bounds__(kBlockThreads) rm_scan_kernel(const __grid_constant__ epx_cuda_rm_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, E = a.num_experts;
@@ -142,11 +100,11 @@ __global__ void __launch_bounds__(RM_THREADS) rm_scan_kernel(const __grid_consta
             for (int q = 0; q < 16 && e0 + q < E; q++) {
                 const int e = e0 + q;
                 const bool v = ((w[q >> 2] >> (8 * (q & 3))) & 0xffu) != 0 && nsel < K;
-                const unsigned b = __ballot_sync(0xffffffffu, v);
+                const unsigned b = __ballot_sync(kFullMask, v);
                 if (lane == 0) cnt[tile * W + e] = __popc(b);
                 if (v) {
                     a.h.src_sel[t * K + nsel] = e;
-                    a.h.src_within[t * K + nsel] = __popc(b & rm_lanemask_lt());
+                    a.h.src_within[t * K + nsel] = __popc(b & lanemask_lt());
                     a.h.src_prob[t * K + nsel] = a.probs ? a.probs[t * E + e] : 0.0f;
                     rmask |= 1ull << (e / L);
                     nsel++;
@@ -161,16 +119,17 @@ __global__ void __launch_bounds__(RM_THREADS) rm_scan_kernel(const __grid_consta
             }
         for (int r = 0; r < R; r++) {
             const bool v = (rmask >> r) & 1;
-            const unsigned b = __ballot_sync(0xffffffffu, v);
+            const unsigned b = __ballot_sync(kFullMask, v);
             if (lane == 0) cnt[tile * W + E + r] = __popc(b);
-            if (live) a.h.send_row[t * R + r] = v ? __popc(b & rm_lanemask_lt()) : -1;
+            if (live) a.h.send_row[t * R + r] = v ? __popc(b & lanemask_lt()) : -1;
         }
     }
 }
 
 /* One warp per column (expert, then rank): the exclusive prefix over tiles, 32 tiles per step
  * by shuffles (a serial walk costs one memory latency per tile), and the column's total. */
-__global__ void __launch_bounds__(RM_THREADS) rm_prefix_kernel(const __grid_constant__ epx_cuda_rm_args_t a)
+__global__ void __launch_bounds__(kBlockThreads)
+    rm_prefix_kernel(const __grid_constant__ epx_cuda_rm_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
     const int64_t W = a.num_experts + c->nranks, ntiles = rm_tiles(a.num_tokens);
@@ -185,58 +144,52 @@ __global__ void __launch_bounds__(RM_THREADS) rm_prefix_kernel(const __grid_cons
             int32_t incl = v;
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
-                const int32_t y = __shfl_up_sync(0xffffffffu, incl, o);
+                const int32_t y = __shfl_up_sync(kFullMask, incl, o);
                 if (lane >= o) incl += y;
             }
             if (tile < ntiles) cnt[tile * W + col] = run + incl - v;
-            run += __shfl_sync(0xffffffffu, incl, 31);
+            run += __shfl_sync(kFullMask, incl, 31);
         }
         if (lane == 0) tot[col] = run;
     }
 }
 
-/* Sender. Prologue: every receiver released our slice (previous dispatch). Then one warp per
- * token writes metadata and the row into each destination's slice; the last block publishes
- * the per-expert counts, the signature and the row count, then the epoch. */
-__global__ void __launch_bounds__(RM_THREADS) rm_send_kernel(const __grid_constant__ epx_cuda_rm_args_t a)
+/* Sender. Threads r < R wait until receiver r released our slice (previous dispatch). Then one
+ * warp per token (grid-strided) writes metadata and the row into each destination's slice; the
+ * last block publishes the per-expert counts, the signature and the row count, then the epoch. */
+__global__ void __launch_bounds__(kBlockThreads) rm_send_kernel(const __grid_constant__ epx_cuda_rm_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, E = a.num_experts, me = c->rank;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t W = E + R;
-    epx_cuda_ctrl_t *own = ctrl_of(c->peers[me]);
-    const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
-    const uint64_t prev = ld_volatile_u64(&own->disp_last);
+    const kernel_frame f(c);
+    const uint64_t prev = ld_volatile_u64(&f.own->disp_last);
     const int32_t *base = rm_scratch(c);
-    __shared__ int ok;
-    __shared__ int dst_rank[RM_WARPS][EPX_CUDA_MAX_RANKS];
-    __shared__ uint8_t *dst_ptr[RM_WARPS][EPX_CUDA_MAX_RANKS];
-    __shared__ int64_t dst_slot[RM_WARPS][EPX_CUDA_MAX_RANKS];
-    if (threadIdx.x == 0) ok = 1;
-    __syncthreads();
-    if (threadIdx.x < R &&
-        !wait_flag_geq(c, &own->disp_ack[threadIdx.x], prev, epoch, threadIdx.x, EPX_CUDA_WAIT_DISPATCH_ACK))
-        ok = 0;
-    __syncthreads();
+    __shared__ int dst_rank[kBlockWarps][EPX_CUDA_MAX_RANKS];
+    __shared__ uint8_t *dst_ptr[kBlockWarps][EPX_CUDA_MAX_RANKS];
+    __shared__ int64_t dst_slot[kBlockWarps][EPX_CUDA_MAX_RANKS];
+    const int &ok = wait_peers(
+        c, [&](int r) { return &f.own->disp_ack[r]; }, prev, f.epoch, EPX_CUDA_WAIT_DISPATCH_ACK);
     const int ns = a.scales ? a.num_scales : 0;
     if (ok) {
-        for (int64_t t = (int64_t)blockIdx.x * RM_WARPS + warp; t < a.num_tokens;
-             t += (int64_t)gridDim.x * RM_WARPS) {
+        for (int64_t t = (int64_t)blockIdx.x * kBlockWarps + warp; t < a.num_tokens;
+             t += (int64_t)gridDim.x * kBlockWarps) {
             const int64_t tile = t / 32;
             int n = 0, ncopy = 0;
             for (int r0 = 0; r0 < R; r0 += 32) {
                 const int r = r0 + lane;
                 const int row = r < R ? a.h.send_row[t * R + r] : -1;
-                const unsigned b = __ballot_sync(0xffffffffu, row >= 0);
-                const unsigned bc = __ballot_sync(0xffffffffu, row >= 0 && r != me);
+                const unsigned b = __ballot_sync(kFullMask, row >= 0);
+                const unsigned bc = __ballot_sync(kFullMask, row >= 0 && r != me);
                 if (row >= 0) {
-                    const int pos = n + __popc(b & rm_lanemask_lt());
+                    const int pos = n + __popc(b & lanemask_lt());
                     const int64_t slot = (int64_t)me * c->max_tokens + row + base[tile * W + E + r];
                     dst_rank[warp][pos] = r;
                     dst_slot[warp][pos] = slot;
                     /* our own copy-out reads the row from hidden */
                     if (r != me)
-                        dst_ptr[warp][ncopy + __popc(bc & rm_lanemask_lt())] =
+                        dst_ptr[warp][ncopy + __popc(bc & lanemask_lt())] =
                             c->peers[r] + c->lay.disp_x + slot * c->lay.x_stride;
                 }
                 n += __popc(b);
@@ -260,13 +213,13 @@ __global__ void __launch_bounds__(RM_THREADS) rm_send_kernel(const __grid_consta
                     for (int j = lane; j < ns; j += 32)
                         ((float *)(peer + c->lay.disp_scales))[slot * ns + j] = a.scales[t * ns + j];
             }
-            rm_copy(a.hidden + t * a.row_bytes, dst_ptr[warp], ncopy, a.row_bytes, lane);
+            copy_fanout<RM_UNROLL, true>(a.hidden + t * a.row_bytes, dst_ptr[warp], ncopy, a.row_bytes, lane);
             __syncwarp();
         }
     }
-    if (last_block_arrive(&own->done_counter[EPX_CUDA_RM_DONE_SEND])) {
+    if (last_block_arrive(&f.own->done_counter[EPX_CUDA_RM_DONE_SEND])) {
         __shared__ int good;
-        if (threadIdx.x == 0) good = !epoch_failed(c, epoch);
+        if (threadIdx.x == 0) good = !epoch_failed(c, f.epoch);
         __syncthreads();
         const int32_t *tot = rm_totals(c, E);
         if (good) {
@@ -277,60 +230,52 @@ __global__ void __launch_bounds__(RM_THREADS) rm_send_kernel(const __grid_consta
         __threadfence_system();
         __syncthreads();
         if (good && threadIdx.x < R) {
-            epx_cuda_ctrl_t *peer = ctrl_of(c->peers[threadIdx.x]);
+            epx_cuda_ctrl_t *peer = peer_ctrl(c, threadIdx.x);
             st_relaxed_sys(&peer->disp_count[me], (uint64_t)tot[E + threadIdx.x]);
-            st_release_sys(&peer->disp_flag[me], epoch);
+            st_release_sys(&peer->disp_flag[me], f.epoch);
         }
     }
 }
 
 /* ---------------------------------------------------------------------- receiver ---- */
 
-/* Receiver. Prologue: every source's epoch, row count and signature; per local expert the
- * padded group starts and each source's first row inside the group (dynamic shared memory).
- * Then one warp per received row copies it once to its HT row or to each of its groups; warps
- * zero padding rows and rows past the real count. The last block writes counts, the handle's
- * totals, releases every source's slice and closes the epoch. */
-__global__ void __launch_bounds__(RM_THREADS) rm_recv_kernel(const __grid_constant__ epx_cuda_rm_args_t a)
+/* Receiver. Threads s < R wait for source s's epoch, row count and signature; thread j < L (then
+ * thread 0) finds local expert j's padded group start and each source's first row inside the
+ * group (dynamic shared memory). Then one warp per received row (grid-strided) copies it once to
+ * its HT row or to each of its groups; each warp then zeroes 32-row stretches of padding and rows
+ * past the real count. The last block writes counts, the handle's totals, releases every source's
+ * slice and closes the epoch. */
+__global__ void __launch_bounds__(kBlockThreads) rm_recv_kernel(const __grid_constant__ epx_cuda_rm_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, me = c->rank;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    uint8_t *region = c->peers[me];
-    epx_cuda_ctrl_t *own = ctrl_of(region);
-    const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
+    const kernel_frame f(c);
     extern __shared__ int rm_smem[];
     int *gb = rm_smem;      /* [L + 1] padded group starts */
     int *cntj = gb + L + 1; /* [L] real rows per group */
     int *sb = cntj + L;     /* [R][L] first row of source s in group j */
-    __shared__ int ok;
     __shared__ int prefix[EPX_CUDA_MAX_RANKS + 1];
     __shared__ int cnt[EPX_CUDA_MAX_RANKS];
-    __shared__ uint8_t *dst_ptr[RM_WARPS][RM_MAX_TOPK];
-    __shared__ int64_t dst_row[RM_WARPS][RM_MAX_TOPK];
-    __shared__ float dst_w[RM_WARPS][RM_MAX_TOPK];
-    if (threadIdx.x == 0) ok = 1;
-    __syncthreads();
-    if (threadIdx.x < R) {
-        const int s = threadIdx.x;
-        if (wait_flag_geq(c, &own->disp_flag[s], epoch, epoch, s, EPX_CUDA_WAIT_DISPATCH_DATA)) {
-            cnt[s] = (int)ld_volatile_u64(&own->disp_count[s]);
-            const uint64_t sig = ld_volatile_u64((const uint64_t *)(region + c->lay.rm_sig) + s);
-            if (sig != a.sig) {
-                record_error(c, epoch, RM_RES_MISMATCH, s, EPX_CUDA_WAIT_DISPATCH_DATA, sig, a.sig);
-                ok = 0;
-            }
-        } else {
-            ok = 0;
-        }
-    }
-    __syncthreads();
+    __shared__ uint8_t *dst_ptr[kBlockWarps][EPX_MAX_TOPK];
+    __shared__ int64_t dst_row[kBlockWarps][EPX_MAX_TOPK];
+    __shared__ float dst_w[kBlockWarps][EPX_MAX_TOPK];
+    /* Source s's rows are usable when its signature (dtype, permute, probs) matches ours. */
+    const int &ok = wait_peers(
+        c, [&](int s) { return &f.own->disp_flag[s]; }, f.epoch, f.epoch, EPX_CUDA_WAIT_DISPATCH_DATA,
+        [&](int s) {
+            cnt[s] = (int)ld_volatile_u64(&f.own->disp_count[s]);
+            const uint64_t sig = ld_volatile_u64((const uint64_t *)(f.region + c->lay.rm_sig) + s);
+            if (sig == a.sig) return true;
+            record_error(c, f.epoch, EPX_ERR_MISMATCH, s, EPX_CUDA_WAIT_DISPATCH_DATA, sig, a.sig);
+            return false;
+        });
     if (threadIdx.x == 0) {
         prefix[0] = 0;
         for (int r = 0; r < R; r++) prefix[r + 1] = prefix[r] + (ok ? cnt[r] : 0);
     }
     if (a.permute) {
-        const int32_t *rc = (const int32_t *)(region + c->lay.rm_cnt);
+        const int32_t *rc = (const int32_t *)(f.region + c->lay.rm_cnt);
         for (int j = threadIdx.x; j < L; j += blockDim.x) {
             int run = 0;
             for (int s = 0; s < R; s++) {
@@ -356,16 +301,16 @@ __global__ void __launch_bounds__(RM_THREADS) rm_recv_kernel(const __grid_consta
     const bool writable = ok && (a.bounded || real <= a.limit);
     const int64_t lim = writable ? a.limit : 0;
     const int ns = a.out_scales ? a.num_scales : 0;
-    const uint8_t *dx = region + c->lay.disp_x;
-    const float *dscales = (const float *)(region + c->lay.disp_scales);
-    const int32_t *didx = (const int32_t *)(region + c->lay.disp_idx);
-    const float *dw = (const float *)(region + c->lay.disp_w);
-    const int32_t *dwithin = (const int32_t *)(region + c->lay.rm_within);
-    const int32_t *dsrc = (const int32_t *)(region + c->lay.disp_src);
+    const uint8_t *dx = f.region + c->lay.disp_x;
+    const float *dscales = (const float *)(f.region + c->lay.disp_scales);
+    const int32_t *didx = (const int32_t *)(f.region + c->lay.disp_idx);
+    const float *dw = (const float *)(f.region + c->lay.disp_w);
+    const int32_t *dwithin = (const int32_t *)(f.region + c->lay.rm_within);
+    const int32_t *dsrc = (const int32_t *)(f.region + c->lay.disp_src);
     const int64_t nrows = ok ? total : 0;
-    for (int64_t i = (int64_t)blockIdx.x * RM_WARPS + warp; i < nrows; i += (int64_t)gridDim.x * RM_WARPS) {
-        int s = 0;
-        while (s + 1 < R && prefix[s + 1] <= i) s++;
+    for (int64_t i = (int64_t)blockIdx.x * kBlockWarps + warp; i < nrows;
+         i += (int64_t)gridDim.x * kBlockWarps) {
+        const int s = source_of_row(prefix, R, i);
         const int64_t slot = (int64_t)s * c->max_tokens + (i - prefix[s]);
         const int64_t t = dsrc[slot];
         /* Our own tokens were not copied into our slice: read them where they are. */
@@ -378,7 +323,7 @@ __global__ void __launch_bounds__(RM_THREADS) rm_recv_kernel(const __grid_consta
         if (!a.permute) {
             if (i >= lim) continue;
             uint8_t *dst = a.tokens + i * a.row_bytes;
-            rm_copy(src, &dst, 1, a.row_bytes, lane);
+            copy_fanout<RM_UNROLL, true>(src, &dst, 1, a.row_bytes, lane);
             for (int j = lane; j < ns; j += 32) a.out_scales[i * ns + j] = sscales[j];
             if (a.out_probs)
                 for (int j = lane; j < L; j += 32) {
@@ -397,9 +342,9 @@ __global__ void __launch_bounds__(RM_THREADS) rm_recv_kernel(const __grid_consta
             if (loc >= 0) row = (int64_t)sb[s * L + loc] + dwithin[slot * K + k];
             const bool keep = loc >= 0 && row < lim;
             if (k < K) a.h.perm_row[i * K + k] = loc < 0 ? -1 : (keep ? (int32_t)row : EPX_CUDA_RM_DROPPED);
-            const unsigned b = __ballot_sync(0xffffffffu, keep);
+            const unsigned b = __ballot_sync(kFullMask, keep);
             if (keep) {
-                const int pos = n + __popc(b & rm_lanemask_lt());
+                const int pos = n + __popc(b & lanemask_lt());
                 dst_ptr[warp][pos] = a.tokens + row * a.row_bytes;
                 dst_row[warp][pos] = row;
                 dst_w[warp][pos] = dw[slot * K + k];
@@ -407,7 +352,7 @@ __global__ void __launch_bounds__(RM_THREADS) rm_recv_kernel(const __grid_consta
             n += __popc(b);
         }
         __syncwarp();
-        rm_copy(src, dst_ptr[warp], n, a.row_bytes, lane);
+        copy_fanout<RM_UNROLL, true>(src, dst_ptr[warp], n, a.row_bytes, lane);
         for (int d = 0; d < n; d++) {
             const int64_t row = dst_row[warp][d];
             for (int j = lane; j < ns; j += 32) a.out_scales[row * ns + j] = sscales[j];
@@ -419,8 +364,8 @@ __global__ void __launch_bounds__(RM_THREADS) rm_recv_kernel(const __grid_consta
      * and the bound (without one, rows past the real count are left alone). */
     const int pw = a.permute ? 1 : L;
     const int64_t zlim = a.bounded || real > lim ? lim : real;
-    for (int64_t r0 = ((int64_t)blockIdx.x * RM_WARPS + warp) * 32; r0 < zlim;
-         r0 += (int64_t)gridDim.x * RM_WARPS * 32) {
+    for (int64_t r0 = ((int64_t)blockIdx.x * kBlockWarps + warp) * 32; r0 < zlim;
+         r0 += (int64_t)gridDim.x * kBlockWarps * 32) {
         const int64_t r = r0 + lane;
         bool zero = false;
         if (r < zlim) {
@@ -438,19 +383,19 @@ __global__ void __launch_bounds__(RM_THREADS) rm_recv_kernel(const __grid_consta
                 zero = r - gb[lo] >= cntj[lo];
             }
         }
-        unsigned b = __ballot_sync(0xffffffffu, zero);
+        unsigned b = __ballot_sync(kFullMask, zero);
         while (b) {
             const int q = __ffs(b) - 1;
             b &= b - 1;
             const int64_t row = r0 + q;
             uint8_t *dst = a.tokens + row * a.row_bytes;
-            rm_copy(NULL, &dst, 1, a.row_bytes, lane);
+            copy_fanout<RM_UNROLL, true>(NULL, &dst, 1, a.row_bytes, lane);
             for (int j = lane; j < ns; j += 32) a.out_scales[row * ns + j] = 0.0f;
             if (a.out_probs)
                 for (int j = lane; j < pw; j += 32) a.out_probs[row * pw + j] = 0.0f;
         }
     }
-    if (last_block_arrive(&own->done_counter[EPX_CUDA_RM_DONE_RECV])) {
+    if (last_block_arrive(&f.own->done_counter[EPX_CUDA_RM_DONE_RECV])) {
         if (threadIdx.x == 0) {
             c->host->num_recv = ok ? real : -1;
             if (ok && a.bounded && real > a.limit) c->host->overflow = 1;
@@ -461,13 +406,7 @@ __global__ void __launch_bounds__(RM_THREADS) rm_recv_kernel(const __grid_consta
         for (int r = threadIdx.x; r <= R; r += blockDim.x) a.h.recv_prefix[r] = ok ? prefix[r] : 0;
         if (writable && a.permute && a.tokens_per_expert)
             for (int j = threadIdx.x; j < L; j += blockDim.x) a.tokens_per_expert[j] = gb[j + 1] - gb[j];
-        __syncthreads();
-        if (threadIdx.x < R) st_release_sys(&ctrl_of(c->peers[threadIdx.x])->disp_ack[me], epoch);
-        if (threadIdx.x == 0) {
-            own->disp_last = epoch;
-            own->epoch = epoch;
-            __threadfence_system();
-        }
+        finish_dispatch_recv(c, f.epoch);
     }
 }
 
@@ -479,145 +418,101 @@ static size_t rm_recv_smem(const epx_cuda_rm_args_t *a)
 
 extern "C" int epx_cuda_launch_rm_dispatch(const epx_cuda_rm_args_t *args, void *stream)
 {
-    cudaStream_t s = (cudaStream_t)stream;
     const int nb = args->c.num_blocks;
-    rm_scan_kernel<<<nb, RM_THREADS, 0, s>>>(*args);
-    cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return (int)err;
-    /* Launch bounds cap the block at RM_THREADS; the kernel loops over columns. */
-    rm_prefix_kernel<<<1, RM_THREADS, 0, s>>>(*args);
-    if ((err = cudaGetLastError()) != cudaSuccess) return (int)err;
-    rm_send_kernel<<<nb, RM_THREADS, 0, s>>>(*args);
-    if ((err = cudaGetLastError()) != cudaSuccess) return (int)err;
+    int err = launch_kernel(rm_scan_kernel, *args, nb, kBlockThreads, 0, stream);
+    if (err != cudaSuccess) return err;
+    /* Launch bounds cap the block at kBlockThreads; the kernel loops over columns. */
+    if ((err = launch_kernel(rm_prefix_kernel, *args, 1, kBlockThreads, 0, stream)) != cudaSuccess)
+        return err;
+    if ((err = launch_kernel(rm_send_kernel, *args, nb, kBlockThreads, 0, stream)) != cudaSuccess) return err;
     const size_t smem = rm_recv_smem(args);
     /* The 48 KB that need no opt-in cover static and dynamic shared memory together. */
     cudaFuncAttributes fa;
-    if ((err = cudaFuncGetAttributes(&fa, rm_recv_kernel)) != cudaSuccess) return (int)err;
+    if ((err = cudaFuncGetAttributes(&fa, rm_recv_kernel)) != cudaSuccess) return err;
     if (smem + fa.sharedSizeBytes > 48 * 1024) {
         err = cudaFuncSetAttribute(rm_recv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-        if (err != cudaSuccess) return (int)err;
+        if (err != cudaSuccess) return err;
     }
-    rm_recv_kernel<<<nb, RM_THREADS, smem, s>>>(*args);
-    return (int)cudaGetLastError();
+    return launch_kernel(rm_recv_kernel, *args, nb, kBlockThreads, smem, stream);
 }
 
 /* ----------------------------------------------------------------------- combine ---- */
 
-/* Sender of combine (the rank holding rows): after each source released its combine area, one
- * warp per row received from another rank writes it back into the source's area: [me][token]
- * without permute, [token][k] with (k = the expert's place in the token's selection), the row's
- * copies flattened into one copy. Our own rows stay where they are (the reduce reads them). A
- * remote row dropped by the bound goes back as zeros: the accumulator never holds -0 (it starts
- * at +0), so adding +0 (or w * 0, finite w) leaves it unchanged. */
-__global__ void __launch_bounds__(RM_THREADS)
+/* Sender of combine (the rank holding rows): after threads r < R saw source r release its combine
+ * area, one warp per row received from another rank (grid-strided) writes it back into the
+ * source's area: [me][token] without permute, [token][k] with (k = the expert's place in the
+ * token's selection), the row's copies flattened into one copy. Our own rows stay where they are
+ * (the reduce reads them). A remote row dropped by the bound goes back as zeros: the accumulator
+ * never holds -0 (it starts at +0), so adding +0 (or w * 0, finite w) leaves it unchanged. */
+__global__ void __launch_bounds__(kBlockThreads)
     rm_comb_send_kernel(const __grid_constant__ epx_cuda_rm_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, K = c->num_topk, me = c->rank;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    epx_cuda_ctrl_t *own = ctrl_of(c->peers[me]);
-    const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
-    const uint64_t prev = ld_volatile_u64(&own->comb_last);
+    const kernel_frame f(c);
     const int64_t row_bytes = c->hidden * 2;
-    __shared__ int ok;
     __shared__ int prefix[EPX_CUDA_MAX_RANKS + 1];
-    __shared__ const uint8_t *src_ptr[RM_WARPS][RM_MAX_TOPK];
-    __shared__ uint8_t *dst_ptr[RM_WARPS][RM_MAX_TOPK];
-    if (threadIdx.x == 0) ok = 1;
-    for (int r = threadIdx.x; r <= R; r += blockDim.x) prefix[r] = a.h.recv_prefix[r];
-    __syncthreads();
-    if (threadIdx.x < R &&
-        !wait_flag_geq(c, &own->comb_ack[threadIdx.x], prev, epoch, threadIdx.x, EPX_CUDA_WAIT_COMBINE_ACK))
-        ok = 0;
-    __syncthreads();
+    __shared__ const uint8_t *src_ptr[kBlockWarps][EPX_MAX_TOPK];
+    __shared__ uint8_t *dst_ptr[kBlockWarps][EPX_MAX_TOPK];
+    const int &ok = open_combine_send(c, a.h.recv_prefix, prefix, f.epoch);
     const int64_t rows = ok ? a.h.meta[0] : 0, kept = a.h.meta[1];
     /* Rows in HT order, our own block [prefix[me], prefix[me + 1]) skipped. */
     const int64_t own_lo = prefix[me], own_n = prefix[me + 1] - prefix[me];
     const int64_t remote = rows - own_n;
-    for (int64_t q = (int64_t)blockIdx.x * RM_WARPS + warp; q < remote; q += (int64_t)gridDim.x * RM_WARPS) {
+    for (int64_t q = (int64_t)blockIdx.x * kBlockWarps + warp; q < remote;
+         q += (int64_t)gridDim.x * kBlockWarps) {
         const int64_t i = q < own_lo ? q : q + own_n;
-        int s = 0;
-        while (s + 1 < R && prefix[s + 1] <= i) s++;
+        const int s = source_of_row(prefix, R, i);
         const int64_t t = a.h.recv_src[i];
         uint8_t *peer = c->peers[s];
         if (!a.permute) {
             uint8_t *dst = peer + c->lay.comb_x + ((int64_t)me * c->max_tokens + t) * row_bytes;
-            rm_copy(i < kept ? (const uint8_t *)(a.x + i * c->hidden) : NULL, &dst, 1, row_bytes, lane);
+            copy_fanout<RM_UNROLL, true>(i < kept ? (const uint8_t *)(a.x + i * c->hidden) : NULL, &dst, 1,
+                                         row_bytes, lane);
             continue;
         }
         int n = 0;
         for (int k0 = 0; k0 < K; k0 += 32) {
             const int k = k0 + lane;
             const int32_t pr = k < K ? a.h.perm_row[i * K + k] : -1;
-            const unsigned b = __ballot_sync(0xffffffffu, pr != -1);
+            const int pos = warp_slot(pr != -1, n);
             if (pr != -1) {
-                const int pos = n + __popc(b & rm_lanemask_lt());
                 src_ptr[warp][pos] = pr >= 0 ? (const uint8_t *)(a.x + (int64_t)pr * c->hidden) : NULL;
                 dst_ptr[warp][pos] = peer + c->lay.rm_comb + (t * K + k) * row_bytes;
             }
-            n += __popc(b);
         }
         __syncwarp();
         rm_copy_pairs(src_ptr[warp], dst_ptr[warp], n, row_bytes, lane);
         __syncwarp();
     }
-    if (last_block_arrive(&own->done_counter[EPX_CUDA_RM_DONE_COMB_SEND])) {
-        if (!epoch_failed(c, epoch) && threadIdx.x < R)
-            st_release_sys(&ctrl_of(c->peers[threadIdx.x])->comb_flag[me], epoch);
-    }
+    finish_combine_send(c, &f.own->done_counter[EPX_CUDA_RM_DONE_COMB_SEND], f.epoch);
 }
 
-static __device__ __forceinline__ uint32_t rm_f32_to_bf16(float f)
-{
-    uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return ((u >> 16) | 0x40u) & 0xffffu;
-    return ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & 0xffffu;
-}
-
-/* acc += w * y (weighted) or acc += y for 8 bf16 channels, rounding each step (no fma). */
-static __device__ __forceinline__ void rm_acc8(float *acc, int4 v, bool weighted, float w)
-{
-    const uint32_t q[4] = {(uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float lo = __uint_as_float(q[i] << 16), hi = __uint_as_float(q[i] & 0xffff0000u);
-        acc[2 * i] = __fadd_rn(acc[2 * i], weighted ? __fmul_rn(w, lo) : lo);
-        acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], weighted ? __fmul_rn(w, hi) : hi);
-    }
-}
-
-/* Source side: wait for every rank's rows, then one warp per token sums its rows in one
- * fp32 accumulator: ranks ascending (without permute) or the token's experts ascending, which is
- * ranks then local experts ascending (with permute); one rounding to bf16. Our own rows are read
- * from the combine input x (no push), rows dropped there are skipped. Each lane loads a vector
- * of up to RM_UNROLL rows before adding them in order, so the loads overlap. */
-__global__ void __launch_bounds__(RM_THREADS)
+/* Source side: threads r < R wait for rank r's rows, then one warp per token (grid-strided) sums
+ * its rows in one fp32 accumulator: ranks ascending (without permute) or the token's experts ascending, which
+ * is ranks then local experts ascending (with permute); one rounding to bf16. Our own rows are read from the
+ * combine input x (no push), rows dropped there are skipped. Each lane loads a vector of up to RM_UNROLL rows
+ * before adding them in order, so the loads overlap. */
+__global__ void __launch_bounds__(kBlockThreads)
     rm_comb_reduce_kernel(const __grid_constant__ epx_cuda_rm_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, me = c->rank;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    uint8_t *region = c->peers[me];
-    epx_cuda_ctrl_t *own = ctrl_of(region);
-    const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
+    const kernel_frame f(c);
     const int64_t H = c->hidden;
-    __shared__ int ok;
     __shared__ const uint16_t
-        *src_row[RM_WARPS][RM_MAX_TOPK > EPX_CUDA_MAX_RANKS ? RM_MAX_TOPK : EPX_CUDA_MAX_RANKS];
-    __shared__ float src_w[RM_WARPS][RM_MAX_TOPK];
-    if (threadIdx.x == 0) ok = 1;
-    __syncthreads();
-    if (threadIdx.x < R && !wait_flag_geq(c, &own->comb_flag[threadIdx.x], epoch, epoch, threadIdx.x,
-                                          EPX_CUDA_WAIT_COMBINE_DATA))
-        ok = 0;
-    __syncthreads();
-    const uint16_t *comb = (const uint16_t *)(region + c->lay.comb_x);
-    const uint16_t *pcomb = (const uint16_t *)(region + c->lay.rm_comb);
+        *src_row[kBlockWarps][EPX_MAX_TOPK > EPX_CUDA_MAX_RANKS ? EPX_MAX_TOPK : EPX_CUDA_MAX_RANKS];
+    __shared__ float src_w[kBlockWarps][EPX_MAX_TOPK];
+    const int &ok = open_combine_reduce(c, f.epoch);
+    const uint16_t *comb = (const uint16_t *)(f.region + c->lay.comb_x);
+    const uint16_t *pcomb = (const uint16_t *)(f.region + c->lay.rm_comb);
     const int64_t T = ok ? a.num_tokens : 0;
     const int64_t rows = a.h.meta[0], kept = a.h.meta[1];
     const bool weighted = a.permute && a.weighted;
     const bool vec = (H & 7) == 0 && (((uintptr_t)a.x | (uintptr_t)a.combined) & 15) == 0;
-    for (int64_t t = (int64_t)blockIdx.x * RM_WARPS + warp; t < T; t += (int64_t)gridDim.x * RM_WARPS) {
+    for (int64_t t = (int64_t)blockIdx.x * kBlockWarps + warp; t < T; t += (int64_t)gridDim.x * kBlockWarps) {
         int n = 0;
         if (!a.permute) {
             for (int r0 = 0; r0 < R; r0 += 32) {
@@ -631,9 +526,8 @@ __global__ void __launch_bounds__(RM_THREADS)
                 } else if (in) {
                     p = comb + ((int64_t)r * c->max_tokens + t) * H;
                 }
-                const unsigned b = __ballot_sync(0xffffffffu, in);
-                if (in) src_row[warp][n + __popc(b & rm_lanemask_lt())] = p;
-                n += __popc(b);
+                const int pos = warp_slot(in, n);
+                if (in) src_row[warp][pos] = p;
             }
         } else {
             for (int k0 = 0; k0 < K; k0 += 32) {
@@ -650,65 +544,23 @@ __global__ void __launch_bounds__(RM_THREADS)
                 } else if (in) {
                     p = pcomb + (t * K + k) * H;
                 }
-                const unsigned b = __ballot_sync(0xffffffffu, in);
+                const int pos = warp_slot(in, n);
                 if (in) {
-                    const int pos = n + __popc(b & rm_lanemask_lt());
                     src_row[warp][pos] = p;
                     src_w[warp][pos] = a.h.src_prob[t * K + k];
                 }
-                n += __popc(b);
             }
         }
         __syncwarp();
-        if (vec) {
-            for (int64_t i = lane; i < H / 8; i += 32) {
-                float acc[8];
-#pragma unroll
-                for (int q = 0; q < 8; q++) acc[q] = 0.0f;
-                for (int d0 = 0; d0 < n; d0 += RM_UNROLL) {
-                    int4 v[RM_UNROLL];
-#pragma unroll
-                    for (int u = 0; u < RM_UNROLL; u++)
-                        if (d0 + u < n) v[u] = ld_nc_v4((const int4 *)src_row[warp][d0 + u] + i);
-#pragma unroll
-                    for (int u = 0; u < RM_UNROLL; u++)
-                        if (d0 + u < n) rm_acc8(acc, v[u], weighted, weighted ? src_w[warp][d0 + u] : 0.0f);
-                }
-                int4 o;
-                o.x = (int)(rm_f32_to_bf16(acc[0]) | (rm_f32_to_bf16(acc[1]) << 16));
-                o.y = (int)(rm_f32_to_bf16(acc[2]) | (rm_f32_to_bf16(acc[3]) << 16));
-                o.z = (int)(rm_f32_to_bf16(acc[4]) | (rm_f32_to_bf16(acc[5]) << 16));
-                o.w = (int)(rm_f32_to_bf16(acc[6]) | (rm_f32_to_bf16(acc[7]) << 16));
-                st_na_v4((int4 *)(a.combined + t * H) + i, o);
-            }
-        } else {
-            for (int64_t h = lane; h < H; h += 32) {
-                float acc = 0.0f;
-                for (int d = 0; d < n; d++) {
-                    const float y = __uint_as_float((uint32_t)src_row[warp][d][h] << 16);
-                    acc = __fadd_rn(acc, weighted ? __fmul_rn(src_w[warp][d], y) : y);
-                }
-                a.combined[t * H + h] = (uint16_t)rm_f32_to_bf16(acc);
-            }
-        }
+        reduce_token<RM_UNROLL, true>(
+            a.combined + t * H, H, vec, n, [&](int d) { return src_row[warp][d]; }, weighted,
+            [&](int d) { return src_w[warp][d]; }, nullptr, nullptr, 0, lane);
         __syncwarp();
     }
-    if (last_block_arrive(&own->done_counter[EPX_CUDA_RM_DONE_COMB_REDUCE])) {
-        if (threadIdx.x < R) st_release_sys(&ctrl_of(c->peers[threadIdx.x])->comb_ack[me], epoch);
-        if (threadIdx.x == 0) {
-            own->comb_last = epoch;
-            own->epoch = epoch;
-            __threadfence_system();
-        }
-    }
+    finish_combine_reduce(c, &f.own->done_counter[EPX_CUDA_RM_DONE_COMB_REDUCE], f.epoch);
 }
 
 extern "C" int epx_cuda_launch_rm_combine(const epx_cuda_rm_args_t *args, void *stream)
 {
-    cudaStream_t s = (cudaStream_t)stream;
-    rm_comb_send_kernel<<<args->c.num_blocks, RM_THREADS, 0, s>>>(*args);
-    cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return (int)err;
-    rm_comb_reduce_kernel<<<args->c.num_blocks, RM_THREADS, 0, s>>>(*args);
-    return (int)cudaGetLastError();
+    return launch_pair(rm_comb_send_kernel, rm_comb_reduce_kernel, args, 0, stream);
 }
