@@ -6,12 +6,8 @@
 #include <string.h>
 
 #include "bench/bench.h"
-#include "cuda/cuda.h"
-/* The ceiling kernel's launcher: with the benchmark's own kernels where they build here, else in
- * the kernel contract. */
-#if __has_include("bench/bench_kernels.h")
 #include "bench/bench_kernels.h"
-#endif
+#include "cuda/cuda.h"
 
 epx_result_t epx_cuda_ht_ceiling(epx_buffer_t buffer, epx_handle_t handle, const epx_tensor_t *x,
                                  void *stream)
