@@ -1,6 +1,7 @@
 /*
- * Argument checking shared by the API entry points: versioned structs, buffer configs, tensor
- * descriptors against an expected shape, and the values of host-memory index tensors.
+ * Argument checking shared by the API entry points: versioned structs, buffer configs, the
+ * buffer, mode and handles of a call, tensor descriptors against an expected shape, and the
+ * values of host-memory index tensors.
  */
 #ifndef EPX_API_CHECK_H
 #define EPX_API_CHECK_H
@@ -18,6 +19,10 @@ extern "C" {
 #define EPX_STRUCT_END(type, field) (offsetof(type, field) + sizeof(((type *)0)->field))
 /* Smallest size a versioned struct may declare: its size and version fields. */
 #define EPX_STRUCT_MIN_SIZE EPX_STRUCT_END(epx_buffer_config_t, version)
+
+/* The dtypes a buffer may be asked to dispatch (its dispatch_dtypes default). */
+#define EPX_API_DISPATCH_DTYPES \
+    (EPX_DTYPE_BIT(EPX_DTYPE_BF16) | EPX_DTYPE_BIT(EPX_DTYPE_FP32) | EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3))
 
 /* epx_error with the "rank N: " prefix every API message carries (none without a comm). */
 epx_result_t epx_api_error(epx_comm_t comm, epx_result_t code, const char *fmt, ...)
@@ -38,6 +43,29 @@ epx_result_t epx_api_buffer_config_normalize(epx_comm_t comm, const epx_buffer_c
 
 /* "bf16, fp32 or fp8_e4m3" for a mask of EPX_DTYPE_BIT()s. */
 const char *epx_api_dtype_list(uint32_t mask, char *buf, size_t cap);
+
+/* A live buffer: not NULL, not destroyed. */
+epx_result_t epx_api_check_buffer(epx_buffer_t buffer);
+/* Reads the caller's `args` and `outputs` over the defaults in `a` and `o` (a_size and o_size
+ * bytes), then checks that the buffer was created for `mode` and that its backend implements
+ * the call (`implemented`); `op` names the call in messages. */
+epx_result_t epx_api_read_call(epx_buffer_t buffer, uint32_t mode, const char *op, bool implemented, void *a,
+                               size_t a_size, const void *args, void *o, size_t o_size, const void *outputs);
+/* The buffer was created for `mode`. */
+epx_result_t epx_api_check_mode(epx_buffer_t buffer, uint32_t mode, const char *op);
+/* EPX_ERR_UNSUPPORTED naming the backend and `op`. */
+epx_result_t epx_api_unsupported(epx_buffer_t buffer, const char *op);
+/* T tokens fit the buffer's max_tokens. */
+epx_result_t epx_api_check_tokens(epx_buffer_t buffer, const char *name, int64_t T);
+/* A dtype of `call_dtypes` that x has must also be one the buffer was sized for. */
+epx_result_t epx_api_check_dispatch_dtype(epx_buffer_t buffer, const epx_tensor_t *x, const char *name,
+                                          uint32_t call_dtypes);
+/* A live handle of `kind` made on this buffer. */
+epx_result_t epx_api_check_handle(epx_buffer_t buffer, epx_handle_t handle, epx_handle_kind_t kind,
+                                  const char *name);
+/* An LL handle of a dispatch made on this buffer before sequence number `next_seq`. */
+epx_result_t epx_api_check_ll_handle(epx_buffer_t buffer, const epx_ll_handle_t *h, uint64_t next_seq,
+                                     const char *name);
 
 #define EPX_TENSOR_OPTIONAL 0x1u /* data == NULL means absent */
 #define EPX_TENSOR_MIN_ROWS 0x2u /* shape[0] is a capacity: at least the expected value */

@@ -21,6 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "core/bootstrap.h"
 #include "core/internal.h"
 
 #define BOOT_ID_MAGIC    0x45505849u /* "EPXI" */
@@ -232,10 +233,8 @@ static uint64_t make_nonce(void)
     return nonce ? nonce : 1;
 }
 
-EPX_API epx_result_t epx_get_unique_id(epx_unique_id_t *id_out)
+epx_result_t epx_bootstrap_unique_id(epx_unique_id_t *id_out)
 {
-    epx_error_clear();
-    if (!id_out) return epx_error(EPX_ERR_INVALID_ARG, "id_out is NULL");
     const epx_params_t *params;
     EPX_CHECK(epx_params_get(&params));
     struct sockaddr_in sa;

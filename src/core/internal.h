@@ -1,7 +1,8 @@
 /*
- * Internal declarations shared by every part of libepx: errors and logging, parameters (env),
- * time, the bootstrap, and the comm/buffer/handle objects with the backend function table.
- * Nothing here is exported; the API layer (src/api) is the only caller of backends.
+ * Internal declarations shared by every part of libepx: errors and logging, dtypes, parameters
+ * (env), time, and the comm/buffer/handle objects with the backend function table. The backend
+ * registry (core/backend.h) comes with it; the bootstrap (core/bootstrap.h) is core's own. Nothing
+ * here is exported; the API layer (src/api) is the only caller of backends.
  */
 #ifndef EPX_CORE_INTERNAL_H
 #define EPX_CORE_INTERNAL_H
@@ -12,6 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core/backend.h"
 #include "core/limits.h"
 #include "core/numeric.h"
 #include "epx/epx.h"
@@ -32,6 +34,12 @@ void epx_error_clear(void);
 void epx_error_copy(char *dst, size_t cap);
 /* Sets the thread's last message verbatim (no logging). */
 void epx_error_set_message(const char *msg);
+/* The thread's last message ("" when none). */
+const char *epx_error_message(void);
+/* A result's name without prefix ("ERR_TIMEOUT") and its description ("timed out ..."), from the
+ * one table in epx.h; never NULL. */
+const char *epx_result_str(epx_result_t result);
+const char *epx_result_text(epx_result_t result);
 
 typedef enum epx_log_level {
     EPX_LOG_NONE = 0,
@@ -123,32 +131,14 @@ static inline uint64_t epx_deadline_after_ms(int64_t timeout_ms)
  * host-side polling loops among more processes than cores. */
 void epx_backoff(uint32_t iteration);
 
-/* ------------------------------------------------------------------------ bootstrap ---- */
-
-/* The collectives a communicator has before any transport exists. All are bounded by the
- * communicator's timeout. */
-typedef struct epx_bootstrap_ops {
-    epx_result_t (*allgather)(void *state, const void *send, void *recv, size_t bytes);
-    epx_result_t (*barrier)(void *state);
-    void (*close)(void *state); /* never blocks on a peer */
-} epx_bootstrap_ops_t;
-
-/* TCP rendezvous through rank 0 (src/core/bootstrap.c). */
-epx_result_t epx_bootstrap_tcp_create(const epx_unique_id_t *id, int rank, int nranks,
-                                      int64_t timeout_ms, const epx_bootstrap_ops_t **ops_out,
-                                      void **state_out);
-/* Caller-supplied callbacks. */
-epx_result_t epx_bootstrap_callbacks_create(const epx_bootstrap_callbacks_t *callbacks, int rank,
-                                            int nranks, const epx_bootstrap_ops_t **ops_out,
-                                            void **state_out);
-
 /* -------------------------------------------------------------------------- objects ---- */
 
 #define EPX_COMM_MAGIC 0x45505843u   /* "EPXC" */
 #define EPX_BUFFER_MAGIC 0x45505842u /* "EPXB" */
 #define EPX_HANDLE_MAGIC 0x45505848u /* "EPXH" */
 
-typedef struct epx_backend_ops epx_backend_ops_t;
+/* Defined in core/bootstrap.h (only core reaches the bootstrap). */
+typedef struct epx_bootstrap_ops epx_bootstrap_ops_t;
 
 /* What each rank tells every other at init (fixed size, exchanged by allgather). */
 typedef struct epx_peer_info {
@@ -184,11 +174,23 @@ struct epx_comm {
     char async_message[512];
 };
 
+/* EPX_ERR_INVALID_ARG naming `fn` unless `comm` is a live communicator. */
+epx_result_t epx_comm_check(epx_comm_t comm, const char *fn);
+/* Builds rank `rank`'s communicator (collective): the backend choice, the bootstrap (the TCP
+ * rendezvous of `id`, or `callbacks` when not NULL), the peer exchange and topology, and the
+ * backend's comm_init. The arguments and `config` (normalized) were checked by the caller. */
+epx_result_t epx_comm_create(int rank, int nranks, const epx_unique_id_t *id,
+                             const epx_bootstrap_callbacks_t *callbacks, const epx_comm_config_t *config,
+                             epx_comm_t *comm_out);
+/* Frees a live communicator that has no buffers left; never waits on a peer. */
+void epx_comm_free(epx_comm_t comm);
 /* Collectives over the comm's bootstrap (bounded). */
 epx_result_t epx_comm_allgather(epx_comm_t comm, const void *send, void *recv, size_t bytes);
 epx_result_t epx_comm_barrier(epx_comm_t comm);
 /* Records the first async error of the comm (later ones are dropped); returns `res`. */
 epx_result_t epx_comm_set_async_error(epx_comm_t comm, epx_result_t res, const char *message);
+/* The first async error (EPX_SUCCESS when none), its message made the thread's last one. */
+epx_result_t epx_comm_get_async_error(epx_comm_t comm);
 
 struct epx_buffer {
     uint32_t magic;
@@ -258,13 +260,6 @@ struct epx_backend_ops {
     /* [N_r, H] bf16 view of this rank's HT combine input rows (may be NULL: unsupported). */
     epx_result_t (*ht_get_combine_input)(epx_buffer_t buffer, epx_handle_t handle, epx_tensor_t *view_out);
 };
-
-extern const epx_backend_ops_t epx_host_backend_ops;
-#ifdef EPX_HAVE_CUDA
-extern const epx_backend_ops_t epx_cuda_backend_ops;
-/* Number of usable CUDA devices (0 when the driver or device is missing). */
-int epx_cuda_device_count(void);
-#endif
 
 #ifdef __cplusplus
 }

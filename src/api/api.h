@@ -1,0 +1,51 @@
+/*
+ * What the API entry points share beyond the argument checks of api/check.h: the collective call
+ * sequence of a buffer (api/buffer.c), handle lifetimes (api/handle.c), and shorthands for the
+ * checks every operation writes.
+ */
+#ifndef EPX_API_API_H
+#define EPX_API_API_H
+
+#include "api/check.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define BIT(d)       EPX_DTYPE_BIT(EPX_DTYPE_##d)
+#define INDEX_DTYPES (BIT(INT32) | BIT(INT64))
+
+/* Checks tensor `t` against a spec written inline; the enclosing function has `comm`. */
+#define CHECK_TENSOR(t, ...) EPX_CHECK(epx_api_check_tensor(comm, (t), &(epx_tensor_spec_t){__VA_ARGS__}))
+#define ARG_ERR(...)         EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, __VA_ARGS__)
+
+/* The first checks of an operation (epx_api_read_call): `op` names it, `fn` is its entry in the
+ * backend's table. The enclosing function has buffer, args, outputs and their copies a and o. */
+#define READ_CALL(mode, op, fn)                                                                        \
+    EPX_CHECK(epx_api_read_call(buffer, (mode), (op), buffer->ops->fn != NULL, a, sizeof(*a), args, o, \
+                                sizeof(*o), outputs))
+
+/* Writes one [out] field back when the caller's struct is large enough to hold it. */
+#define WRITE_OUT(dst, src, type, field)                                             \
+    do {                                                                             \
+        if ((src)->size >= EPX_STRUCT_END(type, field)) (dst)->field = (src)->field; \
+    } while (0)
+
+/* Starts a collective call on `buffer`: clears the thread's error, checks the buffer and numbers
+ * the call (every rank numbers its calls on a buffer the same way). */
+epx_result_t epx_api_collective_begin(epx_buffer_t buffer, uint64_t *seq_out);
+/* This rank failed collective call `seq` before the backend ran it: tells the peers (they return
+ * EPX_ERR_REMOTE instead of waiting) and returns `res`, keeping the message of the failure. */
+epx_result_t epx_api_fail_collective(epx_buffer_t buffer, uint64_t seq, epx_result_t res);
+
+/* A new handle for a dispatch of T tokens of `dtype` (NULL when out of memory). */
+epx_handle_t epx_api_handle_new(epx_buffer_t buffer, epx_handle_kind_t kind, int64_t T, epx_dtype_t dtype,
+                                int32_t permute);
+/* Frees a handle the backend failed to fill, keeping the failure's message. */
+void epx_api_handle_discard(epx_handle_t h);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EPX_API_API_H */
