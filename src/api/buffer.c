@@ -115,7 +115,7 @@ EPX_API epx_result_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_
     for (int r = 0; r < comm->nranks; r++)
         if (msgs[r].status != EPX_SUCCESS) {
             res = EPX_API_ERR(comm, EPX_ERR_REMOTE, "rank %d rejected its epx_buffer_create arguments (%s)",
-                              r, epx_result_name((epx_result_t)msgs[r].status));
+                              r, epx_result_str((epx_result_t)msgs[r].status));
             goto err_free_msgs;
         }
     EPX_CHECK_GOTO(compare_configs(comm, msgs), res, err_free_msgs);

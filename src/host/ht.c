@@ -260,8 +260,8 @@ static epx_result_t check_dispatch_pubs(const host_buffer_t *hb, const host_pub_
         if (a->words[W_DTYPE] != z->words[W_DTYPE])
             return epx_error(EPX_ERR_MISMATCH,
                              "rank %d: ranks disagree on the dtype of x: rank 0 passes %s, rank %d %s", me,
-                             epx_dtype_name((epx_dtype_t)z->words[W_DTYPE]), p,
-                             epx_dtype_name((epx_dtype_t)a->words[W_DTYPE]));
+                             epx_dtype_str((epx_dtype_t)z->words[W_DTYPE]), p,
+                             epx_dtype_str((epx_dtype_t)a->words[W_DTYPE]));
         if (a->words[W_CACHED] != z->words[W_CACHED])
             return epx_error(EPX_ERR_MISMATCH, "rank %d: rank 0 %s a cached handle, rank %d %s", me,
                              z->words[W_CACHED] ? "passes" : "passes no", p,

@@ -264,8 +264,8 @@ static epx_result_t rm_check_agreement(host_buffer_t *hb, const host_pub_t *pubs
                     return epx_error(
                         EPX_ERR_MISMATCH,
                         "rank %d: routing-map dispatch dtype differs: rank 0 passes %s, rank %d passes %s",
-                        hb->rank, epx_dtype_name((epx_dtype_t)pubs[0].words[w]), s,
-                        epx_dtype_name((epx_dtype_t)pubs[s].words[w]));
+                        hb->rank, epx_dtype_str((epx_dtype_t)pubs[0].words[w]), s,
+                        epx_dtype_str((epx_dtype_t)pubs[s].words[w]));
                 return epx_error(
                     EPX_ERR_MISMATCH,
                     "rank %d: routing-map dispatch %s differs: rank 0 has %lld, rank %d has %lld", hb->rank,
