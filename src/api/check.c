@@ -93,9 +93,9 @@ epx_result_t epx_api_buffer_config_normalize(epx_comm_t comm, const epx_buffer_c
     if (c.hidden < 1 || c.hidden > INT32_MAX)
         return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "config.hidden = %lld is out of range [1, %d]",
                            (long long)c.hidden, INT32_MAX);
-    if (c.num_topk < 1 || c.num_topk > 64)
-        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "config.num_topk = %d is out of range [1, 64]",
-                           c.num_topk);
+    if (c.num_topk < 1 || c.num_topk > EPX_MAX_TOPK)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "config.num_topk = %d is out of range [1, %d]",
+                           c.num_topk, EPX_MAX_TOPK);
     if (c.num_experts < 1)
         return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "config.num_experts = %d must be >= 1", c.num_experts);
     if (c.num_experts % nranks != 0)

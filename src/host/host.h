@@ -124,7 +124,8 @@ void host_fail(host_buffer_t *hb, uint64_t seq, epx_result_t res);
 typedef void (*host_range_fn)(void *ctx, int64_t begin, int64_t end);
 void host_parallel_for(host_buffer_t *hb, int64_t n, int64_t min_chunk, host_range_fn fn, void *ctx);
 
-/* Helpers shared by the ops: read topk_idx element (int32 or int64), element size of x. */
+/* A topk_idx element (int32 or int64). Every id is in [-1, E) and none repeats within a token:
+ * the API layer checked the values (epx_api_check_topk_idx) before any rank published them. */
 static inline int64_t host_topk_at(const epx_tensor_t *t, int64_t i)
 {
     return t->dtype == EPX_DTYPE_INT64 ? ((const int64_t *)t->data)[i] : ((const int32_t *)t->data)[i];
