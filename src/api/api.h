@@ -1,7 +1,7 @@
 /*
- * What the API entry points share beyond the argument checks of api/check.h: the collective call
- * sequence of a buffer (api/buffer.c), handle lifetimes (api/handle.c), and shorthands for the
- * checks every operation writes.
+ * What the API entry points share beyond the argument checks of api/check.h: the checks of each
+ * collective call, handle lifetimes (api/handle.c), and shorthands for the checks every
+ * operation writes.
  */
 #ifndef EPX_API_API_H
 #define EPX_API_API_H
@@ -31,12 +31,28 @@ extern "C" {
         if ((src)->size >= EPX_STRUCT_END(type, field)) (dst)->field = (src)->field; \
     } while (0)
 
-/* Starts a collective call on `buffer`: clears the thread's error, checks the buffer and numbers
- * the call (every rank numbers its calls on a buffer the same way). */
-epx_result_t epx_api_collective_begin(epx_buffer_t buffer, uint64_t *seq_out);
-/* This rank failed collective call `seq` before the backend ran it: tells the peers (they return
- * EPX_ERR_REMOTE instead of waiting) and returns `res`, keeping the message of the failure. */
-epx_result_t epx_api_fail_collective(epx_buffer_t buffer, uint64_t seq, epx_result_t res);
+/* The checks of each collective call (api/ht.c, api/ll.c, api/rm.c; api/collective.c runs them):
+ * read the caller's args and outputs over the defaults already in a and o, then check every
+ * argument against the buffer. Nothing is written to the caller's memory. */
+epx_result_t epx_api_check_ht_dispatch(epx_buffer_t buffer, const epx_ht_dispatch_args_t *args,
+                                       const epx_ht_dispatch_outputs_t *outputs, epx_ht_dispatch_args_t *a,
+                                       epx_ht_dispatch_outputs_t *o);
+epx_result_t epx_api_check_ht_combine(epx_buffer_t buffer, const epx_ht_combine_args_t *args,
+                                      const epx_ht_combine_outputs_t *outputs, epx_ht_combine_args_t *a,
+                                      epx_ht_combine_outputs_t *o);
+epx_result_t epx_api_check_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *args,
+                                       const epx_ll_dispatch_outputs_t *outputs, epx_ll_dispatch_args_t *a,
+                                       epx_ll_dispatch_outputs_t *o);
+/* `seq`: the combine's own call, later than the dispatch its handle names. */
+epx_result_t epx_api_check_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll_combine_args_t *args,
+                                      const epx_ll_combine_outputs_t *outputs, epx_ll_combine_args_t *a,
+                                      epx_ll_combine_outputs_t *o);
+epx_result_t epx_api_check_rm_dispatch(epx_buffer_t buffer, const epx_rm_dispatch_args_t *args,
+                                       const epx_rm_dispatch_outputs_t *outputs, epx_rm_dispatch_args_t *a,
+                                       epx_rm_dispatch_outputs_t *o);
+epx_result_t epx_api_check_rm_combine(epx_buffer_t buffer, const epx_rm_combine_args_t *args,
+                                      const epx_rm_combine_outputs_t *outputs, epx_rm_combine_args_t *a,
+                                      epx_rm_combine_outputs_t *o);
 
 /* A new handle for a dispatch of T tokens of `dtype` (NULL when out of memory). */
 epx_handle_t epx_api_handle_new(epx_buffer_t buffer, epx_handle_kind_t kind, int64_t T, epx_dtype_t dtype,

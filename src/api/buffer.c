@@ -1,29 +1,11 @@
 /*
- * Buffers: creation (every rank checks its config, then all compare them), destruction, the
- * overflow query, and the numbering of collective calls on a buffer, which lets a rank that fails
- * its checks tell its peers (they return EPX_ERR_REMOTE instead of waiting).
+ * Buffers: creation (every rank checks its config, then all compare them), destruction and the
+ * overflow query.
  */
 #include <stdlib.h>
 #include <string.h>
 
 #include "api/api.h"
-
-epx_result_t epx_api_collective_begin(epx_buffer_t buffer, uint64_t *seq_out)
-{
-    epx_error_clear();
-    EPX_CHECK(epx_api_check_buffer(buffer));
-    *seq_out = ++buffer->seq;
-    return EPX_SUCCESS;
-}
-
-epx_result_t epx_api_fail_collective(epx_buffer_t buffer, uint64_t seq, epx_result_t res)
-{
-    char message[1024];
-    epx_error_copy(message, sizeof(message));
-    if (buffer->ops->fail_collective) buffer->ops->fail_collective(buffer, seq, res);
-    epx_error_set_message(message);
-    return res;
-}
 
 /* What each rank tells the others at buffer creation: its local verdict and its config. */
 typedef struct create_msg {

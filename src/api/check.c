@@ -147,6 +147,13 @@ epx_result_t epx_api_check_buffer(epx_buffer_t buffer)
     return EPX_SUCCESS;
 }
 
+epx_result_t epx_api_begin(epx_buffer_t buffer, uint32_t mode, const char *op)
+{
+    epx_error_clear();
+    EPX_CHECK(epx_api_check_buffer(buffer));
+    return epx_api_check_mode(buffer, mode, op);
+}
+
 epx_result_t epx_api_read_call(epx_buffer_t buffer, uint32_t mode, const char *op, bool implemented, void *a,
                                size_t a_size, const void *args, void *o, size_t o_size, const void *outputs)
 {
@@ -186,8 +193,9 @@ epx_result_t epx_api_check_tokens(epx_buffer_t buffer, const char *name, int64_t
     return EPX_SUCCESS;
 }
 
-epx_result_t epx_api_check_dispatch_dtype(epx_buffer_t buffer, const epx_tensor_t *x, const char *name,
-                                          uint32_t call_dtypes)
+/* A dtype of `call_dtypes` that x has must also be one the buffer was sized for. */
+static epx_result_t check_dispatch_dtype(epx_buffer_t buffer, const epx_tensor_t *x, const char *name,
+                                         uint32_t call_dtypes)
 {
     if (x->dtype > EPX_DTYPE_INVALID && x->dtype < EPX_DTYPE_COUNT_ &&
         (call_dtypes & EPX_DTYPE_BIT(x->dtype)) &&
@@ -199,6 +207,33 @@ epx_result_t epx_api_check_dispatch_dtype(epx_buffer_t buffer, const epx_tensor_
             epx_dtype_str(x->dtype),
             epx_api_dtype_list(buffer->config.dispatch_dtypes, allowed, sizeof(allowed)));
     }
+    return EPX_SUCCESS;
+}
+
+epx_result_t epx_api_check_dispatch_x(epx_buffer_t buffer, const epx_tensor_t *x, const char *name,
+                                      uint32_t call_dtypes)
+{
+    const uint32_t dtypes = call_dtypes & buffer->config.dispatch_dtypes;
+    EPX_CHECK(check_dispatch_dtype(buffer, x, name, call_dtypes));
+    EPX_CHECK(epx_api_check_tensor(
+        buffer->comm, x,
+        &(epx_tensor_spec_t){
+            name, dtypes, 2, {EPX_ANY_DIM, buffer->config.hidden}, "T,H", EPX_TENSOR_TOKENS}));
+    return epx_api_check_tokens(buffer, name, x->shape[0]);
+}
+
+epx_result_t epx_api_check_x_scales(epx_buffer_t buffer, const epx_tensor_t *x, const char *x_name,
+                                    const epx_tensor_t *scales, const char *scales_name)
+{
+    const int64_t T = x->shape[0], H = buffer->config.hidden;
+    if (x->dtype == EPX_DTYPE_FP8_E4M3)
+        return epx_api_check_tensor(
+            buffer->comm, scales,
+            &(epx_tensor_spec_t){scales_name, EPX_DTYPE_BIT(EPX_DTYPE_FP32), 2, {T, H / 128}, "T,H/128", 0});
+    if (epx_api_present(scales))
+        return EPX_API_ERR(buffer->comm, EPX_ERR_INVALID_ARG,
+                           "%s is given but %s is %s (scales go with fp8_e4m3 only)", scales_name, x_name,
+                           epx_dtype_str(x->dtype));
     return EPX_SUCCESS;
 }
 
@@ -338,6 +373,27 @@ epx_result_t epx_api_check_tensor(epx_comm_t comm, const epx_tensor_t *t, const 
                                "%s.data = %p is not aligned to 16 bytes (token rows)", n, t->data);
     }
     return EPX_SUCCESS;
+}
+
+epx_result_t epx_api_check_recv_rows(epx_comm_t comm, epx_tensor_t *x, const char *x_name,
+                                     epx_tensor_t *scales, const char *scales_name, epx_dtype_t dtype,
+                                     int64_t rows, const char *count, int64_t H)
+{
+    char dims[64];
+    snprintf(dims, sizeof(dims), "%s,H", count);
+    EPX_CHECK(epx_api_check_tensor(
+        comm, x,
+        &(epx_tensor_spec_t){
+            x_name, EPX_DTYPE_BIT(dtype), 2, {rows, H}, dims, EPX_TENSOR_MIN_ROWS | EPX_TENSOR_TOKENS}));
+    if (dtype != EPX_DTYPE_FP8_E4M3) {
+        memset(scales, 0, sizeof(*scales)); /* fp8 only: not written */
+        return EPX_SUCCESS;
+    }
+    snprintf(dims, sizeof(dims), "%s,H/128", count);
+    return epx_api_check_tensor(
+        comm, scales,
+        &(epx_tensor_spec_t){
+            scales_name, EPX_DTYPE_BIT(EPX_DTYPE_FP32), 2, {rows, H / 128}, dims, EPX_TENSOR_MIN_ROWS});
 }
 
 static inline int64_t index_at(const epx_tensor_t *t, int64_t i)

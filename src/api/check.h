@@ -46,6 +46,9 @@ const char *epx_api_dtype_list(uint32_t mask, char *buf, size_t cap);
 
 /* A live buffer: not NULL, not destroyed. */
 epx_result_t epx_api_check_buffer(epx_buffer_t buffer);
+/* The start of a call that is not collective: clears the thread's error, then checks that the
+ * buffer is live and was created for `mode` (`op` names the call). */
+epx_result_t epx_api_begin(epx_buffer_t buffer, uint32_t mode, const char *op);
 /* Reads the caller's `args` and `outputs` over the defaults in `a` and `o` (a_size and o_size
  * bytes), then checks that the buffer was created for `mode` and that its backend implements
  * the call (`implemented`); `op` names the call in messages. */
@@ -57,9 +60,13 @@ epx_result_t epx_api_check_mode(epx_buffer_t buffer, uint32_t mode, const char *
 epx_result_t epx_api_unsupported(epx_buffer_t buffer, const char *op);
 /* T tokens fit the buffer's max_tokens. */
 epx_result_t epx_api_check_tokens(epx_buffer_t buffer, const char *name, int64_t T);
-/* A dtype of `call_dtypes` that x has must also be one the buffer was sized for. */
-epx_result_t epx_api_check_dispatch_dtype(epx_buffer_t buffer, const epx_tensor_t *x, const char *name,
-                                          uint32_t call_dtypes);
+/* Dispatched tokens: `x` [T, H] of a dtype of `call_dtypes` the buffer was created for, T at most
+ * max_tokens; `name` names it. */
+epx_result_t epx_api_check_dispatch_x(epx_buffer_t buffer, const epx_tensor_t *x, const char *name,
+                                      uint32_t call_dtypes);
+/* The scales of dispatched tokens: [T, H/128] fp32 when x is fp8, absent otherwise. */
+epx_result_t epx_api_check_x_scales(epx_buffer_t buffer, const epx_tensor_t *x, const char *x_name,
+                                    const epx_tensor_t *scales, const char *scales_name);
 /* A live handle of `kind` made on this buffer. */
 epx_result_t epx_api_check_handle(epx_buffer_t buffer, epx_handle_t handle, epx_handle_kind_t kind,
                                   const char *name);
@@ -88,6 +95,13 @@ typedef struct epx_tensor_spec {
 epx_result_t epx_api_check_tensor(epx_comm_t comm, const epx_tensor_t *t, const epx_tensor_spec_t *spec);
 
 static inline bool epx_api_present(const epx_tensor_t *t) { return t->data != NULL; }
+
+/* The received rows of a dispatch, `rows` of them (`count` names the number in messages): `x`
+ * [rows, H] of `dtype` and, for fp8, `scales` [rows, H/128] fp32 (cleared otherwise: not
+ * written); x_name and scales_name name the two outputs. */
+epx_result_t epx_api_check_recv_rows(epx_comm_t comm, epx_tensor_t *x, const char *x_name,
+                                     epx_tensor_t *scales, const char *scales_name, epx_dtype_t dtype,
+                                     int64_t rows, const char *count, int64_t H);
 
 /* Values of a checked [T, K] int32/int64 topk_idx in host memory: each in [-1, E), no
  * non-negative id twice within a token. Device tensors are left to the backend. */

@@ -1,7 +1,6 @@
 /*
- * The HT entry points: dispatch layout, dispatch (routed or cached, caller's outputs or views of
- * the buffer), combine and the combine input view. Each checks every argument it can against the
- * buffer before the backend runs; a collective call that fails its checks tells the peers.
+ * HT calls: the dispatch layout, the checks of HT dispatch (routed or cached, caller's outputs or
+ * views of the buffer) and HT combine, and the combine input view.
  */
 #include <stdio.h>
 #include <string.h>
@@ -11,14 +10,12 @@
 EPX_API epx_result_t epx_get_dispatch_layout(epx_buffer_t buffer, const epx_tensor_t *topk_idx,
                                              epx_layout_outputs_t *outputs, void *stream)
 {
-    epx_error_clear();
-    EPX_CHECK(epx_api_check_buffer(buffer));
+    EPX_CHECK(epx_api_begin(buffer, EPX_MODE_HT, "epx_get_dispatch_layout"));
     epx_comm_t comm = buffer->comm;
     const epx_buffer_config_t *cfg = &buffer->config;
-    EPX_CHECK(epx_api_check_mode(buffer, EPX_MODE_HT, "epx_get_dispatch_layout"));
     if (!buffer->ops->layout) return epx_api_unsupported(buffer, "epx_get_dispatch_layout");
     if (!topk_idx) return ARG_ERR("topk_idx is NULL");
-    epx_layout_outputs_t o = {.size = sizeof(o), .version = EPX_VERSION_CODE};
+    epx_layout_outputs_t o = EPX_LAYOUT_OUTPUTS_INIT;
     EPX_CHECK(epx_api_read_struct(comm, &o, sizeof(o), outputs, "outputs"));
 
     CHECK_TENSOR(topk_idx, "topk_idx", INDEX_DTYPES, 2, {EPX_ANY_DIM, cfg->num_topk}, "T,K", 0);
@@ -38,9 +35,9 @@ EPX_API epx_result_t epx_get_dispatch_layout(epx_buffer_t buffer, const epx_tens
 
 /* ----------------------------------------------------------------------------------- HT ---- */
 
-static epx_result_t ht_dispatch_check(epx_buffer_t buffer, const epx_ht_dispatch_args_t *args,
-                                      const epx_ht_dispatch_outputs_t *outputs, epx_ht_dispatch_args_t *a,
-                                      epx_ht_dispatch_outputs_t *o)
+epx_result_t epx_api_check_ht_dispatch(epx_buffer_t buffer, const epx_ht_dispatch_args_t *args,
+                                       const epx_ht_dispatch_outputs_t *outputs, epx_ht_dispatch_args_t *a,
+                                       epx_ht_dispatch_outputs_t *o)
 {
     epx_comm_t comm = buffer->comm;
     const epx_buffer_config_t *cfg = &buffer->config;
@@ -53,20 +50,12 @@ static epx_result_t ht_dispatch_check(epx_buffer_t buffer, const epx_ht_dispatch
         return ARG_ERR("outputs->size = %zu does not reach outputs.handle (%zu bytes needed)", o->size,
                        EPX_STRUCT_END(epx_ht_dispatch_outputs_t, handle));
 
-    EPX_CHECK(epx_api_check_dispatch_dtype(buffer, &a->x, "x", EPX_API_DISPATCH_DTYPES));
-    CHECK_TENSOR(&a->x, "x", EPX_API_DISPATCH_DTYPES & cfg->dispatch_dtypes, 2, {EPX_ANY_DIM, H}, "T,H",
-                 EPX_TENSOR_TOKENS);
+    EPX_CHECK(epx_api_check_dispatch_x(buffer, &a->x, "x", EPX_API_DISPATCH_DTYPES));
     const int64_t T = a->x.shape[0];
-    const bool fp8 = a->x.dtype == EPX_DTYPE_FP8_E4M3;
-    EPX_CHECK(epx_api_check_tokens(buffer, "x", T));
     if (cached && T != cached->num_tokens)
         return ARG_ERR("x has %lld tokens but args.cached_handle was dispatched with %lld", (long long)T,
                        (long long)cached->num_tokens);
-    if (fp8)
-        CHECK_TENSOR(&a->x_scales, "x_scales", BIT(FP32), 2, {T, H / 128}, "T,H/128", 0);
-    else if (epx_api_present(&a->x_scales))
-        return ARG_ERR("x_scales is given but x is %s (scales go with fp8_e4m3 only)",
-                       epx_dtype_str(a->x.dtype));
+    EPX_CHECK(epx_api_check_x_scales(buffer, &a->x, "x", &a->x_scales, "x_scales"));
     if (a->expert_alignment == 0) a->expert_alignment = 1;
     if (a->expert_alignment < 0)
         return ARG_ERR("args.expert_alignment = %d must be >= 1", a->expert_alignment);
@@ -114,16 +103,8 @@ static epx_result_t ht_dispatch_check(epx_buffer_t buffer, const epx_ht_dispatch
     const int64_t rows =
         is_static ? a->num_worst_tokens : (cached && cached->num_recv > 0 ? cached->num_recv : 0);
     const char *rows_name = is_static ? "num_worst_tokens" : "N_r";
-    char dims[64];
-    snprintf(dims, sizeof(dims), "%s,H", rows_name);
-    CHECK_TENSOR(&o->recv_x, "outputs.recv_x", EPX_DTYPE_BIT(a->x.dtype), 2, {rows, H}, dims,
-                 EPX_TENSOR_MIN_ROWS | EPX_TENSOR_TOKENS);
-    snprintf(dims, sizeof(dims), "%s,H/128", rows_name);
-    if (fp8)
-        CHECK_TENSOR(&o->recv_x_scales, "outputs.recv_x_scales", BIT(FP32), 2, {rows, H / 128}, dims,
-                     EPX_TENSOR_MIN_ROWS);
-    else
-        memset(&o->recv_x_scales, 0, sizeof(o->recv_x_scales)); /* fp8 only: not written */
+    EPX_CHECK(epx_api_check_recv_rows(comm, &o->recv_x, "outputs.recv_x", &o->recv_x_scales,
+                                      "outputs.recv_x_scales", a->x.dtype, rows, rows_name, H));
     if (cached) {
         /* A cached dispatch writes recv_x (and its scales) only. */
         memset(&o->recv_topk_idx, 0, sizeof(o->recv_topk_idx));
@@ -132,6 +113,7 @@ static epx_result_t ht_dispatch_check(epx_buffer_t buffer, const epx_ht_dispatch
         memset(&o->num_recv_tokens, 0, sizeof(o->num_recv_tokens));
         return EPX_SUCCESS;
     }
+    char dims[64];
     snprintf(dims, sizeof(dims), "%s,K", rows_name);
     CHECK_TENSOR(&o->recv_topk_idx, "outputs.recv_topk_idx", INDEX_DTYPES, 2, {rows, K}, dims,
                  EPX_TENSOR_MIN_ROWS | EPX_TENSOR_OPTIONAL);
@@ -148,45 +130,9 @@ static epx_result_t ht_dispatch_check(epx_buffer_t buffer, const epx_ht_dispatch
     return EPX_SUCCESS;
 }
 
-EPX_API epx_result_t epx_ht_dispatch(epx_buffer_t buffer, const epx_ht_dispatch_args_t *args,
-                                     epx_ht_dispatch_outputs_t *outputs)
-{
-    uint64_t seq;
-    EPX_CHECK(epx_api_collective_begin(buffer, &seq));
-    epx_ht_dispatch_args_t a = EPX_HT_DISPATCH_ARGS_INIT;
-    epx_ht_dispatch_outputs_t o = EPX_HT_DISPATCH_OUTPUTS_INIT;
-    epx_result_t res = ht_dispatch_check(buffer, args, outputs, &a, &o);
-    if (res != EPX_SUCCESS) return epx_api_fail_collective(buffer, seq, res);
-    epx_handle_t handle = a.cached_handle;
-    if (!handle) {
-        handle = epx_api_handle_new(buffer, EPX_HANDLE_HT, a.x.shape[0], a.x.dtype, 0);
-        if (!handle)
-            return epx_api_fail_collective(
-                buffer, seq, EPX_API_ERR(buffer->comm, EPX_ERR_OUT_OF_MEMORY, "no memory for an HT handle"));
-    }
-    res = buffer->ops->ht_dispatch(buffer, seq, &a, &o, handle);
-    if (res != EPX_SUCCESS) {
-        if (!a.cached_handle) epx_api_handle_discard(handle);
-        return res;
-    }
-    if (!a.cached_handle) {
-        atomic_fetch_add(&buffer->live_handles, 1);
-        o.handle = handle;
-    }
-    if (a.recv_in_buffer) {
-        WRITE_OUT(outputs, &o, epx_ht_dispatch_outputs_t, recv_x);
-        WRITE_OUT(outputs, &o, epx_ht_dispatch_outputs_t, recv_x_scales);
-        WRITE_OUT(outputs, &o, epx_ht_dispatch_outputs_t, recv_topk_idx);
-        WRITE_OUT(outputs, &o, epx_ht_dispatch_outputs_t, recv_topk_weights);
-    }
-    WRITE_OUT(outputs, &o, epx_ht_dispatch_outputs_t, num_recv_tokens_host);
-    WRITE_OUT(outputs, &o, epx_ht_dispatch_outputs_t, handle);
-    return EPX_SUCCESS;
-}
-
-static epx_result_t ht_combine_check(epx_buffer_t buffer, const epx_ht_combine_args_t *args,
-                                     const epx_ht_combine_outputs_t *outputs, epx_ht_combine_args_t *a,
-                                     epx_ht_combine_outputs_t *o)
+epx_result_t epx_api_check_ht_combine(epx_buffer_t buffer, const epx_ht_combine_args_t *args,
+                                      const epx_ht_combine_outputs_t *outputs, epx_ht_combine_args_t *a,
+                                      epx_ht_combine_outputs_t *o)
 {
     epx_comm_t comm = buffer->comm;
     const int64_t H = buffer->config.hidden, K = buffer->config.num_topk;
@@ -212,25 +158,11 @@ static epx_result_t ht_combine_check(epx_buffer_t buffer, const epx_ht_combine_a
     return EPX_SUCCESS;
 }
 
-EPX_API epx_result_t epx_ht_combine(epx_buffer_t buffer, const epx_ht_combine_args_t *args,
-                                    epx_ht_combine_outputs_t *outputs)
-{
-    uint64_t seq;
-    EPX_CHECK(epx_api_collective_begin(buffer, &seq));
-    epx_ht_combine_args_t a = EPX_HT_COMBINE_ARGS_INIT;
-    epx_ht_combine_outputs_t o = EPX_HT_COMBINE_OUTPUTS_INIT;
-    epx_result_t res = ht_combine_check(buffer, args, outputs, &a, &o);
-    if (res != EPX_SUCCESS) return epx_api_fail_collective(buffer, seq, res);
-    return buffer->ops->ht_combine(buffer, seq, &a, &o);
-}
-
 EPX_API epx_result_t epx_ht_get_combine_input(epx_buffer_t buffer, epx_handle_t handle,
                                               epx_tensor_t *view_out)
 {
-    epx_error_clear();
-    EPX_CHECK(epx_api_check_buffer(buffer));
+    EPX_CHECK(epx_api_begin(buffer, EPX_MODE_HT, "epx_ht_get_combine_input"));
     epx_comm_t comm = buffer->comm;
-    EPX_CHECK(epx_api_check_mode(buffer, EPX_MODE_HT, "epx_ht_get_combine_input"));
     if (!buffer->ops->ht_get_combine_input) return epx_api_unsupported(buffer, "epx_ht_get_combine_input");
     if (!view_out) return ARG_ERR("view_out is NULL");
     EPX_CHECK(epx_api_check_handle(buffer, handle, EPX_HANDLE_HT, "handle"));

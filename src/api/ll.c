@@ -1,14 +1,14 @@
 /*
- * The LL entry points: dispatch and combine over the buffer's two slots, the zero-copy combine
+ * LL calls: the checks of dispatch and combine over the buffer's two slots, the zero-copy combine
  * buffer, and the receive hooks that complete either half later.
  */
 #include <string.h>
 
 #include "api/api.h"
 
-static epx_result_t ll_dispatch_check(epx_buffer_t buffer, const epx_ll_dispatch_args_t *args,
-                                      const epx_ll_dispatch_outputs_t *outputs, epx_ll_dispatch_args_t *a,
-                                      epx_ll_dispatch_outputs_t *o)
+epx_result_t epx_api_check_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *args,
+                                       const epx_ll_dispatch_outputs_t *outputs, epx_ll_dispatch_args_t *a,
+                                       epx_ll_dispatch_outputs_t *o)
 {
     epx_comm_t comm = buffer->comm;
     const epx_buffer_config_t *cfg = &buffer->config;
@@ -53,25 +53,9 @@ static epx_result_t ll_dispatch_check(epx_buffer_t buffer, const epx_ll_dispatch
     return EPX_SUCCESS;
 }
 
-EPX_API epx_result_t epx_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *args,
-                                     epx_ll_dispatch_outputs_t *outputs)
-{
-    uint64_t seq;
-    EPX_CHECK(epx_api_collective_begin(buffer, &seq));
-    buffer->ll_dispatches++; /* failed calls too: every rank keeps the same LL slot order */
-    epx_ll_dispatch_args_t a = EPX_LL_DISPATCH_ARGS_INIT;
-    epx_ll_dispatch_outputs_t o = EPX_LL_DISPATCH_OUTPUTS_INIT;
-    epx_result_t res = ll_dispatch_check(buffer, args, outputs, &a, &o);
-    if (res != EPX_SUCCESS) return epx_api_fail_collective(buffer, seq, res);
-    EPX_CHECK(buffer->ops->ll_dispatch(buffer, seq, &a, &o));
-    WRITE_OUT(outputs, &o, epx_ll_dispatch_outputs_t, handle);
-    if (a.return_recv_hook) WRITE_OUT(outputs, &o, epx_ll_dispatch_outputs_t, hook);
-    return EPX_SUCCESS;
-}
-
-static epx_result_t ll_combine_check(epx_buffer_t buffer, uint64_t seq, const epx_ll_combine_args_t *args,
-                                     const epx_ll_combine_outputs_t *outputs, epx_ll_combine_args_t *a,
-                                     epx_ll_combine_outputs_t *o)
+epx_result_t epx_api_check_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll_combine_args_t *args,
+                                      const epx_ll_combine_outputs_t *outputs, epx_ll_combine_args_t *a,
+                                      epx_ll_combine_outputs_t *o)
 {
     epx_comm_t comm = buffer->comm;
     const epx_buffer_config_t *cfg = &buffer->config;
@@ -95,27 +79,11 @@ static epx_result_t ll_combine_check(epx_buffer_t buffer, uint64_t seq, const ep
     return EPX_SUCCESS;
 }
 
-EPX_API epx_result_t epx_ll_combine(epx_buffer_t buffer, const epx_ll_combine_args_t *args,
-                                    epx_ll_combine_outputs_t *outputs)
-{
-    uint64_t seq;
-    EPX_CHECK(epx_api_collective_begin(buffer, &seq));
-    epx_ll_combine_args_t a = EPX_LL_COMBINE_ARGS_INIT;
-    epx_ll_combine_outputs_t o = EPX_LL_COMBINE_OUTPUTS_INIT;
-    epx_result_t res = ll_combine_check(buffer, seq, args, outputs, &a, &o);
-    if (res != EPX_SUCCESS) return epx_api_fail_collective(buffer, seq, res);
-    EPX_CHECK(buffer->ops->ll_combine(buffer, seq, &a, &o));
-    if (a.return_recv_hook) WRITE_OUT(outputs, &o, epx_ll_combine_outputs_t, hook);
-    return EPX_SUCCESS;
-}
-
 EPX_API epx_result_t epx_ll_get_combine_buffer(epx_buffer_t buffer, const epx_ll_handle_t *handle,
                                                epx_tensor_t *view_out)
 {
-    epx_error_clear();
-    EPX_CHECK(epx_api_check_buffer(buffer));
+    EPX_CHECK(epx_api_begin(buffer, EPX_MODE_LL, "epx_ll_get_combine_buffer"));
     epx_comm_t comm = buffer->comm;
-    EPX_CHECK(epx_api_check_mode(buffer, EPX_MODE_LL, "epx_ll_get_combine_buffer"));
     if (!buffer->ops->ll_get_combine_buffer) return epx_api_unsupported(buffer, "epx_ll_get_combine_buffer");
     if (!handle) return ARG_ERR("handle is NULL");
     if (!view_out) return ARG_ERR("view_out is NULL");

@@ -1,6 +1,6 @@
 /*
- * The routing-map entry points: dispatch (with or without permute, with optional static bounds)
- * and its combine.
+ * Routing-map calls: the checks of dispatch (with or without permute, with optional static
+ * bounds) and of its combine.
  */
 #include <stdio.h>
 #include <string.h>
@@ -9,9 +9,9 @@
 
 #define RM_DTYPES (BIT(BF16) | BIT(FP8_E4M3))
 
-static epx_result_t rm_dispatch_check(epx_buffer_t buffer, const epx_rm_dispatch_args_t *args,
-                                      const epx_rm_dispatch_outputs_t *outputs, epx_rm_dispatch_args_t *a,
-                                      epx_rm_dispatch_outputs_t *o)
+epx_result_t epx_api_check_rm_dispatch(epx_buffer_t buffer, const epx_rm_dispatch_args_t *args,
+                                       const epx_rm_dispatch_outputs_t *outputs, epx_rm_dispatch_args_t *a,
+                                       epx_rm_dispatch_outputs_t *o)
 {
     epx_comm_t comm = buffer->comm;
     const epx_buffer_config_t *cfg = &buffer->config;
@@ -21,17 +21,9 @@ static epx_result_t rm_dispatch_check(epx_buffer_t buffer, const epx_rm_dispatch
         return ARG_ERR("outputs->size = %zu does not reach outputs.handle (%zu bytes needed)", o->size,
                        EPX_STRUCT_END(epx_rm_dispatch_outputs_t, handle));
 
-    EPX_CHECK(epx_api_check_dispatch_dtype(buffer, &a->hidden, "hidden", RM_DTYPES));
-    CHECK_TENSOR(&a->hidden, "hidden", RM_DTYPES & cfg->dispatch_dtypes, 2, {EPX_ANY_DIM, H}, "T,H",
-                 EPX_TENSOR_TOKENS);
+    EPX_CHECK(epx_api_check_dispatch_x(buffer, &a->hidden, "hidden", RM_DTYPES));
     const int64_t T = a->hidden.shape[0];
-    const bool fp8 = a->hidden.dtype == EPX_DTYPE_FP8_E4M3;
-    EPX_CHECK(epx_api_check_tokens(buffer, "hidden", T));
-    if (fp8)
-        CHECK_TENSOR(&a->scaling_factor, "scaling_factor", BIT(FP32), 2, {T, H / 128}, "T,H/128", 0);
-    else if (epx_api_present(&a->scaling_factor))
-        return ARG_ERR("scaling_factor is given but hidden is %s (scales go with fp8_e4m3 only)",
-                       epx_dtype_str(a->hidden.dtype));
+    EPX_CHECK(epx_api_check_x_scales(buffer, &a->hidden, "hidden", &a->scaling_factor, "scaling_factor"));
     CHECK_TENSOR(&a->routing_map, "routing_map", BIT(BOOL), 2, {T, E}, "T,E", 0);
     CHECK_TENSOR(&a->probs, "probs", BIT(FP32), 2, {T, E}, "T,E", EPX_TENSOR_OPTIONAL);
 
@@ -55,21 +47,14 @@ static epx_result_t rm_dispatch_check(epx_buffer_t buffer, const epx_rm_dispatch
     const int64_t rows = bound > 0 ? bound : 0;
     const char *rows_name = bound >= 0 ? (a->permute ? "num_permuted_tokens" : "num_dispatched_tokens")
                                        : (a->permute ? "P" : "N_r");
-    char dims[64];
-    snprintf(dims, sizeof(dims), "%s,H", rows_name);
-    CHECK_TENSOR(&o->tokens, "outputs.tokens", EPX_DTYPE_BIT(a->hidden.dtype), 2, {rows, H}, dims,
-                 EPX_TENSOR_MIN_ROWS | EPX_TENSOR_TOKENS);
-    snprintf(dims, sizeof(dims), "%s,H/128", rows_name);
-    if (fp8)
-        CHECK_TENSOR(&o->scaling_factor, "outputs.scaling_factor", BIT(FP32), 2, {rows, H / 128}, dims,
-                     EPX_TENSOR_MIN_ROWS);
-    else
-        memset(&o->scaling_factor, 0, sizeof(o->scaling_factor)); /* fp8 only: not written */
+    EPX_CHECK(epx_api_check_recv_rows(comm, &o->tokens, "outputs.tokens", &o->scaling_factor,
+                                      "outputs.scaling_factor", a->hidden.dtype, rows, rows_name, H));
     if (a->permute) {
         CHECK_TENSOR(&o->probs, "outputs.probs", BIT(FP32), 1, {rows}, rows_name,
                      EPX_TENSOR_MIN_ROWS | EPX_TENSOR_OPTIONAL);
         CHECK_TENSOR(&o->tokens_per_expert, "outputs.tokens_per_expert", BIT(INT32), 1, {L}, "L", 0);
     } else {
+        char dims[64];
         snprintf(dims, sizeof(dims), "%s,L", rows_name);
         CHECK_TENSOR(&o->probs, "outputs.probs", BIT(FP32), 2, {rows, L}, dims,
                      EPX_TENSOR_MIN_ROWS | EPX_TENSOR_OPTIONAL);
@@ -82,36 +67,9 @@ static epx_result_t rm_dispatch_check(epx_buffer_t buffer, const epx_rm_dispatch
     return EPX_SUCCESS;
 }
 
-EPX_API epx_result_t epx_rm_dispatch(epx_buffer_t buffer, const epx_rm_dispatch_args_t *args,
-                                     epx_rm_dispatch_outputs_t *outputs)
-{
-    uint64_t seq;
-    EPX_CHECK(epx_api_collective_begin(buffer, &seq));
-    epx_rm_dispatch_args_t a = EPX_RM_DISPATCH_ARGS_INIT;
-    epx_rm_dispatch_outputs_t o = EPX_RM_DISPATCH_OUTPUTS_INIT;
-    epx_result_t res = rm_dispatch_check(buffer, args, outputs, &a, &o);
-    if (res != EPX_SUCCESS) return epx_api_fail_collective(buffer, seq, res);
-    epx_handle_t handle =
-        epx_api_handle_new(buffer, EPX_HANDLE_RM, a.hidden.shape[0], a.hidden.dtype, a.permute ? 1 : 0);
-    if (!handle)
-        return epx_api_fail_collective(
-            buffer, seq,
-            EPX_API_ERR(buffer->comm, EPX_ERR_OUT_OF_MEMORY, "no memory for a routing-map handle"));
-    res = buffer->ops->rm_dispatch(buffer, seq, &a, &o, handle);
-    if (res != EPX_SUCCESS) {
-        epx_api_handle_discard(handle);
-        return res;
-    }
-    atomic_fetch_add(&buffer->live_handles, 1);
-    o.handle = handle;
-    WRITE_OUT(outputs, &o, epx_rm_dispatch_outputs_t, num_tokens_host);
-    WRITE_OUT(outputs, &o, epx_rm_dispatch_outputs_t, handle);
-    return EPX_SUCCESS;
-}
-
-static epx_result_t rm_combine_check(epx_buffer_t buffer, const epx_rm_combine_args_t *args,
-                                     const epx_rm_combine_outputs_t *outputs, epx_rm_combine_args_t *a,
-                                     epx_rm_combine_outputs_t *o)
+epx_result_t epx_api_check_rm_combine(epx_buffer_t buffer, const epx_rm_combine_args_t *args,
+                                      const epx_rm_combine_outputs_t *outputs, epx_rm_combine_args_t *a,
+                                      epx_rm_combine_outputs_t *o)
 {
     epx_comm_t comm = buffer->comm;
     const int64_t H = buffer->config.hidden;
@@ -125,16 +83,4 @@ static epx_result_t rm_combine_check(epx_buffer_t buffer, const epx_rm_combine_a
     CHECK_TENSOR(&o->combined, "outputs.combined", BIT(BF16), 2, {T, H}, "T,H",
                  EPX_TENSOR_MIN_ROWS | EPX_TENSOR_TOKENS);
     return EPX_SUCCESS;
-}
-
-EPX_API epx_result_t epx_rm_combine(epx_buffer_t buffer, const epx_rm_combine_args_t *args,
-                                    epx_rm_combine_outputs_t *outputs)
-{
-    uint64_t seq;
-    EPX_CHECK(epx_api_collective_begin(buffer, &seq));
-    epx_rm_combine_args_t a = EPX_RM_COMBINE_ARGS_INIT;
-    epx_rm_combine_outputs_t o = EPX_RM_COMBINE_OUTPUTS_INIT;
-    epx_result_t res = rm_combine_check(buffer, args, outputs, &a, &o);
-    if (res != EPX_SUCCESS) return epx_api_fail_collective(buffer, seq, res);
-    return buffer->ops->rm_combine(buffer, seq, &a, &o);
 }

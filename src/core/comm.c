@@ -1,7 +1,8 @@
 /*
  * The communicator: backend choice (through the registry), the exchange of peer information over
- * the bootstrap, topology (local ranks, NVLink domain size), and the first-async-error record. The
- * API layer (src/api/comm.c) checks the arguments and the config first.
+ * the bootstrap, topology (local ranks, NVLink domain size), the first-async-error record, and the
+ * news of a collective call a rank failed. The API layer (src/api/comm.c) checks the arguments and
+ * the config first.
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -255,4 +256,13 @@ epx_result_t epx_comm_barrier(epx_comm_t comm)
 {
     EPX_CHECK(epx_comm_check(comm, "epx_comm_barrier"));
     return comm->bootstrap->barrier(comm->bootstrap_state);
+}
+
+epx_result_t epx_buffer_fail_collective(epx_buffer_t buffer, uint64_t seq, epx_result_t res)
+{
+    char message[1024];
+    epx_error_copy(message, sizeof(message));
+    if (buffer->ops->fail_collective) buffer->ops->fail_collective(buffer, seq, res);
+    epx_error_set_message(message);
+    return res;
 }

@@ -41,12 +41,13 @@ const char *epx_error_message(void);
 const char *epx_result_str(epx_result_t result);
 const char *epx_result_text(epx_result_t result);
 
+/* In order: EPX_DEBUG's names index them. */
 typedef enum epx_log_level {
     EPX_LOG_NONE = 0,
-    EPX_LOG_ERROR = 1,
-    EPX_LOG_WARN = 2,
-    EPX_LOG_INFO = 3,
-    EPX_LOG_TRACE = 4,
+    EPX_LOG_ERROR,
+    EPX_LOG_WARN,
+    EPX_LOG_INFO,
+    EPX_LOG_TRACE,
 } epx_log_level_t;
 
 /* Subsystems for EPX_DEBUG_SUBSYS. */
@@ -206,6 +207,11 @@ struct epx_buffer {
     atomic_int overflow;          /* set by a bounded call that dropped rows */
 };
 
+/* This rank failed collective call `seq` on `buffer` before its operation ran: tells the peers
+ * through the backend (they return EPX_ERR_REMOTE instead of waiting) and returns `res`, the
+ * thread keeping the message of the failure. */
+epx_result_t epx_buffer_fail_collective(epx_buffer_t buffer, uint64_t seq, epx_result_t res);
+
 typedef enum epx_handle_kind {
     EPX_HANDLE_HT = 1,
     EPX_HANDLE_RM = 2,
@@ -222,43 +228,61 @@ struct epx_handle {
     void *backend_state;    /* freed by ops->handle_free */
 };
 
+/* The operations of a backend, one type each, so that a backend declares its implementations
+ * without restating them (`epx_ht_dispatch_op_t host_ht_dispatch;`). `seq` is the collective
+ * sequence number of the call (the same on every rank); ht_dispatch and rm_dispatch fill
+ * `handle` (for a cached HT dispatch, args->cached_handle). */
+typedef epx_result_t epx_layout_op_t(epx_buffer_t buffer, const epx_tensor_t *topk_idx,
+                                     epx_layout_outputs_t *outputs, void *stream);
+typedef epx_result_t epx_ht_dispatch_op_t(epx_buffer_t buffer, uint64_t seq,
+                                          const epx_ht_dispatch_args_t *args,
+                                          epx_ht_dispatch_outputs_t *outputs, epx_handle_t handle);
+typedef epx_result_t epx_ht_combine_op_t(epx_buffer_t buffer, uint64_t seq, const epx_ht_combine_args_t *args,
+                                         epx_ht_combine_outputs_t *outputs);
+/* [N_r, H] bf16 view of this rank's HT combine input rows. */
+typedef epx_result_t epx_ht_get_combine_input_op_t(epx_buffer_t buffer, epx_handle_t handle,
+                                                   epx_tensor_t *view_out);
+typedef epx_result_t epx_ll_dispatch_op_t(epx_buffer_t buffer, uint64_t seq,
+                                          const epx_ll_dispatch_args_t *args,
+                                          epx_ll_dispatch_outputs_t *outputs);
+typedef epx_result_t epx_ll_combine_op_t(epx_buffer_t buffer, uint64_t seq, const epx_ll_combine_args_t *args,
+                                         epx_ll_combine_outputs_t *outputs);
+typedef epx_result_t epx_ll_get_combine_buffer_op_t(epx_buffer_t buffer, const epx_ll_handle_t *handle,
+                                                    epx_tensor_t *view_out);
+typedef epx_result_t epx_hook_run_op_t(const epx_hook_t *hook, void *stream);
+typedef epx_result_t epx_rm_dispatch_op_t(epx_buffer_t buffer, uint64_t seq,
+                                          const epx_rm_dispatch_args_t *args,
+                                          epx_rm_dispatch_outputs_t *outputs, epx_handle_t handle);
+typedef epx_result_t epx_rm_combine_op_t(epx_buffer_t buffer, uint64_t seq, const epx_rm_combine_args_t *args,
+                                         epx_rm_combine_outputs_t *outputs);
+
 /* The backend function table. The API layer has checked every argument against the buffer
  * (shapes, dtypes, pointers, capacities, flags) before calling, and for host-memory index
  * tensors also their values. Backends check what only they can (cross-rank agreement, device
  * tensors' values) and must leave all ranks able to make the next collective call after any
- * failure. `seq` is the collective sequence number of the call (the same on every rank). */
+ * failure. An operation a backend lacks is NULL (the API answers EPX_ERR_UNSUPPORTED). */
 struct epx_backend_ops {
     const char *name;
-    epx_result_t (*comm_init)(epx_comm_t comm);    /* may be NULL */
-    void (*comm_destroy)(epx_comm_t comm);         /* may be NULL */
+    epx_result_t (*comm_init)(epx_comm_t comm); /* may be NULL */
+    void (*comm_destroy)(epx_comm_t comm);      /* may be NULL */
     epx_result_t (*buffer_create)(epx_buffer_t buffer);
     void (*buffer_destroy)(epx_buffer_t buffer);
     void (*handle_free)(epx_handle_t handle);
     /* This rank failed its checks for collective call `seq`: tell the peers (they return
      * EPX_ERR_REMOTE) and stay in step. */
     void (*fail_collective)(epx_buffer_t buffer, uint64_t seq, epx_result_t res);
-    epx_result_t (*layout)(epx_buffer_t buffer, const epx_tensor_t *topk_idx,
-                           epx_layout_outputs_t *outputs, void *stream);
-    /* handle: the new handle to fill (non-cached), or args->cached_handle. */
-    epx_result_t (*ht_dispatch)(epx_buffer_t buffer, uint64_t seq, const epx_ht_dispatch_args_t *args,
-                                epx_ht_dispatch_outputs_t *outputs, epx_handle_t handle);
-    epx_result_t (*ht_combine)(epx_buffer_t buffer, uint64_t seq, const epx_ht_combine_args_t *args,
-                               epx_ht_combine_outputs_t *outputs);
-    epx_result_t (*ll_dispatch)(epx_buffer_t buffer, uint64_t seq, const epx_ll_dispatch_args_t *args,
-                                epx_ll_dispatch_outputs_t *outputs);
-    epx_result_t (*ll_combine)(epx_buffer_t buffer, uint64_t seq, const epx_ll_combine_args_t *args,
-                               epx_ll_combine_outputs_t *outputs);
-    epx_result_t (*ll_get_combine_buffer)(epx_buffer_t buffer, const epx_ll_handle_t *handle,
-                                          epx_tensor_t *view_out);
-    epx_result_t (*hook_run)(const epx_hook_t *hook, void *stream);
-    epx_result_t (*rm_dispatch)(epx_buffer_t buffer, uint64_t seq, const epx_rm_dispatch_args_t *args,
-                                epx_rm_dispatch_outputs_t *outputs, epx_handle_t handle);
-    epx_result_t (*rm_combine)(epx_buffer_t buffer, uint64_t seq, const epx_rm_combine_args_t *args,
-                               epx_rm_combine_outputs_t *outputs);
+    epx_layout_op_t *layout;
+    epx_ht_dispatch_op_t *ht_dispatch;
+    epx_ht_combine_op_t *ht_combine;
+    epx_ll_dispatch_op_t *ll_dispatch;
+    epx_ll_combine_op_t *ll_combine;
+    epx_ll_get_combine_buffer_op_t *ll_get_combine_buffer;
+    epx_hook_run_op_t *hook_run;
+    epx_rm_dispatch_op_t *rm_dispatch;
+    epx_rm_combine_op_t *rm_combine;
     /* Reads and clears the buffer's overflow flag (device-side flag for cuda). */
     epx_result_t (*query_overflow)(epx_buffer_t buffer, int *overflowed_out);
-    /* [N_r, H] bf16 view of this rank's HT combine input rows (may be NULL: unsupported). */
-    epx_result_t (*ht_get_combine_input)(epx_buffer_t buffer, epx_handle_t handle, epx_tensor_t *view_out);
+    epx_ht_get_combine_input_op_t *ht_get_combine_input;
 };
 
 #ifdef __cplusplus

@@ -564,12 +564,13 @@ void host_area_done(host_buffer_t *hb, host_area_t area, uint64_t seq)
         atomic_store_explicit(done, seq, memory_order_release);
 }
 
-void host_fail(host_buffer_t *hb, uint64_t seq, epx_result_t res)
+epx_result_t host_fail(host_buffer_t *hb, uint64_t seq, epx_result_t res)
 {
     host_region_hdr_t *hdr = host_hdr(hb, hb->rank);
-    if (atomic_load_explicit(&hdr->failed_seq, memory_order_relaxed) >= seq) return;
+    if (atomic_load_explicit(&hdr->failed_seq, memory_order_relaxed) >= seq) return res;
     __atomic_store_n(&hdr->failed_status, (int32_t)res, __ATOMIC_RELAXED);
     atomic_store_explicit(&hdr->failed_seq, seq, memory_order_release);
     EPX_INFO(EPX_SUBSYS_SHM, "rank %d: call %llu failed (%s), peers told", hb->rank, (unsigned long long)seq,
              epx_result_str(res));
+    return res;
 }
