@@ -104,7 +104,8 @@ epx_result_t epx_api_check_recv_rows(epx_comm_t comm, epx_tensor_t *x, const cha
                                      int64_t rows, const char *count, int64_t H);
 
 /* Values of a checked [T, K] int32/int64 topk_idx in host memory: each in [-1, E), no
- * non-negative id twice within a token. Device tensors are left to the backend. */
+ * non-negative id twice within a token. This is the one check of host ids: the host backend
+ * relies on it. Device tensors are left to the backend. */
 epx_result_t epx_api_check_topk_idx(epx_comm_t comm, const epx_tensor_t *t, int64_t num_experts,
                                     const char *name);
 /* Values of a checked [T, E] bool routing map in host memory: 0 or 1, at most K per row. */

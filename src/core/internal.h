@@ -2,7 +2,8 @@
  * Internal declarations shared by every part of libepx: errors and logging, dtypes, parameters
  * (env), time, and the comm/buffer/handle objects with the backend function table. The backend
  * registry (core/backend.h) comes with it; the bootstrap (core/bootstrap.h) is core's own. Nothing
- * here is exported; the API layer (src/api) is the only caller of backends.
+ * here is exported. Backends are reached only through their function table: the API layer calls
+ * the operations, core the communicator's and a failed call's hooks.
  */
 #ifndef EPX_CORE_INTERNAL_H
 #define EPX_CORE_INTERNAL_H
