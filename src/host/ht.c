@@ -241,7 +241,8 @@ static epx_result_t check_pub_op(const host_buffer_t *hb, const host_pub_t *pub,
                      hb->rank, (unsigned long long)pub->seq, what, p, pub->op);
 }
 
-/* Rank p's flag in `word` (a handle's dispatch call with `handle`) equals rank 0's. */
+/* Rank p published the same `word` as rank 0: a flag named `flag`, or (with `handle`) the dispatch
+ * call its handle comes from. */
 static epx_result_t check_pub_same(const host_buffer_t *hb, const host_pub_t *pubs, int p, int word,
                                    const char *flag, const char *handle)
 {
@@ -338,15 +339,16 @@ static epx_result_t scratch_alloc(const host_buffer_t *hb, int routed, dispatch_
 {
     const size_t R = (size_t)hb->nranks, Tm = (size_t)hb->buffer->config.max_tokens;
     const size_t r = routed ? R : 0; /* the routing arrays are empty when not routed */
-    const size_t bytes[] = {R * sizeof(host_pub_t),   r * R * sizeof(int32_t), r * R * sizeof(int32_t),
-                            r * Tm * sizeof(int32_t), r * sizeof(int64_t),     r * sizeof(int64_t)};
+    const size_t cells = r * R * sizeof(int32_t), incoming = r * Tm * sizeof(int32_t);
+    const size_t bytes[] = {R * sizeof(host_pub_t), cells, cells, incoming, r * sizeof(int64_t),
+                            r * sizeof(int64_t)};
     void *parts[6];
     void *block = host_alloc_parts(6, bytes, parts);
     if (!block)
         return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate dispatch scratch for %zu ranks",
                          hb->rank, R);
-    *s = (dispatch_scratch_t){block,    parts[0], parts[1], parts[2],
-                              parts[3], parts[4], parts[5]}; /* in order */
+    /* The parts in member order. */
+    *s = (dispatch_scratch_t){block, parts[0], parts[1], parts[2], parts[3], parts[4], parts[5]};
     return EPX_SUCCESS;
 }
 
@@ -372,9 +374,9 @@ static epx_result_t dispatch_routed(host_buffer_t *hb, uint64_t seq, const epx_h
     EPX_CHECK(check_dispatch_capacity(me, outputs, worst > 0 ? worst : kept, arriving, 1));
     if (args->recv_in_buffer) EPX_CHECK(set_views(hb, args, outputs, worst > 0 ? worst : kept, 1));
 
-    const size_t kept_bytes = ((size_t)kept + 1) * sizeof(int32_t);
-    const size_t bytes[] = {sizeof(host_ht_state_t), ((size_t)R + 1) * sizeof(int64_t), kept_bytes,
-                            kept_bytes, ((size_t)(T * R) + 1) * sizeof(int32_t)};
+    const size_t prefix = ((size_t)R + 1) * sizeof(int64_t), kept_rows = ((size_t)kept + 1) * sizeof(int32_t);
+    const size_t token_rows = ((size_t)(T * R) + 1) * sizeof(int32_t);
+    const size_t bytes[] = {sizeof(host_ht_state_t), prefix, kept_rows, kept_rows, token_rows};
     void *parts[5];
     host_ht_state_t *st = host_alloc_parts(5, bytes, parts);
     if (!st)

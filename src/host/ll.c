@@ -53,9 +53,9 @@ epx_result_t host_ll_init(host_buffer_t *hb)
     const epx_buffer_config_t *cfg = &hb->buffer->config;
     int64_t R = hb->nranks, E = cfg->num_experts, L = hb->buffer->num_local_experts;
     const size_t TK = (size_t)(cfg->max_tokens * cfg->num_topk);
-    size_t bytes[4 + 2 * LL_SLOT_ARRAYS] = {sizeof(ll_state_t), (size_t)(R * E) * sizeof(int32_t),
-                                            (size_t)(L * R * cfg->max_tokens) * sizeof(int32_t),
-                                            (size_t)R * sizeof(host_pub_t)};
+    const size_t counts = (size_t)(R * E) * sizeof(int32_t);
+    const size_t rows = (size_t)(L * R * cfg->max_tokens) * sizeof(int32_t);
+    size_t bytes[4 + 2 * LL_SLOT_ARRAYS] = {sizeof(ll_state_t), counts, rows, (size_t)R * sizeof(host_pub_t)};
     for (int i = 0; i < 2; i++) {
         size_t *slot = bytes + 4 + i * LL_SLOT_ARRAYS;
         slot[0] = slot[1] = (size_t)E * sizeof(int32_t);

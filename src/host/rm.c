@@ -62,13 +62,10 @@ static int64_t rm_round_up(int64_t v, int64_t m)
 /* A handle with room for T tokens of up to K entries each and L local experts. */
 static rm_handle_t *rm_handle_new(int64_t T, int64_t K, int64_t L)
 {
-    const size_t per_expert = (size_t)L * sizeof(int64_t);
-    const size_t bytes[] = {sizeof(rm_handle_t),
-                            (size_t)(T + 1) * sizeof(int64_t),
-                            (size_t)(T * K + 1) * sizeof(rm_entry_t),
-                            per_expert,
-                            per_expert,
-                            per_expert};
+    const size_t begins = (size_t)(T + 1) * sizeof(int64_t),
+                 entries = (size_t)(T * K + 1) * sizeof(rm_entry_t);
+    const size_t experts = (size_t)L * sizeof(int64_t);
+    const size_t bytes[] = {sizeof(rm_handle_t), begins, entries, experts, experts, experts};
     void *parts[6];
     rm_handle_t *h = host_alloc_parts(6, bytes, parts);
     if (h)
@@ -112,21 +109,16 @@ static epx_result_t rm_plan_build(host_buffer_t *hb, const rm_in_layout_t *lay, 
     const epx_buffer_t b = hb->buffer;
     const int R = hb->nranks;
     const int64_t E = b->config.num_experts, L = b->num_local_experts, K = b->config.num_topk;
-    const size_t per_rank = (size_t)R * sizeof(int64_t), per_expert = (size_t)E * sizeof(int64_t);
-    const size_t bytes[] = {(size_t)(R * E) * sizeof(int32_t),
-                            (size_t)R * (size_t)R * sizeof(int32_t),
-                            per_expert,
-                            per_expert,
-                            per_rank,
-                            per_rank,
-                            per_rank};
-    void *parts[7];
-    void *block = host_alloc_parts(7, bytes, parts);
+    const int64_t Tm = b->config.max_tokens;
+    const size_t counts = (size_t)R * sizeof(int32_t); /* per source */
+    const size_t ranks = (size_t)R * sizeof(int64_t), experts = (size_t)E * sizeof(int64_t);
+    const size_t bytes[] = {counts * (size_t)E, counts * (size_t)R, experts, experts, ranks, ranks, ranks};
+    void *part[7];
+    void *block = host_alloc_parts(7, bytes, part);
     if (!block)
         return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: routing-map plan allocation failed", hb->rank);
-    *p = (rm_plan_t){block,    R,        E,        L,        b->config.max_tokens,
-                     K,        parts[0], parts[1], parts[2], parts[3],
-                     parts[4], parts[5], parts[6]}; /* members in order */
+    /* The parts in member order. */
+    *p = (rm_plan_t){block, R, E, L, Tm, K, part[0], part[1], part[2], part[3], part[4], part[5], part[6]};
     for (int s = 0; s < R; s++) {
         const int32_t *sel = rm_sel(hb, lay, s);
         p->pad[s] = pubs[s].words[RM_W_PAD] > 0 ? pubs[s].words[RM_W_PAD] : 1;
