@@ -54,11 +54,13 @@ epx_result_t epx_api_check_rm_combine(epx_buffer_t buffer, const epx_rm_combine_
                                       const epx_rm_combine_outputs_t *outputs, epx_rm_combine_args_t *a,
                                       epx_rm_combine_outputs_t *o);
 
-/* A new handle for a dispatch of T tokens of `dtype` (NULL when out of memory). */
-epx_handle_t epx_api_handle_new(epx_buffer_t buffer, epx_handle_kind_t kind, int64_t T, epx_dtype_t dtype,
-                                int32_t permute);
-/* Frees a handle the backend failed to fill, keeping the failure's message. */
-void epx_api_handle_discard(epx_handle_t h);
+/* A new handle for dispatch call `seq` of T tokens of `dtype`; when out of memory, the peers are
+ * told (the call fails). */
+epx_result_t epx_api_handle_new(epx_buffer_t buffer, uint64_t seq, epx_handle_kind_t kind, int64_t T,
+                                epx_dtype_t dtype, int32_t permute, epx_handle_t *handle_out);
+/* The backend's verdict `res` on filling a new handle: on success the handle is live (counted
+ * on its buffer), on failure it is freed, the failure's message kept. Returns `res`. */
+epx_result_t epx_api_handle_filled(epx_handle_t h, epx_result_t res);
 
 #ifdef __cplusplus
 }

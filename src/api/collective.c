@@ -27,21 +27,12 @@ EPX_API epx_result_t epx_ht_dispatch(epx_buffer_t buffer, const epx_ht_dispatch_
     epx_result_t res = epx_api_check_ht_dispatch(buffer, args, outputs, &a, &o);
     if (res != EPX_SUCCESS) return epx_buffer_fail_collective(buffer, seq, res);
     epx_handle_t handle = a.cached_handle;
-    if (!handle) {
-        handle = epx_api_handle_new(buffer, EPX_HANDLE_HT, a.x.shape[0], a.x.dtype, 0);
-        if (!handle)
-            return epx_buffer_fail_collective(
-                buffer, seq, EPX_API_ERR(buffer->comm, EPX_ERR_OUT_OF_MEMORY, "no memory for an HT handle"));
-    }
+    if (!handle)
+        EPX_CHECK(epx_api_handle_new(buffer, seq, EPX_HANDLE_HT, a.x.shape[0], a.x.dtype, 0, &handle));
     res = buffer->ops->ht_dispatch(buffer, seq, &a, &o, handle);
-    if (res != EPX_SUCCESS) {
-        if (!a.cached_handle) epx_api_handle_discard(handle);
-        return res;
-    }
-    if (!a.cached_handle) {
-        atomic_fetch_add(&buffer->live_handles, 1);
-        o.handle = handle;
-    }
+    if (!a.cached_handle) res = epx_api_handle_filled(handle, res);
+    EPX_CHECK(res);
+    if (!a.cached_handle) o.handle = handle;
     if (a.recv_in_buffer) {
         WRITE_OUT(outputs, &o, epx_ht_dispatch_outputs_t, recv_x);
         WRITE_OUT(outputs, &o, epx_ht_dispatch_outputs_t, recv_x_scales);
@@ -104,18 +95,10 @@ EPX_API epx_result_t epx_rm_dispatch(epx_buffer_t buffer, const epx_rm_dispatch_
     epx_rm_dispatch_outputs_t o = EPX_RM_DISPATCH_OUTPUTS_INIT;
     epx_result_t res = epx_api_check_rm_dispatch(buffer, args, outputs, &a, &o);
     if (res != EPX_SUCCESS) return epx_buffer_fail_collective(buffer, seq, res);
-    epx_handle_t handle =
-        epx_api_handle_new(buffer, EPX_HANDLE_RM, a.hidden.shape[0], a.hidden.dtype, a.permute ? 1 : 0);
-    if (!handle)
-        return epx_buffer_fail_collective(
-            buffer, seq,
-            EPX_API_ERR(buffer->comm, EPX_ERR_OUT_OF_MEMORY, "no memory for a routing-map handle"));
-    res = buffer->ops->rm_dispatch(buffer, seq, &a, &o, handle);
-    if (res != EPX_SUCCESS) {
-        epx_api_handle_discard(handle);
-        return res;
-    }
-    atomic_fetch_add(&buffer->live_handles, 1);
+    epx_handle_t handle;
+    EPX_CHECK(epx_api_handle_new(buffer, seq, EPX_HANDLE_RM, a.hidden.shape[0], a.hidden.dtype,
+                                 a.permute ? 1 : 0, &handle));
+    EPX_CHECK(epx_api_handle_filled(handle, buffer->ops->rm_dispatch(buffer, seq, &a, &o, handle)));
     o.handle = handle;
     WRITE_OUT(outputs, &o, epx_rm_dispatch_outputs_t, num_tokens_host);
     WRITE_OUT(outputs, &o, epx_rm_dispatch_outputs_t, handle);

@@ -6,11 +6,15 @@
 
 #include "api/api.h"
 
-epx_handle_t epx_api_handle_new(epx_buffer_t buffer, epx_handle_kind_t kind, int64_t T, epx_dtype_t dtype,
-                                int32_t permute)
+epx_result_t epx_api_handle_new(epx_buffer_t buffer, uint64_t seq, epx_handle_kind_t kind, int64_t T,
+                                epx_dtype_t dtype, int32_t permute, epx_handle_t *handle_out)
 {
     epx_handle_t h = calloc(1, sizeof(*h));
-    if (!h) return NULL;
+    if (!h)
+        return epx_buffer_fail_collective(buffer, seq,
+                                          EPX_API_ERR(buffer->comm, EPX_ERR_OUT_OF_MEMORY,
+                                                      "no memory for %s handle",
+                                                      kind == EPX_HANDLE_HT ? "an HT" : "a routing-map"));
     h->magic = EPX_HANDLE_MAGIC;
     h->kind = kind;
     h->buffer = buffer;
@@ -18,11 +22,16 @@ epx_handle_t epx_api_handle_new(epx_buffer_t buffer, epx_handle_kind_t kind, int
     h->num_recv = -1; /* unknown until the backend fills it */
     h->permute = permute;
     h->x_dtype = dtype;
-    return h;
+    *handle_out = h;
+    return EPX_SUCCESS;
 }
 
-void epx_api_handle_discard(epx_handle_t h)
+epx_result_t epx_api_handle_filled(epx_handle_t h, epx_result_t res)
 {
+    if (res == EPX_SUCCESS) {
+        atomic_fetch_add(&h->buffer->live_handles, 1);
+        return EPX_SUCCESS;
+    }
     if (h->backend_state && h->buffer->ops->handle_free) {
         char message[1024];
         epx_error_copy(message, sizeof(message));
@@ -31,6 +40,7 @@ void epx_api_handle_discard(epx_handle_t h)
     }
     h->magic = 0;
     free(h);
+    return res;
 }
 
 EPX_API epx_result_t epx_handle_get_info(epx_handle_t handle, epx_handle_info_t *info_out)
