@@ -270,16 +270,17 @@ typedef struct epx_buffer_config {
     uint32_t dispatch_dtypes; /* EPX_DTYPE_BIT()s of x allowed in dispatch; 0 = bf16|fp32|fp8 */
     int32_t max_pad_multiple; /* largest pad_multiple used with permute; 0 = 128 */
     int32_t num_sms;          /* GPU: SMs a kernel may take; 0 = tuned default for nranks */
-    int32_t chunk_tokens;     /* GPU: tokens per send chunk; 0 = tuned default */
+    int32_t chunk_tokens;     /* reserved: checked (>= 0) and compared across ranks, currently ignored */
 } epx_buffer_config_t;
 
 #define EPX_BUFFER_CONFIG_INIT EPX_STRUCT_INIT_(epx_buffer_config_t)
 
 /* Creates a communication buffer able to serve every operation of `config->modes` up to the
- * given maximum shape. Collective: every rank must pass the same max_tokens, hidden, num_topk,
- * num_experts, modes and dtypes; otherwise every rank returns EPX_ERR_MISMATCH naming the
- * field. [out] buffer_out. Errors: EPX_ERR_INVALID_ARG (bad field, E % nranks != 0, H % 128 for
- * fp8), EPX_ERR_OUT_OF_MEMORY, EPX_ERR_SYSTEM, EPX_ERR_TIMEOUT, EPX_ERR_MISMATCH. */
+ * given maximum shape. Collective: every rank must pass the same config (max_tokens, hidden,
+ * num_topk, num_experts, modes, dtypes, max_pad_multiple, num_sms, chunk_tokens); otherwise
+ * every rank returns EPX_ERR_MISMATCH naming the field. [out] buffer_out. Errors:
+ * EPX_ERR_INVALID_ARG (bad field, E % nranks != 0, H % 128 for fp8), EPX_ERR_OUT_OF_MEMORY,
+ * EPX_ERR_SYSTEM, EPX_ERR_TIMEOUT, EPX_ERR_MISMATCH. */
 EPX_API epx_result_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *config,
                                        epx_buffer_t *buffer_out);
 
@@ -354,7 +355,7 @@ typedef struct epx_ht_dispatch_outputs {
 
 #define EPX_HT_DISPATCH_OUTPUTS_INIT EPX_STRUCT_INIT_(epx_ht_dispatch_outputs_t)
 
-/* Sends each token of x to every rank holding one of its experts (REFERENCE.md, HT dispatch).
+/* Sends each token of x to every rank holding one of its experts (docs/reference.md, HT dispatch).
  * Collective. Ordered on args->stream. The capacity of recv_x (shape[0]) must be >= N_r, or
  * >= num_worst_tokens in static mode; in the default mode the host waits for N_r, which is
  * refused during stream capture (EPX_ERR_GRAPH_CAPTURE naming num_worst_tokens). With
@@ -567,8 +568,8 @@ typedef struct epx_rm_dispatch_outputs {
 
 #define EPX_RM_DISPATCH_OUTPUTS_INIT EPX_STRUCT_INIT_(epx_rm_dispatch_outputs_t)
 
-/* Routing-map dispatch (REFERENCE.md). Collective. The capacity of tokens must be >= the bound
- * when one is given, else >= the real count (the host waits for it, refused under capture
+/* Routing-map dispatch (docs/reference.md). Collective. The capacity of tokens must be >= the
+ * bound when one is given, else >= the real count (the host waits for it, refused under capture
  * with EPX_ERR_GRAPH_CAPTURE naming num_dispatched_tokens or num_permuted_tokens). With a
  * bound, rows past it are dropped and the overflow flag set (epx_buffer_query_overflow); the
  * rows between the real count and the bound are zero. Ranks may pass different T. Errors:

@@ -8,9 +8,6 @@
 
 #include "api/check.h"
 
-#define DISPATCH_DTYPES_ALL                                                                                  \
-    (EPX_DTYPE_BIT(EPX_DTYPE_BF16) | EPX_DTYPE_BIT(EPX_DTYPE_FP32) | EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3))
-
 epx_result_t epx_api_error(epx_comm_t comm, epx_result_t code, const char *fmt, ...)
 {
     char message[900];
@@ -55,7 +52,7 @@ const char *epx_api_dtype_list(uint32_t mask, char *buf, size_t cap)
     for (int d = 1; d < EPX_DTYPE_COUNT_ && used < cap; d++) {
         if (!(mask & EPX_DTYPE_BIT(d))) continue;
         const char *sep = count == 0 ? "" : (count == total - 1 ? " or " : ", ");
-        int n = snprintf(buf + used, cap - used, "%s%s", sep, epx_dtype_name((epx_dtype_t)d));
+        int n = snprintf(buf + used, cap - used, "%s%s", sep, epx_dtype_str((epx_dtype_t)d));
         if (n < 0) break;
         used += (size_t)n;
         count++;
@@ -76,8 +73,8 @@ epx_result_t epx_api_buffer_config_normalize(epx_comm_t comm, const epx_buffer_c
     if (c.modes & ~EPX_MODE_ALL)
         return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
                            "config.modes = 0x%x has bits outside EPX_MODE_ALL (0x%x)", c.modes, EPX_MODE_ALL);
-    if (c.dispatch_dtypes == 0) c.dispatch_dtypes = DISPATCH_DTYPES_ALL;
-    if (c.dispatch_dtypes & ~DISPATCH_DTYPES_ALL)
+    if (c.dispatch_dtypes == 0) c.dispatch_dtypes = EPX_API_DISPATCH_DTYPES;
+    if (c.dispatch_dtypes & ~EPX_API_DISPATCH_DTYPES)
         return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
                            "config.dispatch_dtypes = 0x%x allows dtypes other than bf16, fp32 and fp8_e4m3",
                            c.dispatch_dtypes);
@@ -96,9 +93,9 @@ epx_result_t epx_api_buffer_config_normalize(epx_comm_t comm, const epx_buffer_c
     if (c.hidden < 1 || c.hidden > INT32_MAX)
         return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "config.hidden = %lld is out of range [1, %d]",
                            (long long)c.hidden, INT32_MAX);
-    if (c.num_topk < 1 || c.num_topk > 64)
-        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "config.num_topk = %d is out of range [1, 64]",
-                           c.num_topk);
+    if (c.num_topk < 1 || c.num_topk > EPX_MAX_TOPK)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "config.num_topk = %d is out of range [1, %d]",
+                           c.num_topk, EPX_MAX_TOPK);
     if (c.num_experts < 1)
         return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "config.num_experts = %d must be >= 1", c.num_experts);
     if (c.num_experts % nranks != 0)
@@ -126,6 +123,158 @@ epx_result_t epx_api_buffer_config_normalize(epx_comm_t comm, const epx_buffer_c
     *out = c;
     return EPX_SUCCESS;
 }
+
+/* ------------------------------------------------------------- buffers, modes, handles ---- */
+
+static const char *mode_name(uint32_t mode)
+{
+    switch (mode) {
+    case EPX_MODE_HT: return "EPX_MODE_HT";
+    case EPX_MODE_LL: return "EPX_MODE_LL";
+    case EPX_MODE_PERMUTE: return "EPX_MODE_PERMUTE";
+    default: return "?";
+    }
+}
+
+epx_result_t epx_api_check_buffer(epx_buffer_t buffer)
+{
+    if (!buffer) return epx_error(EPX_ERR_INVALID_ARG, "buffer is NULL");
+    if (buffer->magic != EPX_BUFFER_MAGIC)
+        return epx_error(EPX_ERR_INVALID_ARG,
+                         "buffer %p is not a live epx buffer (destroyed, or not made by "
+                         "epx_buffer_create)",
+                         (void *)buffer);
+    return EPX_SUCCESS;
+}
+
+epx_result_t epx_api_begin(epx_buffer_t buffer, uint32_t mode, const char *op)
+{
+    epx_error_clear();
+    EPX_CHECK(epx_api_check_buffer(buffer));
+    return epx_api_check_mode(buffer, mode, op);
+}
+
+epx_result_t epx_api_read_call(epx_buffer_t buffer, uint32_t mode, const char *op, bool implemented, void *a,
+                               size_t a_size, const void *args, void *o, size_t o_size, const void *outputs)
+{
+    EPX_CHECK(epx_api_read_struct(buffer->comm, a, a_size, args, "args"));
+    EPX_CHECK(epx_api_read_struct(buffer->comm, o, o_size, outputs, "outputs"));
+    EPX_CHECK(epx_api_check_mode(buffer, mode, op));
+    if (!implemented) return epx_api_unsupported(buffer, op);
+    return EPX_SUCCESS;
+}
+
+epx_result_t epx_api_check_mode(epx_buffer_t buffer, uint32_t mode, const char *op)
+{
+    if (buffer->config.modes & mode) return EPX_SUCCESS;
+    char modes[64] = "";
+    for (uint32_t m = 1; m <= EPX_MODE_PERMUTE; m <<= 1)
+        if (buffer->config.modes & m) {
+            if (modes[0]) strcat(modes, "|");
+            strcat(modes, mode_name(m));
+        }
+    return EPX_API_ERR(buffer->comm, EPX_ERR_INVALID_ARG,
+                       "%s needs a buffer created with %s; this buffer's modes are %s", op, mode_name(mode),
+                       modes);
+}
+
+epx_result_t epx_api_unsupported(epx_buffer_t buffer, const char *op)
+{
+    return EPX_API_ERR(buffer->comm, EPX_ERR_UNSUPPORTED, "the %s backend does not implement %s",
+                       buffer->ops->name, op);
+}
+
+epx_result_t epx_api_check_tokens(epx_buffer_t buffer, const char *name, int64_t T)
+{
+    if (T > buffer->config.max_tokens)
+        return EPX_API_ERR(buffer->comm, EPX_ERR_INVALID_ARG,
+                           "%s has %lld tokens, more than the buffer's max_tokens = %lld", name, (long long)T,
+                           (long long)buffer->config.max_tokens);
+    return EPX_SUCCESS;
+}
+
+/* A dtype of `call_dtypes` that x has must also be one the buffer was sized for. */
+static epx_result_t check_dispatch_dtype(epx_buffer_t buffer, const epx_tensor_t *x, const char *name,
+                                         uint32_t call_dtypes)
+{
+    if (x->dtype > EPX_DTYPE_INVALID && x->dtype < EPX_DTYPE_COUNT_ &&
+        (call_dtypes & EPX_DTYPE_BIT(x->dtype)) &&
+        !(buffer->config.dispatch_dtypes & EPX_DTYPE_BIT(x->dtype))) {
+        char allowed[96];
+        return EPX_API_ERR(
+            buffer->comm, EPX_ERR_INVALID_ARG,
+            "%s has dtype %s, which the buffer was not created for (config.dispatch_dtypes allows %s)", name,
+            epx_dtype_str(x->dtype),
+            epx_api_dtype_list(buffer->config.dispatch_dtypes, allowed, sizeof(allowed)));
+    }
+    return EPX_SUCCESS;
+}
+
+epx_result_t epx_api_check_dispatch_x(epx_buffer_t buffer, const epx_tensor_t *x, const char *name,
+                                      uint32_t call_dtypes)
+{
+    const uint32_t dtypes = call_dtypes & buffer->config.dispatch_dtypes;
+    EPX_CHECK(check_dispatch_dtype(buffer, x, name, call_dtypes));
+    EPX_CHECK(epx_api_check_tensor(
+        buffer->comm, x,
+        &(epx_tensor_spec_t){
+            name, dtypes, 2, {EPX_ANY_DIM, buffer->config.hidden}, "T,H", EPX_TENSOR_TOKENS}));
+    return epx_api_check_tokens(buffer, name, x->shape[0]);
+}
+
+epx_result_t epx_api_check_x_scales(epx_buffer_t buffer, const epx_tensor_t *x, const char *x_name,
+                                    const epx_tensor_t *scales, const char *scales_name)
+{
+    const int64_t T = x->shape[0], H = buffer->config.hidden;
+    if (x->dtype == EPX_DTYPE_FP8_E4M3)
+        return epx_api_check_tensor(
+            buffer->comm, scales,
+            &(epx_tensor_spec_t){scales_name, EPX_DTYPE_BIT(EPX_DTYPE_FP32), 2, {T, H / 128}, "T,H/128", 0});
+    if (epx_api_present(scales))
+        return EPX_API_ERR(buffer->comm, EPX_ERR_INVALID_ARG,
+                           "%s is given but %s is %s (scales go with fp8_e4m3 only)", scales_name, x_name,
+                           epx_dtype_str(x->dtype));
+    return EPX_SUCCESS;
+}
+
+epx_result_t epx_api_check_handle(epx_buffer_t buffer, epx_handle_t handle, epx_handle_kind_t kind,
+                                  const char *name)
+{
+    epx_comm_t comm = buffer->comm;
+    static const char *kinds[] = {"?", "HT", "routing-map"};
+    if (!handle) return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "%s is NULL", name);
+    if (handle->magic != EPX_HANDLE_MAGIC)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
+                           "%s = %p is not a live handle (destroyed, or not made by a dispatch)", name,
+                           (void *)handle);
+    int have = handle->kind == EPX_HANDLE_RM ? 2 : handle->kind == EPX_HANDLE_HT ? 1 : 0;
+    if (handle->kind != kind)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "%s is a %s handle; this call needs a %s handle", name,
+                           kinds[have], kinds[kind]);
+    if (handle->buffer != buffer)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "%s belongs to another buffer (%p, not %p)", name,
+                           (void *)handle->buffer, (void *)buffer);
+    return EPX_SUCCESS;
+}
+
+epx_result_t epx_api_check_ll_handle(epx_buffer_t buffer, const epx_ll_handle_t *h, uint64_t next_seq,
+                                     const char *name)
+{
+    epx_comm_t comm = buffer->comm;
+    if (h->slot != 0 && h->slot != 1)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "%s.slot = %d is not 0 or 1", name, h->slot);
+    if (h->num_tokens < 0 || h->num_tokens > buffer->config.max_tokens)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "%s.num_tokens = %d is out of range [0, %lld]", name,
+                           h->num_tokens, (long long)buffer->config.max_tokens);
+    if (h->seq == 0 || h->seq >= next_seq)
+        return EPX_API_ERR(
+            comm, EPX_ERR_INVALID_ARG,
+            "%s.seq = %llu is not a dispatch made on this buffer (%llu collective calls so far)", name,
+            (unsigned long long)h->seq, (unsigned long long)(next_seq - 1));
+    return EPX_SUCCESS;
+}
+
+/* ----------------------------------------------------------------------------- tensors ---- */
 
 /* The i-th comma-separated name of `dims` ("" when there is none). */
 static const char *dim_name(const char *dims, int i, char *buf, size_t cap)
@@ -160,7 +309,7 @@ epx_result_t epx_api_check_tensor(epx_comm_t comm, const epx_tensor_t *t, const 
     if (t->dtype <= EPX_DTYPE_INVALID || t->dtype >= EPX_DTYPE_COUNT_ ||
         !(s->dtypes & EPX_DTYPE_BIT(t->dtype)))
         return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "%s has dtype %s (%d); expected %s", n,
-                           epx_dtype_name(t->dtype), (int)t->dtype,
+                           epx_dtype_str(t->dtype), (int)t->dtype,
                            epx_api_dtype_list(s->dtypes, names, sizeof(names)));
     if (t->ndim != s->ndim)
         return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "%s has %d dimensions; expected %d ([%s])", n,
@@ -182,7 +331,7 @@ epx_result_t epx_api_check_tensor(epx_comm_t comm, const epx_tensor_t *t, const 
         }
     }
     /* Dims of size 0 count as 1 for strides (as frameworks do), and for the overflow guard. */
-    size_t elem = epx_dtype_size(t->dtype);
+    size_t elem = epx_dtype_bytes(t->dtype);
     int64_t span = 1, limit = INT64_MAX / (int64_t)elem;
     for (int i = 0; i < t->ndim; i++) {
         int64_t d = t->shape[i] > 0 ? t->shape[i] : 1;
@@ -224,6 +373,27 @@ epx_result_t epx_api_check_tensor(epx_comm_t comm, const epx_tensor_t *t, const 
                                "%s.data = %p is not aligned to 16 bytes (token rows)", n, t->data);
     }
     return EPX_SUCCESS;
+}
+
+epx_result_t epx_api_check_recv_rows(epx_comm_t comm, epx_tensor_t *x, const char *x_name,
+                                     epx_tensor_t *scales, const char *scales_name, epx_dtype_t dtype,
+                                     int64_t rows, const char *count, int64_t H)
+{
+    char dims[64];
+    snprintf(dims, sizeof(dims), "%s,H", count);
+    EPX_CHECK(epx_api_check_tensor(
+        comm, x,
+        &(epx_tensor_spec_t){
+            x_name, EPX_DTYPE_BIT(dtype), 2, {rows, H}, dims, EPX_TENSOR_MIN_ROWS | EPX_TENSOR_TOKENS}));
+    if (dtype != EPX_DTYPE_FP8_E4M3) {
+        memset(scales, 0, sizeof(*scales)); /* fp8 only: not written */
+        return EPX_SUCCESS;
+    }
+    snprintf(dims, sizeof(dims), "%s,H/128", count);
+    return epx_api_check_tensor(
+        comm, scales,
+        &(epx_tensor_spec_t){
+            scales_name, EPX_DTYPE_BIT(EPX_DTYPE_FP32), 2, {rows, H / 128}, dims, EPX_TENSOR_MIN_ROWS});
 }
 
 static inline int64_t index_at(const epx_tensor_t *t, int64_t i)

@@ -1,18 +1,11 @@
 /*
- * Bootstrap collectives before any transport exists: the unique id, a TCP rendezvous shaped as a
- * star through rank 0 (rank 0 gathers every block and sends the whole array back), and the
- * wrapper of caller-supplied callbacks. Only small metadata travels here; every wait is bounded.
+ * Bootstrap collectives before any transport exists: the unique id and a TCP rendezvous shaped as
+ * a star through rank 0 (rank 0 gathers every block and sends the whole array back), on the
+ * socket layer of core/socket.c. Only small metadata travels here; every wait is bounded.
  */
-#include <arpa/inet.h>
 #include <errno.h>
-#include <fcntl.h>
-#include <ifaddrs.h>
-#include <limits.h>
-#include <net/if.h>
 #include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,7 +14,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "core/bootstrap.h"
 #include "core/internal.h"
+#include "core/socket.h"
 
 #define BOOT_ID_MAGIC    0x45505849u /* "EPXI" */
 #define BOOT_HELLO_MAGIC 0x4550584fu /* "EPXO" */
@@ -74,154 +69,6 @@ typedef struct {
     int broken;   /* a failed exchange left the streams out of step */
 } boot_tcp_t;
 
-/* ------------------------------------------------------------- listening sockets ---- */
-
-/* Sockets bound by epx_get_unique_id, so that rank 0 in this process or a forked child reuses
- * them (the id is usually created before the ranks exist). */
-typedef struct {
-    uint64_t nonce;
-    int fd;
-} listen_entry_t;
-
-static pthread_mutex_t listen_lock_g = PTHREAD_MUTEX_INITIALIZER;
-static listen_entry_t *listen_table_g;
-static size_t listen_count_g, listen_cap_g;
-
-static epx_result_t listen_table_add(uint64_t nonce, int fd)
-{
-    epx_result_t res = EPX_SUCCESS;
-    pthread_mutex_lock(&listen_lock_g);
-    if (listen_count_g == listen_cap_g) {
-        size_t cap = listen_cap_g ? listen_cap_g * 2 : 8;
-        listen_entry_t *grown = realloc(listen_table_g, cap * sizeof(*grown));
-        if (!grown) {
-            res = epx_error(EPX_ERR_OUT_OF_MEMORY, "cannot grow the table of rendezvous sockets to %zu", cap);
-            goto out;
-        }
-        listen_table_g = grown;
-        listen_cap_g = cap;
-    }
-    listen_table_g[listen_count_g].nonce = nonce;
-    listen_table_g[listen_count_g].fd = fd;
-    listen_count_g++;
-out:
-    pthread_mutex_unlock(&listen_lock_g);
-    return res;
-}
-
-/* Removes and returns the socket of `nonce`, -1 when this process did not create the id. */
-static int listen_table_take(uint64_t nonce)
-{
-    int fd = -1;
-    pthread_mutex_lock(&listen_lock_g);
-    for (size_t i = 0; i < listen_count_g; i++)
-        if (listen_table_g[i].nonce == nonce) {
-            fd = listen_table_g[i].fd;
-            listen_table_g[i] = listen_table_g[--listen_count_g];
-            break;
-        }
-    pthread_mutex_unlock(&listen_lock_g);
-    return fd;
-}
-
-/* ----------------------------------------------------------------- address choice ---- */
-
-static void format_addr(const struct sockaddr_in *sa, char *out, size_t cap)
-{
-    char ip[INET_ADDRSTRLEN] = "?";
-    inet_ntop(AF_INET, &sa->sin_addr, ip, sizeof(ip));
-    snprintf(out, cap, "%s:%u", ip, (unsigned)ntohs(sa->sin_port));
-}
-
-static epx_result_t parse_addr(const char *text, struct sockaddr_in *sa)
-{
-    char ip[INET_ADDRSTRLEN + 1];
-    const char *colon = strrchr(text, ':');
-    const char *port_text = colon ? colon + 1 : NULL;
-    size_t ip_len = colon ? (size_t)(colon - text) : 0;
-    if (!colon || ip_len == 0 || ip_len >= sizeof(ip) || *port_text == '\0' || strlen(port_text) > 5)
-        goto bad;
-    for (const char *c = port_text; *c; c++)
-        if (*c < '0' || *c > '9') goto bad;
-    long port = strtol(port_text, NULL, 10);
-    if (port > 65535) goto bad;
-    memcpy(ip, text, ip_len);
-    ip[ip_len] = '\0';
-    memset(sa, 0, sizeof(*sa));
-    sa->sin_family = AF_INET;
-    sa->sin_port = htons((uint16_t)port);
-    if (inet_pton(AF_INET, ip, &sa->sin_addr) != 1) goto bad;
-    return EPX_SUCCESS;
-bad:
-    return epx_error(EPX_ERR_INVALID_ARG, "EPX_BOOTSTRAP_ADDR='%s' is not an IPv4 address and port (ip:port)",
-                     text);
-}
-
-/* EPX_BOOTSTRAP_ADDR, else the first IPv4 address of EPX_SOCKET_IFNAME (loopback allowed when named),
- * else the first non-loopback one of any interface, else 127.0.0.1; port 0 = pick a free one. */
-static epx_result_t choose_address(const epx_params_t *params, struct sockaddr_in *sa)
-{
-    if (params->bootstrap_addr[0]) return parse_addr(params->bootstrap_addr, sa);
-    memset(sa, 0, sizeof(*sa));
-    sa->sin_family = AF_INET;
-    sa->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    struct ifaddrs *list = NULL;
-    if (getifaddrs(&list) != 0) {
-        if (params->socket_ifname[0])
-            return epx_error(EPX_ERR_SYSTEM, "getifaddrs failed looking for EPX_SOCKET_IFNAME=%s: %s",
-                             params->socket_ifname, strerror(errno));
-        return EPX_SUCCESS;
-    }
-    int found = 0;
-    for (struct ifaddrs *ifa = list; ifa && !found; ifa = ifa->ifa_next) {
-        if (!ifa->ifa_addr || ifa->ifa_addr->sa_family != AF_INET || !(ifa->ifa_flags & IFF_UP)) continue;
-        if (params->socket_ifname[0]) {
-            if (strcmp(ifa->ifa_name, params->socket_ifname) != 0) continue;
-        } else if (ifa->ifa_flags & IFF_LOOPBACK) {
-            continue;
-        }
-        sa->sin_addr = ((const struct sockaddr_in *)ifa->ifa_addr)->sin_addr;
-        found = 1;
-    }
-    freeifaddrs(list);
-    if (!found && params->socket_ifname[0])
-        return epx_error(EPX_ERR_INVALID_ARG,
-                         "EPX_SOCKET_IFNAME=%s names no interface that is up with an "
-                         "IPv4 address",
-                         params->socket_ifname);
-    return EPX_SUCCESS;
-}
-
-/* Binds and listens on `sa` (its port is updated when 0). */
-static epx_result_t listen_on(struct sockaddr_in *sa, int backlog, int *fd_out)
-{
-    char where[64];
-    format_addr(sa, where, sizeof(where));
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (fd < 0) return epx_error(EPX_ERR_SYSTEM, "socket() for the rendezvous failed: %s", strerror(errno));
-    int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (bind(fd, (const struct sockaddr *)sa, sizeof(*sa)) != 0) {
-        int err = errno;
-        close(fd);
-        /* A process other than rank 0 (and not its parent) that made the id still holds the port. */
-        return epx_error(
-            EPX_ERR_SYSTEM, "cannot bind the rendezvous socket to %s: %s%s", where, strerror(err),
-            err == EADDRINUSE ? " (is the process that created the unique id, when it is not rank 0 "
-                                "or its parent, still listening there?)"
-                              : "");
-    }
-    if (listen(fd, backlog) != 0) {
-        int err = errno;
-        close(fd);
-        return epx_error(EPX_ERR_SYSTEM, "cannot listen on %s: %s", where, strerror(err));
-    }
-    socklen_t len = sizeof(*sa);
-    getsockname(fd, (struct sockaddr *)sa, &len);
-    *fd_out = fd;
-    return EPX_SUCCESS;
-}
-
 static uint64_t make_nonce(void)
 {
     uint64_t nonce = 0;
@@ -232,51 +79,29 @@ static uint64_t make_nonce(void)
     return nonce ? nonce : 1;
 }
 
-EPX_API epx_result_t epx_get_unique_id(epx_unique_id_t *id_out)
+epx_result_t epx_bootstrap_unique_id(epx_unique_id_t *id_out)
 {
-    epx_error_clear();
-    if (!id_out) return epx_error(EPX_ERR_INVALID_ARG, "id_out is NULL");
     const epx_params_t *params;
     EPX_CHECK(epx_params_get(&params));
     struct sockaddr_in sa;
-    EPX_CHECK(choose_address(params, &sa));
+    EPX_CHECK(epx_socket_choose_address(params, &sa));
     int fd;
-    EPX_CHECK(listen_on(&sa, SOMAXCONN, &fd));
+    EPX_CHECK(epx_socket_listen(&sa, SOMAXCONN, &fd));
     boot_id_t id = {BOOT_ID_MAGIC, sa.sin_addr.s_addr, make_nonce(), sa.sin_port};
-    epx_result_t res = listen_table_add(id.nonce, fd);
+    epx_result_t res = epx_socket_keep_listener(id.nonce, fd);
     if (res != EPX_SUCCESS) {
         close(fd);
         return res;
     }
     char where[64];
-    format_addr(&sa, where, sizeof(where));
+    epx_socket_format_addr(&sa, where, sizeof(where));
     EPX_INFO(EPX_SUBSYS_BOOTSTRAP, "unique id: rendezvous at %s", where);
     memset(id_out, 0, sizeof(*id_out));
     memcpy(id_out->internal, &id, sizeof(id));
     return EPX_SUCCESS;
 }
 
-/* ----------------------------------------------------------------- socket helpers ---- */
-
-static int remaining_ms(uint64_t deadline)
-{
-    uint64_t now = epx_time_ns();
-    if (now >= deadline) return 0;
-    uint64_t ms = (deadline - now + 999999) / 1000000;
-    return ms > INT_MAX ? INT_MAX : (int)ms;
-}
-
-/* 1: ready, 0: deadline passed, -1: poll failed (errno). */
-static int poll_one(int fd, short events, uint64_t deadline)
-{
-    for (;;) {
-        struct pollfd p = {fd, events, 0};
-        int n = poll(&p, 1, remaining_ms(deadline));
-        if (n > 0) return 1;
-        if (n == 0 && epx_time_ns() >= deadline) return 0;
-        if (n < 0 && errno != EINTR) return -1;
-    }
-}
+/* ------------------------------------------------------------------ stream helpers ---- */
 
 static epx_result_t send_all(const boot_tcp_t *s, int peer, const void *buf, size_t len, uint64_t deadline,
                              const char *what)
@@ -292,7 +117,7 @@ static epx_result_t send_all(const boot_tcp_t *s, int peer, const void *buf, siz
         }
         if (n < 0 && errno == EINTR) continue;
         if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            int ready = poll_one(fd, POLLOUT, deadline);
+            int ready = epx_socket_poll(fd, POLLOUT, deadline);
             if (ready > 0) continue;
             if (ready == 0)
                 return epx_error(EPX_ERR_TIMEOUT,
@@ -324,7 +149,7 @@ static epx_result_t recv_all(const boot_tcp_t *s, int peer, void *buf, size_t le
                              s->rank, peer, what);
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            int ready = poll_one(fd, POLLIN, deadline);
+            int ready = epx_socket_poll(fd, POLLIN, deadline);
             if (ready > 0) continue;
             if (ready == 0)
                 return epx_error(EPX_ERR_TIMEOUT, "rank %d: %s from rank %d did not arrive within %lld ms",
@@ -334,12 +159,6 @@ static epx_result_t recv_all(const boot_tcp_t *s, int peer, void *buf, size_t le
                          peer, strerror(errno));
     }
     return EPX_SUCCESS;
-}
-
-static void set_nodelay(int fd)
-{
-    int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 }
 
 /* Appends "a, b, c" of the ranks with missing[r] set (truncated with "..."). */
@@ -381,7 +200,7 @@ static void reply_all(boot_tcp_t *s, const int *fds, int count, epx_result_t sta
             } else if (n < 0 && errno == EINTR) {
                 continue;
             } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) &&
-                       poll_one(fds[i], POLLOUT, deadline) > 0) {
+                       epx_socket_poll(fds[i], POLLOUT, deadline) > 0) {
                 continue;
             } else {
                 break;
@@ -413,7 +232,7 @@ static epx_result_t root_rendezvous(boot_tcp_t *s, int listen_fd, uint64_t deadl
         int n = 0;
         pfds[n++] = (struct pollfd){listen_fd, POLLIN, 0};
         for (int i = 0; i < npending; i++) pfds[n++] = (struct pollfd){pending[i].fd, POLLIN, 0};
-        int ready = poll(pfds, (nfds_t)n, remaining_ms(give_up));
+        int ready = poll(pfds, (nfds_t)n, epx_socket_remaining_ms(give_up));
         if (ready < 0 && errno != EINTR) {
             res = epx_error(EPX_ERR_SYSTEM, "rank 0: poll in the rendezvous failed: %s", strerror(errno));
             break;
@@ -443,7 +262,7 @@ static epx_result_t root_rendezvous(boot_tcp_t *s, int listen_fd, uint64_t deadl
                 close(fd);
                 continue;
             }
-            set_nodelay(fd);
+            epx_socket_set_nodelay(fd);
             epx_result_t bad = EPX_SUCCESS;
             char why[160];
             if (h->nranks != nranks) {
@@ -506,7 +325,7 @@ out:
 static epx_result_t peer_rendezvous(boot_tcp_t *s, const struct sockaddr_in *root, uint64_t deadline)
 {
     char where[64];
-    format_addr(root, where, sizeof(where));
+    epx_socket_format_addr(root, where, sizeof(where));
     int last_err = 0;
     uint32_t sleep_ms = 5;
     for (;;) {
@@ -516,7 +335,7 @@ static epx_result_t peer_rendezvous(boot_tcp_t *s, const struct sockaddr_in *roo
                              strerror(errno));
         int rc = connect(fd, (const struct sockaddr *)root, sizeof(*root));
         if (rc != 0 && errno == EINPROGRESS) {
-            int ready = poll_one(fd, POLLOUT, deadline);
+            int ready = epx_socket_poll(fd, POLLOUT, deadline);
             int err = 0;
             socklen_t len = sizeof(err);
             if (ready > 0 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == 0)
@@ -534,7 +353,7 @@ static epx_result_t peer_rendezvous(boot_tcp_t *s, const struct sockaddr_in *roo
             last_err != EHOSTUNREACH && last_err != ENETUNREACH && last_err != EAGAIN && last_err != EINTR)
             return epx_error(EPX_ERR_BOOTSTRAP, "rank %d: cannot connect to rank 0 at %s: %s", s->rank, where,
                              strerror(last_err));
-        int left = remaining_ms(deadline);
+        int left = epx_socket_remaining_ms(deadline);
         if (left == 0)
             return epx_error(EPX_ERR_TIMEOUT, "rank %d: could not reach rank 0 at %s within %lld ms (%s)",
                              s->rank, where, (long long)s->timeout_ms, strerror(last_err));
@@ -542,7 +361,7 @@ static epx_result_t peer_rendezvous(boot_tcp_t *s, const struct sockaddr_in *roo
         nanosleep(&ts, NULL);
         if (sleep_ms < 100) sleep_ms *= 2;
     }
-    set_nodelay(s->fds[0]);
+    epx_socket_set_nodelay(s->fds[0]);
     boot_hello_t hello = {BOOT_HELLO_MAGIC, s->rank, s->nranks, 0, s->nonce};
     EPX_CHECK(send_all(s, 0, &hello, sizeof(hello), deadline, "the rendezvous hello"));
     boot_reply_t reply;
@@ -592,7 +411,7 @@ static epx_result_t root_gather(boot_tcp_t *s, void *recv_buf, size_t bytes, uin
                 who[n++] = r;
             }
         if (n == 0) break;
-        int ready = poll(pfds, (nfds_t)n, remaining_ms(deadline));
+        int ready = poll(pfds, (nfds_t)n, epx_socket_remaining_ms(deadline));
         if (ready < 0 && errno == EINTR) continue;
         if (ready < 0) {
             res = epx_error(EPX_ERR_SYSTEM, "rank 0: poll in allgather %llu failed: %s",
@@ -787,9 +606,9 @@ epx_result_t epx_bootstrap_tcp_create(const epx_unique_id_t *id, int rank, int n
     root.sin_addr.s_addr = bid.addr;
     root.sin_port = bid.port;
     if (rank == 0) {
-        int listen_fd = listen_table_take(bid.nonce);
+        int listen_fd = epx_socket_take_listener(bid.nonce);
         if (listen_fd < 0)
-            EPX_CHECK_GOTO(listen_on(&root, nranks < SOMAXCONN ? SOMAXCONN : nranks, &listen_fd), res,
+            EPX_CHECK_GOTO(epx_socket_listen(&root, nranks < SOMAXCONN ? SOMAXCONN : nranks, &listen_fd), res,
                            err_free);
         if (nranks > 1) res = root_rendezvous(s, listen_fd, deadline);
         close(listen_fd);
@@ -808,60 +627,4 @@ err_free:
     free(fds);
     free(s);
     return res;
-}
-
-/* ----------------------------------------------------------------------- callbacks ---- */
-
-typedef struct {
-    epx_bootstrap_callbacks_t cb;
-    int rank, nranks;
-} boot_cb_t;
-
-static epx_result_t cb_allgather(void *state, const void *send_buf, void *recv_buf, size_t bytes)
-{
-    boot_cb_t *s = state;
-    int rc = s->cb.allgather(s->cb.ctx, send_buf, recv_buf, bytes);
-    if (rc != 0)
-        return epx_error(EPX_ERR_BOOTSTRAP,
-                         "rank %d: the caller's allgather callback returned %d (%zu bytes per "
-                         "rank)",
-                         s->rank, rc, bytes);
-    return EPX_SUCCESS;
-}
-
-static epx_result_t cb_barrier(void *state)
-{
-    boot_cb_t *s = state;
-    int rc = s->cb.barrier(s->cb.ctx);
-    if (rc != 0)
-        return epx_error(EPX_ERR_BOOTSTRAP, "rank %d: the caller's barrier callback returned %d", s->rank,
-                         rc);
-    return EPX_SUCCESS;
-}
-
-static void cb_close(void *state)
-{
-    free(state);
-}
-
-static const epx_bootstrap_ops_t cb_ops = {cb_allgather, cb_barrier, cb_close};
-
-epx_result_t epx_bootstrap_callbacks_create(const epx_bootstrap_callbacks_t *callbacks, int rank, int nranks,
-                                            const epx_bootstrap_ops_t **ops_out, void **state_out)
-{
-    if (!callbacks) return epx_error(EPX_ERR_INVALID_ARG, "callbacks is NULL");
-    if (!callbacks->allgather || !callbacks->barrier)
-        return epx_error(EPX_ERR_INVALID_ARG, "callbacks->%s is NULL",
-                         !callbacks->allgather ? "allgather" : "barrier");
-    if (nranks < 1 || rank < 0 || rank >= nranks)
-        return epx_error(EPX_ERR_INVALID_ARG, "callback bootstrap: rank %d is out of range [0, %d)", rank,
-                         nranks);
-    boot_cb_t *s = calloc(1, sizeof(*s));
-    if (!s) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: callback bootstrap state", rank);
-    s->cb = *callbacks;
-    s->rank = rank;
-    s->nranks = nranks;
-    *ops_out = &cb_ops;
-    *state_out = s;
-    return EPX_SUCCESS;
 }

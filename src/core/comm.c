@@ -1,6 +1,8 @@
 /*
- * The communicator: argument and config checks, backend choice, the exchange of peer information
- * over the bootstrap, topology (local ranks, NVLink domain size), and the first-async-error record.
+ * The communicator: backend choice (through the registry), the exchange of peer information over
+ * the bootstrap, topology (local ranks, NVLink domain size), the first-async-error record, and the
+ * news of a collective call a rank failed. The API layer (src/api/comm.c) checks the arguments and
+ * the config first.
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -8,80 +10,16 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "core/bootstrap.h"
 #include "core/internal.h"
 
-static const char *backend_name(int backend)
-{
-    switch (backend) {
-    case EPX_BACKEND_AUTO: return "auto";
-    case EPX_BACKEND_HOST: return "host";
-    case EPX_BACKEND_CUDA: return "cuda";
-    }
-    return "unknown";
-}
-
-static epx_result_t check_comm(epx_comm_t comm, const char *fn)
+epx_result_t epx_comm_check(epx_comm_t comm, const char *fn)
 {
     if (!comm) return epx_error(EPX_ERR_INVALID_ARG, "%s: comm is NULL", fn);
     if (comm->magic != EPX_COMM_MAGIC)
         return epx_error(EPX_ERR_INVALID_ARG, "%s: comm %p is not a live communicator (magic 0x%08x)", fn,
                          (void *)comm, comm->magic);
     return EPX_SUCCESS;
-}
-
-/* Copies min(config->size, sizeof) bytes over the defaults and checks the result. */
-static epx_result_t read_config(const epx_comm_config_t *config, epx_comm_config_t *out)
-{
-    epx_comm_config_t defaults = EPX_COMM_CONFIG_INIT;
-    *out = defaults;
-    if (!config) return EPX_SUCCESS;
-    size_t head = offsetof(epx_comm_config_t, version) + sizeof(config->version);
-    if (config->size < head)
-        return epx_error(EPX_ERR_INVALID_ARG,
-                         "config->size = %zu is smaller than the config header (%zu); "
-                         "initialize it with EPX_COMM_CONFIG_INIT",
-                         config->size, head);
-    if (config->version == 0 || config->version / 10000 != EPX_VERSION_MAJOR)
-        return epx_error(EPX_ERR_INVALID_ARG, "config->version = %u is not of major version %d",
-                         (unsigned)config->version, EPX_VERSION_MAJOR);
-    size_t n = config->size < sizeof(*out) ? config->size : sizeof(*out);
-    memcpy(out, config, n);
-    out->size = sizeof(*out);
-    if (out->backend != EPX_BACKEND_AUTO && out->backend != EPX_BACKEND_HOST &&
-        out->backend != EPX_BACKEND_CUDA)
-        return epx_error(EPX_ERR_INVALID_ARG, "config->backend = %d is not an epx_backend_t",
-                         (int)out->backend);
-    if (out->cuda_device < -1)
-        return epx_error(EPX_ERR_INVALID_ARG, "config->cuda_device = %d (use -1 for the current device)",
-                         out->cuda_device);
-    if (out->timeout_ms < 0)
-        return epx_error(EPX_ERR_INVALID_ARG, "config->timeout_ms = %d is negative", out->timeout_ms);
-    return EPX_SUCCESS;
-}
-
-static epx_result_t choose_backend(epx_backend_t requested, epx_backend_t *chosen)
-{
-    switch (requested) {
-    case EPX_BACKEND_HOST: *chosen = EPX_BACKEND_HOST; return EPX_SUCCESS;
-    case EPX_BACKEND_CUDA:
-#ifdef EPX_HAVE_CUDA
-        if (epx_cuda_device_count() <= 0)
-            return epx_error(EPX_ERR_UNSUPPORTED, "backend cuda was requested but no CUDA device is usable");
-        *chosen = EPX_BACKEND_CUDA;
-        return EPX_SUCCESS;
-#else
-        return epx_error(EPX_ERR_UNSUPPORTED,
-                         "backend cuda was requested but this build has no CUDA support");
-#endif
-    case EPX_BACKEND_AUTO:
-#ifdef EPX_HAVE_CUDA
-        *chosen = epx_cuda_device_count() > 0 ? EPX_BACKEND_CUDA : EPX_BACKEND_HOST;
-#else
-        *chosen = EPX_BACKEND_HOST;
-#endif
-        return EPX_SUCCESS;
-    }
-    return epx_error(EPX_ERR_INVALID_ARG, "backend %d is not an epx_backend_t", (int)requested);
 }
 
 /* FNV-1a over the hostname and the boot id, so containers sharing a name on different machines (or
@@ -131,7 +69,7 @@ static epx_result_t check_peers(epx_comm_t comm)
                              p[r].nranks, p[0].nranks);
         if (p[r].backend != p[0].backend)
             return epx_error(EPX_ERR_MISMATCH, "rank %d chose backend %s, rank 0 chose backend %s", r,
-                             backend_name(p[r].backend), backend_name(p[0].backend));
+                             epx_backend_name(p[r].backend), epx_backend_name(p[0].backend));
     }
     return EPX_SUCCESS;
 }
@@ -192,7 +130,7 @@ static epx_result_t agree_on_domain(epx_comm_t comm, epx_result_t local)
     for (int r = 0; r < comm->nranks && res == EPX_SUCCESS; r++) {
         if (all[r] < 0)
             res = epx_error(EPX_ERR_REMOTE, "rank %d: rank %d failed its topology checks (%s)", comm->rank, r,
-                            epx_result_name((epx_result_t)-all[r]));
+                            epx_result_str((epx_result_t)-all[r]));
         else if (all[r] != all[0])
             res = epx_error(EPX_ERR_MISMATCH,
                             "rank %d has %d ranks per nvlink domain, rank 0 has %d (is "
@@ -203,16 +141,10 @@ static epx_result_t agree_on_domain(epx_comm_t comm, epx_result_t local)
     return res;
 }
 
-static epx_result_t comm_create(int rank, int nranks, const epx_unique_id_t *id,
-                                const epx_bootstrap_callbacks_t *callbacks, const epx_comm_config_t *config,
-                                epx_comm_t *comm_out)
+epx_result_t epx_comm_create(int rank, int nranks, const epx_unique_id_t *id,
+                             const epx_bootstrap_callbacks_t *callbacks, const epx_comm_config_t *config,
+                             epx_comm_t *comm_out)
 {
-    if (!comm_out) return epx_error(EPX_ERR_INVALID_ARG, "comm_out is NULL");
-    if (nranks < 1) return epx_error(EPX_ERR_INVALID_ARG, "nranks = %d must be at least 1", nranks);
-    if (rank < 0 || rank >= nranks)
-        return epx_error(EPX_ERR_INVALID_ARG, "rank %d is out of range [0, %d)", rank, nranks);
-    epx_comm_config_t cfg;
-    EPX_CHECK(read_config(config, &cfg));
     const epx_params_t *params;
     EPX_CHECK(epx_params_get(&params));
     if (params->print_env) {
@@ -220,7 +152,8 @@ static epx_result_t comm_create(int rank, int nranks, const epx_unique_id_t *id,
         if (!atomic_flag_test_and_set(&printed)) epx_params_print(stderr);
     }
     epx_backend_t backend = EPX_BACKEND_HOST;
-    EPX_CHECK(choose_backend(cfg.backend, &backend));
+    const epx_backend_ops_t *ops = NULL;
+    EPX_CHECK(epx_backend_choose(config->backend, &backend, &ops));
 
     epx_result_t res = EPX_SUCCESS;
     epx_comm_t comm = calloc(1, sizeof(*comm));
@@ -229,12 +162,8 @@ static epx_result_t comm_create(int rank, int nranks, const epx_unique_id_t *id,
     comm->nranks = nranks;
     comm->backend = backend;
     comm->cuda_device = -1;
-    comm->timeout_ms = cfg.timeout_ms > 0 ? cfg.timeout_ms : params->timeout_ms;
-#ifdef EPX_HAVE_CUDA
-    comm->ops = backend == EPX_BACKEND_CUDA ? &epx_cuda_backend_ops : &epx_host_backend_ops;
-#else
-    comm->ops = &epx_host_backend_ops;
-#endif
+    comm->timeout_ms = config->timeout_ms > 0 ? config->timeout_ms : params->timeout_ms;
+    comm->ops = ops;
     atomic_init(&comm->live_buffers, 0);
     atomic_init(&comm->async_result, EPX_SUCCESS);
     comm->peers = calloc((size_t)nranks, sizeof(*comm->peers));
@@ -252,7 +181,7 @@ static epx_result_t comm_create(int rank, int nranks, const epx_unique_id_t *id,
                        res, err_free_peers);
 
     epx_peer_info_t me;
-    fill_peer_info(comm, &cfg, &me);
+    fill_peer_info(comm, config, &me);
     EPX_CHECK_GOTO(comm->bootstrap->allgather(comm->bootstrap_state, &me, comm->peers, sizeof(me)), res,
                    err_close_bootstrap);
     EPX_CHECK_GOTO(check_peers(comm), res, err_close_bootstrap);
@@ -263,7 +192,7 @@ static epx_result_t comm_create(int rank, int nranks, const epx_unique_id_t *id,
     EPX_INFO(EPX_SUBSYS_INIT,
              "rank %d of %d: backend %s, local rank %d of %d, %d ranks per nvlink domain, "
              "timeout %lld ms",
-             rank, nranks, backend_name(backend), comm->local_rank, comm->local_nranks,
+             rank, nranks, epx_backend_name(backend), comm->local_rank, comm->local_nranks,
              comm->ranks_per_domain, (long long)comm->timeout_ms);
     *comm_out = comm;
     return EPX_SUCCESS;
@@ -279,70 +208,21 @@ err_free_comm:
     return res;
 }
 
-EPX_API epx_result_t epx_comm_init(const epx_unique_id_t *id, int rank, int nranks,
-                                   const epx_comm_config_t *config, epx_comm_t *comm_out)
+void epx_comm_free(epx_comm_t comm)
 {
-    epx_error_clear();
-    if (!id) return epx_error(EPX_ERR_INVALID_ARG, "id is NULL");
-    return comm_create(rank, nranks, id, NULL, config, comm_out);
-}
-
-EPX_API epx_result_t epx_comm_init_callbacks(const epx_bootstrap_callbacks_t *callbacks, int rank, int nranks,
-                                             const epx_comm_config_t *config, epx_comm_t *comm_out)
-{
-    epx_error_clear();
-    if (!callbacks) return epx_error(EPX_ERR_INVALID_ARG, "callbacks is NULL");
-    if (!callbacks->allgather || !callbacks->barrier)
-        return epx_error(EPX_ERR_INVALID_ARG, "callbacks->%s is NULL",
-                         !callbacks->allgather ? "allgather" : "barrier");
-    return comm_create(rank, nranks, NULL, callbacks, config, comm_out);
-}
-
-EPX_API epx_result_t epx_comm_destroy(epx_comm_t comm)
-{
-    epx_error_clear();
-    if (!comm) return EPX_SUCCESS;
-    EPX_CHECK(check_comm(comm, "epx_comm_destroy"));
-    int live = atomic_load(&comm->live_buffers);
-    if (live > 0)
-        return epx_error(EPX_ERR_INVALID_ARG,
-                         "rank %d: the communicator still has %d live buffer(s); destroy "
-                         "them first",
-                         comm->rank, live);
     if (comm->ops && comm->ops->comm_destroy) comm->ops->comm_destroy(comm);
     comm->bootstrap->close(comm->bootstrap_state);
     comm->magic = 0;
     free(comm->peers);
     free(comm);
-    return EPX_SUCCESS;
-}
-
-EPX_API epx_result_t epx_comm_get_topology(epx_comm_t comm, epx_topology_t *topo_out)
-{
-    epx_error_clear();
-    EPX_CHECK(check_comm(comm, "epx_comm_get_topology"));
-    if (!topo_out) return epx_error(EPX_ERR_INVALID_ARG, "topo_out is NULL");
-    epx_topology_t t;
-    t.rank = comm->rank;
-    t.nranks = comm->nranks;
-    t.local_rank = comm->local_rank;
-    t.local_nranks = comm->local_nranks;
-    t.ranks_per_nvlink_domain = comm->ranks_per_domain;
-    t.num_nvlink_domains = comm->num_domains;
-    t.backend = comm->backend;
-    t.cuda_device = comm->backend == EPX_BACKEND_CUDA ? comm->cuda_device : -1;
-    *topo_out = t;
-    return EPX_SUCCESS;
 }
 
 /* Writers serialize here; the message is complete before the result is published, so readers need
  * no lock. */
 static pthread_mutex_t async_lock_g = PTHREAD_MUTEX_INITIALIZER;
 
-EPX_API epx_result_t epx_get_async_error(epx_comm_t comm)
+epx_result_t epx_comm_get_async_error(epx_comm_t comm)
 {
-    epx_error_clear();
-    EPX_CHECK(check_comm(comm, "epx_get_async_error"));
     epx_result_t res = (epx_result_t)atomic_load_explicit(&comm->async_result, memory_order_acquire);
     if (res != EPX_SUCCESS) epx_error_set_message(comm->async_message);
     return res;
@@ -365,7 +245,7 @@ epx_result_t epx_comm_set_async_error(epx_comm_t comm, epx_result_t res, const c
 
 epx_result_t epx_comm_allgather(epx_comm_t comm, const void *send, void *recv, size_t bytes)
 {
-    EPX_CHECK(check_comm(comm, "epx_comm_allgather"));
+    EPX_CHECK(epx_comm_check(comm, "epx_comm_allgather"));
     if ((!send || !recv) && bytes)
         return epx_error(EPX_ERR_INVALID_ARG, "rank %d: allgather of %zu bytes with a NULL buffer",
                          comm->rank, bytes);
@@ -374,6 +254,15 @@ epx_result_t epx_comm_allgather(epx_comm_t comm, const void *send, void *recv, s
 
 epx_result_t epx_comm_barrier(epx_comm_t comm)
 {
-    EPX_CHECK(check_comm(comm, "epx_comm_barrier"));
+    EPX_CHECK(epx_comm_check(comm, "epx_comm_barrier"));
     return comm->bootstrap->barrier(comm->bootstrap_state);
+}
+
+epx_result_t epx_buffer_fail_collective(epx_buffer_t buffer, uint64_t seq, epx_result_t res)
+{
+    char message[1024];
+    epx_error_copy(message, sizeof(message));
+    if (buffer->ops->fail_collective) buffer->ops->fail_collective(buffer, seq, res);
+    epx_error_set_message(message);
+    return res;
 }

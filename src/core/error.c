@@ -1,6 +1,6 @@
 /*
  * Result strings (from the one X-macro table in epx.h), the per-thread last-error message,
- * and the logger.
+ * and the logger. The public epx_strerror/epx_result_name/epx_last_error_message read these.
  */
 #include <stdio.h>
 #include <string.h>
@@ -14,19 +14,18 @@ int epx_log_level_g = EPX_LOG_WARN;
 unsigned epx_log_subsys_g = EPX_SUBSYS_ALL;
 int epx_log_rank_g = -1;
 
-EPX_API const char *epx_strerror(epx_result_t result)
+const char *epx_result_text(epx_result_t result)
 {
     switch (result) {
-#define EPX_STRERROR_CASE_(name, value, text)                                                  \
-    case EPX_##name:                                                                           \
-        return text;
-        EPX_RESULT_MAP(EPX_STRERROR_CASE_)
-#undef EPX_STRERROR_CASE_
+#define EPX_TEXT_CASE_(name, value, text) \
+    case EPX_##name: return text;
+        EPX_RESULT_MAP(EPX_TEXT_CASE_)
+#undef EPX_TEXT_CASE_
     }
     return "unknown result";
 }
 
-EPX_API const char *epx_result_name(epx_result_t result)
+const char *epx_result_str(epx_result_t result)
 {
     switch (result) {
 #define EPX_NAME_CASE_(name, value, text)                                                      \
@@ -38,16 +37,10 @@ EPX_API const char *epx_result_name(epx_result_t result)
     return "UNKNOWN";
 }
 
-EPX_API const char *epx_last_error_message(void) { return last_message_g; }
-
-EPX_API const char *epx_version(void)
+const char *epx_error_message(void)
 {
-#define EPX_STR2_(x) #x
-#define EPX_STR_(x) EPX_STR2_(x)
-    return EPX_STR_(EPX_VERSION_MAJOR) "." EPX_STR_(EPX_VERSION_MINOR) "." EPX_STR_(EPX_VERSION_PATCH);
+    return last_message_g;
 }
-
-EPX_API int epx_version_code(void) { return EPX_VERSION_CODE; }
 
 epx_result_t epx_error(epx_result_t res, const char *fmt, ...)
 {
@@ -55,7 +48,7 @@ epx_result_t epx_error(epx_result_t res, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(last_message_g, sizeof(last_message_g), fmt, ap);
     va_end(ap);
-    EPX_LOG(EPX_LOG_WARN, EPX_SUBSYS_ALL, "%s: %s", epx_result_name(res), last_message_g);
+    EPX_LOG(EPX_LOG_WARN, EPX_SUBSYS_ALL, "%s: %s", epx_result_str(res), last_message_g);
     return res;
 }
 

@@ -1,7 +1,9 @@
 /*
- * Internal declarations shared by every part of libepx: errors and logging, parameters (env),
- * time, the bootstrap, and the comm/buffer/handle objects with the backend function table.
- * Nothing here is exported; the API layer (src/api) is the only caller of backends.
+ * Internal declarations shared by every part of libepx: errors and logging, dtypes, parameters
+ * (env), time, and the comm/buffer/handle objects with the backend function table. The backend
+ * registry (core/backend.h) comes with it; the bootstrap (core/bootstrap.h) is core's own. Nothing
+ * here is exported. Backends are reached only through their function table: the API layer calls
+ * the operations, core the communicator's and a failed call's hooks.
  */
 #ifndef EPX_CORE_INTERNAL_H
 #define EPX_CORE_INTERNAL_H
@@ -12,6 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core/backend.h"
 #include "core/limits.h"
 #include "core/numeric.h"
 #include "epx/epx.h"
@@ -32,13 +35,20 @@ void epx_error_clear(void);
 void epx_error_copy(char *dst, size_t cap);
 /* Sets the thread's last message verbatim (no logging). */
 void epx_error_set_message(const char *msg);
+/* The thread's last message ("" when none). */
+const char *epx_error_message(void);
+/* A result's name without prefix ("ERR_TIMEOUT") and its description ("timed out ..."), from the
+ * one table in epx.h; never NULL. */
+const char *epx_result_str(epx_result_t result);
+const char *epx_result_text(epx_result_t result);
 
+/* In order: EPX_DEBUG's names index them. */
 typedef enum epx_log_level {
     EPX_LOG_NONE = 0,
-    EPX_LOG_ERROR = 1,
-    EPX_LOG_WARN = 2,
-    EPX_LOG_INFO = 3,
-    EPX_LOG_TRACE = 4,
+    EPX_LOG_ERROR,
+    EPX_LOG_WARN,
+    EPX_LOG_INFO,
+    EPX_LOG_TRACE,
 } epx_log_level_t;
 
 /* Subsystems for EPX_DEBUG_SUBSYS. */
@@ -123,32 +133,14 @@ static inline uint64_t epx_deadline_after_ms(int64_t timeout_ms)
  * host-side polling loops among more processes than cores. */
 void epx_backoff(uint32_t iteration);
 
-/* ------------------------------------------------------------------------ bootstrap ---- */
-
-/* The collectives a communicator has before any transport exists. All are bounded by the
- * communicator's timeout. */
-typedef struct epx_bootstrap_ops {
-    epx_result_t (*allgather)(void *state, const void *send, void *recv, size_t bytes);
-    epx_result_t (*barrier)(void *state);
-    void (*close)(void *state); /* never blocks on a peer */
-} epx_bootstrap_ops_t;
-
-/* TCP rendezvous through rank 0 (src/core/bootstrap.c). */
-epx_result_t epx_bootstrap_tcp_create(const epx_unique_id_t *id, int rank, int nranks,
-                                      int64_t timeout_ms, const epx_bootstrap_ops_t **ops_out,
-                                      void **state_out);
-/* Caller-supplied callbacks. */
-epx_result_t epx_bootstrap_callbacks_create(const epx_bootstrap_callbacks_t *callbacks, int rank,
-                                            int nranks, const epx_bootstrap_ops_t **ops_out,
-                                            void **state_out);
-
 /* -------------------------------------------------------------------------- objects ---- */
 
 #define EPX_COMM_MAGIC 0x45505843u   /* "EPXC" */
 #define EPX_BUFFER_MAGIC 0x45505842u /* "EPXB" */
 #define EPX_HANDLE_MAGIC 0x45505848u /* "EPXH" */
 
-typedef struct epx_backend_ops epx_backend_ops_t;
+/* Defined in core/bootstrap.h (only core reaches the bootstrap). */
+typedef struct epx_bootstrap_ops epx_bootstrap_ops_t;
 
 /* What each rank tells every other at init (fixed size, exchanged by allgather). */
 typedef struct epx_peer_info {
@@ -184,11 +176,23 @@ struct epx_comm {
     char async_message[512];
 };
 
+/* EPX_ERR_INVALID_ARG naming `fn` unless `comm` is a live communicator. */
+epx_result_t epx_comm_check(epx_comm_t comm, const char *fn);
+/* Builds rank `rank`'s communicator (collective): the backend choice, the bootstrap (the TCP
+ * rendezvous of `id`, or `callbacks` when not NULL), the peer exchange and topology, and the
+ * backend's comm_init. The arguments and `config` (normalized) were checked by the caller. */
+epx_result_t epx_comm_create(int rank, int nranks, const epx_unique_id_t *id,
+                             const epx_bootstrap_callbacks_t *callbacks, const epx_comm_config_t *config,
+                             epx_comm_t *comm_out);
+/* Frees a live communicator that has no buffers left; never waits on a peer. */
+void epx_comm_free(epx_comm_t comm);
 /* Collectives over the comm's bootstrap (bounded). */
 epx_result_t epx_comm_allgather(epx_comm_t comm, const void *send, void *recv, size_t bytes);
 epx_result_t epx_comm_barrier(epx_comm_t comm);
 /* Records the first async error of the comm (later ones are dropped); returns `res`. */
 epx_result_t epx_comm_set_async_error(epx_comm_t comm, epx_result_t res, const char *message);
+/* The first async error (EPX_SUCCESS when none), its message made the thread's last one. */
+epx_result_t epx_comm_get_async_error(epx_comm_t comm);
 
 struct epx_buffer {
     uint32_t magic;
@@ -203,6 +207,11 @@ struct epx_buffer {
     atomic_int live_handles;
     atomic_int overflow;          /* set by a bounded call that dropped rows */
 };
+
+/* This rank failed collective call `seq` on `buffer` before its operation ran: tells the peers
+ * through the backend (they return EPX_ERR_REMOTE instead of waiting) and returns `res`, the
+ * thread keeping the message of the failure. */
+epx_result_t epx_buffer_fail_collective(epx_buffer_t buffer, uint64_t seq, epx_result_t res);
 
 typedef enum epx_handle_kind {
     EPX_HANDLE_HT = 1,
@@ -220,51 +229,62 @@ struct epx_handle {
     void *backend_state;    /* freed by ops->handle_free */
 };
 
+/* The operations of a backend, one type each, so that a backend declares its implementations
+ * without restating them (`epx_ht_dispatch_op_t host_ht_dispatch;`). `seq` is the collective
+ * sequence number of the call (the same on every rank); ht_dispatch and rm_dispatch fill
+ * `handle` (for a cached HT dispatch, args->cached_handle). */
+typedef epx_result_t epx_layout_op_t(epx_buffer_t buffer, const epx_tensor_t *topk_idx,
+                                     epx_layout_outputs_t *outputs, void *stream);
+typedef epx_result_t epx_ht_dispatch_op_t(epx_buffer_t buffer, uint64_t seq,
+                                          const epx_ht_dispatch_args_t *args,
+                                          epx_ht_dispatch_outputs_t *outputs, epx_handle_t handle);
+typedef epx_result_t epx_ht_combine_op_t(epx_buffer_t buffer, uint64_t seq, const epx_ht_combine_args_t *args,
+                                         epx_ht_combine_outputs_t *outputs);
+/* [N_r, H] bf16 view of this rank's HT combine input rows. */
+typedef epx_result_t epx_ht_get_combine_input_op_t(epx_buffer_t buffer, epx_handle_t handle,
+                                                   epx_tensor_t *view_out);
+typedef epx_result_t epx_ll_dispatch_op_t(epx_buffer_t buffer, uint64_t seq,
+                                          const epx_ll_dispatch_args_t *args,
+                                          epx_ll_dispatch_outputs_t *outputs);
+typedef epx_result_t epx_ll_combine_op_t(epx_buffer_t buffer, uint64_t seq, const epx_ll_combine_args_t *args,
+                                         epx_ll_combine_outputs_t *outputs);
+typedef epx_result_t epx_ll_get_combine_buffer_op_t(epx_buffer_t buffer, const epx_ll_handle_t *handle,
+                                                    epx_tensor_t *view_out);
+typedef epx_result_t epx_hook_run_op_t(const epx_hook_t *hook, void *stream);
+typedef epx_result_t epx_rm_dispatch_op_t(epx_buffer_t buffer, uint64_t seq,
+                                          const epx_rm_dispatch_args_t *args,
+                                          epx_rm_dispatch_outputs_t *outputs, epx_handle_t handle);
+typedef epx_result_t epx_rm_combine_op_t(epx_buffer_t buffer, uint64_t seq, const epx_rm_combine_args_t *args,
+                                         epx_rm_combine_outputs_t *outputs);
+
 /* The backend function table. The API layer has checked every argument against the buffer
  * (shapes, dtypes, pointers, capacities, flags) before calling, and for host-memory index
  * tensors also their values. Backends check what only they can (cross-rank agreement, device
  * tensors' values) and must leave all ranks able to make the next collective call after any
- * failure. `seq` is the collective sequence number of the call (the same on every rank). */
+ * failure. An operation a backend lacks is NULL (the API answers EPX_ERR_UNSUPPORTED). */
 struct epx_backend_ops {
     const char *name;
-    epx_result_t (*comm_init)(epx_comm_t comm);    /* may be NULL */
-    void (*comm_destroy)(epx_comm_t comm);         /* may be NULL */
+    epx_result_t (*comm_init)(epx_comm_t comm); /* may be NULL */
+    void (*comm_destroy)(epx_comm_t comm);      /* may be NULL */
     epx_result_t (*buffer_create)(epx_buffer_t buffer);
     void (*buffer_destroy)(epx_buffer_t buffer);
     void (*handle_free)(epx_handle_t handle);
     /* This rank failed its checks for collective call `seq`: tell the peers (they return
      * EPX_ERR_REMOTE) and stay in step. */
     void (*fail_collective)(epx_buffer_t buffer, uint64_t seq, epx_result_t res);
-    epx_result_t (*layout)(epx_buffer_t buffer, const epx_tensor_t *topk_idx,
-                           epx_layout_outputs_t *outputs, void *stream);
-    /* handle: the new handle to fill (non-cached), or args->cached_handle. */
-    epx_result_t (*ht_dispatch)(epx_buffer_t buffer, uint64_t seq, const epx_ht_dispatch_args_t *args,
-                                epx_ht_dispatch_outputs_t *outputs, epx_handle_t handle);
-    epx_result_t (*ht_combine)(epx_buffer_t buffer, uint64_t seq, const epx_ht_combine_args_t *args,
-                               epx_ht_combine_outputs_t *outputs);
-    epx_result_t (*ll_dispatch)(epx_buffer_t buffer, uint64_t seq, const epx_ll_dispatch_args_t *args,
-                                epx_ll_dispatch_outputs_t *outputs);
-    epx_result_t (*ll_combine)(epx_buffer_t buffer, uint64_t seq, const epx_ll_combine_args_t *args,
-                               epx_ll_combine_outputs_t *outputs);
-    epx_result_t (*ll_get_combine_buffer)(epx_buffer_t buffer, const epx_ll_handle_t *handle,
-                                          epx_tensor_t *view_out);
-    epx_result_t (*hook_run)(const epx_hook_t *hook, void *stream);
-    epx_result_t (*rm_dispatch)(epx_buffer_t buffer, uint64_t seq, const epx_rm_dispatch_args_t *args,
-                                epx_rm_dispatch_outputs_t *outputs, epx_handle_t handle);
-    epx_result_t (*rm_combine)(epx_buffer_t buffer, uint64_t seq, const epx_rm_combine_args_t *args,
-                               epx_rm_combine_outputs_t *outputs);
+    epx_layout_op_t *layout;
+    epx_ht_dispatch_op_t *ht_dispatch;
+    epx_ht_combine_op_t *ht_combine;
+    epx_ll_dispatch_op_t *ll_dispatch;
+    epx_ll_combine_op_t *ll_combine;
+    epx_ll_get_combine_buffer_op_t *ll_get_combine_buffer;
+    epx_hook_run_op_t *hook_run;
+    epx_rm_dispatch_op_t *rm_dispatch;
+    epx_rm_combine_op_t *rm_combine;
     /* Reads and clears the buffer's overflow flag (device-side flag for cuda). */
     epx_result_t (*query_overflow)(epx_buffer_t buffer, int *overflowed_out);
-    /* [N_r, H] bf16 view of this rank's HT combine input rows (may be NULL: unsupported). */
-    epx_result_t (*ht_get_combine_input)(epx_buffer_t buffer, epx_handle_t handle, epx_tensor_t *view_out);
+    epx_ht_get_combine_input_op_t *ht_get_combine_input;
 };
-
-extern const epx_backend_ops_t epx_host_backend_ops;
-#ifdef EPX_HAVE_CUDA
-extern const epx_backend_ops_t epx_cuda_backend_ops;
-/* Number of usable CUDA devices (0 when the driver or device is missing). */
-int epx_cuda_device_count(void);
-#endif
 
 #ifdef __cplusplus
 }

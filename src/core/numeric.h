@@ -1,7 +1,8 @@
 /*
  * The library's number formats, one definition for host C and device code: bf16 and fp8 e4m3
- * ("fn": max 448, no inf) conversions with round-to-nearest-even. The CPU backend and the
- * kernels call the same functions, so both produce the same bits by construction.
+ * ("fn": max 448, no inf) conversions with round-to-nearest-even, and the scales of fp8 groups.
+ * The CPU backend and the kernels call the same functions, so both produce the same bits by
+ * construction.
  */
 #ifndef EPX_CORE_NUMERIC_H
 #define EPX_CORE_NUMERIC_H
@@ -80,6 +81,32 @@ EPX_HD uint8_t epx_f32_to_fp8_e4m3(float f)
     const uint32_t rounded = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;
     const uint32_t code = rounded - (120u << 3);
     return (uint8_t)(sign | (code > 0x7eu ? 0x7eu : code));
+}
+
+/* The smallest power of two >= v, for a positive normal v (exact: bit arithmetic). */
+EPX_HD float epx_f32_pow2_ceil(float v)
+{
+    const uint32_t u = epx_f32_bits(v);
+    return (u & 0x7fffffu) ? epx_bits_f32((u & 0x7f800000u) + 0x800000u) : v;
+}
+
+/* The inverse scale of an fp8 e4m3 group whose largest magnitude is `amax` (not NaN): amax / 448
+ * with amax floored at 1e-4, rounded up to a power of two when `pow2` (then exact in ue8m0). */
+EPX_HD float epx_fp8_scale_inv(float amax, int pow2)
+{
+    const float a = amax < 1e-4f ? 1e-4f : amax;
+#if defined(__CUDA_ARCH__)
+    const float scale_inv = __fdiv_rn(a, 448.0f);
+#else
+    const float scale_inv = a / 448.0f;
+#endif
+    return pow2 ? epx_f32_pow2_ceil(scale_inv) : scale_inv;
+}
+
+/* The ue8m0 byte of a power-of-two scale: its biased exponent. */
+EPX_HD uint32_t epx_ue8m0_of(float pow2_scale)
+{
+    return (epx_f32_bits(pow2_scale) >> 23) & 0xffu;
 }
 
 /* fp8 e4m3 "fn" -> fp32: exact; 0x7f and 0xff are NaN. */

@@ -82,7 +82,8 @@ static epx_result_t parse_one(const param_def_t *def, const char *text, epx_para
     }
     case PARAM_STRING:
         if (strlen(text) >= def->cap)
-            return epx_error(EPX_ERR_INVALID_ARG, "%s is longer than %zu characters", def->name, def->cap - 1);
+            return epx_error(EPX_ERR_INVALID_ARG, "%s is longer than %zu characters", def->name,
+                             def->cap - 1);
         snprintf(base, def->cap, "%s", text);
         return EPX_SUCCESS;
     case PARAM_LEVEL: {

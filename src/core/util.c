@@ -1,10 +1,7 @@
 /*
- * Time, host-side backoff for polling loops, and the fp8 e4m3 conversions shared by the host
- * backend, the tools and the tests' expectations.
+ * Time and the host-side backoff of polling loops. (The number formats are in core/numeric.h.)
  */
-#include <math.h>
 #include <sched.h>
-#include <string.h>
 #include <time.h>
 
 #include "core/internal.h"

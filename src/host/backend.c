@@ -1,6 +1,7 @@
 /*
  * The host backend's function table: buffer lifetime (regions, worker pool, LL state), handle
- * release, failure notification and the overflow flag. Operations live in ht.c, ll.c and rm.c.
+ * release, failure notification, the overflow flag, and the allocation helper the operations
+ * share. Operations live in ht.c, ll.c and rm.c.
  */
 #include <stdlib.h>
 
@@ -42,12 +43,11 @@ static void host_buffer_destroy(epx_buffer_t buffer)
     buffer->backend_state = NULL;
 }
 
+/* The state of either kind of handle is one allocation (host_alloc_parts). */
 static void host_handle_free(epx_handle_t handle)
 {
-    switch (handle->kind) {
-    case EPX_HANDLE_HT: host_ht_handle_free(handle); break;
-    case EPX_HANDLE_RM: host_rm_handle_free(handle); break;
-    }
+    free(handle->backend_state);
+    handle->backend_state = NULL;
 }
 
 static void host_fail_collective(epx_buffer_t buffer, uint64_t seq, epx_result_t res)
@@ -59,6 +59,22 @@ static epx_result_t host_query_overflow(epx_buffer_t buffer, int *overflowed_out
 {
     *overflowed_out = atomic_exchange_explicit(&buffer->overflow, 0, memory_order_acq_rel) != 0;
     return EPX_SUCCESS;
+}
+
+static size_t part_bytes(size_t bytes)
+{
+    return (bytes + 15) & ~(size_t)15;
+}
+
+void *host_alloc_parts(int n, const size_t bytes[], void *parts[])
+{
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += part_bytes(bytes[i]);
+    uint8_t *block = calloc(1, total ? total : 1);
+    if (!block) return NULL;
+    for (size_t i = 0, offset = 0; i < (size_t)n; offset += part_bytes(bytes[i]), i++)
+        parts[i] = block + offset;
+    return block;
 }
 
 const epx_backend_ops_t epx_host_backend_ops = {

@@ -38,13 +38,14 @@ typedef struct host_pub {
     int64_t words[HOST_PUB_WORDS];
 } host_pub_t;
 
+/* 0 is no operation. */
 typedef enum host_op {
     HOST_OP_HT_DISPATCH = 1,
-    HOST_OP_HT_COMBINE = 2,
-    HOST_OP_LL_DISPATCH = 3,
-    HOST_OP_LL_COMBINE = 4,
-    HOST_OP_RM_DISPATCH = 5,
-    HOST_OP_RM_COMBINE = 6,
+    HOST_OP_HT_COMBINE,
+    HOST_OP_LL_DISPATCH,
+    HOST_OP_LL_COMBINE,
+    HOST_OP_RM_DISPATCH,
+    HOST_OP_RM_COMBINE,
 } host_op_t;
 
 /* Owner-written control block of one area (cache-line separated). */
@@ -116,47 +117,43 @@ epx_result_t host_area_wait(host_buffer_t *hb, int peer, host_area_t area, uint6
 epx_result_t host_area_wait_all(host_buffer_t *hb, host_area_t area, uint64_t seq, host_pub_t *pubs_out);
 /* We finished reading peers' `area` for `seq` (also after a failure). */
 void host_area_done(host_buffer_t *hb, host_area_t area, uint64_t seq);
-/* Marks collective call `seq` failed on this rank so waiting peers return EPX_ERR_REMOTE. */
-void host_fail(host_buffer_t *hb, uint64_t seq, epx_result_t res);
+/* Marks collective call `seq` failed on this rank so waiting peers return EPX_ERR_REMOTE;
+ * returns `res`. */
+epx_result_t host_fail(host_buffer_t *hb, uint64_t seq, epx_result_t res);
+
+/* One zeroed allocation cut into n parts of bytes[i] bytes, in order and 16-byte aligned; parts[i]
+ * receives part i. A state made of several arrays is thus allocated, checked and freed once
+ * (free() of the return value, which is parts[0]). NULL when out of memory. */
+void *host_alloc_parts(int n, const size_t bytes[], void *parts[]);
 
 /* Runs fn(ctx, begin, end) over [0, n) split across the buffer's worker threads (inline when
  * there is one thread or n is small). */
 typedef void (*host_range_fn)(void *ctx, int64_t begin, int64_t end);
 void host_parallel_for(host_buffer_t *hb, int64_t n, int64_t min_chunk, host_range_fn fn, void *ctx);
 
-/* Helpers shared by the ops: read topk_idx element (int32 or int64), element size of x. */
+/* A topk_idx element (int32 or int64). Every id is in [-1, E) and none repeats within a token:
+ * the API layer checked the values (epx_api_check_topk_idx) before any rank published them. */
 static inline int64_t host_topk_at(const epx_tensor_t *t, int64_t i)
 {
     return t->dtype == EPX_DTYPE_INT64 ? ((const int64_t *)t->data)[i] : ((const int32_t *)t->data)[i];
 }
 
-/* Implemented in src/host/ht.c (layout, HT dispatch/combine). */
-epx_result_t host_layout(epx_buffer_t buffer, const epx_tensor_t *topk_idx, epx_layout_outputs_t *outputs,
-                         void *stream);
-epx_result_t host_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ht_dispatch_args_t *args,
-                              epx_ht_dispatch_outputs_t *outputs, epx_handle_t handle);
-epx_result_t host_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht_combine_args_t *args,
-                             epx_ht_combine_outputs_t *outputs);
-void host_ht_handle_free(epx_handle_t handle);
-epx_result_t host_ht_get_combine_input(epx_buffer_t buffer, epx_handle_t handle, epx_tensor_t *view_out);
+/* The operations (types in core/internal.h): layout and HT in ht.c, LL in ll.c, routing map in
+ * rm.c. */
+epx_layout_op_t host_layout;
+epx_ht_dispatch_op_t host_ht_dispatch;
+epx_ht_combine_op_t host_ht_combine;
+epx_ht_get_combine_input_op_t host_ht_get_combine_input;
+epx_ll_dispatch_op_t host_ll_dispatch;
+epx_ll_combine_op_t host_ll_combine;
+epx_ll_get_combine_buffer_op_t host_ll_get_combine_buffer;
+epx_hook_run_op_t host_hook_run;
+epx_rm_dispatch_op_t host_rm_dispatch;
+epx_rm_combine_op_t host_rm_combine;
 
-/* Implemented in src/host/ll.c. */
+/* LL state of a buffer with EPX_MODE_LL (ll.c). */
 epx_result_t host_ll_init(host_buffer_t *hb);
 void host_ll_fini(host_buffer_t *hb);
-epx_result_t host_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ll_dispatch_args_t *args,
-                              epx_ll_dispatch_outputs_t *outputs);
-epx_result_t host_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll_combine_args_t *args,
-                             epx_ll_combine_outputs_t *outputs);
-epx_result_t host_ll_get_combine_buffer(epx_buffer_t buffer, const epx_ll_handle_t *handle,
-                                        epx_tensor_t *view_out);
-epx_result_t host_hook_run(const epx_hook_t *hook, void *stream);
-
-/* Implemented in src/host/rm.c (routing-map dispatch, permute, combine). */
-epx_result_t host_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_rm_dispatch_args_t *args,
-                              epx_rm_dispatch_outputs_t *outputs, epx_handle_t handle);
-epx_result_t host_rm_combine(epx_buffer_t buffer, uint64_t seq, const epx_rm_combine_args_t *args,
-                             epx_rm_combine_outputs_t *outputs);
-void host_rm_handle_free(epx_handle_t handle);
 
 #ifdef __cplusplus
 }

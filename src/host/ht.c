@@ -24,7 +24,7 @@ enum {
 /* Publication words of HT combine. */
 enum { C_ROWS = 0, C_HAS_WEIGHTS, C_HANDLE_SEQ, C_WANTS_WEIGHTS, C_IN_BUFFER, C_COUNT };
 
-/* What an HT handle keeps on this rank. */
+/* What an HT handle keeps on this rank: one allocation with its arrays (host_alloc_parts). */
 typedef struct host_ht_state {
     uint64_t dispatch_seq; /* call that made the routing (same on every rank) */
     int32_t nranks;
@@ -78,22 +78,6 @@ static epx_result_t set_views(host_buffer_t *hb, const epx_ht_dispatch_args_t *a
     if (args->topk_weights.data)
         o->recv_topk_weights = epx_tensor_2d(hb->ht_view + off_w, EPX_DTYPE_FP32, rows, (int64_t)K);
     return EPX_SUCCESS;
-}
-
-static void ht_state_free(host_ht_state_t *st)
-{
-    if (!st) return;
-    free(st->token_rows);
-    free(st->recv_src_token);
-    free(st->recv_src_rank);
-    free(st->recv_prefix);
-    free(st);
-}
-
-void host_ht_handle_free(epx_handle_t handle)
-{
-    ht_state_free(handle->backend_state);
-    handle->backend_state = NULL;
 }
 
 /* ----------------------------------------------------------------------------- layout ---- */
@@ -173,7 +157,7 @@ typedef struct count_ctx {
     host_buffer_t *hb;
     const host_pub_t *pubs;
     in_layout_t lay;
-    int R, me, L, E;
+    int R, me, L;
     int64_t K, Tm;
     int32_t *cnt;      /* [R * R]: tokens of source s going to rank r */
     int32_t *stamp;    /* [R * R]: last token of s that counted r */
@@ -192,8 +176,7 @@ static void count_sources(void *vctx, int64_t begin, int64_t end)
         for (int64_t t = 0; t < T; t++) {
             for (int64_t k = 0; k < c->K; k++) {
                 int64_t e = topk[t * c->K + k];
-                /* Sources checked their ids before publishing; the bound only guards our arrays. */
-                if (e < 0 || e >= c->E) continue;
+                if (e < 0) continue;
                 int r = (int)(e / c->L);
                 if (stamp[r] == (int32_t)t) continue;
                 stamp[r] = (int32_t)t;
@@ -246,43 +229,79 @@ static void copy_rows(void *vctx, int64_t begin, int64_t end)
     }
 }
 
-/* Every rank sees the same publications, so every rank reaches the same verdict. */
+/* ------------------------------------------------------------ agreement of the ranks ---- */
+
+/* Every rank sees the same publications, so every rank reaches the same verdict in these. */
+
+static epx_result_t check_pub_op(const host_buffer_t *hb, const host_pub_t *pub, int p, int32_t op,
+                                 const char *what)
+{
+    if (pub->op == op) return EPX_SUCCESS;
+    return epx_error(EPX_ERR_MISMATCH, "rank %d: call %llu is %s here but rank %d made operation %d",
+                     hb->rank, (unsigned long long)pub->seq, what, p, pub->op);
+}
+
+/* Rank p published the same `word` as rank 0: a flag named `flag`, or (with `handle`) the dispatch
+ * call its handle comes from. */
+static epx_result_t check_pub_same(const host_buffer_t *hb, const host_pub_t *pubs, int p, int word,
+                                   const char *flag, const char *handle)
+{
+    const long long mine = pubs[p].words[word], first = pubs[0].words[word];
+    if (mine == first) return EPX_SUCCESS;
+    if (handle)
+        return epx_error(EPX_ERR_MISMATCH,
+                         "rank %d: %s handles come from different dispatches: call %lld on rank 0, %lld on "
+                         "rank %d",
+                         hb->rank, handle, first, mine, p);
+    return epx_error(EPX_ERR_MISMATCH, "rank %d: ranks disagree on %s: rank 0 passes %lld, rank %d %lld",
+                     hb->rank, flag, first, p, mine);
+}
+
+/* A rank that asks for `output` (word `wants`) needs every rank to pass topk_weights (word `has`). */
+static epx_result_t check_pub_weights(const host_buffer_t *hb, const host_pub_t *pubs, int wants, int has,
+                                      const char *output)
+{
+    int asks = -1, lacks = -1;
+    for (int p = 0; p < hb->nranks; p++) {
+        if (pubs[p].words[wants] && asks < 0) asks = p;
+        if (!pubs[p].words[has] && lacks < 0) lacks = p;
+    }
+    if (asks >= 0 && lacks >= 0)
+        return epx_error(EPX_ERR_MISMATCH, "rank %d: rank %d asks for %s but rank %d passes no topk_weights",
+                         hb->rank, asks, output, lacks);
+    return EPX_SUCCESS;
+}
+
 static epx_result_t check_dispatch_pubs(const host_buffer_t *hb, const host_pub_t *pubs)
 {
     const int me = hb->rank;
-    int wants = -1, lacks = -1;
+    const host_pub_t *z = &pubs[0];
     for (int p = 0; p < hb->nranks; p++) {
-        const host_pub_t *a = &pubs[p], *z = &pubs[0];
-        if (a->op != HOST_OP_HT_DISPATCH)
-            return epx_error(EPX_ERR_MISMATCH,
-                             "rank %d: call %llu is an HT dispatch here but rank %d made operation %d", me,
-                             (unsigned long long)a->seq, p, a->op);
+        const host_pub_t *a = &pubs[p];
+        EPX_CHECK(check_pub_op(hb, a, p, HOST_OP_HT_DISPATCH, "an HT dispatch"));
         if (a->words[W_DTYPE] != z->words[W_DTYPE])
             return epx_error(EPX_ERR_MISMATCH,
                              "rank %d: ranks disagree on the dtype of x: rank 0 passes %s, rank %d %s", me,
-                             epx_dtype_name((epx_dtype_t)z->words[W_DTYPE]), p,
-                             epx_dtype_name((epx_dtype_t)a->words[W_DTYPE]));
+                             epx_dtype_str((epx_dtype_t)z->words[W_DTYPE]), p,
+                             epx_dtype_str((epx_dtype_t)a->words[W_DTYPE]));
         if (a->words[W_CACHED] != z->words[W_CACHED])
             return epx_error(EPX_ERR_MISMATCH, "rank %d: rank 0 %s a cached handle, rank %d %s", me,
                              z->words[W_CACHED] ? "passes" : "passes no", p,
                              a->words[W_CACHED] ? "does" : "does not");
-        if (a->words[W_CACHED] && a->words[W_HANDLE_SEQ] != z->words[W_HANDLE_SEQ])
-            return epx_error(EPX_ERR_MISMATCH,
-                             "rank %d: cached handles come from different dispatches: call %lld on rank 0, "
-                             "%lld on rank %d",
-                             me, (long long)z->words[W_HANDLE_SEQ], (long long)a->words[W_HANDLE_SEQ], p);
-        if (a->words[W_VIEW] != z->words[W_VIEW])
-            return epx_error(EPX_ERR_MISMATCH,
-                             "rank %d: ranks disagree on recv_in_buffer: rank 0 passes %lld, rank %d %lld",
-                             me, (long long)z->words[W_VIEW], p, (long long)a->words[W_VIEW]);
-        if (a->words[W_WANTS_WEIGHTS] && wants < 0) wants = p;
-        if (!a->words[W_HAS_WEIGHTS] && lacks < 0) lacks = p;
+        if (a->words[W_CACHED]) EPX_CHECK(check_pub_same(hb, pubs, p, W_HANDLE_SEQ, NULL, "cached"));
+        EPX_CHECK(check_pub_same(hb, pubs, p, W_VIEW, "recv_in_buffer", NULL));
     }
-    if (wants >= 0 && lacks >= 0)
-        return epx_error(EPX_ERR_MISMATCH,
-                         "rank %d: rank %d asks for recv_topk_weights but rank %d passes no topk_weights", me,
-                         wants, lacks);
-    return EPX_SUCCESS;
+    return check_pub_weights(hb, pubs, W_WANTS_WEIGHTS, W_HAS_WEIGHTS, "recv_topk_weights");
+}
+
+static epx_result_t check_combine_pubs(const host_buffer_t *hb, const host_pub_t *pubs)
+{
+    for (int p = 0; p < hb->nranks; p++) {
+        EPX_CHECK(check_pub_op(hb, &pubs[p], p, HOST_OP_HT_COMBINE, "an HT combine"));
+        EPX_CHECK(check_pub_same(hb, pubs, p, C_HANDLE_SEQ, NULL, "combine"));
+        EPX_CHECK(check_pub_same(hb, pubs, p, C_IN_BUFFER, "x_in_buffer", NULL));
+    }
+    return check_pub_weights(hb, pubs, C_WANTS_WEIGHTS, C_HAS_WEIGHTS, "combined_topk_weights");
 }
 
 /* Fails when an output given with per-row shape has fewer than `rows` rows. */
@@ -306,41 +325,30 @@ static epx_result_t check_dispatch_capacity(int rank, const epx_ht_dispatch_outp
     return EPX_SUCCESS;
 }
 
-/* Scratch of a routed dispatch, allocated before anything is published. */
+/* Scratch of a dispatch (the routing arrays only when routed), allocated before anything is
+ * published; `block` holds it all. */
 typedef struct dispatch_scratch {
+    void *block;
     host_pub_t *pubs;
     int32_t *cnt, *stamp, *incoming;
     int64_t *run;  /* [R]: rows so far of our tokens per destination */
     int64_t *seen; /* [R]: last own token counted for a destination */
 } dispatch_scratch_t;
 
-static void scratch_free(dispatch_scratch_t *s)
-{
-    free(s->seen);
-    free(s->run);
-    free(s->incoming);
-    free(s->stamp);
-    free(s->cnt);
-    free(s->pubs);
-}
-
 static epx_result_t scratch_alloc(const host_buffer_t *hb, int routed, dispatch_scratch_t *s)
 {
     const size_t R = (size_t)hb->nranks, Tm = (size_t)hb->buffer->config.max_tokens;
-    memset(s, 0, sizeof(*s));
-    s->pubs = calloc(R, sizeof(host_pub_t));
-    if (routed) {
-        s->cnt = calloc(R * R, sizeof(int32_t));
-        s->stamp = malloc(R * R * sizeof(int32_t));
-        s->incoming = malloc(R * Tm * sizeof(int32_t));
-        s->run = calloc(R, sizeof(int64_t));
-        s->seen = calloc(R, sizeof(int64_t));
-    }
-    if (!s->pubs || (routed && (!s->cnt || !s->stamp || !s->incoming || !s->run || !s->seen))) {
-        scratch_free(s);
+    const size_t r = routed ? R : 0; /* the routing arrays are empty when not routed */
+    const size_t cells = r * R * sizeof(int32_t), incoming = r * Tm * sizeof(int32_t);
+    const size_t bytes[] = {R * sizeof(host_pub_t), cells, cells, incoming, r * sizeof(int64_t),
+                            r * sizeof(int64_t)};
+    void *parts[6];
+    void *block = host_alloc_parts(6, bytes, parts);
+    if (!block)
         return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate dispatch scratch for %zu ranks",
                          hb->rank, R);
-    }
+    /* The parts in member order. */
+    *s = (dispatch_scratch_t){block, parts[0], parts[1], parts[2], parts[3], parts[4], parts[5]};
     return EPX_SUCCESS;
 }
 
@@ -357,8 +365,7 @@ static epx_result_t dispatch_routed(host_buffer_t *hb, uint64_t seq, const epx_h
     const host_pub_t *pubs = sc->pubs;
     const in_layout_t lay = in_layout_of(cfg);
 
-    count_ctx_t cc = {hb,      pubs,      lay,         R, me, L, cfg->num_experts, K, cfg->max_tokens,
-                      sc->cnt, sc->stamp, sc->incoming};
+    count_ctx_t cc = {hb, pubs, lay, R, me, L, K, cfg->max_tokens, sc->cnt, sc->stamp, sc->incoming};
     host_parallel_for(hb, R, 1, count_sources, &cc);
 
     int64_t arriving = 0;
@@ -367,21 +374,22 @@ static epx_result_t dispatch_routed(host_buffer_t *hb, uint64_t seq, const epx_h
     EPX_CHECK(check_dispatch_capacity(me, outputs, worst > 0 ? worst : kept, arriving, 1));
     if (args->recv_in_buffer) EPX_CHECK(set_views(hb, args, outputs, worst > 0 ? worst : kept, 1));
 
-    host_ht_state_t *st = calloc(1, sizeof(*st));
-    if (!st) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate the dispatch handle", me);
-    st->dispatch_seq = seq;
-    st->nranks = R;
-    st->num_tokens = T;
-    st->num_recv = kept;
-    st->recv_prefix = calloc((size_t)R + 1, sizeof(int64_t));
-    st->recv_src_rank = malloc(((size_t)kept + 1) * sizeof(int32_t));
-    st->recv_src_token = malloc(((size_t)kept + 1) * sizeof(int32_t));
-    st->token_rows = malloc(((size_t)(T * R) + 1) * sizeof(int32_t));
-    if (!st->recv_prefix || !st->recv_src_rank || !st->recv_src_token || !st->token_rows) {
-        ht_state_free(st);
+    const size_t prefix = ((size_t)R + 1) * sizeof(int64_t), kept_rows = ((size_t)kept + 1) * sizeof(int32_t);
+    const size_t token_rows = ((size_t)(T * R) + 1) * sizeof(int32_t);
+    const size_t bytes[] = {sizeof(host_ht_state_t), prefix, kept_rows, kept_rows, token_rows};
+    void *parts[5];
+    host_ht_state_t *st = host_alloc_parts(5, bytes, parts);
+    if (!st)
         return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate the dispatch handle for %lld rows",
                          me, (long long)kept);
-    }
+    *st = (host_ht_state_t){.dispatch_seq = seq,
+                            .nranks = R,
+                            .num_tokens = T,
+                            .num_recv = kept,
+                            .recv_prefix = parts[1],
+                            .recv_src_rank = parts[2],
+                            .recv_src_token = parts[3],
+                            .token_rows = parts[4]};
 
     /* Receiver side: rows in (source rank, source token) order, cut at the static bound. */
     int64_t row = 0;
@@ -408,7 +416,7 @@ static epx_result_t dispatch_routed(host_buffer_t *hb, uint64_t seq, const epx_h
         for (int r = 0; r < R; r++) rows[r] = -1;
         for (int64_t k = 0; k < K; k++) {
             int64_t e = own_topk[t * K + k];
-            if (e < 0 || e >= cfg->num_experts) continue;
+            if (e < 0) continue;
             int r = (int)(e / L);
             if (sc->seen[r] == t) continue;
             sc->seen[r] = t;
@@ -501,18 +509,13 @@ epx_result_t host_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ht_di
     const int64_t T = args->x.shape[0], H = cfg->hidden;
     const epx_dtype_t dtype = args->x.dtype;
 
-    if (cached && (!cst || args->cached_handle->kind != EPX_HANDLE_HT)) {
-        epx_result_t res =
-            epx_error(EPX_ERR_INVALID_ARG, "rank %d: cached_handle is not an HT dispatch handle", hb->rank);
-        host_fail(hb, seq, res);
-        return res;
-    }
-    dispatch_scratch_t sc;
+    if (cached && (!cst || args->cached_handle->kind != EPX_HANDLE_HT))
+        return host_fail(
+            hb, seq,
+            epx_error(EPX_ERR_INVALID_ARG, "rank %d: cached_handle is not an HT dispatch handle", hb->rank));
+    dispatch_scratch_t sc = {0};
     epx_result_t res = scratch_alloc(hb, !cached, &sc);
-    if (res != EPX_SUCCESS) {
-        host_fail(hb, seq, res);
-        return res;
-    }
+    if (res != EPX_SUCCESS) return host_fail(hb, seq, res);
     res = host_area_acquire(hb, HOST_AREA_IN);
     if (res != EPX_SUCCESS) {
         host_fail(hb, seq, res);
@@ -547,7 +550,7 @@ epx_result_t host_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ht_di
 out:
     /* Also after a failure: peers may reuse their IN areas. */
     host_area_done(hb, HOST_AREA_IN, seq);
-    scratch_free(&sc);
+    free(sc.block);
     return res;
 }
 
@@ -617,35 +620,6 @@ static void stage_rows(void *vctx, int64_t begin, int64_t end)
                (const float *)c->args->topk_weights.data + begin * c->K, (size_t)((end - begin) * c->K) * 4);
 }
 
-static epx_result_t check_combine_pubs(const host_buffer_t *hb, const host_pub_t *pubs)
-{
-    const int me = hb->rank;
-    int wants = -1, lacks = -1;
-    for (int p = 0; p < hb->nranks; p++) {
-        const host_pub_t *a = &pubs[p], *z = &pubs[0];
-        if (a->op != HOST_OP_HT_COMBINE)
-            return epx_error(EPX_ERR_MISMATCH,
-                             "rank %d: call %llu is an HT combine here but rank %d made operation %d", me,
-                             (unsigned long long)a->seq, p, a->op);
-        if (a->words[C_HANDLE_SEQ] != z->words[C_HANDLE_SEQ])
-            return epx_error(EPX_ERR_MISMATCH,
-                             "rank %d: combine handles come from different dispatches: call %lld on rank 0, "
-                             "%lld on rank %d",
-                             me, (long long)z->words[C_HANDLE_SEQ], (long long)a->words[C_HANDLE_SEQ], p);
-        if (a->words[C_IN_BUFFER] != z->words[C_IN_BUFFER])
-            return epx_error(EPX_ERR_MISMATCH,
-                             "rank %d: ranks disagree on x_in_buffer: rank 0 passes %lld, rank %d %lld", me,
-                             (long long)z->words[C_IN_BUFFER], p, (long long)a->words[C_IN_BUFFER]);
-        if (a->words[C_WANTS_WEIGHTS] && wants < 0) wants = p;
-        if (!a->words[C_HAS_WEIGHTS] && lacks < 0) lacks = p;
-    }
-    if (wants >= 0 && lacks >= 0)
-        return epx_error(EPX_ERR_MISMATCH,
-                         "rank %d: rank %d asks for combined_topk_weights but rank %d passes no topk_weights",
-                         me, wants, lacks);
-    return EPX_SUCCESS;
-}
-
 epx_result_t host_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht_combine_args_t *args,
                              epx_ht_combine_outputs_t *outputs)
 {
@@ -657,18 +631,15 @@ epx_result_t host_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht_com
     const size_t weights_offset = (size_t)R * (size_t)cfg->max_tokens * (size_t)H * 2;
     epx_result_t res;
 
-    if (!st || args->handle->kind != EPX_HANDLE_HT) {
-        res = epx_error(EPX_ERR_INVALID_ARG, "rank %d: the combine handle is not an HT dispatch handle",
-                        hb->rank);
-        host_fail(hb, seq, res);
-        return res;
-    }
+    if (!st || args->handle->kind != EPX_HANDLE_HT)
+        return host_fail(hb, seq,
+                         epx_error(EPX_ERR_INVALID_ARG,
+                                   "rank %d: the combine handle is not an HT dispatch handle", hb->rank));
     host_pub_t *pubs = calloc((size_t)R, sizeof(host_pub_t));
-    if (!pubs) {
-        res = epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate %d publications", hb->rank, R);
-        host_fail(hb, seq, res);
-        return res;
-    }
+    if (!pubs)
+        return host_fail(
+            hb, seq,
+            epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate %d publications", hb->rank, R));
     res = host_area_acquire(hb, HOST_AREA_COMBINE);
     if (res != EPX_SUCCESS) {
         host_fail(hb, seq, res);

@@ -33,6 +33,7 @@ typedef struct ll_slot {
     epx_tensor_t combined_x;
 } ll_slot_t;
 
+/* One allocation (host_alloc_parts) with the arrays of both slots. */
 typedef struct ll_state {
     ll_slot_t slots[2];
     int32_t *counts;  /* [R, E] scratch: tokens of source s that selected e */
@@ -45,47 +46,40 @@ static ll_state_t *ll_state_of(host_buffer_t *hb)
     return (ll_state_t *)hb->ll_state;
 }
 
-static void ll_slot_free(ll_slot_t *sl)
-{
-    free(sl->my_count);
-    free(sl->my_begin);
-    free(sl->recv_count);
-    free(sl->comb_topk);
-    free(sl->comb_weights);
-    free(sl->comb_index);
-}
+#define LL_SLOT_ARRAYS 6
 
 epx_result_t host_ll_init(host_buffer_t *hb)
 {
     const epx_buffer_config_t *cfg = &hb->buffer->config;
     int64_t R = hb->nranks, E = cfg->num_experts, L = hb->buffer->num_local_experts;
-    int64_t T_max = cfg->max_tokens, K = cfg->num_topk;
-    ll_state_t *st = calloc(1, sizeof(*st));
-    if (!st) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: ll state allocation failed", hb->rank);
-    int ok = 1;
-    st->counts = malloc((size_t)(R * E) * sizeof(int32_t));
-    st->row_src = malloc((size_t)(L * R * T_max) * sizeof(int32_t));
-    st->pubs = calloc((size_t)R, sizeof(host_pub_t));
-    ok = st->counts && st->row_src && st->pubs;
-    for (int i = 0; i < 2 && ok; i++) {
-        ll_slot_t *sl = &st->slots[i];
-        sl->my_count = calloc((size_t)E, sizeof(int32_t));
-        sl->my_begin = calloc((size_t)E, sizeof(int32_t));
-        sl->recv_count = calloc((size_t)L, sizeof(int32_t));
-        sl->comb_topk = malloc((size_t)(T_max * K) * sizeof(int64_t));
-        sl->comb_weights = malloc((size_t)(T_max * K) * sizeof(float));
-        sl->comb_index = malloc((size_t)(T_max * K) * sizeof(int32_t));
-        ok = sl->my_count && sl->my_begin && sl->recv_count && sl->comb_topk && sl->comb_weights &&
-             sl->comb_index;
+    const size_t TK = (size_t)(cfg->max_tokens * cfg->num_topk);
+    const size_t counts = (size_t)(R * E) * sizeof(int32_t);
+    const size_t rows = (size_t)(L * R * cfg->max_tokens) * sizeof(int32_t);
+    size_t bytes[4 + 2 * LL_SLOT_ARRAYS] = {sizeof(ll_state_t), counts, rows, (size_t)R * sizeof(host_pub_t)};
+    for (int i = 0; i < 2; i++) {
+        size_t *slot = bytes + 4 + i * LL_SLOT_ARRAYS;
+        slot[0] = slot[1] = (size_t)E * sizeof(int32_t);
+        slot[2] = (size_t)L * sizeof(int32_t);
+        slot[3] = TK * sizeof(int64_t);
+        slot[4] = TK * sizeof(float);
+        slot[5] = TK * sizeof(int32_t);
     }
-    if (!ok) {
-        for (int i = 0; i < 2; i++) ll_slot_free(&st->slots[i]);
-        free(st->pubs);
-        free(st->row_src);
-        free(st->counts);
-        free(st);
+    void *parts[4 + 2 * LL_SLOT_ARRAYS];
+    ll_state_t *st = host_alloc_parts(4 + 2 * LL_SLOT_ARRAYS, bytes, parts);
+    if (!st)
         return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: ll state allocation failed (R=%lld, E=%lld)",
                          hb->rank, (long long)R, (long long)E);
+    st->counts = parts[1];
+    st->row_src = parts[2];
+    st->pubs = parts[3];
+    for (int i = 0; i < 2; i++) {
+        void **slot = parts + 4 + i * LL_SLOT_ARRAYS;
+        st->slots[i] = (ll_slot_t){.my_count = slot[0],
+                                   .my_begin = slot[1],
+                                   .recv_count = slot[2],
+                                   .comb_topk = slot[3],
+                                   .comb_weights = slot[4],
+                                   .comb_index = slot[5]};
     }
     hb->ll_state = st;
     return EPX_SUCCESS;
@@ -109,13 +103,7 @@ void host_ll_fini(host_buffer_t *hb)
 {
     ll_state_t *st = ll_state_of(hb);
     if (!st) return;
-    for (int i = 0; i < 2; i++) {
-        ll_drop_pending(hb, i);
-        ll_slot_free(&st->slots[i]);
-    }
-    free(st->pubs);
-    free(st->row_src);
-    free(st->counts);
+    for (int i = 0; i < 2; i++) ll_drop_pending(hb, i);
     free(st);
     hb->ll_state = NULL;
 }
@@ -132,45 +120,58 @@ static size_t ll_out_bytes(const host_buffer_t *hb)
            (size_t)b->config.hidden * 2;
 }
 
-/* ------------------------------------------------------------------------ dispatch ---- */
-
-/* Smallest power of two >= v for a positive normal v (exact, bit arithmetic). */
-static float ll_pow2_ceil(float v)
-{
-    union {
-        uint32_t u;
-        float f;
-    } c;
-    c.f = v;
-    if (c.u & 0x7fffffu) c.u = (c.u & 0x7f800000u) + 0x800000u;
-    return c.f;
-}
-
-typedef struct ll_copy_ctx {
+/* What the workers of one pass over a slot read: the slot, the peers' area of the pass (LL_IN for
+ * the dispatch copy, LL_OUT for the combine reduction) and the buffer's dimensions. */
+typedef struct ll_pass {
     host_buffer_t *hb;
     ll_slot_t *sl;
     const int32_t *row_src;
-    int slot;
-} ll_copy_ctx_t;
+    host_area_t area;
+    int64_t T_max, H, K, L, RT;
+} ll_pass_t;
+
+static ll_pass_t ll_pass_of(host_buffer_t *hb, int slot, host_area_t slot0_area)
+{
+    const epx_buffer_t b = hb->buffer;
+    ll_state_t *st = ll_state_of(hb);
+    return (ll_pass_t){hb,
+                       &st->slots[slot],
+                       st->row_src,
+                       (host_area_t)(slot0_area + slot),
+                       b->config.max_tokens,
+                       b->config.hidden,
+                       b->config.num_topk,
+                       b->num_local_experts,
+                       (int64_t)hb->nranks * b->config.max_tokens};
+}
+
+/* ------------------------------------------------------------------------ dispatch ---- */
+
+/* Casts one 128-channel group of bf16 to fp8 and returns its inverse scale. */
+static float ll_cast_group(const uint16_t *src, uint8_t *dst, int pow2)
+{
+    float amax = 0.0f;
+    for (int h = 0; h < 128; h++) {
+        float a = fabsf(epx_bf16_to_f32(src[h]));
+        if (a > amax) amax = a;
+    }
+    const float scale_inv = epx_fp8_scale_inv(amax, pow2);
+    for (int h = 0; h < 128; h++) dst[h] = epx_f32_to_fp8_e4m3(epx_bf16_to_f32(src[h]) / scale_inv);
+    return scale_inv;
+}
 
 /* Copies (or casts) received rows; index i = j * (R*T_max) + row. */
 static void ll_copy_rows(void *vctx, int64_t begin, int64_t end)
 {
-    ll_copy_ctx_t *c = vctx;
-    host_buffer_t *hb = c->hb;
-    ll_slot_t *sl = c->sl;
-    int64_t T_max = hb->buffer->config.max_tokens, H = hb->buffer->config.hidden;
-    int64_t K = hb->buffer->config.num_topk;
-    int64_t RT = (int64_t)hb->nranks * T_max, G = H / 128;
-    size_t x_offset = (size_t)(T_max * K) * sizeof(int64_t);
+    const ll_pass_t *c = vctx;
+    const ll_slot_t *sl = c->sl;
+    const int64_t H = c->H, G = H / 128, RT = c->RT;
+    const size_t x_offset = (size_t)(c->T_max * c->K) * sizeof(int64_t);
     for (int64_t i = begin; i < end; i++) {
         int64_t j = i / RT, row = i % RT;
         if (row >= sl->recv_count[j]) continue;
-        int64_t s = c->row_src[i] / T_max, t = c->row_src[i] % T_max;
-        const uint16_t *src =
-            (const uint16_t *)(host_area_ptr(hb, (int)s, (host_area_t)(HOST_AREA_LL_IN0 + c->slot)) +
-                               x_offset) +
-            t * H;
+        int64_t s = c->row_src[i] / c->T_max, t = c->row_src[i] % c->T_max;
+        const uint16_t *src = (const uint16_t *)(host_area_ptr(c->hb, (int)s, c->area) + x_offset) + t * H;
         if (!sl->use_fp8) {
             memcpy((uint16_t *)sl->recv_x.data + i * H, src, (size_t)H * 2);
             continue;
@@ -178,29 +179,15 @@ static void ll_copy_rows(void *vctx, int64_t begin, int64_t end)
         uint8_t *dst = (uint8_t *)sl->recv_x.data + i * H;
         uint32_t packed = 0;
         for (int64_t g = 0; g < G; g++) {
-            float amax = 0.0f;
-            for (int64_t h = g * 128; h < (g + 1) * 128; h++) {
-                float a = fabsf(epx_bf16_to_f32(src[h]));
-                if (a > amax) amax = a;
-            }
-            if (amax < 1e-4f) amax = 1e-4f;
-            float scale_inv = amax / 448.0f;
-            if (sl->round_scale || sl->use_ue8m0) scale_inv = ll_pow2_ceil(scale_inv);
-            for (int64_t h = g * 128; h < (g + 1) * 128; h++)
-                dst[h] = epx_f32_to_fp8_e4m3(epx_bf16_to_f32(src[h]) / scale_inv);
-            if (sl->use_ue8m0) {
-                union {
-                    uint32_t u;
-                    float f;
-                } bits;
-                bits.f = scale_inv;
-                packed |= ((bits.u >> 23) & 0xffu) << (8 * (g % 4));
-                if (g % 4 == 3) {
-                    ((int32_t *)sl->recv_scales.data)[(j * (H / 512) + g / 4) * RT + row] = (int32_t)packed;
-                    packed = 0;
-                }
-            } else {
+            float scale_inv = ll_cast_group(src + g * 128, dst + g * 128, sl->round_scale || sl->use_ue8m0);
+            if (!sl->use_ue8m0) {
                 ((float *)sl->recv_scales.data)[(j * G + g) * RT + row] = scale_inv;
+                continue;
+            }
+            packed |= epx_ue8m0_of(scale_inv) << (8 * (g % 4));
+            if (g % 4 == 3) {
+                ((int32_t *)sl->recv_scales.data)[(j * (H / 512) + g / 4) * RT + row] = (int32_t)packed;
+                packed = 0;
             }
         }
     }
@@ -229,18 +216,10 @@ static epx_result_t ll_dispatch_recv(host_buffer_t *hb, int slot)
                             (long long)T_s, (long long)T_max);
             break;
         }
+        /* Every id is in [-1, E): the source's API layer checked it before publishing. */
         const int64_t *topk = (const int64_t *)host_area_ptr(hb, s, area);
-        for (int64_t i = 0; i < T_s * K; i++) {
-            int64_t e = topk[i];
-            if (e < 0) continue;
-            if (e >= E) {
-                res = epx_error(EPX_ERR_INTERNAL,
-                                "rank %d: peer %d published topk_idx[%lld][%lld] = %lld, E = %lld", me, s,
-                                (long long)(i / K), (long long)(i % K), (long long)e, (long long)E);
-                break;
-            }
-            st->counts[s * E + e]++;
-        }
+        for (int64_t i = 0; i < T_s * K; i++)
+            if (topk[i] >= 0) st->counts[s * E + topk[i]]++;
     }
     if (res != EPX_SUCCESS) goto out;
     /* Rows of source s for expert e on rank e / L start after those of sources < s. */
@@ -279,8 +258,8 @@ static epx_result_t ll_dispatch_recv(host_buffer_t *hb, int slot)
     }
     free(cursor);
 
-    ll_copy_ctx_t ctx = {hb, sl, st->row_src, slot};
-    host_parallel_for(hb, L * RT, 64, ll_copy_rows, &ctx);
+    ll_pass_t pass = ll_pass_of(hb, slot, HOST_AREA_LL_IN0);
+    host_parallel_for(hb, L * RT, 64, ll_copy_rows, &pass);
     int32_t *recv_count = sl->recv_count_out.data;
     for (int64_t j = 0; j < L; j++) {
         recv_count[j] = sl->recv_count[j];
@@ -335,7 +314,7 @@ epx_result_t host_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ll_di
         memset(sl->my_count, 0, (size_t)E * sizeof(int32_t));
         for (int64_t i = 0; i < T * K; i++) {
             topk[i] = host_topk_at(&args->topk_idx, i);
-            if (topk[i] >= 0 && topk[i] < E) sl->my_count[topk[i]]++;
+            if (topk[i] >= 0) sl->my_count[topk[i]]++;
         }
         memcpy((uint8_t *)topk + (size_t)(T_max * K) * sizeof(int64_t), args->x.data, (size_t)(T * H) * 2);
     }
@@ -371,20 +350,11 @@ epx_result_t host_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ll_di
 
 /* ------------------------------------------------------------------------- combine ---- */
 
-typedef struct ll_reduce_ctx {
-    host_buffer_t *hb;
-    ll_slot_t *sl;
-    int slot;
-} ll_reduce_ctx_t;
-
 static void ll_reduce_tokens(void *vctx, int64_t begin, int64_t end)
 {
-    ll_reduce_ctx_t *c = vctx;
-    host_buffer_t *hb = c->hb;
-    ll_slot_t *sl = c->sl;
-    int64_t H = hb->buffer->config.hidden, K = hb->buffer->config.num_topk;
-    int64_t L = hb->buffer->num_local_experts, RT = (int64_t)hb->nranks * hb->buffer->config.max_tokens;
-    host_area_t area = (host_area_t)(HOST_AREA_LL_OUT0 + c->slot);
+    const ll_pass_t *c = vctx;
+    const ll_slot_t *sl = c->sl;
+    const int64_t H = c->H, K = c->K, L = c->L;
     uint16_t *out = sl->combined_x.data;
     float acc[512]; /* channel chunks: each channel still sums its slots k in ascending order */
     for (int64_t t = begin; t < end; t++) {
@@ -397,7 +367,7 @@ static void ll_reduce_tokens(void *vctx, int64_t begin, int64_t end)
                 float w = sl->comb_weights[t * K + k];
                 int64_t r = e / L, j = e % L, row = sl->my_begin[e] + sl->comb_index[t * K + k];
                 const uint16_t *y =
-                    (const uint16_t *)host_area_ptr(hb, (int)r, area) + (j * RT + row) * H + h0;
+                    (const uint16_t *)host_area_ptr(c->hb, (int)r, c->area) + (j * c->RT + row) * H + h0;
                 for (int64_t h = 0; h < n; h++) acc[h] += w * epx_bf16_to_f32(y[h]);
             }
             for (int64_t h = 0; h < n; h++) out[t * H + h0 + h] = epx_f32_to_bf16(acc[h]);
@@ -417,8 +387,8 @@ static epx_result_t ll_combine_recv(host_buffer_t *hb, int slot, uint64_t seq)
                 EPX_ERR_MISMATCH, "rank %d: ll combine of dispatch seq %llu, but rank %d combines seq %llu",
                 hb->rank, (unsigned long long)sl->seq, r, (unsigned long long)st->pubs[r].words[0]);
     if (res == EPX_SUCCESS) {
-        ll_reduce_ctx_t ctx = {hb, sl, slot};
-        host_parallel_for(hb, sl->num_tokens, 4, ll_reduce_tokens, &ctx);
+        ll_pass_t pass = ll_pass_of(hb, slot, HOST_AREA_LL_OUT0);
+        host_parallel_for(hb, sl->num_tokens, 4, ll_reduce_tokens, &pass);
     }
     host_area_done(hb, area, seq);
     return res;
@@ -461,13 +431,7 @@ static epx_result_t ll_combine_routing(host_buffer_t *hb, ll_slot_t *sl, const e
         return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: ll combine scratch allocation failed", hb->rank);
     epx_result_t res = EPX_SUCCESS;
     for (int64_t i = 0; i < T * K; i++) {
-        int64_t e = host_topk_at(&args->topk_idx, i);
-        if (e >= E || e < -1) {
-            res = epx_error(EPX_ERR_INVALID_ARG,
-                            "rank %d: topk_idx[%lld][%lld] = %lld is out of range [-1, %lld)", hb->rank,
-                            (long long)(i / K), (long long)(i % K), (long long)e, (long long)E);
-            break;
-        }
+        int64_t e = host_topk_at(&args->topk_idx, i); /* in [-1, E): checked by the API layer */
         sl->comb_topk[i] = e;
         sl->comb_weights[i] = ((const float *)args->topk_weights.data)[i];
         sl->comb_index[i] = e >= 0 ? seen[e]++ : -1;
@@ -490,10 +454,7 @@ epx_result_t host_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll_com
     ll_state_t *st = ll_state_of(hb);
     int slot = args->handle.slot;
     epx_result_t res = ll_check_handle(hb, &args->handle, "ll combine");
-    if (slot < 0 || slot > 1) {
-        host_fail(hb, seq, res);
-        return res;
-    }
+    if (slot < 0 || slot > 1) return host_fail(hb, seq, res);
     ll_slot_t *sl = &st->slots[slot];
     host_area_t area = (host_area_t)(HOST_AREA_LL_OUT0 + slot);
     if (sl->pending == LL_PENDING_COMBINE) ll_drop_pending(hb, slot);

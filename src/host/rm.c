@@ -20,6 +20,7 @@ typedef struct rm_entry {
     float prob;
 } rm_entry_t;
 
+/* What a routing-map handle keeps on this rank: one allocation with its arrays (rm_handle_new). */
 typedef struct rm_handle {
     uint64_t dispatch_seq;
     int permute;
@@ -53,32 +54,34 @@ static rm_in_layout_t rm_in_layout(const epx_buffer_t b)
     return l;
 }
 
-static void rm_handle_state_free(rm_handle_t *h)
-{
-    if (!h) return;
-    free(h->entry_begin);
-    free(h->entries);
-    free(h->group_begin);
-    free(h->kept);
-    free(h->compact_begin);
-    free(h);
-}
-
-void host_rm_handle_free(epx_handle_t handle)
-{
-    rm_handle_state_free(handle->backend_state);
-    handle->backend_state = NULL;
-}
-
 static int64_t rm_round_up(int64_t v, int64_t m)
 {
     return m > 1 ? (v + m - 1) / m * m : v;
 }
 
+/* A handle with room for T tokens of up to K entries each and L local experts. */
+static rm_handle_t *rm_handle_new(int64_t T, int64_t K, int64_t L)
+{
+    const size_t begins = (size_t)(T + 1) * sizeof(int64_t),
+                 entries = (size_t)(T * K + 1) * sizeof(rm_entry_t);
+    const size_t experts = (size_t)L * sizeof(int64_t);
+    const size_t bytes[] = {sizeof(rm_handle_t), begins, entries, experts, experts, experts};
+    void *parts[6];
+    rm_handle_t *h = host_alloc_parts(6, bytes, parts);
+    if (h)
+        *h = (rm_handle_t){.entry_begin = parts[1],
+                           .entries = parts[2],
+                           .group_begin = parts[3],
+                           .kept = parts[4],
+                           .compact_begin = parts[5]};
+    return h;
+}
+
 /* ------------------------------------------------------------------------ dispatch ---- */
 
-/* Everything a rank derives from all peers' routing. */
+/* Everything a rank derives from all peers' routing; `block` holds the arrays. */
 typedef struct rm_plan {
+    void *block;
     int R;
     int64_t E, L, T_max, K;
     int32_t *cnt;         /* [R, E] tokens of source s that selected e */
@@ -90,17 +93,6 @@ typedef struct rm_plan {
     int64_t *real;        /* [R] real row count (N_r or P) of rank r */
 } rm_plan_t;
 
-static void rm_plan_free(rm_plan_t *p)
-{
-    free(p->cnt);
-    free(p->rank_cnt);
-    free(p->group_begin);
-    free(p->compact);
-    free(p->pad);
-    free(p->bound);
-    free(p->real);
-}
-
 static const int32_t *rm_sel(host_buffer_t *hb, const rm_in_layout_t *lay, int s)
 {
     return (const int32_t *)(host_area_ptr(hb, s, HOST_AREA_IN) + lay->sel);
@@ -110,29 +102,23 @@ static const float *rm_prob(host_buffer_t *hb, const rm_in_layout_t *lay, int s)
     return (const float *)(host_area_ptr(hb, s, HOST_AREA_IN) + lay->prob);
 }
 
+/* The caller frees p->block (also after a failure; p starts zeroed). */
 static epx_result_t rm_plan_build(host_buffer_t *hb, const rm_in_layout_t *lay, const host_pub_t *pubs,
                                   int permute, rm_plan_t *p)
 {
     const epx_buffer_t b = hb->buffer;
-    int R = hb->nranks;
-    memset(p, 0, sizeof(*p));
-    p->R = R;
-    p->E = b->config.num_experts;
-    p->L = b->num_local_experts;
-    p->T_max = b->config.max_tokens;
-    p->K = b->config.num_topk;
-    int64_t E = p->E, L = p->L, K = p->K;
-    p->cnt = calloc((size_t)(R * E), sizeof(int32_t));
-    p->rank_cnt = calloc((size_t)R * (size_t)R, sizeof(int32_t));
-    p->group_begin = calloc((size_t)E, sizeof(int64_t));
-    p->compact = calloc((size_t)E, sizeof(int64_t));
-    p->pad = calloc((size_t)R, sizeof(int64_t));
-    p->bound = calloc((size_t)R, sizeof(int64_t));
-    p->real = calloc((size_t)R, sizeof(int64_t));
-    if (!p->cnt || !p->rank_cnt || !p->group_begin || !p->compact || !p->pad || !p->bound || !p->real) {
-        rm_plan_free(p);
+    const int R = hb->nranks;
+    const int64_t E = b->config.num_experts, L = b->num_local_experts, K = b->config.num_topk;
+    const int64_t Tm = b->config.max_tokens;
+    const size_t counts = (size_t)R * sizeof(int32_t); /* per source */
+    const size_t ranks = (size_t)R * sizeof(int64_t), experts = (size_t)E * sizeof(int64_t);
+    const size_t bytes[] = {counts * (size_t)E, counts * (size_t)R, experts, experts, ranks, ranks, ranks};
+    void *part[7];
+    void *block = host_alloc_parts(7, bytes, part);
+    if (!block)
         return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: routing-map plan allocation failed", hb->rank);
-    }
+    /* The parts in member order. */
+    *p = (rm_plan_t){block, R, E, L, Tm, K, part[0], part[1], part[2], part[3], part[4], part[5], part[6]};
     for (int s = 0; s < R; s++) {
         const int32_t *sel = rm_sel(hb, lay, s);
         p->pad[s] = pubs[s].words[RM_W_PAD] > 0 ? pubs[s].words[RM_W_PAD] : 1;
@@ -142,12 +128,10 @@ static epx_result_t rm_plan_build(host_buffer_t *hb, const rm_in_layout_t *lay, 
             for (int64_t k = 0; k < K; k++) {
                 int32_t e = sel[t * K + k];
                 if (e < 0) break;
-                if (e >= E) {
-                    rm_plan_free(p);
+                if (e >= E)
                     return epx_error(EPX_ERR_INTERNAL,
                                      "rank %d: peer %d published expert %d for token %lld, E = %lld",
                                      hb->rank, s, e, (long long)t, (long long)E);
-                }
                 p->cnt[s * E + e]++;
                 if (e / L != last_rank) p->rank_cnt[s * R + e / L]++;
                 last_rank = (int)(e / L);
@@ -264,8 +248,8 @@ static epx_result_t rm_check_agreement(host_buffer_t *hb, const host_pub_t *pubs
                     return epx_error(
                         EPX_ERR_MISMATCH,
                         "rank %d: routing-map dispatch dtype differs: rank 0 passes %s, rank %d passes %s",
-                        hb->rank, epx_dtype_name((epx_dtype_t)pubs[0].words[w]), s,
-                        epx_dtype_name((epx_dtype_t)pubs[s].words[w]));
+                        hb->rank, epx_dtype_str((epx_dtype_t)pubs[0].words[w]), s,
+                        epx_dtype_str((epx_dtype_t)pubs[s].words[w]));
                 return epx_error(
                     EPX_ERR_MISMATCH,
                     "rank %d: routing-map dispatch %s differs: rank 0 has %lld, rank %d has %lld", hb->rank,
@@ -288,12 +272,7 @@ static epx_result_t rm_build_source_map(host_buffer_t *hb, const rm_in_layout_t 
     const int32_t *sel = rm_sel(hb, lay, me);
     const float *prob = rm_prob(hb, lay, me);
     int64_t *seen = calloc((size_t)(E > R ? E : R), sizeof(int64_t)); /* earlier tokens per expert/rank */
-    h->entry_begin = malloc((size_t)(T + 1) * sizeof(int64_t));
-    h->entries = malloc((size_t)(T * K + 1) * sizeof(rm_entry_t));
-    if (!seen || !h->entry_begin || !h->entries) {
-        free(seen);
-        return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: routing-map handle allocation failed", me);
-    }
+    if (!seen) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: routing-map handle allocation failed", me);
     int64_t n = 0;
     for (int64_t t = 0; t < T; t++) {
         h->entry_begin[t] = n;
@@ -385,7 +364,6 @@ epx_result_t host_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_rm_di
     rm_plan_t plan = {0};
     rm_row_src_t *rows = NULL;
     rm_handle_t *h = NULL;
-    int have_plan = 0;
 
     /* Send half: always publish (with our failure, if any) so peers never wait for us. */
     epx_result_t res = EPX_SUCCESS;
@@ -408,7 +386,7 @@ epx_result_t host_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_rm_di
 
     /* Receive half. */
     pubs = calloc((size_t)R, sizeof(host_pub_t));
-    h = calloc(1, sizeof(*h));
+    h = rm_handle_new(T, buffer->config.num_topk, L);
     if (!pubs || !h) {
         res = epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: routing-map dispatch allocation failed", me);
         goto out;
@@ -416,7 +394,6 @@ epx_result_t host_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_rm_di
     EPX_CHECK_GOTO(host_area_wait_all(hb, HOST_AREA_IN, seq, pubs), res, out);
     EPX_CHECK_GOTO(rm_check_agreement(hb, pubs), res, out);
     EPX_CHECK_GOTO(rm_plan_build(hb, &lay, pubs, permute, &plan), res, out);
-    have_plan = 1;
 
     int64_t real = plan.real[me];
     int64_t out_rows = my_bound >= 0 ? my_bound : real;
@@ -440,13 +417,6 @@ epx_result_t host_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_rm_di
     }
     EPX_CHECK_GOTO(rm_build_source_map(hb, &lay, &plan, permute, T, h), res, out);
     EPX_CHECK_GOTO(rm_build_rows(hb, &lay, pubs, &plan, permute, out_rows, &rows), res, out);
-    h->group_begin = calloc((size_t)L, sizeof(int64_t));
-    h->kept = calloc((size_t)L, sizeof(int64_t));
-    h->compact_begin = calloc((size_t)L, sizeof(int64_t));
-    if (!h->group_begin || !h->kept || !h->compact_begin) {
-        res = epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: routing-map handle allocation failed", me);
-        goto out;
-    }
     h->dispatch_seq = seq;
     h->permute = permute;
     h->has_probs = args->probs.data != NULL;
@@ -483,9 +453,9 @@ epx_result_t host_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_rm_di
 
 out:
     host_area_done(hb, HOST_AREA_IN, seq);
-    if (have_plan) rm_plan_free(&plan);
+    free(plan.block);
     free(rows);
-    rm_handle_state_free(h);
+    free(h);
     free(pubs);
     return res;
 }

@@ -212,7 +212,7 @@ static epx_result_t agree(host_buffer_t *hb, epx_result_t mine, const char *step
     for (int r = 0; res == EPX_SUCCESS && r < hb->nranks; r++)
         if (all[r] != EPX_SUCCESS)
             res = epx_error(EPX_ERR_REMOTE, "rank %d: peer %d failed to %s (%s)", hb->rank, r, step,
-                            epx_result_name((epx_result_t)all[r]));
+                            epx_result_str((epx_result_t)all[r]));
     free(all);
     return res;
 }
@@ -396,7 +396,7 @@ static epx_result_t check_failed(const host_buffer_t *hb, int peer, uint64_t seq
     if (failed != 0 && failed >= seq) {
         int32_t status = __atomic_load_n(&hdr->failed_status, __ATOMIC_RELAXED);
         return epx_error(EPX_ERR_REMOTE, "rank %d: peer %d failed call %llu (%s) while %s", hb->rank, peer,
-                         (unsigned long long)failed, epx_result_name((epx_result_t)status), doing);
+                         (unsigned long long)failed, epx_result_str((epx_result_t)status), doing);
     }
     return EPX_SUCCESS;
 }
@@ -478,7 +478,7 @@ static int poll_pub(const host_buffer_t *hb, int peer, host_area_t area, uint64_
         if (pub.status != EPX_SUCCESS) {
             *res_out = epx_error(EPX_ERR_REMOTE, "rank %d: peer %d failed call %llu (%s) in area %s",
                                  hb->rank, peer, (unsigned long long)seq,
-                                 epx_result_name((epx_result_t)pub.status), area_names[area]);
+                                 epx_result_str((epx_result_t)pub.status), area_names[area]);
             return -1;
         }
         if (pub_out) *pub_out = pub;
@@ -564,12 +564,13 @@ void host_area_done(host_buffer_t *hb, host_area_t area, uint64_t seq)
         atomic_store_explicit(done, seq, memory_order_release);
 }
 
-void host_fail(host_buffer_t *hb, uint64_t seq, epx_result_t res)
+epx_result_t host_fail(host_buffer_t *hb, uint64_t seq, epx_result_t res)
 {
     host_region_hdr_t *hdr = host_hdr(hb, hb->rank);
-    if (atomic_load_explicit(&hdr->failed_seq, memory_order_relaxed) >= seq) return;
+    if (atomic_load_explicit(&hdr->failed_seq, memory_order_relaxed) >= seq) return res;
     __atomic_store_n(&hdr->failed_status, (int32_t)res, __ATOMIC_RELAXED);
     atomic_store_explicit(&hdr->failed_seq, seq, memory_order_release);
     EPX_INFO(EPX_SUBSYS_SHM, "rank %d: call %llu failed (%s), peers told", hb->rank, (unsigned long long)seq,
-             epx_result_name(res));
+             epx_result_str(res));
+    return res;
 }

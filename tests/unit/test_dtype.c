@@ -1,7 +1,7 @@
 /*
- * Dtype sizes and names, versioned-struct reading and buffer-config normalisation, and the API
- * layer's dispatch to a backend, driven through a fake communicator and a recording backend so
- * that no transport is needed.
+ * Dtype sizes and names, versioned-struct reading and buffer-config normalisation, the API
+ * layer's dispatch to a backend (driven through a fake communicator and a recording backend so
+ * that no transport is needed), and the backend registry.
  */
 #include <string.h>
 
@@ -15,9 +15,6 @@ static int calls_ht_dispatch, calls_fail;
 static uint64_t last_fail_seq, last_dispatch_seq;
 static epx_result_t last_fail_res;
 
-static epx_result_t fake_buffer_create(epx_buffer_t buffer) { return EPX_SUCCESS; }
-static void fake_buffer_destroy(epx_buffer_t buffer) {}
-static void fake_handle_free(epx_handle_t handle) {}
 static void fake_fail(epx_buffer_t buffer, uint64_t seq, epx_result_t res)
 {
     calls_fail++;
@@ -35,14 +32,21 @@ static epx_result_t fake_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const ep
     return EPX_SUCCESS;
 }
 
+/* The test builds its buffer by hand and frees handles without backend state: only these. */
 static const epx_backend_ops_t fake_ops = {
-    .name = "fake",
-    .buffer_create = fake_buffer_create,
-    .buffer_destroy = fake_buffer_destroy,
-    .handle_free = fake_handle_free,
-    .fail_collective = fake_fail,
-    .ht_dispatch = fake_ht_dispatch,
-};
+    .name = "fake", .fail_collective = fake_fail, .ht_dispatch = fake_ht_dispatch};
+
+/* A buffer config of T_max tokens of H channels, K of E experts (the rest defaults). */
+static epx_buffer_config_t config_of(int64_t max_tokens, int64_t hidden, int32_t num_topk,
+                                     int32_t num_experts)
+{
+    epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
+    c.max_tokens = max_tokens;
+    c.hidden = hidden;
+    c.num_topk = num_topk;
+    c.num_experts = num_experts;
+    return c;
+}
 
 static int test_dtypes(void)
 {
@@ -118,12 +122,7 @@ static int test_struct_reading(void)
 
 static int test_buffer_config(void)
 {
-    epx_buffer_config_t in = {.size = sizeof(in),
-                              .version = EPX_VERSION_CODE,
-                              .max_tokens = 16,
-                              .hidden = 256,
-                              .num_topk = 4,
-                              .num_experts = 8};
+    epx_buffer_config_t in = config_of(16, 256, 4, 8);
     epx_buffer_config_t out;
     EXPECT_OK(epx_api_buffer_config_normalize(NULL, &in, 4, &out));
     EXPECT_EQ_INT(out.modes, EPX_MODE_ALL);
@@ -233,12 +232,7 @@ static int test_fake_backend(void)
     comm.ops = &fake_ops;
     struct epx_buffer buffer;
     memset(&buffer, 0, sizeof(buffer));
-    epx_buffer_config_t cfg = {.size = sizeof(cfg),
-                               .version = EPX_VERSION_CODE,
-                               .max_tokens = 4,
-                               .hidden = 128,
-                               .num_topk = 1,
-                               .num_experts = 2};
+    epx_buffer_config_t cfg = config_of(4, 128, 1, 2);
     EXPECT_OK(epx_api_buffer_config_normalize(&comm, &cfg, 1, &buffer.config));
     buffer.magic = EPX_BUFFER_MAGIC;
     buffer.comm = &comm;
@@ -304,13 +298,34 @@ static int test_fake_backend(void)
     return 0;
 }
 
+/* The registry names the backends, resolves AUTO to one this build can run and refuses the rest. */
+static int test_backend_registry(void)
+{
+    EXPECT_TRUE(strcmp(epx_backend_name(EPX_BACKEND_AUTO), "auto") == 0);
+    EXPECT_TRUE(strcmp(epx_backend_name(EPX_BACKEND_HOST), "host") == 0);
+    EXPECT_TRUE(strcmp(epx_backend_name(EPX_BACKEND_CUDA), "cuda") == 0);
+    EXPECT_TRUE(strcmp(epx_backend_name(9), "unknown") == 0);
+    epx_backend_t chosen = EPX_BACKEND_AUTO;
+    const epx_backend_ops_t *ops = NULL;
+    EXPECT_OK(epx_backend_choose(EPX_BACKEND_HOST, &chosen, &ops));
+    EXPECT_EQ_INT(chosen, EPX_BACKEND_HOST);
+    EXPECT_TRUE(ops == &epx_host_backend_ops);
+    EXPECT_OK(epx_backend_choose(EPX_BACKEND_AUTO, &chosen, &ops));
+    EXPECT_TRUE(ops != NULL && strcmp(ops->name, epx_backend_name(chosen)) == 0);
+    EXPECT_RES(epx_backend_choose((epx_backend_t)9, &chosen, &ops), EPX_ERR_INVALID_ARG);
+#ifndef EPX_HAVE_CUDA
+    EXPECT_EQ_INT(chosen, EPX_BACKEND_HOST);
+    EXPECT_RES(epx_backend_choose(EPX_BACKEND_CUDA, &chosen, &ops), EPX_ERR_UNSUPPORTED);
+    EXPECT_MSG_HAS("backend cuda was requested but this build has no CUDA support");
+#endif
+    return 0;
+}
+
 int main(void)
 {
-    if (test_dtypes()) return 1;
-    if (test_struct_reading()) return 1;
-    if (test_buffer_config()) return 1;
-    if (test_entry_points_without_objects()) return 1;
-    if (test_fake_backend()) return 1;
+    if (test_dtypes() || test_struct_reading() || test_buffer_config() ||
+        test_entry_points_without_objects() || test_fake_backend() || test_backend_registry())
+        return 1;
     printf("ok\n");
     return 0;
 }

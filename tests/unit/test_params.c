@@ -250,11 +250,9 @@ static int test_address_choice(void)
 
 int main(void)
 {
-    if (test_defaults()) return 1;
-    if (test_malformed()) return 1;
-    if (test_comm_init_bad_env()) return 1;
-    if (test_comm_args()) return 1;
-    if (test_address_choice()) return 1;
+    if (test_defaults() || test_malformed() || test_comm_init_bad_env() || test_comm_args() ||
+        test_address_choice())
+        return 1;
     printf("ok\n");
     return 0;
 }

@@ -1,0 +1,69 @@
+/*
+ * What the API entry points share beyond the argument checks of api/check.h: the checks of each
+ * collective call, handle lifetimes (api/handle.c), and shorthands for the checks every
+ * operation writes.
+ */
+#ifndef EPX_API_API_H
+#define EPX_API_API_H
+
+#include "api/check.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define BIT(d)       EPX_DTYPE_BIT(EPX_DTYPE_##d)
+#define INDEX_DTYPES (BIT(INT32) | BIT(INT64))
+
+/* Checks tensor `t` against a spec written inline; the enclosing function has `comm`. */
+#define CHECK_TENSOR(t, ...) EPX_CHECK(epx_api_check_tensor(comm, (t), &(epx_tensor_spec_t){__VA_ARGS__}))
+#define ARG_ERR(...)         EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, __VA_ARGS__)
+
+/* The first checks of an operation (epx_api_read_call): `op` names it, `fn` is its entry in the
+ * backend's table. The enclosing function has buffer, args, outputs and their copies a and o. */
+#define READ_CALL(mode, op, fn)                                                                        \
+    EPX_CHECK(epx_api_read_call(buffer, (mode), (op), buffer->ops->fn != NULL, a, sizeof(*a), args, o, \
+                                sizeof(*o), outputs))
+
+/* Writes one [out] field back when the caller's struct is large enough to hold it. */
+#define WRITE_OUT(dst, src, type, field)                                             \
+    do {                                                                             \
+        if ((src)->size >= EPX_STRUCT_END(type, field)) (dst)->field = (src)->field; \
+    } while (0)
+
+/* The checks of each collective call (api/ht.c, api/ll.c, api/rm.c; api/collective.c runs them):
+ * read the caller's args and outputs over the defaults already in a and o, then check every
+ * argument against the buffer. Nothing is written to the caller's memory. */
+epx_result_t epx_api_check_ht_dispatch(epx_buffer_t buffer, const epx_ht_dispatch_args_t *args,
+                                       const epx_ht_dispatch_outputs_t *outputs, epx_ht_dispatch_args_t *a,
+                                       epx_ht_dispatch_outputs_t *o);
+epx_result_t epx_api_check_ht_combine(epx_buffer_t buffer, const epx_ht_combine_args_t *args,
+                                      const epx_ht_combine_outputs_t *outputs, epx_ht_combine_args_t *a,
+                                      epx_ht_combine_outputs_t *o);
+epx_result_t epx_api_check_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *args,
+                                       const epx_ll_dispatch_outputs_t *outputs, epx_ll_dispatch_args_t *a,
+                                       epx_ll_dispatch_outputs_t *o);
+/* `seq`: the combine's own call, later than the dispatch its handle names. */
+epx_result_t epx_api_check_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll_combine_args_t *args,
+                                      const epx_ll_combine_outputs_t *outputs, epx_ll_combine_args_t *a,
+                                      epx_ll_combine_outputs_t *o);
+epx_result_t epx_api_check_rm_dispatch(epx_buffer_t buffer, const epx_rm_dispatch_args_t *args,
+                                       const epx_rm_dispatch_outputs_t *outputs, epx_rm_dispatch_args_t *a,
+                                       epx_rm_dispatch_outputs_t *o);
+epx_result_t epx_api_check_rm_combine(epx_buffer_t buffer, const epx_rm_combine_args_t *args,
+                                      const epx_rm_combine_outputs_t *outputs, epx_rm_combine_args_t *a,
+                                      epx_rm_combine_outputs_t *o);
+
+/* A new handle for dispatch call `seq` of T tokens of `dtype`; when out of memory, the peers are
+ * told (the call fails). */
+epx_result_t epx_api_handle_new(epx_buffer_t buffer, uint64_t seq, epx_handle_kind_t kind, int64_t T,
+                                epx_dtype_t dtype, int32_t permute, epx_handle_t *handle_out);
+/* The backend's verdict `res` on filling a new handle: on success the handle is live (counted
+ * on its buffer), on failure it is freed, the failure's message kept. Returns `res`. */
+epx_result_t epx_api_handle_filled(epx_handle_t h, epx_result_t res);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EPX_API_API_H */

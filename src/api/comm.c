@@ -1,0 +1,119 @@
+/*
+ * The communicator's entry points: the unique id, init over the TCP rendezvous or the caller's
+ * callbacks, destroy, topology and the async error. Arguments and the config are checked here;
+ * core/comm.c builds, frees and reads the communicator.
+ */
+#include <string.h>
+
+#include "core/bootstrap.h"
+#include "core/internal.h"
+
+/* Copies min(config->size, sizeof) bytes over the defaults and checks the result. */
+static epx_result_t read_config(const epx_comm_config_t *config, epx_comm_config_t *out)
+{
+    epx_comm_config_t defaults = EPX_COMM_CONFIG_INIT;
+    *out = defaults;
+    if (!config) return EPX_SUCCESS;
+    size_t head = offsetof(epx_comm_config_t, version) + sizeof(config->version);
+    if (config->size < head)
+        return epx_error(EPX_ERR_INVALID_ARG,
+                         "config->size = %zu is smaller than the config header (%zu); "
+                         "initialize it with EPX_COMM_CONFIG_INIT",
+                         config->size, head);
+    if (config->version == 0 || config->version / 10000 != EPX_VERSION_MAJOR)
+        return epx_error(EPX_ERR_INVALID_ARG, "config->version = %u is not of major version %d",
+                         (unsigned)config->version, EPX_VERSION_MAJOR);
+    size_t n = config->size < sizeof(*out) ? config->size : sizeof(*out);
+    memcpy(out, config, n);
+    out->size = sizeof(*out);
+    if (out->backend != EPX_BACKEND_AUTO && out->backend != EPX_BACKEND_HOST &&
+        out->backend != EPX_BACKEND_CUDA)
+        return epx_error(EPX_ERR_INVALID_ARG, "config->backend = %d is not an epx_backend_t",
+                         (int)out->backend);
+    if (out->cuda_device < -1)
+        return epx_error(EPX_ERR_INVALID_ARG, "config->cuda_device = %d (use -1 for the current device)",
+                         out->cuda_device);
+    if (out->timeout_ms < 0)
+        return epx_error(EPX_ERR_INVALID_ARG, "config->timeout_ms = %d is negative", out->timeout_ms);
+    return EPX_SUCCESS;
+}
+
+/* The checks both inits share, before anything is created. */
+static epx_result_t comm_init(int rank, int nranks, const epx_unique_id_t *id,
+                              const epx_bootstrap_callbacks_t *callbacks, const epx_comm_config_t *config,
+                              epx_comm_t *comm_out)
+{
+    if (!comm_out) return epx_error(EPX_ERR_INVALID_ARG, "comm_out is NULL");
+    if (nranks < 1) return epx_error(EPX_ERR_INVALID_ARG, "nranks = %d must be at least 1", nranks);
+    if (rank < 0 || rank >= nranks)
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d is out of range [0, %d)", rank, nranks);
+    epx_comm_config_t cfg;
+    EPX_CHECK(read_config(config, &cfg));
+    return epx_comm_create(rank, nranks, id, callbacks, &cfg, comm_out);
+}
+
+EPX_API epx_result_t epx_get_unique_id(epx_unique_id_t *id_out)
+{
+    epx_error_clear();
+    if (!id_out) return epx_error(EPX_ERR_INVALID_ARG, "id_out is NULL");
+    return epx_bootstrap_unique_id(id_out);
+}
+
+EPX_API epx_result_t epx_comm_init(const epx_unique_id_t *id, int rank, int nranks,
+                                   const epx_comm_config_t *config, epx_comm_t *comm_out)
+{
+    epx_error_clear();
+    if (!id) return epx_error(EPX_ERR_INVALID_ARG, "id is NULL");
+    return comm_init(rank, nranks, id, NULL, config, comm_out);
+}
+
+EPX_API epx_result_t epx_comm_init_callbacks(const epx_bootstrap_callbacks_t *callbacks, int rank, int nranks,
+                                             const epx_comm_config_t *config, epx_comm_t *comm_out)
+{
+    epx_error_clear();
+    if (!callbacks) return epx_error(EPX_ERR_INVALID_ARG, "callbacks is NULL");
+    if (!callbacks->allgather || !callbacks->barrier)
+        return epx_error(EPX_ERR_INVALID_ARG, "callbacks->%s is NULL",
+                         !callbacks->allgather ? "allgather" : "barrier");
+    return comm_init(rank, nranks, NULL, callbacks, config, comm_out);
+}
+
+EPX_API epx_result_t epx_comm_destroy(epx_comm_t comm)
+{
+    epx_error_clear();
+    if (!comm) return EPX_SUCCESS;
+    EPX_CHECK(epx_comm_check(comm, "epx_comm_destroy"));
+    int live = atomic_load(&comm->live_buffers);
+    if (live > 0)
+        return epx_error(EPX_ERR_INVALID_ARG,
+                         "rank %d: the communicator still has %d live buffer(s); destroy "
+                         "them first",
+                         comm->rank, live);
+    epx_comm_free(comm);
+    return EPX_SUCCESS;
+}
+
+EPX_API epx_result_t epx_comm_get_topology(epx_comm_t comm, epx_topology_t *topo_out)
+{
+    epx_error_clear();
+    EPX_CHECK(epx_comm_check(comm, "epx_comm_get_topology"));
+    if (!topo_out) return epx_error(EPX_ERR_INVALID_ARG, "topo_out is NULL");
+    epx_topology_t t;
+    t.rank = comm->rank;
+    t.nranks = comm->nranks;
+    t.local_rank = comm->local_rank;
+    t.local_nranks = comm->local_nranks;
+    t.ranks_per_nvlink_domain = comm->ranks_per_domain;
+    t.num_nvlink_domains = comm->num_domains;
+    t.backend = comm->backend;
+    t.cuda_device = comm->backend == EPX_BACKEND_CUDA ? comm->cuda_device : -1;
+    *topo_out = t;
+    return EPX_SUCCESS;
+}
+
+EPX_API epx_result_t epx_get_async_error(epx_comm_t comm)
+{
+    epx_error_clear();
+    EPX_CHECK(epx_comm_check(comm, "epx_get_async_error"));
+    return epx_comm_get_async_error(comm);
+}

@@ -1,0 +1,195 @@
+/*
+ * The socket layer under the TCP rendezvous: the listening sockets kept from epx_get_unique_id,
+ * the choice of the rendezvous address, and bounded polling.
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <ifaddrs.h>
+#include <limits.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "core/internal.h"
+#include "core/socket.h"
+
+/* ------------------------------------------------------------- listening sockets ---- */
+
+/* Sockets bound by epx_get_unique_id, so that rank 0 in this process or a forked child reuses
+ * them (the id is usually created before the ranks exist). */
+typedef struct {
+    uint64_t nonce;
+    int fd;
+} listen_entry_t;
+
+static pthread_mutex_t listen_lock_g = PTHREAD_MUTEX_INITIALIZER;
+static listen_entry_t *listen_table_g;
+static size_t listen_count_g, listen_cap_g;
+
+epx_result_t epx_socket_keep_listener(uint64_t nonce, int fd)
+{
+    epx_result_t res = EPX_SUCCESS;
+    pthread_mutex_lock(&listen_lock_g);
+    if (listen_count_g == listen_cap_g) {
+        size_t cap = listen_cap_g ? listen_cap_g * 2 : 8;
+        listen_entry_t *grown = realloc(listen_table_g, cap * sizeof(*grown));
+        if (!grown) {
+            res = epx_error(EPX_ERR_OUT_OF_MEMORY, "cannot grow the table of rendezvous sockets to %zu", cap);
+            goto out;
+        }
+        listen_table_g = grown;
+        listen_cap_g = cap;
+    }
+    listen_table_g[listen_count_g].nonce = nonce;
+    listen_table_g[listen_count_g].fd = fd;
+    listen_count_g++;
+out:
+    pthread_mutex_unlock(&listen_lock_g);
+    return res;
+}
+
+/* Removes and returns the socket of `nonce`, -1 when this process did not create the id. */
+int epx_socket_take_listener(uint64_t nonce)
+{
+    int fd = -1;
+    pthread_mutex_lock(&listen_lock_g);
+    for (size_t i = 0; i < listen_count_g; i++)
+        if (listen_table_g[i].nonce == nonce) {
+            fd = listen_table_g[i].fd;
+            listen_table_g[i] = listen_table_g[--listen_count_g];
+            break;
+        }
+    pthread_mutex_unlock(&listen_lock_g);
+    return fd;
+}
+
+/* ----------------------------------------------------------------- address choice ---- */
+
+void epx_socket_format_addr(const struct sockaddr_in *sa, char *out, size_t cap)
+{
+    char ip[INET_ADDRSTRLEN] = "?";
+    inet_ntop(AF_INET, &sa->sin_addr, ip, sizeof(ip));
+    snprintf(out, cap, "%s:%u", ip, (unsigned)ntohs(sa->sin_port));
+}
+
+static epx_result_t parse_addr(const char *text, struct sockaddr_in *sa)
+{
+    char ip[INET_ADDRSTRLEN + 1];
+    const char *colon = strrchr(text, ':');
+    const char *port_text = colon ? colon + 1 : NULL;
+    size_t ip_len = colon ? (size_t)(colon - text) : 0;
+    if (!colon || ip_len == 0 || ip_len >= sizeof(ip) || *port_text == '\0' || strlen(port_text) > 5)
+        goto bad;
+    for (const char *c = port_text; *c; c++)
+        if (*c < '0' || *c > '9') goto bad;
+    long port = strtol(port_text, NULL, 10);
+    if (port > 65535) goto bad;
+    memcpy(ip, text, ip_len);
+    ip[ip_len] = '\0';
+    memset(sa, 0, sizeof(*sa));
+    sa->sin_family = AF_INET;
+    sa->sin_port = htons((uint16_t)port);
+    if (inet_pton(AF_INET, ip, &sa->sin_addr) != 1) goto bad;
+    return EPX_SUCCESS;
+bad:
+    return epx_error(EPX_ERR_INVALID_ARG, "EPX_BOOTSTRAP_ADDR='%s' is not an IPv4 address and port (ip:port)",
+                     text);
+}
+
+/* EPX_BOOTSTRAP_ADDR, else the first IPv4 address of EPX_SOCKET_IFNAME (loopback allowed when named),
+ * else the first non-loopback one of any interface, else 127.0.0.1; port 0 = pick a free one. */
+epx_result_t epx_socket_choose_address(const epx_params_t *params, struct sockaddr_in *sa)
+{
+    if (params->bootstrap_addr[0]) return parse_addr(params->bootstrap_addr, sa);
+    memset(sa, 0, sizeof(*sa));
+    sa->sin_family = AF_INET;
+    sa->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    struct ifaddrs *list = NULL;
+    if (getifaddrs(&list) != 0) {
+        if (params->socket_ifname[0])
+            return epx_error(EPX_ERR_SYSTEM, "getifaddrs failed looking for EPX_SOCKET_IFNAME=%s: %s",
+                             params->socket_ifname, strerror(errno));
+        return EPX_SUCCESS;
+    }
+    int found = 0;
+    for (struct ifaddrs *ifa = list; ifa && !found; ifa = ifa->ifa_next) {
+        if (!ifa->ifa_addr || ifa->ifa_addr->sa_family != AF_INET || !(ifa->ifa_flags & IFF_UP)) continue;
+        if (params->socket_ifname[0]) {
+            if (strcmp(ifa->ifa_name, params->socket_ifname) != 0) continue;
+        } else if (ifa->ifa_flags & IFF_LOOPBACK) {
+            continue;
+        }
+        sa->sin_addr = ((const struct sockaddr_in *)ifa->ifa_addr)->sin_addr;
+        found = 1;
+    }
+    freeifaddrs(list);
+    if (!found && params->socket_ifname[0])
+        return epx_error(EPX_ERR_INVALID_ARG,
+                         "EPX_SOCKET_IFNAME=%s names no interface that is up with an "
+                         "IPv4 address",
+                         params->socket_ifname);
+    return EPX_SUCCESS;
+}
+
+/* Binds and listens on `sa` (its port is updated when 0). */
+epx_result_t epx_socket_listen(struct sockaddr_in *sa, int backlog, int *fd_out)
+{
+    char where[64];
+    epx_socket_format_addr(sa, where, sizeof(where));
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) return epx_error(EPX_ERR_SYSTEM, "socket() for the rendezvous failed: %s", strerror(errno));
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, (const struct sockaddr *)sa, sizeof(*sa)) != 0) {
+        int err = errno;
+        close(fd);
+        /* A process other than rank 0 (and not its parent) that made the id still holds the port. */
+        return epx_error(
+            EPX_ERR_SYSTEM, "cannot bind the rendezvous socket to %s: %s%s", where, strerror(err),
+            err == EADDRINUSE ? " (is the process that created the unique id, when it is not rank 0 "
+                                "or its parent, still listening there?)"
+                              : "");
+    }
+    if (listen(fd, backlog) != 0) {
+        int err = errno;
+        close(fd);
+        return epx_error(EPX_ERR_SYSTEM, "cannot listen on %s: %s", where, strerror(err));
+    }
+    socklen_t len = sizeof(*sa);
+    getsockname(fd, (struct sockaddr *)sa, &len);
+    *fd_out = fd;
+    return EPX_SUCCESS;
+}
+
+int epx_socket_remaining_ms(uint64_t deadline)
+{
+    uint64_t now = epx_time_ns();
+    if (now >= deadline) return 0;
+    uint64_t ms = (deadline - now + 999999) / 1000000;
+    return ms > INT_MAX ? INT_MAX : (int)ms;
+}
+
+/* 1: ready, 0: deadline passed, -1: poll failed (errno). */
+int epx_socket_poll(int fd, short events, uint64_t deadline)
+{
+    for (;;) {
+        struct pollfd p = {fd, events, 0};
+        int n = poll(&p, 1, epx_socket_remaining_ms(deadline));
+        if (n > 0) return 1;
+        if (n == 0 && epx_time_ns() >= deadline) return 0;
+        if (n < 0 && errno != EINTR) return -1;
+    }
+}
+
+void epx_socket_set_nodelay(int fd)
+{
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
