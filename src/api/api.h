@@ -55,9 +55,10 @@ epx_result_t epx_api_check_rm_combine(epx_buffer_t buffer, const epx_rm_combine_
                                       epx_rm_combine_outputs_t *o);
 
 /* A new handle for dispatch call `seq` of T tokens of `dtype`; when out of memory, the peers are
- * told (the call fails). */
+ * told (the call fails; `stream` is the call's). */
 epx_result_t epx_api_handle_new(epx_buffer_t buffer, uint64_t seq, epx_handle_kind_t kind, int64_t T,
-                                epx_dtype_t dtype, int32_t permute, epx_handle_t *handle_out);
+                                epx_dtype_t dtype, int32_t permute, void *stream,
+                                epx_handle_t *handle_out);
 /* The backend's verdict `res` on filling a new handle: on success the handle is live (counted
  * on its buffer), on failure it is freed, the failure's message kept. Returns `res`. */
 epx_result_t epx_api_handle_filled(epx_handle_t h, epx_result_t res);

@@ -7,14 +7,16 @@
 #include "api/api.h"
 
 epx_result_t epx_api_handle_new(epx_buffer_t buffer, uint64_t seq, epx_handle_kind_t kind, int64_t T,
-                                epx_dtype_t dtype, int32_t permute, epx_handle_t *handle_out)
+                                epx_dtype_t dtype, int32_t permute, void *stream,
+                                epx_handle_t *handle_out)
 {
     epx_handle_t h = calloc(1, sizeof(*h));
     if (!h)
         return epx_buffer_fail_collective(buffer, seq,
                                           EPX_API_ERR(buffer->comm, EPX_ERR_OUT_OF_MEMORY,
                                                       "no memory for %s handle",
-                                                      kind == EPX_HANDLE_HT ? "an HT" : "a routing-map"));
+                                                      kind == EPX_HANDLE_HT ? "an HT" : "a routing-map"),
+                                          stream);
     h->magic = EPX_HANDLE_MAGIC;
     h->kind = kind;
     h->buffer = buffer;

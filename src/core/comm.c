@@ -258,11 +258,11 @@ epx_result_t epx_comm_barrier(epx_comm_t comm)
     return comm->bootstrap->barrier(comm->bootstrap_state);
 }
 
-epx_result_t epx_buffer_fail_collective(epx_buffer_t buffer, uint64_t seq, epx_result_t res)
+epx_result_t epx_buffer_fail_collective(epx_buffer_t buffer, uint64_t seq, epx_result_t res, void *stream)
 {
     char message[1024];
     epx_error_copy(message, sizeof(message));
-    if (buffer->ops->fail_collective) buffer->ops->fail_collective(buffer, seq, res);
+    if (buffer->ops->fail_collective) buffer->ops->fail_collective(buffer, seq, res, stream);
     epx_error_set_message(message);
     return res;
 }

@@ -210,8 +210,9 @@ struct epx_buffer {
 
 /* This rank failed collective call `seq` on `buffer` before its operation ran: tells the peers
  * through the backend (they return EPX_ERR_REMOTE instead of waiting) and returns `res`, the
- * thread keeping the message of the failure. */
-epx_result_t epx_buffer_fail_collective(epx_buffer_t buffer, uint64_t seq, epx_result_t res);
+ * thread keeping the message of the failure. `stream` is the call's stream as far as its
+ * arguments could be read (NULL otherwise); telling the peers never breaks a capture on it. */
+epx_result_t epx_buffer_fail_collective(epx_buffer_t buffer, uint64_t seq, epx_result_t res, void *stream);
 
 typedef enum epx_handle_kind {
     EPX_HANDLE_HT = 1,
@@ -270,8 +271,9 @@ struct epx_backend_ops {
     void (*buffer_destroy)(epx_buffer_t buffer);
     void (*handle_free)(epx_handle_t handle);
     /* This rank failed its checks for collective call `seq`: tell the peers (they return
-     * EPX_ERR_REMOTE) and stay in step. */
-    void (*fail_collective)(epx_buffer_t buffer, uint64_t seq, epx_result_t res);
+     * EPX_ERR_REMOTE) and stay in step, legal while `stream` (the call's, may be NULL) is being
+     * captured into a CUDA graph. */
+    void (*fail_collective)(epx_buffer_t buffer, uint64_t seq, epx_result_t res, void *stream);
     epx_layout_op_t *layout;
     epx_ht_dispatch_op_t *ht_dispatch;
     epx_ht_combine_op_t *ht_combine;

@@ -489,12 +489,12 @@ static void cuda_buffer_destroy(epx_buffer_t buffer)
     buffer->backend_state = NULL;
 }
 
-/* The API layer refused a collective call: tell the peers. The table gives no stream, so this
- * path cannot tell whether the caller captures (see epx_cuda_tell_peers). */
-static void cuda_fail_collective(epx_buffer_t buffer, uint64_t seq, epx_result_t res)
+/* The API layer refused a collective call: tell the peers without breaking a capture of the
+ * call's stream (see epx_cuda_tell_peers). */
+static void cuda_fail_collective(epx_buffer_t buffer, uint64_t seq, epx_result_t res, void *stream)
 {
     cuda_buffer_t *cb = buffer->backend_state;
-    if (cb) epx_cuda_tell_peers(cb, seq, res, 0);
+    if (cb) epx_cuda_tell_peers(cb, seq, res, epx_cuda_stream_capturing(stream, 1));
 }
 
 static epx_result_t cuda_query_overflow(epx_buffer_t buffer, int *overflowed_out)

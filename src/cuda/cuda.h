@@ -97,6 +97,9 @@ epx_result_t epx_cuda_wait_event(cuda_buffer_t *cb, const char *what);
  * earlier work); legal while the caller's stream is being captured when `capturing` says so.
  * Sets no thread error, so the caller's message stays. */
 void epx_cuda_tell_peers(cuda_buffer_t *cb, uint64_t seq, epx_result_t res, int capturing);
+/* Whether `stream` is being captured into a CUDA graph; `if_unknown` when the query fails (a
+ * stream that cannot be queried, e.g. the legacy stream during another stream's global capture). */
+int epx_cuda_stream_capturing(void *stream, int if_unknown);
 
 /* HT operations (src/cuda/ht.c). */
 epx_result_t epx_cuda_layout(epx_buffer_t buffer, const epx_tensor_t *topk_idx, epx_layout_outputs_t *outputs,

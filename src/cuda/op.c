@@ -9,12 +9,12 @@
 
 #include "cuda/cuda.h"
 
-static int capturing(void *stream)
+int epx_cuda_stream_capturing(void *stream, int if_unknown)
 {
     enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
     if (cudaStreamIsCapturing((cudaStream_t)stream, &st) != cudaSuccess) {
         (void)cudaGetLastError();
-        return 0;
+        return if_unknown;
     }
     return st != cudaStreamCaptureStatusNone;
 }
@@ -78,7 +78,7 @@ epx_result_t epx_cuda_op_begin(epx_cuda_op_t *op, epx_buffer_t buffer, uint64_t 
     op->cb = cb;
     op->seq = seq;
     op->stream = stream;
-    op->capturing = capturing(stream);
+    op->capturing = epx_cuda_stream_capturing(stream, 0);
     op->mark = hb->err.code != 0 ? hb->err.epoch : 0;
     op->epoch = 0;
     epx_result_t res = epx_cuda_check(cudaSetDevice(cb->device), "cudaSetDevice", buffer->comm->rank);

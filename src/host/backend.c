@@ -50,7 +50,7 @@ static void host_handle_free(epx_handle_t handle)
     handle->backend_state = NULL;
 }
 
-static void host_fail_collective(epx_buffer_t buffer, uint64_t seq, epx_result_t res)
+static void host_fail_collective(epx_buffer_t buffer, uint64_t seq, epx_result_t res, void *stream)
 {
     if (buffer->backend_state) host_fail(buffer->backend_state, seq, res);
 }

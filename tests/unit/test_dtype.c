@@ -14,12 +14,14 @@
 static int calls_ht_dispatch, calls_fail;
 static uint64_t last_fail_seq, last_dispatch_seq;
 static epx_result_t last_fail_res;
+static void *last_fail_stream;
 
-static void fake_fail(epx_buffer_t buffer, uint64_t seq, epx_result_t res)
+static void fake_fail(epx_buffer_t buffer, uint64_t seq, epx_result_t res, void *stream)
 {
     calls_fail++;
     last_fail_seq = seq;
     last_fail_res = res;
+    last_fail_stream = stream;
     epx_error(EPX_ERR_INTERNAL, "the backend's own message must not replace the caller's");
 }
 static epx_result_t fake_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ht_dispatch_args_t *args,
@@ -262,16 +264,19 @@ static int test_fake_backend(void)
     EXPECT_EQ_INT(info.num_local_experts, 2);
     epx_handle_t h = o.handle;
 
-    /* A failed check: the backend op is not called, peers are told with the call's seq, and the
-     * caller keeps the message of its own failure. */
+    /* A failed check: the backend op is not called, peers are told with the call's seq and
+     * stream (so a capture of that stream survives), and the caller keeps the message of its own
+     * failure. */
     topk[2] = 2;
     o.handle = NULL;
+    a.stream = (void *)&calls_fail;
     EXPECT_RES(epx_ht_dispatch(&buffer, &a, &o), EPX_ERR_INVALID_ARG);
     EXPECT_MSG_HAS("topk_idx[2][0] = 2 is out of range [-1, 2)");
     EXPECT_EQ_INT(calls_ht_dispatch, 1);
     EXPECT_EQ_INT(calls_fail, 1);
     EXPECT_EQ_INT(last_fail_seq, 2);
     EXPECT_EQ_INT(last_fail_res, EPX_ERR_INVALID_ARG);
+    EXPECT_TRUE(last_fail_stream == (void *)&calls_fail);
     EXPECT_TRUE(o.handle == NULL);
 
     /* An operation the backend lacks is refused by name, and still counts as a collective. */
