@@ -167,15 +167,9 @@ static void *poller_main(void *arg)
         struct timespec ts = {0, 2 * 1000 * 1000};
         nanosleep(&ts, NULL);
         (void)epx_cuda_report_record(cb, cb->reported_epoch + 1, 0);
-        volatile epx_cuda_host_block_t *hb = cb->host;
-        if (hb->bad_where) {
-            char msg[256];
-            int64_t w = hb->bad_where - 1;
-            snprintf(msg, sizeof(msg), "rank %d: topk_idx[%lld][%lld] = %lld is out of range [0, %d) or repeated",
-                     cb->buffer->comm->rank, (long long)(w / 64), (long long)(w % 64), (long long)hb->bad_value,
-                     cb->buffer->config.num_experts);
+        char msg[256];
+        if (epx_cuda_bad_topk(cb, msg, sizeof(msg), 0))
             epx_comm_set_async_error(cb->buffer->comm, EPX_ERR_INVALID_ARG, msg);
-        }
     }
     return NULL;
 }

@@ -13,16 +13,8 @@ static epx_result_t ht_wait(const epx_cuda_op_t *op, const char *what)
 {
     cuda_buffer_t *cb = op->cb;
     EPX_CHECK(epx_cuda_op_wait(op, what));
-    volatile epx_cuda_host_block_t *hb = cb->host;
-    if (hb->bad_where) {
-        int64_t w = hb->bad_where - 1;
-        hb->bad_where = 0;
-        return epx_error(EPX_ERR_INVALID_ARG,
-                         "rank %d: topk_idx[%lld][%lld] = %lld is out of range [0, %d) or "
-                         "repeated",
-                         cb->buffer->comm->rank, (long long)(w / 64), (long long)(w % 64),
-                         (long long)hb->bad_value, cb->buffer->config.num_experts);
-    }
+    char msg[256];
+    if (epx_cuda_bad_topk(cb, msg, sizeof(msg), 1)) return epx_error(EPX_ERR_INVALID_ARG, "%s", msg);
     return EPX_SUCCESS;
 }
 

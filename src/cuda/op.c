@@ -5,6 +5,7 @@
  */
 #include <cuda_runtime.h>
 #include <sched.h>
+#include <stdio.h>
 #include <time.h>
 
 #include "cuda/cuda.h"
@@ -62,7 +63,7 @@ void epx_cuda_tell_peers(cuda_buffer_t *cb, uint64_t seq, epx_result_t res, int 
     }
     if (capturing) (void)cudaThreadExchangeStreamCaptureMode(&mode);
     EPX_INFO(EPX_SUBSYS_HT, "rank %d: told peers that collective call %llu failed (%s)",
-             cb->buffer->comm->rank, (unsigned long long)seq, epx_result_name(res));
+             cb->buffer->comm->rank, (unsigned long long)seq, epx_result_str(res));
 }
 
 epx_result_t epx_cuda_op_refuse(const epx_cuda_op_t *op, epx_result_t res)
@@ -113,4 +114,17 @@ epx_result_t epx_cuda_op_wait(const epx_cuda_op_t *op, const char *what)
     const volatile epx_cuda_host_block_t *hb = cb->host;
     if (hb->err.code != 0 && hb->err.epoch > op->mark) return epx_cuda_report_record(cb, op->mark + 1, 1);
     return EPX_SUCCESS;
+}
+
+int epx_cuda_bad_topk(cuda_buffer_t *cb, char *msg, size_t cap, int clear)
+{
+    volatile epx_cuda_host_block_t *hb = cb->host;
+    const int64_t where = hb->bad_where;
+    if (!where) return 0;
+    const int64_t w = where - 1;
+    snprintf(msg, cap, "rank %d: topk_idx[%lld][%lld] = %lld is out of range [0, %d) or repeated",
+             cb->buffer->comm->rank, (long long)(w / EPX_MAX_TOPK), (long long)(w % EPX_MAX_TOPK),
+             (long long)hb->bad_value, cb->buffer->config.num_experts);
+    if (clear) hb->bad_where = 0;
+    return 1;
 }
