@@ -374,15 +374,8 @@ __global__ void __launch_bounds__(kBlockThreads)
             c, [&](int r) { return &ll_ctrl(a, r)->disp_ack[a.slot][me]; }, epoch);
 }
 
-extern "C" int epx_cuda_launch_ll_dispatch_send(const epx_cuda_ll_args_t *args, void *stream)
-{
-    return launch_kernel(ll_dispatch_send_kernel, *args, args->c.num_blocks, kBlockThreads, 0, stream);
-}
-
-extern "C" int epx_cuda_launch_ll_dispatch_recv(const epx_cuda_ll_args_t *args, void *stream)
-{
-    return launch_kernel(ll_dispatch_recv_kernel, *args, args->c.num_blocks, kBlockThreads, 0, stream);
-}
+EPX_DEFINE_LAUNCHER(ll_dispatch_send, epx_cuda_ll_args_t)
+EPX_DEFINE_LAUNCHER(ll_dispatch_recv, epx_cuda_ll_args_t)
 
 /* ----------------------------------------------------------------------------- combine ---- */
 
@@ -520,15 +513,8 @@ __global__ void __launch_bounds__(kBlockThreads)
             c, [&](int r) { return &ll_ctrl(a, r)->comb_ack[a.slot][me]; }, epoch);
 }
 
-extern "C" int epx_cuda_launch_ll_combine_send(const epx_cuda_ll_args_t *args, void *stream)
-{
-    return launch_kernel(ll_combine_send_kernel, *args, args->c.num_blocks, kBlockThreads, 0, stream);
-}
-
-extern "C" int epx_cuda_launch_ll_combine_recv(const epx_cuda_ll_args_t *args, void *stream)
-{
-    return launch_kernel(ll_combine_recv_kernel, *args, args->c.num_blocks, kBlockThreads, 0, stream);
-}
+EPX_DEFINE_LAUNCHER(ll_combine_send, epx_cuda_ll_args_t)
+EPX_DEFINE_LAUNCHER(ll_combine_recv, epx_cuda_ll_args_t)
 
 /* --------------------------------------------------------------------------- failure ---- */
 
