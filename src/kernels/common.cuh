@@ -418,9 +418,9 @@ static inline int launch_kernel(void (*kernel)(Args), const Args &args, int grid
 
 /* Defines the contract's launcher epx_cuda_launch_<name>(const Args *, void *stream): <name>_kernel
  * over the args' grid of kBlockThreads-thread blocks. */
-#define EPX_DEFINE_LAUNCHER(name, Args)                                                        \
-    extern "C" int epx_cuda_launch_##name(const Args *args, void *stream)                      \
-    {                                                                                          \
+#define EPX_DEFINE_LAUNCHER(name, Args)                                                           \
+    extern "C" int epx_cuda_launch_##name(const Args *args, void *stream)                         \
+    {                                                                                             \
         return launch_kernel(name##_kernel, *args, args->c.num_blocks, kBlockThreads, 0, stream); \
     }
 
