@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kBlockThreads)
  * before their adds), adds in rank order, biases, rounds once. The last block tells the peers we
  * are done with their rows, waits until every source is done with ours (the caller may then
  * overwrite them), releases the combine areas and closes the epoch. */
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(kBlockThreads, 3)
     combine_view_reduce_kernel(const __grid_constant__ epx_cuda_combine_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
