@@ -31,34 +31,25 @@ extern "C" {
         if ((src)->size >= EPX_STRUCT_END(type, field)) (dst)->field = (src)->field; \
     } while (0)
 
-/* The checks of each collective call (api/ht.c, api/ll.c, api/rm.c; api/collective.c runs them):
- * read the caller's args and outputs over the defaults already in a and o, then check every
- * argument against the buffer. Nothing is written to the caller's memory. */
-epx_result_t epx_api_check_ht_dispatch(epx_buffer_t buffer, const epx_ht_dispatch_args_t *args,
-                                       const epx_ht_dispatch_outputs_t *outputs, epx_ht_dispatch_args_t *a,
-                                       epx_ht_dispatch_outputs_t *o);
-epx_result_t epx_api_check_ht_combine(epx_buffer_t buffer, const epx_ht_combine_args_t *args,
-                                      const epx_ht_combine_outputs_t *outputs, epx_ht_combine_args_t *a,
-                                      epx_ht_combine_outputs_t *o);
-epx_result_t epx_api_check_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *args,
-                                       const epx_ll_dispatch_outputs_t *outputs, epx_ll_dispatch_args_t *a,
-                                       epx_ll_dispatch_outputs_t *o);
-/* `seq`: the combine's own call, later than the dispatch its handle names. */
-epx_result_t epx_api_check_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll_combine_args_t *args,
-                                      const epx_ll_combine_outputs_t *outputs, epx_ll_combine_args_t *a,
-                                      epx_ll_combine_outputs_t *o);
-epx_result_t epx_api_check_rm_dispatch(epx_buffer_t buffer, const epx_rm_dispatch_args_t *args,
-                                       const epx_rm_dispatch_outputs_t *outputs, epx_rm_dispatch_args_t *a,
-                                       epx_rm_dispatch_outputs_t *o);
-epx_result_t epx_api_check_rm_combine(epx_buffer_t buffer, const epx_rm_combine_args_t *args,
-                                      const epx_rm_combine_outputs_t *outputs, epx_rm_combine_args_t *a,
-                                      epx_rm_combine_outputs_t *o);
+/* The checks of each collective call (api/ht.c, api/ll.c, api/rm.c; api/collective.c runs them),
+ * one signature for all: read the caller's args and outputs over the defaults already in a and o,
+ * then check every argument against the buffer. `seq` is the call's own number (an LL combine
+ * is later than the dispatch its handle names). Nothing is written to the caller's memory. */
+#define EPX_API_CHECK_FN(op)                                                                          \
+    epx_result_t epx_api_check_##op(epx_buffer_t buffer, uint64_t seq, const epx_##op##_args_t *args, \
+                                    const epx_##op##_outputs_t *outputs, epx_##op##_args_t *a,        \
+                                    epx_##op##_outputs_t *o)
+EPX_API_CHECK_FN(ht_dispatch);
+EPX_API_CHECK_FN(ht_combine);
+EPX_API_CHECK_FN(ll_dispatch);
+EPX_API_CHECK_FN(ll_combine);
+EPX_API_CHECK_FN(rm_dispatch);
+EPX_API_CHECK_FN(rm_combine);
 
 /* A new handle for dispatch call `seq` of T tokens of `dtype`; when out of memory, the peers are
  * told (the call fails; `stream` is the call's). */
 epx_result_t epx_api_handle_new(epx_buffer_t buffer, uint64_t seq, epx_handle_kind_t kind, int64_t T,
-                                epx_dtype_t dtype, int32_t permute, void *stream,
-                                epx_handle_t *handle_out);
+                                epx_dtype_t dtype, int32_t permute, void *stream, epx_handle_t *handle_out);
 /* The backend's verdict `res` on filling a new handle: on success the handle is live (counted
  * on its buffer), on failure it is freed, the failure's message kept. Returns `res`. */
 epx_result_t epx_api_handle_filled(epx_handle_t h, epx_result_t res);

@@ -17,19 +17,42 @@ static epx_result_t collective_begin(epx_buffer_t buffer, uint64_t *seq_out)
     return EPX_SUCCESS;
 }
 
+/* `res`: the verdict of the call's checks. `stream` is read only after they ran, so a refusal is
+ * told to the peers on the call's stream as far as it could be read. */
+static epx_result_t collective_checked(epx_buffer_t buffer, uint64_t seq, epx_result_t res,
+                                       void *const *stream)
+{
+    return res == EPX_SUCCESS ? EPX_SUCCESS : epx_buffer_fail_collective(buffer, seq, res, *stream);
+}
+
+/* The start of every entry point: number the call, then read and check the caller's structs into
+ * the copies `a` and `o` (declared here with `seq`) over their defaults. */
+#define COLLECTIVE_ENTER(op, OP)                      \
+    uint64_t seq;                                     \
+    EPX_CHECK(collective_begin(buffer, &seq));        \
+    epx_##op##_args_t a = EPX_##OP##_ARGS_INIT;       \
+    epx_##op##_outputs_t o = EPX_##OP##_OUTPUTS_INIT; \
+    EPX_CHECK(                                        \
+        collective_checked(buffer, seq, epx_api_check_##op(buffer, seq, args, outputs, &a, &o), &a.stream))
+
+/* An entry point whose backend writes every output itself (the combines of HT and routing-map). */
+#define COLLECTIVE_PLAIN(op, OP)                                                      \
+    EPX_API epx_result_t epx_##op(epx_buffer_t buffer, const epx_##op##_args_t *args, \
+                                  epx_##op##_outputs_t *outputs)                      \
+    {                                                                                 \
+        COLLECTIVE_ENTER(op, OP);                                                     \
+        return buffer->ops->op(buffer, seq, &a, &o);                                  \
+    }
+
 EPX_API epx_result_t epx_ht_dispatch(epx_buffer_t buffer, const epx_ht_dispatch_args_t *args,
                                      epx_ht_dispatch_outputs_t *outputs)
 {
-    uint64_t seq;
-    EPX_CHECK(collective_begin(buffer, &seq));
-    epx_ht_dispatch_args_t a = EPX_HT_DISPATCH_ARGS_INIT;
-    epx_ht_dispatch_outputs_t o = EPX_HT_DISPATCH_OUTPUTS_INIT;
-    epx_result_t res = epx_api_check_ht_dispatch(buffer, args, outputs, &a, &o);
-    if (res != EPX_SUCCESS) return epx_buffer_fail_collective(buffer, seq, res, a.stream);
+    COLLECTIVE_ENTER(ht_dispatch, HT_DISPATCH);
     epx_handle_t handle = a.cached_handle;
     if (!handle)
-        EPX_CHECK(epx_api_handle_new(buffer, seq, EPX_HANDLE_HT, a.x.shape[0], a.x.dtype, 0, a.stream, &handle));
-    res = buffer->ops->ht_dispatch(buffer, seq, &a, &o, handle);
+        EPX_CHECK(
+            epx_api_handle_new(buffer, seq, EPX_HANDLE_HT, a.x.shape[0], a.x.dtype, 0, a.stream, &handle));
+    epx_result_t res = buffer->ops->ht_dispatch(buffer, seq, &a, &o, handle);
     if (!a.cached_handle) res = epx_api_handle_filled(handle, res);
     EPX_CHECK(res);
     if (!a.cached_handle) o.handle = handle;
@@ -44,28 +67,13 @@ EPX_API epx_result_t epx_ht_dispatch(epx_buffer_t buffer, const epx_ht_dispatch_
     return EPX_SUCCESS;
 }
 
-EPX_API epx_result_t epx_ht_combine(epx_buffer_t buffer, const epx_ht_combine_args_t *args,
-                                    epx_ht_combine_outputs_t *outputs)
-{
-    uint64_t seq;
-    EPX_CHECK(collective_begin(buffer, &seq));
-    epx_ht_combine_args_t a = EPX_HT_COMBINE_ARGS_INIT;
-    epx_ht_combine_outputs_t o = EPX_HT_COMBINE_OUTPUTS_INIT;
-    epx_result_t res = epx_api_check_ht_combine(buffer, args, outputs, &a, &o);
-    if (res != EPX_SUCCESS) return epx_buffer_fail_collective(buffer, seq, res, a.stream);
-    return buffer->ops->ht_combine(buffer, seq, &a, &o);
-}
+COLLECTIVE_PLAIN(ht_combine, HT_COMBINE)
 
+/* The LL slot is counted by the checks, failed calls too. */
 EPX_API epx_result_t epx_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *args,
                                      epx_ll_dispatch_outputs_t *outputs)
 {
-    uint64_t seq;
-    EPX_CHECK(collective_begin(buffer, &seq));
-    buffer->ll_dispatches++; /* failed calls too: every rank keeps the same LL slot order */
-    epx_ll_dispatch_args_t a = EPX_LL_DISPATCH_ARGS_INIT;
-    epx_ll_dispatch_outputs_t o = EPX_LL_DISPATCH_OUTPUTS_INIT;
-    epx_result_t res = epx_api_check_ll_dispatch(buffer, args, outputs, &a, &o);
-    if (res != EPX_SUCCESS) return epx_buffer_fail_collective(buffer, seq, res, a.stream);
+    COLLECTIVE_ENTER(ll_dispatch, LL_DISPATCH);
     EPX_CHECK(buffer->ops->ll_dispatch(buffer, seq, &a, &o));
     WRITE_OUT(outputs, &o, epx_ll_dispatch_outputs_t, handle);
     if (a.return_recv_hook) WRITE_OUT(outputs, &o, epx_ll_dispatch_outputs_t, hook);
@@ -75,12 +83,7 @@ EPX_API epx_result_t epx_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_
 EPX_API epx_result_t epx_ll_combine(epx_buffer_t buffer, const epx_ll_combine_args_t *args,
                                     epx_ll_combine_outputs_t *outputs)
 {
-    uint64_t seq;
-    EPX_CHECK(collective_begin(buffer, &seq));
-    epx_ll_combine_args_t a = EPX_LL_COMBINE_ARGS_INIT;
-    epx_ll_combine_outputs_t o = EPX_LL_COMBINE_OUTPUTS_INIT;
-    epx_result_t res = epx_api_check_ll_combine(buffer, seq, args, outputs, &a, &o);
-    if (res != EPX_SUCCESS) return epx_buffer_fail_collective(buffer, seq, res, a.stream);
+    COLLECTIVE_ENTER(ll_combine, LL_COMBINE);
     EPX_CHECK(buffer->ops->ll_combine(buffer, seq, &a, &o));
     if (a.return_recv_hook) WRITE_OUT(outputs, &o, epx_ll_combine_outputs_t, hook);
     return EPX_SUCCESS;
@@ -89,12 +92,7 @@ EPX_API epx_result_t epx_ll_combine(epx_buffer_t buffer, const epx_ll_combine_ar
 EPX_API epx_result_t epx_rm_dispatch(epx_buffer_t buffer, const epx_rm_dispatch_args_t *args,
                                      epx_rm_dispatch_outputs_t *outputs)
 {
-    uint64_t seq;
-    EPX_CHECK(collective_begin(buffer, &seq));
-    epx_rm_dispatch_args_t a = EPX_RM_DISPATCH_ARGS_INIT;
-    epx_rm_dispatch_outputs_t o = EPX_RM_DISPATCH_OUTPUTS_INIT;
-    epx_result_t res = epx_api_check_rm_dispatch(buffer, args, outputs, &a, &o);
-    if (res != EPX_SUCCESS) return epx_buffer_fail_collective(buffer, seq, res, a.stream);
+    COLLECTIVE_ENTER(rm_dispatch, RM_DISPATCH);
     epx_handle_t handle;
     EPX_CHECK(epx_api_handle_new(buffer, seq, EPX_HANDLE_RM, a.hidden.shape[0], a.hidden.dtype,
                                  a.permute ? 1 : 0, a.stream, &handle));
@@ -105,14 +103,4 @@ EPX_API epx_result_t epx_rm_dispatch(epx_buffer_t buffer, const epx_rm_dispatch_
     return EPX_SUCCESS;
 }
 
-EPX_API epx_result_t epx_rm_combine(epx_buffer_t buffer, const epx_rm_combine_args_t *args,
-                                    epx_rm_combine_outputs_t *outputs)
-{
-    uint64_t seq;
-    EPX_CHECK(collective_begin(buffer, &seq));
-    epx_rm_combine_args_t a = EPX_RM_COMBINE_ARGS_INIT;
-    epx_rm_combine_outputs_t o = EPX_RM_COMBINE_OUTPUTS_INIT;
-    epx_result_t res = epx_api_check_rm_combine(buffer, args, outputs, &a, &o);
-    if (res != EPX_SUCCESS) return epx_buffer_fail_collective(buffer, seq, res, a.stream);
-    return buffer->ops->rm_combine(buffer, seq, &a, &o);
-}
+COLLECTIVE_PLAIN(rm_combine, RM_COMBINE)

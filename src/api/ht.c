@@ -35,9 +35,7 @@ EPX_API epx_result_t epx_get_dispatch_layout(epx_buffer_t buffer, const epx_tens
 
 /* ----------------------------------------------------------------------------------- HT ---- */
 
-epx_result_t epx_api_check_ht_dispatch(epx_buffer_t buffer, const epx_ht_dispatch_args_t *args,
-                                       const epx_ht_dispatch_outputs_t *outputs, epx_ht_dispatch_args_t *a,
-                                       epx_ht_dispatch_outputs_t *o)
+EPX_API_CHECK_FN(ht_dispatch)
 {
     epx_comm_t comm = buffer->comm;
     const epx_buffer_config_t *cfg = &buffer->config;
@@ -130,9 +128,7 @@ epx_result_t epx_api_check_ht_dispatch(epx_buffer_t buffer, const epx_ht_dispatc
     return EPX_SUCCESS;
 }
 
-epx_result_t epx_api_check_ht_combine(epx_buffer_t buffer, const epx_ht_combine_args_t *args,
-                                      const epx_ht_combine_outputs_t *outputs, epx_ht_combine_args_t *a,
-                                      epx_ht_combine_outputs_t *o)
+EPX_API_CHECK_FN(ht_combine)
 {
     epx_comm_t comm = buffer->comm;
     const int64_t H = buffer->config.hidden, K = buffer->config.num_topk;

@@ -6,10 +6,9 @@
 
 #include "api/api.h"
 
-epx_result_t epx_api_check_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *args,
-                                       const epx_ll_dispatch_outputs_t *outputs, epx_ll_dispatch_args_t *a,
-                                       epx_ll_dispatch_outputs_t *o)
+EPX_API_CHECK_FN(ll_dispatch)
 {
+    buffer->ll_dispatches++; /* before any check: every rank keeps the same LL slot order */
     epx_comm_t comm = buffer->comm;
     const epx_buffer_config_t *cfg = &buffer->config;
     const int64_t H = cfg->hidden, K = cfg->num_topk, L = buffer->num_local_experts;
@@ -53,9 +52,7 @@ epx_result_t epx_api_check_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatc
     return EPX_SUCCESS;
 }
 
-epx_result_t epx_api_check_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll_combine_args_t *args,
-                                      const epx_ll_combine_outputs_t *outputs, epx_ll_combine_args_t *a,
-                                      epx_ll_combine_outputs_t *o)
+EPX_API_CHECK_FN(ll_combine)
 {
     epx_comm_t comm = buffer->comm;
     const epx_buffer_config_t *cfg = &buffer->config;

@@ -9,9 +9,7 @@
 
 #define RM_DTYPES (BIT(BF16) | BIT(FP8_E4M3))
 
-epx_result_t epx_api_check_rm_dispatch(epx_buffer_t buffer, const epx_rm_dispatch_args_t *args,
-                                       const epx_rm_dispatch_outputs_t *outputs, epx_rm_dispatch_args_t *a,
-                                       epx_rm_dispatch_outputs_t *o)
+EPX_API_CHECK_FN(rm_dispatch)
 {
     epx_comm_t comm = buffer->comm;
     const epx_buffer_config_t *cfg = &buffer->config;
@@ -67,9 +65,7 @@ epx_result_t epx_api_check_rm_dispatch(epx_buffer_t buffer, const epx_rm_dispatc
     return EPX_SUCCESS;
 }
 
-epx_result_t epx_api_check_rm_combine(epx_buffer_t buffer, const epx_rm_combine_args_t *args,
-                                      const epx_rm_combine_outputs_t *outputs, epx_rm_combine_args_t *a,
-                                      epx_rm_combine_outputs_t *o)
+EPX_API_CHECK_FN(rm_combine)
 {
     epx_comm_t comm = buffer->comm;
     const int64_t H = buffer->config.hidden;

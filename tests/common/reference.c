@@ -241,6 +241,16 @@ int ref_problem_init(ref_problem_t *p, int R, int E, int K, int64_t H, int64_t T
     return 0;
 }
 
+/* Frees the arrays of a reference result and zeroes the result (`size` bytes at `out`). */
+static void free_result(void *out, size_t size, void *const *arrays, size_t n)
+{
+    for (size_t i = 0; i < n; i++) free(arrays[i]);
+    memset(out, 0, size);
+}
+#define FREE_RESULT(out, ...)                                        \
+    free_result((out), sizeof(*(out)), (void *const[]){__VA_ARGS__}, \
+                sizeof((void *const[]){__VA_ARGS__}) / sizeof(void *))
+
 void ref_problem_free(ref_problem_t *p)
 {
     for (int s = 0; s < p->R; s++) {
@@ -367,12 +377,7 @@ int ref_ht_dispatch(const ref_problem_t *p, int r, int alignment, ref_ht_recv_t 
 
 void ref_ht_recv_free(ref_ht_recv_t *out)
 {
-    free(out->src);
-    free(out->tok);
-    free(out->idx);
-    free(out->w);
-    free(out->per_expert);
-    memset(out, 0, sizeof(*out));
+    FREE_RESULT(out, out->src, out->tok, out->idx, out->w, out->per_expert);
 }
 
 void ref_ht_combine(const ref_problem_t *p, int s, uint64_t yseed, bool bias0, bool bias1, uint16_t *out,
@@ -438,11 +443,7 @@ int ref_ll_dispatch(const ref_problem_t *p, int r, ref_ll_recv_t *out)
 
 void ref_ll_recv_free(ref_ll_recv_t *out)
 {
-    free(out->count);
-    free(out->src);
-    free(out->tok);
-    free(out->range);
-    memset(out, 0, sizeof(*out));
+    FREE_RESULT(out, out->count, out->src, out->tok, out->range);
 }
 
 void ref_ll_cast(const uint16_t *row, int64_t H, bool round_scale, uint8_t *q, float *scale_inv)
@@ -552,12 +553,7 @@ int ref_rm_dispatch(const ref_problem_t *p, int r, bool permute, int pad, int64_
 
 void ref_rm_recv_free(ref_rm_recv_t *out)
 {
-    free(out->src);
-    free(out->tok);
-    free(out->j);
-    free(out->probs);
-    free(out->tokens_per_expert);
-    memset(out, 0, sizeof(*out));
+    FREE_RESULT(out, out->src, out->tok, out->j, out->probs, out->tokens_per_expert);
 }
 
 int ref_rm_combine(const ref_problem_t *p, int s, bool permute, int pad, const int64_t *bounds, bool weighted,

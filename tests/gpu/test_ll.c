@@ -258,6 +258,16 @@ static int upload_y(const cfg_t *g, int rank, const ref_ll_recv_t *ref, uint64_t
     return 0;
 }
 
+/* The way out of a run: frees its host copies and its reference, and returns `rc`. */
+static int run_free(int rc, uint16_t *eout, uint16_t *got, ref_ll_recv_t *ref, ref_problem_t *p)
+{
+    free(eout);
+    free(got);
+    ref_ll_recv_free(ref);
+    ref_problem_free(p);
+    return rc;
+}
+
 static int run_case(epx_buffer_t buf, cfg_t *g, int rank, const ll_case_t *cs, uint64_t seed)
 {
     ref_problem_t p;
@@ -364,11 +374,7 @@ static int run_case(epx_buffer_t buf, cfg_t *g, int rank, const ll_case_t *cs, u
     }
     rc = 0;
 out:
-    free(eout);
-    free(got);
-    ref_ll_recv_free(&ref);
-    ref_problem_free(&p);
-    return rc;
+    return run_free(rc, eout, got, &ref, &p);
 }
 
 /* Two dispatches in flight (hooks run later, in order), their combines, then a third dispatch
@@ -459,11 +465,7 @@ out:
     cudaFree(rx2);
     cudaFree(rc2);
     cudaFree(out2);
-    free(eout);
-    free(got);
-    ref_ll_recv_free(&ref);
-    ref_problem_free(&p);
-    return rc;
+    return run_free(rc, eout, got, &ref, &p);
 }
 
 /* Dispatch, a stand-in expert (y = recv_x) and combine captured in one graph, replayed with new
