@@ -67,6 +67,7 @@ EPX_API epx_result_t epx_ht_dispatch(epx_buffer_t buffer, const epx_ht_dispatch_
     return EPX_SUCCESS;
 }
 
+/* epx_ht_combine */
 COLLECTIVE_PLAIN(ht_combine, HT_COMBINE)
 
 /* The LL slot is counted by the checks, failed calls too. */
@@ -103,4 +104,5 @@ EPX_API epx_result_t epx_rm_dispatch(epx_buffer_t buffer, const epx_rm_dispatch_
     return EPX_SUCCESS;
 }
 
+/* epx_rm_combine */
 COLLECTIVE_PLAIN(rm_combine, RM_COMBINE)
