@@ -18,31 +18,15 @@
 #include "core/internal.h"
 #include "core/socket.h"
 
-#define BOOT_ID_MAGIC    0x45505849u /* "EPXI" */
-#define BOOT_HELLO_MAGIC 0x4550584fu /* "EPXO" */
 #define BOOT_DATA_MAGIC  0x45505844u /* "EPXD" */
 #define BOOT_REPLY_MAGIC 0x45505852u /* "EPXR" */
-/* After a failure, rank 0 keeps accepting this long so late ranks learn why instead of timing out. */
+/* After a failure, rank 0 keeps accepting this long (within its deadline) so late ranks learn why. */
 #define BOOT_TELL_GRACE_MS 1000
-/* Non-root ranks wait this much past their own deadline for rank 0's verdict. */
-#define BOOT_REPLY_MARGIN_MS 1000
+/* Rank 0 gives its verdict this much (at most a tenth of the timeout) before the common deadline, so
+ * that peers which started a little earlier still hear why instead of timing out themselves. */
+#define BOOT_VERDICT_LEAD_MS 100
 
-/* Layout inside epx_unique_id_t. Peers of one job share the byte order (the magic checks it). */
-typedef struct {
-    uint32_t magic;
-    uint32_t addr; /* IPv4, network order */
-    uint64_t nonce;
-    uint16_t port; /* network order */
-} boot_id_t;
-_Static_assert(sizeof(boot_id_t) <= EPX_UNIQUE_ID_BYTES, "unique id too small");
-
-typedef struct {
-    uint32_t magic;
-    int32_t rank;
-    int32_t nranks;
-    uint32_t pad;
-    uint64_t nonce;
-} boot_hello_t;
+_Static_assert(sizeof(epx_boot_id_t) <= EPX_UNIQUE_ID_BYTES, "unique id too small");
 
 /* A non-root rank's block header in an allgather. */
 typedef struct {
@@ -63,32 +47,62 @@ typedef struct {
 typedef struct {
     int rank, nranks;
     int64_t timeout_ms;
-    uint64_t nonce;
+    unsigned char secret[EPX_BOOT_SECRET_BYTES];
     int *fds;     /* rank 0: [nranks] connection to each peer (fds[0] = -1); others: fds[0] to rank 0 */
     uint64_t seq; /* allgathers done */
     int broken;   /* a failed exchange left the streams out of step */
 } boot_tcp_t;
 
-static uint64_t make_nonce(void)
+/* The secret must be unguessable: no fallback to clocks or pids. */
+static epx_result_t random_bytes(void *buf, size_t len)
 {
-    uint64_t nonce = 0;
-    if (getrandom(&nonce, sizeof(nonce), GRND_NONBLOCK) == (ssize_t)sizeof(nonce) && nonce) return nonce;
-    static _Atomic uint64_t counter;
-    nonce =
-        epx_time_ns() ^ ((uint64_t)getpid() << 32) ^ (atomic_fetch_add(&counter, 1) * 0x9e3779b97f4a7c15ull);
-    return nonce ? nonce : 1;
+    if (getrandom(buf, len, GRND_NONBLOCK) == (ssize_t)len) return EPX_SUCCESS;
+    FILE *f = fopen("/dev/urandom", "rb");
+    size_t got = f ? fread(buf, 1, len, f) : 0;
+    if (f) fclose(f);
+    if (got == len) return EPX_SUCCESS;
+    return epx_error(EPX_ERR_SYSTEM,
+                     "no random bytes for the unique id's secret (getrandom and /dev/urandom)");
+}
+
+/* The key of an id's kept listening socket: part of its secret. */
+static uint64_t listener_key(const unsigned char *secret)
+{
+    uint64_t key;
+    memcpy(&key, secret, sizeof(key));
+    return key;
+}
+
+/* Constant time, so that the time to refuse tells nothing about the secret. */
+static int secret_equal(const unsigned char *a, const unsigned char *b)
+{
+    unsigned diff = 0;
+    for (int i = 0; i < EPX_BOOT_SECRET_BYTES; i++) diff |= (unsigned)(a[i] ^ b[i]);
+    return diff == 0;
+}
+
+/* The deadline by which rank 0 answers, a little before the one its peers wait for. */
+static uint64_t verdict_deadline(uint64_t deadline, int64_t timeout_ms)
+{
+    int64_t lead = timeout_ms / 10 < BOOT_VERDICT_LEAD_MS ? timeout_ms / 10 : BOOT_VERDICT_LEAD_MS;
+    return deadline - (uint64_t)lead * 1000000ull;
 }
 
 epx_result_t epx_bootstrap_unique_id(epx_unique_id_t *id_out)
 {
     const epx_params_t *params;
     EPX_CHECK(epx_params_get(&params));
+    epx_boot_id_t id;
+    memset(&id, 0, sizeof(id));
+    EPX_CHECK(random_bytes(id.secret, sizeof(id.secret)));
     struct sockaddr_in sa;
     EPX_CHECK(epx_socket_choose_address(params, &sa));
     int fd;
     EPX_CHECK(epx_socket_listen(&sa, SOMAXCONN, &fd));
-    boot_id_t id = {BOOT_ID_MAGIC, sa.sin_addr.s_addr, make_nonce(), sa.sin_port};
-    epx_result_t res = epx_socket_keep_listener(id.nonce, fd);
+    id.magic = EPX_BOOT_ID_MAGIC;
+    id.addr = sa.sin_addr.s_addr;
+    id.port = sa.sin_port;
+    epx_result_t res = epx_socket_keep_listener(listener_key(id.secret), fd);
     if (res != EPX_SUCCESS) {
         close(fd);
         return res;
@@ -176,10 +190,11 @@ static void format_rank_list(const unsigned char *missing, int nranks, char *out
 typedef struct {
     int fd;
     size_t got;
-    boot_hello_t hello;
+    uint64_t hello_deadline;
+    epx_boot_hello_t hello;
 } pending_conn_t;
 
-static void reply_all(boot_tcp_t *s, const int *fds, int count, epx_result_t status, uint64_t seq)
+static void reply_all(const int *fds, int count, epx_result_t status, uint64_t seq, uint64_t deadline)
 {
     boot_reply_t reply;
     memset(&reply, 0, sizeof(reply));
@@ -187,7 +202,6 @@ static void reply_all(boot_tcp_t *s, const int *fds, int count, epx_result_t sta
     reply.status = (int32_t)status;
     reply.seq = seq;
     if (status != EPX_SUCCESS) epx_error_copy(reply.message, sizeof(reply.message));
-    uint64_t deadline = epx_deadline_after_ms(BOOT_TELL_GRACE_MS);
     /* Telling is best effort: a peer that is gone already knows something failed. */
     for (int i = 0; i < count; i++) {
         const char *p = (const char *)&reply;
@@ -209,80 +223,113 @@ static void reply_all(boot_tcp_t *s, const int *fds, int count, epx_result_t sta
     }
 }
 
-/* Rank 0: accepts nranks-1 peers, checks their hellos, and tells every one of them the verdict. */
+/* Rank 0: why an authenticated hello cannot join (a message naming the rank), or EPX_SUCCESS. */
+static epx_result_t check_hello(const boot_tcp_t *s, const epx_boot_hello_t *h, char *why, size_t cap)
+{
+    if (h->nranks != s->nranks) {
+        snprintf(why, cap, "rank %d was told nranks = %d, rank 0 was told nranks = %d", h->rank, h->nranks,
+                 s->nranks);
+        return EPX_ERR_MISMATCH;
+    }
+    if (h->rank <= 0 || h->rank >= s->nranks) {
+        snprintf(why, cap, "a peer joined the rendezvous as rank %d, outside [1, %d)", h->rank, s->nranks);
+        return EPX_ERR_BOOTSTRAP;
+    }
+    if (s->fds[h->rank] >= 0) {
+        snprintf(why, cap, "two processes joined the rendezvous as rank %d", h->rank);
+        return EPX_ERR_BOOTSTRAP;
+    }
+    return EPX_SUCCESS;
+}
+
+/* Rank 0: reads what `pc` has sent. 1: a whole hello that authenticates, 0: not yet, -1: dropped
+ * (closed, broken, wrong secret, or more than a hello); nothing is ever sent to a dropped one. */
+static int read_hello(const boot_tcp_t *s, pending_conn_t *pc)
+{
+    ssize_t got = recv(pc->fd, (char *)&pc->hello + pc->got, sizeof(pc->hello) - pc->got, 0);
+    if (got < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
+    const char *why = got == 0 ? "closed" : "failed";
+    if (got > 0) {
+        pc->got += (size_t)got;
+        if (pc->got < sizeof(pc->hello)) return 0;
+        char more;
+        why = NULL;
+        if (pc->hello.magic != EPX_BOOT_HELLO_MAGIC || !secret_equal(pc->hello.secret, s->secret))
+            why = "did not authenticate";
+        else if (recv(pc->fd, &more, 1, MSG_PEEK | MSG_DONTWAIT) > 0)
+            why = "sent more than a hello";
+        if (!why) return 1;
+    }
+    EPX_WARN(EPX_SUBSYS_BOOTSTRAP, "rank 0: dropping a rendezvous connection that %s after %zu bytes", why,
+             pc->got);
+    return -1;
+}
+
+/* Rank 0: accepts nranks-1 peers, checks their hellos, and tells every one of them the verdict. A
+ * connection gets EPX_BOOT_HELLO_MS to authenticate and at most EPX_BOOT_PENDING_MAX wait at once
+ * (the oldest makes room), so idle or hostile connections never hold the real ranks back. */
 static epx_result_t root_rendezvous(boot_tcp_t *s, int listen_fd, uint64_t deadline)
 {
-    int nranks = s->nranks;
+    const int nranks = s->nranks, cap = EPX_BOOT_PENDING_MAX;
+    const int64_t hello_ms = s->timeout_ms < EPX_BOOT_HELLO_MS ? s->timeout_ms : EPX_BOOT_HELLO_MS;
     epx_result_t res = EPX_SUCCESS;
-    int joined = 0, npending = 0, nextra = 0, cap = nranks + 16;
-    uint64_t give_up = deadline;
+    int joined = 0, npending = 0, nextra = 0;
+    uint64_t give_up = verdict_deadline(deadline, s->timeout_ms);
     pending_conn_t *pending = calloc((size_t)cap, sizeof(*pending));
-    int *extra = calloc((size_t)cap, sizeof(*extra)); /* rejected peers still to be told */
+    int *extra = calloc((size_t)cap, sizeof(*extra)); /* refused peers still to be told */
     struct pollfd *pfds = calloc((size_t)cap + 1, sizeof(*pfds));
     unsigned char *missing = calloc((size_t)nranks, 1);
     if (!pending || !extra || !pfds || !missing) {
         res = epx_error(EPX_ERR_OUT_OF_MEMORY, "rank 0: rendezvous tables for %d ranks", nranks);
         goto out;
     }
-    for (;;) {
-        /* Done when every slot is filled; after a failure, when as many peers as expected came. */
-        if (npending == 0 && (joined == nranks - 1 || (res != EPX_SUCCESS && joined + nextra >= nranks - 1)))
-            break;
-        if (epx_time_ns() >= give_up) break;
+    /* Done when every slot is filled; after a failure, when as many peers as expected came. */
+    while (joined < nranks - 1 && (res == EPX_SUCCESS || joined + nextra < nranks - 1)) {
+        uint64_t now = epx_time_ns(), wake = give_up;
+        if (now >= give_up) break;
+        for (int i = npending - 1; i >= 0; i--) {
+            if (now < pending[i].hello_deadline) {
+                if (pending[i].hello_deadline < wake) wake = pending[i].hello_deadline;
+                continue;
+            }
+            EPX_WARN(EPX_SUBSYS_BOOTSTRAP, "rank 0: dropping a rendezvous connection silent for %lld ms",
+                     (long long)hello_ms);
+            close(pending[i].fd);
+            pending[i] = pending[--npending];
+        }
         int n = 0;
         pfds[n++] = (struct pollfd){listen_fd, POLLIN, 0};
         for (int i = 0; i < npending; i++) pfds[n++] = (struct pollfd){pending[i].fd, POLLIN, 0};
-        int ready = poll(pfds, (nfds_t)n, epx_socket_remaining_ms(give_up));
+        int ready = poll(pfds, (nfds_t)n, epx_socket_remaining_ms(wake));
         if (ready < 0 && errno != EINTR) {
             res = epx_error(EPX_ERR_SYSTEM, "rank 0: poll in the rendezvous failed: %s", strerror(errno));
             break;
         }
         if (ready <= 0) continue;
-        /* Hellos first (indices shift as entries complete), then new connections. */
+        /* Hellos first (backwards: a finished entry is refilled from the end), then new connections. */
         for (int i = npending - 1; i >= 0; i--) {
             if (!pfds[1 + i].revents) continue;
-            pending_conn_t *pc = &pending[i];
-            ssize_t got = recv(pc->fd, (char *)&pc->hello + pc->got, sizeof(pc->hello) - pc->got, 0);
-            if (got < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
-            int drop = got <= 0;
-            if (got > 0) pc->got += (size_t)got;
-            if (!drop && pc->got < sizeof(pc->hello)) continue;
-            /* Copy out before the slot is refilled from the end of the list. */
-            const boot_hello_t hello = pc->hello;
-            const boot_hello_t *h = &hello;
-            size_t hello_got = pc->got;
-            int fd = pc->fd;
+            int state = read_hello(s, &pending[i]);
+            if (state == 0) continue;
+            const epx_boot_hello_t hello = pending[i].hello;
+            int fd = pending[i].fd;
             pending[i] = pending[--npending];
-            if (drop || h->magic != BOOT_HELLO_MAGIC || h->nonce != s->nonce) {
-                /* Not one of ours (a stale job or a port scan): ignore it. */
-                EPX_WARN(EPX_SUBSYS_BOOTSTRAP,
-                         "rank 0: ignoring a rendezvous connection that is not part of "
-                         "this job (%s after %zu bytes)",
-                         drop ? (got == 0 ? "closed" : strerror(errno)) : "wrong magic or nonce", hello_got);
+            if (state < 0) {
                 close(fd);
                 continue;
             }
             epx_socket_set_nodelay(fd);
-            epx_result_t bad = EPX_SUCCESS;
             char why[160];
-            if (h->nranks != nranks) {
-                bad = EPX_ERR_MISMATCH;
-                snprintf(why, sizeof(why), "rank %d was told nranks = %d, rank 0 was told nranks = %d",
-                         h->rank, h->nranks, nranks);
-            } else if (h->rank <= 0 || h->rank >= nranks) {
-                bad = EPX_ERR_BOOTSTRAP;
-                snprintf(why, sizeof(why), "a peer joined the rendezvous as rank %d, outside [1, %d)",
-                         h->rank, nranks);
-            } else if (s->fds[h->rank] >= 0) {
-                bad = EPX_ERR_BOOTSTRAP;
-                snprintf(why, sizeof(why), "two processes joined the rendezvous as rank %d", h->rank);
-            }
+            epx_result_t bad = check_hello(s, &hello, why, sizeof(why));
             if (bad == EPX_SUCCESS) {
-                s->fds[h->rank] = fd;
+                s->fds[hello.rank] = fd;
                 joined++;
                 continue;
             }
-            extra[nextra++] = fd;
+            if (nextra < cap)
+                extra[nextra++] = fd;
+            else
+                close(fd);
             /* The first problem is the one every rank reports. */
             if (res == EPX_SUCCESS) {
                 res = epx_error(bad, "%s", why);
@@ -290,13 +337,21 @@ static epx_result_t root_rendezvous(boot_tcp_t *s, int listen_fd, uint64_t deadl
                 if (grace < give_up) give_up = grace;
             }
         }
-        if (pfds[0].revents) {
-            for (;;) {
-                if (npending + nextra >= cap) break; /* more connections than ranks: leave them queued */
-                int fd = accept4(listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-                if (fd < 0) break;
-                pending[npending++] = (pending_conn_t){fd, 0, {0}};
+        for (int k = 0; pfds[0].revents && k < cap; k++) {
+            int fd = accept4(listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+            if (fd < 0) break;
+            int slot = npending;
+            if (npending == cap) {
+                slot = 0;
+                for (int i = 1; i < npending; i++)
+                    if (pending[i].hello_deadline < pending[slot].hello_deadline) slot = i;
+                EPX_WARN(EPX_SUBSYS_BOOTSTRAP,
+                         "rank 0: %d rendezvous connections without a hello: dropping the oldest", cap);
+                close(pending[slot].fd);
+            } else {
+                npending++;
             }
+            pending[slot] = (pending_conn_t){fd, 0, epx_deadline_after_ms(hello_ms), {0}};
         }
     }
     if (res == EPX_SUCCESS && joined < nranks - 1) {
@@ -308,8 +363,8 @@ static epx_result_t root_rendezvous(boot_tcp_t *s, int listen_fd, uint64_t deadl
                         "(missing: %s)",
                         nranks - 1 - joined, nranks, (long long)s->timeout_ms, list);
     }
-    reply_all(s, s->fds, nranks, res, 0);
-    reply_all(s, extra, nextra, res, 0);
+    reply_all(s->fds, nranks, res, 0, deadline);
+    reply_all(extra, nextra, res, 0, deadline);
 out:
     for (int i = 0; i < npending; i++) close(pending[i].fd);
     for (int i = 0; i < nextra; i++) close(extra[i]);
@@ -362,11 +417,11 @@ static epx_result_t peer_rendezvous(boot_tcp_t *s, const struct sockaddr_in *roo
         if (sleep_ms < 100) sleep_ms *= 2;
     }
     epx_socket_set_nodelay(s->fds[0]);
-    boot_hello_t hello = {BOOT_HELLO_MAGIC, s->rank, s->nranks, 0, s->nonce};
+    epx_boot_hello_t hello = {EPX_BOOT_HELLO_MAGIC, s->rank, s->nranks, 0, {0}};
+    memcpy(hello.secret, s->secret, sizeof(hello.secret));
     EPX_CHECK(send_all(s, 0, &hello, sizeof(hello), deadline, "the rendezvous hello"));
     boot_reply_t reply;
-    uint64_t reply_deadline = deadline + (uint64_t)BOOT_REPLY_MARGIN_MS * 1000000ull;
-    EPX_CHECK(recv_all(s, 0, &reply, sizeof(reply), reply_deadline, "the rendezvous verdict"));
+    EPX_CHECK(recv_all(s, 0, &reply, sizeof(reply), deadline, "the rendezvous verdict"));
     reply.message[sizeof(reply.message) - 1] = '\0';
     if (reply.magic != BOOT_REPLY_MAGIC)
         return epx_error(EPX_ERR_BOOTSTRAP, "rank %d: rank 0 at %s answered with a bad magic 0x%08x", s->rank,
@@ -491,14 +546,11 @@ static epx_result_t tcp_allgather(void *state, const void *send_buf, void *recv_
         return EPX_SUCCESS;
     }
     if (s->rank == 0) {
-        res = root_gather(s, recv_buf, bytes, deadline);
+        res = root_gather(s, recv_buf, bytes, verdict_deadline(deadline, s->timeout_ms));
         if (res == EPX_SUCCESS && bytes) memmove(recv_buf, send_buf, bytes);
         /* The verdict goes to everyone; the array only when the gather succeeded. */
-        uint64_t send_deadline = deadline;
-        uint64_t min_deadline = epx_deadline_after_ms(BOOT_TELL_GRACE_MS);
-        if (send_deadline < min_deadline) send_deadline = min_deadline;
         if (res != EPX_SUCCESS) {
-            reply_all(s, s->fds, s->nranks, res, seq);
+            reply_all(s->fds, s->nranks, res, seq, deadline);
         } else {
             boot_reply_t reply;
             memset(&reply, 0, sizeof(reply));
@@ -506,12 +558,12 @@ static epx_result_t tcp_allgather(void *state, const void *send_buf, void *recv_
             reply.status = EPX_SUCCESS;
             reply.seq = seq;
             for (int r = 1; r < s->nranks && res == EPX_SUCCESS; r++) {
-                res = send_all(s, r, &reply, sizeof(reply), send_deadline, "the allgather verdict");
+                res = send_all(s, r, &reply, sizeof(reply), deadline, "the allgather verdict");
                 if (res == EPX_SUCCESS)
-                    res = send_all(s, r, recv_buf, bytes * (size_t)s->nranks, send_deadline,
-                                   "the allgather result");
+                    res =
+                        send_all(s, r, recv_buf, bytes * (size_t)s->nranks, deadline, "the allgather result");
                 /* Ranks not yet served learn of the failure instead of waiting for their deadline. */
-                if (res != EPX_SUCCESS) reply_all(s, s->fds + r + 1, s->nranks - r - 1, res, seq);
+                if (res != EPX_SUCCESS) reply_all(s->fds + r + 1, s->nranks - r - 1, res, seq, deadline);
             }
         }
     } else {
@@ -519,9 +571,8 @@ static epx_result_t tcp_allgather(void *state, const void *send_buf, void *recv_
         res = send_all(s, 0, &hdr, sizeof(hdr), deadline, "an allgather header");
         if (res == EPX_SUCCESS) res = send_all(s, 0, send_buf, bytes, deadline, "an allgather block");
         boot_reply_t reply;
-        uint64_t reply_deadline = deadline + (uint64_t)BOOT_REPLY_MARGIN_MS * 1000000ull;
         if (res == EPX_SUCCESS)
-            res = recv_all(s, 0, &reply, sizeof(reply), reply_deadline, "the allgather verdict");
+            res = recv_all(s, 0, &reply, sizeof(reply), deadline, "the allgather verdict");
         if (res == EPX_SUCCESS) {
             reply.message[sizeof(reply.message) - 1] = '\0';
             if (reply.magic != BOOT_REPLY_MAGIC || reply.seq != seq)
@@ -534,7 +585,7 @@ static epx_result_t tcp_allgather(void *state, const void *send_buf, void *recv_
                                 reply.message);
         }
         if (res == EPX_SUCCESS)
-            res = recv_all(s, 0, recv_buf, bytes * (size_t)s->nranks, reply_deadline, "the allgather result");
+            res = recv_all(s, 0, recv_buf, bytes * (size_t)s->nranks, deadline, "the allgather result");
     }
     if (res != EPX_SUCCESS) {
         s->broken = 1;
@@ -578,9 +629,9 @@ epx_result_t epx_bootstrap_tcp_create(const epx_unique_id_t *id, int rank, int n
         return epx_error(EPX_ERR_INVALID_ARG, "tcp bootstrap: rank %d is out of range [0, %d)", rank, nranks);
     if (timeout_ms < 1)
         return epx_error(EPX_ERR_INVALID_ARG, "tcp bootstrap: timeout %lld ms", (long long)timeout_ms);
-    boot_id_t bid;
+    epx_boot_id_t bid;
     memcpy(&bid, id->internal, sizeof(bid));
-    if (bid.magic != BOOT_ID_MAGIC)
+    if (bid.magic != EPX_BOOT_ID_MAGIC)
         return epx_error(EPX_ERR_INVALID_ARG,
                          "rank %d: the unique id has magic 0x%08x, not one made by "
                          "epx_get_unique_id",
@@ -598,22 +649,25 @@ epx_result_t epx_bootstrap_tcp_create(const epx_unique_id_t *id, int rank, int n
     s->rank = rank;
     s->nranks = nranks;
     s->timeout_ms = timeout_ms;
-    s->nonce = bid.nonce;
+    memcpy(s->secret, bid.secret, sizeof(s->secret));
     s->fds = fds;
     struct sockaddr_in root;
     memset(&root, 0, sizeof(root));
     root.sin_family = AF_INET;
     root.sin_addr.s_addr = bid.addr;
     root.sin_port = bid.port;
+    /* A copy of rank 0's socket inherited from the process that made the id: only rank 0 keeps it. */
+    int listen_fd = epx_socket_take_listener(listener_key(bid.secret));
     if (rank == 0) {
-        int listen_fd = epx_socket_take_listener(bid.nonce);
         if (listen_fd < 0)
             EPX_CHECK_GOTO(epx_socket_listen(&root, nranks < SOMAXCONN ? SOMAXCONN : nranks, &listen_fd), res,
                            err_free);
         if (nranks > 1) res = root_rendezvous(s, listen_fd, deadline);
-        close(listen_fd);
+        /* Nobody may connect after the rendezvous, whoever else still holds the socket. */
+        epx_socket_stop_listener(listen_fd);
         if (res != EPX_SUCCESS) goto err_close;
     } else {
+        if (listen_fd >= 0) close(listen_fd);
         EPX_CHECK_GOTO(peer_rendezvous(s, &root, deadline), res, err_close);
     }
     EPX_INFO(EPX_SUBSYS_BOOTSTRAP, "rank %d: tcp rendezvous of %d ranks done", rank, nranks);

@@ -12,6 +12,34 @@
 extern "C" {
 #endif
 
+/* The TCP rendezvous on the wire, here so that tests can play a hostile or broken peer. The unique
+ * id carries rank 0's address and a random secret; every connection opens with a hello holding
+ * that secret, and rank 0 sends nothing to a connection before its hello is authenticated. */
+#define EPX_BOOT_ID_MAGIC     0x45505849u /* "EPXI" */
+#define EPX_BOOT_HELLO_MAGIC  0x4550584fu /* "EPXO" */
+#define EPX_BOOT_SECRET_BYTES 16
+/* A connection that has not sent a whole, authenticated hello within this long (or the timeout,
+ * when shorter) is dropped; at most this many such connections are held at once. */
+#define EPX_BOOT_HELLO_MS    2000
+#define EPX_BOOT_PENDING_MAX 64
+
+/* Layout inside epx_unique_id_t. Peers of one job share the byte order (the magic checks it). */
+typedef struct {
+    uint32_t magic;
+    uint32_t addr; /* IPv4, network order */
+    uint16_t port; /* network order */
+    uint16_t pad[3];
+    unsigned char secret[EPX_BOOT_SECRET_BYTES];
+} epx_boot_id_t;
+
+typedef struct {
+    uint32_t magic;
+    int32_t rank;
+    int32_t nranks;
+    uint32_t pad;
+    unsigned char secret[EPX_BOOT_SECRET_BYTES];
+} epx_boot_hello_t;
+
 /* All are bounded by the communicator's timeout. */
 struct epx_bootstrap_ops {
     epx_result_t (*allgather)(void *state, const void *send, void *recv, size_t bytes);

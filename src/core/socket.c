@@ -23,9 +23,11 @@
 /* ------------------------------------------------------------- listening sockets ---- */
 
 /* Sockets bound by epx_get_unique_id, so that rank 0 in this process or a forked child reuses
- * them (the id is usually created before the ranks exist). */
+ * them (the id is usually created before the ranks exist). A forked launcher keeps its copy: rank 0
+ * shuts the socket down when the rendezvous ends, which stops it in every process holding it, and
+ * the next visit to the table closes copies that no longer listen. */
 typedef struct {
-    uint64_t nonce;
+    uint64_t key;
     int fd;
 } listen_entry_t;
 
@@ -33,10 +35,24 @@ static pthread_mutex_t listen_lock_g = PTHREAD_MUTEX_INITIALIZER;
 static listen_entry_t *listen_table_g;
 static size_t listen_count_g, listen_cap_g;
 
-epx_result_t epx_socket_keep_listener(uint64_t nonce, int fd)
+/* Closes the kept sockets that were shut down elsewhere; called with the lock held. */
+static void sweep_listeners(void)
+{
+    for (size_t i = listen_count_g; i-- > 0;) {
+        int listening = 0;
+        socklen_t len = sizeof(listening);
+        if (getsockopt(listen_table_g[i].fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) == 0 && listening)
+            continue;
+        close(listen_table_g[i].fd);
+        listen_table_g[i] = listen_table_g[--listen_count_g];
+    }
+}
+
+epx_result_t epx_socket_keep_listener(uint64_t key, int fd)
 {
     epx_result_t res = EPX_SUCCESS;
     pthread_mutex_lock(&listen_lock_g);
+    sweep_listeners();
     if (listen_count_g == listen_cap_g) {
         size_t cap = listen_cap_g ? listen_cap_g * 2 : 8;
         listen_entry_t *grown = realloc(listen_table_g, cap * sizeof(*grown));
@@ -47,7 +63,7 @@ epx_result_t epx_socket_keep_listener(uint64_t nonce, int fd)
         listen_table_g = grown;
         listen_cap_g = cap;
     }
-    listen_table_g[listen_count_g].nonce = nonce;
+    listen_table_g[listen_count_g].key = key;
     listen_table_g[listen_count_g].fd = fd;
     listen_count_g++;
 out:
@@ -55,19 +71,26 @@ out:
     return res;
 }
 
-/* Removes and returns the socket of `nonce`, -1 when this process did not create the id. */
-int epx_socket_take_listener(uint64_t nonce)
+int epx_socket_take_listener(uint64_t key)
 {
     int fd = -1;
     pthread_mutex_lock(&listen_lock_g);
     for (size_t i = 0; i < listen_count_g; i++)
-        if (listen_table_g[i].nonce == nonce) {
+        if (listen_table_g[i].key == key) {
             fd = listen_table_g[i].fd;
             listen_table_g[i] = listen_table_g[--listen_count_g];
             break;
         }
+    sweep_listeners();
     pthread_mutex_unlock(&listen_lock_g);
     return fd;
+}
+
+void epx_socket_stop_listener(int fd)
+{
+    /* On Linux, shutdown of a listening socket ends the listen for every descriptor sharing it. */
+    shutdown(fd, SHUT_RDWR);
+    close(fd);
 }
 
 /* ----------------------------------------------------------------- address choice ---- */
@@ -103,38 +126,71 @@ bad:
                      text);
 }
 
-/* EPX_BOOTSTRAP_ADDR, else the first IPv4 address of EPX_SOCKET_IFNAME (loopback allowed when named),
- * else the first non-loopback one of any interface, else 127.0.0.1; port 0 = pick a free one. */
+/* NCCL's interface list: comma-separated prefixes, "=" before the list for exact names, "^" before
+ * that to exclude the listed ones instead of keeping them. */
+int epx_socket_ifname_matches(const char *spec, const char *name)
+{
+    int exclude = spec[0] == '^';
+    spec += exclude;
+    int exact = spec[0] == '=';
+    spec += exact;
+    for (const char *tok = spec; *tok;) {
+        size_t len = strcspn(tok, ",");
+        if (len && (exact ? strlen(name) == len && !strncmp(name, tok, len) : !strncmp(name, tok, len)))
+            return !exclude;
+        tok += len + (tok[len] == ',');
+    }
+    return exclude;
+}
+
+/* The launcher says every process of the job is on this node (torchrun, Open MPI, Slurm). */
+static int job_is_single_node(void)
+{
+    static const char *const pairs[][2] = {{"LOCAL_WORLD_SIZE", "WORLD_SIZE"},
+                                           {"OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE"}};
+    for (size_t i = 0; i < sizeof(pairs) / sizeof(pairs[0]); i++) {
+        const char *local = getenv(pairs[i][0]), *world = getenv(pairs[i][1]);
+        if (local && world && *local && atoi(local) > 0 && atoi(local) == atoi(world)) return 1;
+    }
+    const char *nodes = getenv("SLURM_JOB_NUM_NODES");
+    return nodes && atoi(nodes) == 1;
+}
+
 epx_result_t epx_socket_choose_address(const epx_params_t *params, struct sockaddr_in *sa)
 {
     if (params->bootstrap_addr[0]) return parse_addr(params->bootstrap_addr, sa);
     memset(sa, 0, sizeof(*sa));
     sa->sin_family = AF_INET;
     sa->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    const char *spec = params->socket_ifname;
+    if (!spec[0] && job_is_single_node()) return EPX_SUCCESS;
     struct ifaddrs *list = NULL;
     if (getifaddrs(&list) != 0) {
-        if (params->socket_ifname[0])
-            return epx_error(EPX_ERR_SYSTEM, "getifaddrs failed looking for EPX_SOCKET_IFNAME=%s: %s",
-                             params->socket_ifname, strerror(errno));
+        if (spec[0])
+            return epx_error(EPX_ERR_SYSTEM, "getifaddrs failed looking for EPX_SOCKET_IFNAME=%s: %s", spec,
+                             strerror(errno));
         return EPX_SUCCESS;
     }
-    int found = 0;
+    /* A named loopback interface counts only when nothing else matches. */
+    int found = 0, found_loopback = 0;
+    struct in_addr loopback = sa->sin_addr;
     for (struct ifaddrs *ifa = list; ifa && !found; ifa = ifa->ifa_next) {
         if (!ifa->ifa_addr || ifa->ifa_addr->sa_family != AF_INET || !(ifa->ifa_flags & IFF_UP)) continue;
-        if (params->socket_ifname[0]) {
-            if (strcmp(ifa->ifa_name, params->socket_ifname) != 0) continue;
-        } else if (ifa->ifa_flags & IFF_LOOPBACK) {
+        if (!epx_socket_ifname_matches(spec[0] ? spec : "^docker,lo", ifa->ifa_name)) continue;
+        struct in_addr addr = ((const struct sockaddr_in *)ifa->ifa_addr)->sin_addr;
+        if (ifa->ifa_flags & IFF_LOOPBACK) {
+            if (!found_loopback) loopback = addr;
+            found_loopback = 1;
             continue;
         }
-        sa->sin_addr = ((const struct sockaddr_in *)ifa->ifa_addr)->sin_addr;
+        sa->sin_addr = addr;
         found = 1;
     }
     freeifaddrs(list);
-    if (!found && params->socket_ifname[0])
+    if (!found) sa->sin_addr = loopback;
+    if (!found && !found_loopback && spec[0])
         return epx_error(EPX_ERR_INVALID_ARG,
-                         "EPX_SOCKET_IFNAME=%s names no interface that is up with an "
-                         "IPv4 address",
-                         params->socket_ifname);
+                         "EPX_SOCKET_IFNAME=%s matches no interface that is up with an IPv4 address", spec);
     return EPX_SUCCESS;
 }
 
