@@ -273,7 +273,7 @@ static epx_result_t root_rendezvous(boot_tcp_t *s, int listen_fd, uint64_t deadl
     const int nranks = s->nranks, cap = EPX_BOOT_PENDING_MAX;
     const int64_t hello_ms = s->timeout_ms < EPX_BOOT_HELLO_MS ? s->timeout_ms : EPX_BOOT_HELLO_MS;
     epx_result_t res = EPX_SUCCESS;
-    int joined = 0, npending = 0, nextra = 0;
+    int joined = 0, npending = 0, nextra = 0, nrefused = 0; /* refused ranks of this job, in range */
     uint64_t give_up = verdict_deadline(deadline, s->timeout_ms);
     pending_conn_t *pending = calloc((size_t)cap, sizeof(*pending));
     int *extra = calloc((size_t)cap, sizeof(*extra)); /* refused peers still to be told */
@@ -284,7 +284,7 @@ static epx_result_t root_rendezvous(boot_tcp_t *s, int listen_fd, uint64_t deadl
         goto out;
     }
     /* Done when every slot is filled; after a failure, when as many peers as expected came. */
-    while (joined < nranks - 1 && (res == EPX_SUCCESS || joined + nextra < nranks - 1)) {
+    while (joined < nranks - 1 && (res == EPX_SUCCESS || joined + nrefused < nranks - 1)) {
         uint64_t now = epx_time_ns(), wake = give_up;
         if (now >= give_up) break;
         for (int i = npending - 1; i >= 0; i--) {
@@ -326,6 +326,7 @@ static epx_result_t root_rendezvous(boot_tcp_t *s, int listen_fd, uint64_t deadl
                 joined++;
                 continue;
             }
+            nrefused += hello.rank > 0 && hello.rank < nranks;
             if (nextra < cap)
                 extra[nextra++] = fd;
             else
