@@ -15,6 +15,7 @@
 
 #include "core/bootstrap.h"
 #include "core/internal.h"
+#include "core/socket.h"
 #include "epx_test.h"
 
 #define MAX_PROCS        8
@@ -324,14 +325,45 @@ static int test_missing_ranks_bounded(void)
     return set_env("EPX_TIMEOUT_MS", "6000") || rc;
 }
 
+/* EPX_SOCKET_IFNAME in NCCL's form, and loopback by default when the launcher puts the job on one
+ * node. */
+static int test_interface_choice(void)
+{
+    EXPECT_TRUE(epx_socket_ifname_matches("eth", "eth0") && !epx_socket_ifname_matches("eth", "ib0"));
+    EXPECT_TRUE(epx_socket_ifname_matches("ib,eth", "eth1") && !epx_socket_ifname_matches("=eth", "eth0"));
+    EXPECT_TRUE(epx_socket_ifname_matches("=eth0", "eth0") && !epx_socket_ifname_matches("^eth", "eth2"));
+    EXPECT_TRUE(epx_socket_ifname_matches("^docker,lo", "ens5") && !epx_socket_ifname_matches("^=lo", "lo"));
+    if (set_env("LOCAL_WORLD_SIZE", "4") || set_env("WORLD_SIZE", "4")) return 1;
+    epx_unique_id_t id;
+    EXPECT_OK(epx_get_unique_id(&id));
+    int rc = id_fields(&id).addr != htonl(INADDR_LOOPBACK);
+    if (!rc) {
+        job_t j = plain_job(2, 5.0);
+        rc = run_job(&id, 2, &j);
+    }
+    if (set_env("WORLD_SIZE", "8") || set_env("EPX_SOCKET_IFNAME", "lo")) return 1;
+    EXPECT_OK(epx_get_unique_id(&id));
+    rc |= id_fields(&id).addr != htonl(INADDR_LOOPBACK);
+    job_t j = plain_job(2, 5.0);
+    rc |= run_job(&id, 2, &j);
+    if (set_env("LOCAL_WORLD_SIZE", NULL) || set_env("WORLD_SIZE", NULL) ||
+        set_env("EPX_SOCKET_IFNAME", "=nosuch0"))
+        return 1;
+    EXPECT_RES(epx_get_unique_id(&id), EPX_ERR_INVALID_ARG);
+    EXPECT_MSG_HAS("EPX_SOCKET_IFNAME=");
+    return set_env("EPX_SOCKET_IFNAME", NULL) || rc;
+}
+
 int main(void)
 {
     signal(SIGPIPE, SIG_IGN);
     if (set_env("EPX_TIMEOUT_MS", "6000") || set_env("EPX_DEBUG", "error")) return 1;
     int (*const cases[])(void) = {test_idle_connections,  test_bad_hellos,   test_duplicate_rank,
-                                  test_rank_out_of_range, test_launcher_fds, test_missing_ranks_bounded};
+                                  test_rank_out_of_range, test_launcher_fds, test_missing_ranks_bounded,
+                                  test_interface_choice};
     const char *names[] = {"idle connections",  "bad hellos",   "duplicate rank",
-                           "rank out of range", "launcher fds", "missing ranks bounded"};
+                           "rank out of range", "launcher fds", "missing ranks bounded",
+                           "interface choice"};
     int failed = 0;
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         int rc = cases[i]();
