@@ -76,3 +76,14 @@ int epx_test_run_cases(const char *name, const void *cases, size_t n, size_t siz
     printf(failed ? "%s: FAILED\n" : "%s: ok\n", name);
     return failed;
 }
+
+int epx_test_set_env(const char *name, const char *value)
+{
+    if (value)
+        setenv(name, value, 1);
+    else
+        unsetenv(name);
+    /* Parsed in this process before forking, so the ranks inherit the values. */
+    EXPECT_OK(epx_params_reload());
+    return 0;
+}

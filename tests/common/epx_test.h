@@ -104,6 +104,10 @@ static inline uint64_t epx_test_rand(uint64_t *state)
 /* Seed from EPX_TEST_SEED or the clock; printed so a failure can be replayed. */
 uint64_t epx_test_seed(void);
 
+/* Sets (value != NULL) or unsets an environment variable and re-reads the library's parameters, so
+ * ranks forked afterwards inherit them; 0 on success. */
+int epx_test_set_env(const char *name, const char *value);
+
 /* A buffer config with the given shape and EPX_MODE_* bits (0: all); the other fields default. */
 epx_buffer_config_t epx_test_buffer_config(int64_t max_tokens, int64_t hidden, int num_topk, int num_experts,
                                            uint32_t modes);

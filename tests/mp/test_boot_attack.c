@@ -36,15 +36,6 @@ typedef struct {
     double max_s;          /* the init returns within this */
 } job_t;
 
-static int set_env(const char *name, const char *value)
-{
-    if (value)
-        setenv(name, value, 1);
-    else
-        unsetenv(name);
-    EXPECT_OK(epx_params_reload());
-    return 0;
-}
 
 static int rank_body(int proc, const epx_unique_id_t *id, const void *vctx)
 {
@@ -310,7 +301,7 @@ static int test_launcher_fds(void)
 static int test_missing_ranks_bounded(void)
 {
     const double bound = SHORT_TIMEOUT_MS / 1000.0 + SLACK_S;
-    if (set_env("EPX_TIMEOUT_MS", "1500")) return 1;
+    if (epx_test_set_env("EPX_TIMEOUT_MS", "1500")) return 1;
     epx_unique_id_t id;
     EXPECT_OK(epx_get_unique_id(&id));
     job_t j = plain_job(3, bound);
@@ -322,7 +313,7 @@ static int test_missing_ranks_bounded(void)
     j.expect = EPX_ERR_TIMEOUT;
     j.needle = "missing: 3";
     int rc = run_job(&id, 3, &j);
-    return set_env("EPX_TIMEOUT_MS", "6000") || rc;
+    return epx_test_set_env("EPX_TIMEOUT_MS", "6000") || rc;
 }
 
 /* EPX_SOCKET_IFNAME in NCCL's form, and loopback by default when the launcher puts the job on one
@@ -333,7 +324,7 @@ static int test_interface_choice(void)
     EXPECT_TRUE(epx_socket_ifname_matches("ib,eth", "eth1") && !epx_socket_ifname_matches("=eth", "eth0"));
     EXPECT_TRUE(epx_socket_ifname_matches("=eth0", "eth0") && !epx_socket_ifname_matches("^eth", "eth2"));
     EXPECT_TRUE(epx_socket_ifname_matches("^docker,lo", "ens5") && !epx_socket_ifname_matches("^=lo", "lo"));
-    if (set_env("LOCAL_WORLD_SIZE", "4") || set_env("WORLD_SIZE", "4")) return 1;
+    if (epx_test_set_env("LOCAL_WORLD_SIZE", "4") || epx_test_set_env("WORLD_SIZE", "4")) return 1;
     epx_unique_id_t id;
     EXPECT_OK(epx_get_unique_id(&id));
     int rc = id_fields(&id).addr != htonl(INADDR_LOOPBACK);
@@ -341,23 +332,23 @@ static int test_interface_choice(void)
         job_t j = plain_job(2, 5.0);
         rc = run_job(&id, 2, &j);
     }
-    if (set_env("WORLD_SIZE", "8") || set_env("EPX_SOCKET_IFNAME", "lo")) return 1;
+    if (epx_test_set_env("WORLD_SIZE", "8") || epx_test_set_env("EPX_SOCKET_IFNAME", "lo")) return 1;
     EXPECT_OK(epx_get_unique_id(&id));
     rc |= id_fields(&id).addr != htonl(INADDR_LOOPBACK);
     job_t j = plain_job(2, 5.0);
     rc |= run_job(&id, 2, &j);
-    if (set_env("LOCAL_WORLD_SIZE", NULL) || set_env("WORLD_SIZE", NULL) ||
-        set_env("EPX_SOCKET_IFNAME", "=nosuch0"))
+    if (epx_test_set_env("LOCAL_WORLD_SIZE", NULL) || epx_test_set_env("WORLD_SIZE", NULL) ||
+        epx_test_set_env("EPX_SOCKET_IFNAME", "=nosuch0"))
         return 1;
     EXPECT_RES(epx_get_unique_id(&id), EPX_ERR_INVALID_ARG);
     EXPECT_MSG_HAS("EPX_SOCKET_IFNAME=");
-    return set_env("EPX_SOCKET_IFNAME", NULL) || rc;
+    return epx_test_set_env("EPX_SOCKET_IFNAME", NULL) || rc;
 }
 
 int main(void)
 {
     signal(SIGPIPE, SIG_IGN);
-    if (set_env("EPX_TIMEOUT_MS", "6000") || set_env("EPX_DEBUG", "error")) return 1;
+    if (epx_test_set_env("EPX_TIMEOUT_MS", "6000") || epx_test_set_env("EPX_DEBUG", "error")) return 1;
     int (*const cases[])(void) = {test_idle_connections,  test_bad_hellos,   test_duplicate_rank,
                                   test_rank_out_of_range, test_launcher_fds, test_missing_ranks_bounded,
                                   test_interface_choice};

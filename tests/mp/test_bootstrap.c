@@ -213,52 +213,42 @@ static int rank_fail(int rank, int nranks, const epx_unique_id_t *id, void *vctx
     return 0;
 }
 
-static int set_env(const char *name, const char *value)
-{
-    if (value)
-        setenv(name, value, 1);
-    else
-        unsetenv(name);
-    /* Parsed in this process before forking, so the ranks inherit the values. */
-    EXPECT_OK(epx_params_reload());
-    return 0;
-}
 
 static int test_missing_rank(void)
 {
     /* 3 of 4 ranks show up: everyone fails within the timeout (plus scheduling slack), naming it. */
-    if (set_env("EPX_TIMEOUT_MS", "1500")) return 1;
+    if (epx_test_set_env("EPX_TIMEOUT_MS", "1500")) return 1;
     fail_case_t f = {{4, 4, 4}, EPX_ERR_TIMEOUT, "missing: 3", 1.6};
     int rc = epx_test_run_ranks(3, rank_fail, &f, RUN_TIMEOUT_S);
-    if (set_env("EPX_TIMEOUT_MS", NULL)) return 1;
+    if (epx_test_set_env("EPX_TIMEOUT_MS", NULL)) return 1;
     return rc;
 }
 
 static int test_nranks_mismatch(void)
 {
-    if (set_env("EPX_TIMEOUT_MS", "3000")) return 1;
+    if (epx_test_set_env("EPX_TIMEOUT_MS", "3000")) return 1;
     /* A peer thinks the job is larger than rank 0 does... */
     fail_case_t f1 = {{3, 3, 4}, EPX_ERR_MISMATCH, "nranks", 5.0};
     int rc = epx_test_run_ranks(3, rank_fail, &f1, RUN_TIMEOUT_S);
     /* ...or rank 0 waits for a rank that will never come: it gives up well before the timeout. */
     fail_case_t f2 = {{4, 3, 3}, EPX_ERR_MISMATCH, "nranks", 2.5};
     if (!rc) rc = epx_test_run_ranks(3, rank_fail, &f2, RUN_TIMEOUT_S);
-    if (set_env("EPX_TIMEOUT_MS", NULL)) return 1;
+    if (epx_test_set_env("EPX_TIMEOUT_MS", NULL)) return 1;
     return rc;
 }
 
 static int test_domain_cap(void)
 {
-    if (set_env("EPX_RANKS_PER_NVLINK_DOMAIN", "2")) return 1;
+    if (epx_test_set_env("EPX_RANKS_PER_NVLINK_DOMAIN", "2")) return 1;
     if (run_basic(4, 0, 2, NULL)) return 1;
     if (run_basic(4, 1, 2, NULL)) return 1;
     /* A cap above the detected size changes nothing. */
-    if (set_env("EPX_RANKS_PER_NVLINK_DOMAIN", "8")) return 1;
+    if (epx_test_set_env("EPX_RANKS_PER_NVLINK_DOMAIN", "8")) return 1;
     if (run_basic(4, 0, 4, NULL)) return 1;
-    if (set_env("EPX_RANKS_PER_NVLINK_DOMAIN", "3")) return 1;
+    if (epx_test_set_env("EPX_RANKS_PER_NVLINK_DOMAIN", "3")) return 1;
     fail_case_t f = {{4, 4, 4, 4}, EPX_ERR_INVALID_ARG, "EPX_RANKS_PER_NVLINK_DOMAIN", 5.0};
     int rc = epx_test_run_ranks(4, rank_fail, &f, RUN_TIMEOUT_S);
-    if (set_env("EPX_RANKS_PER_NVLINK_DOMAIN", NULL)) return 1;
+    if (epx_test_set_env("EPX_RANKS_PER_NVLINK_DOMAIN", NULL)) return 1;
     return rc;
 }
 
@@ -301,7 +291,7 @@ static int test_failing_callback(void)
 int main(void)
 {
     /* Quiet and fast defaults for the passing cases; failure cases set their own timeout. */
-    if (set_env("EPX_TIMEOUT_MS", NULL) || set_env("EPX_RANKS_PER_NVLINK_DOMAIN", NULL)) return 1;
+    if (epx_test_set_env("EPX_TIMEOUT_MS", NULL) || epx_test_set_env("EPX_RANKS_PER_NVLINK_DOMAIN", NULL)) return 1;
     const int counts[] = {1, 2, 3, 4, 8};
     for (int i = 0; i < 5; i++) {
         if (run_basic(counts[i], 0, 0, NULL)) return 1;
