@@ -42,7 +42,9 @@ static const param_def_t param_table[] = {
      "ip:port rank 0 listens on for the TCP rendezvous (default: an address of EPX_SOCKET_IFNAME, "
      "free port)"},
     {"EPX_SOCKET_IFNAME", PARAM_STRING, "", 0, 0, P_OFF(socket_ifname), P_CAP(socket_ifname),
-     "network interface whose IPv4 address the rendezvous uses (default: first non-loopback)"},
+     "interfaces the rendezvous may bind, NCCL's form: comma-separated name prefixes, '=' first for "
+     "exact names, '^' first to exclude (default: loopback when the launcher puts the job on one "
+     "node, else the first interface not named docker* or lo*)"},
     {"EPX_SHM_DIR", PARAM_STRING, "/dev/shm", 0, 0, P_OFF(shm_dir), P_CAP(shm_dir),
      "directory of the host backend's shared-memory files"},
     {"EPX_PRINT_ENV", PARAM_BOOL, "0", 0, 1, P_OFF(print_env), 4,
