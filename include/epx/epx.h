@@ -70,7 +70,8 @@ extern "C" {
     X(ERR_MISMATCH, 9, "collective arguments differ across ranks")                             \
     X(ERR_REMOTE, 10, "a peer rank failed or left the operation")                              \
     X(ERR_BOOTSTRAP, 11, "bootstrap (rendezvous or callback) failed")                          \
-    X(ERR_INTERNAL, 12, "internal error")
+    X(ERR_INTERNAL, 12, "internal error")                                                      \
+    X(ERR_INVALID_USAGE, 13, "an object was used after its destroy or by two threads at once")
 
 typedef enum epx_result {
 #define EPX_RESULT_ENUM_(name, value, text) EPX_##name = value,
