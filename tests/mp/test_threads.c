@@ -4,20 +4,9 @@
  * sequence number and tells no peer; the object stays usable. Run under TSan as well.
  */
 #include <pthread.h>
-#include <string.h>
 #include <unistd.h>
 
-#include "epx_test.h"
-
-#define TMAX 4
-#define HID  128
-
-typedef struct io {
-    _Alignas(16) uint16_t x[TMAX * HID];
-    _Alignas(16) uint16_t recv[8 * TMAX * HID];
-    _Alignas(16) uint16_t combined[TMAX * HID];
-    int32_t topk[TMAX];
-} io_t;
+#include "test_misuse_io.h"
 
 typedef struct worker {
     epx_comm_t comm;
@@ -32,27 +21,12 @@ typedef struct worker {
 
 static epx_result_t dispatch(worker_t *w, epx_handle_t *h_out, int64_t *rows_out)
 {
-    epx_ht_dispatch_args_t a = EPX_HT_DISPATCH_ARGS_INIT;
-    epx_ht_dispatch_outputs_t o = EPX_HT_DISPATCH_OUTPUTS_INIT;
-    a.x = epx_tensor_2d(w->io.x, EPX_DTYPE_BF16, TMAX, HID);
-    a.topk_idx = epx_tensor_2d(w->io.topk, EPX_DTYPE_INT32, TMAX, 1);
-    o.recv_x = epx_tensor_2d(w->io.recv, EPX_DTYPE_BF16, (int64_t)w->nranks * TMAX, HID);
-    epx_result_t res = epx_ht_dispatch(w->buffer, &a, &o);
-    if (res == EPX_SUCCESS) {
-        *h_out = o.handle;
-        *rows_out = o.num_recv_tokens_host;
-    }
-    return res;
+    return io_dispatch(w->buffer, &w->io, w->nranks, NULL, h_out, rows_out);
 }
 
 static epx_result_t combine(worker_t *w, epx_handle_t h, int64_t rows)
 {
-    epx_ht_combine_args_t a = EPX_HT_COMBINE_ARGS_INIT;
-    epx_ht_combine_outputs_t o = EPX_HT_COMBINE_OUTPUTS_INIT;
-    a.handle = h;
-    a.x = epx_tensor_2d(w->io.recv, EPX_DTYPE_BF16, rows, HID);
-    o.combined_x = epx_tensor_2d(w->io.combined, EPX_DTYPE_BF16, TMAX, HID);
-    return epx_ht_combine(w->buffer, &a, &o);
+    return io_combine(w->buffer, &w->io, h, rows);
 }
 
 /* Repeats `call` while another thread holds the object; counts the refusals. */
@@ -113,23 +87,14 @@ static void worker_init(worker_t *w, epx_comm_t comm, epx_buffer_t b, int rank, 
     w->buffer = b;
     w->nranks = nranks;
     w->iterations = iterations;
-    for (int t = 0; t < TMAX; t++) w->io.topk[t] = (t + rank) % (2 * nranks);
-}
-
-static epx_comm_t make_comm(int rank, int nranks, const epx_unique_id_t *id)
-{
-    epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
-    cc.backend = EPX_BACKEND_HOST;
-    cc.timeout_ms = 20000;
-    epx_comm_t comm = NULL;
-    return epx_comm_init(id, rank, nranks, &cc, &comm) == EPX_SUCCESS ? comm : NULL;
+    io_init(&w->io, rank, nranks);
 }
 
 /* One rank, two threads on one buffer, then on one comm: refusals, no failure, still usable. */
 static int hammer_body(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
 {
     (void)ctx;
-    epx_comm_t comm = make_comm(rank, nranks, id);
+    epx_comm_t comm = io_comm(rank, nranks, id);
     EXPECT_TRUE(comm != NULL);
     epx_buffer_config_t cfg = epx_test_buffer_config(TMAX, HID, 1, 2 * nranks, EPX_MODE_HT);
     epx_buffer_t b;
@@ -189,7 +154,7 @@ static void *create_thread(void *arg)
 static int in_flight_body(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
 {
     (void)ctx;
-    epx_comm_t comm = make_comm(rank, nranks, id);
+    epx_comm_t comm = io_comm(rank, nranks, id);
     EXPECT_TRUE(comm != NULL);
     static worker_t w;
     worker_init(&w, comm, NULL, rank, nranks, 1);
@@ -235,10 +200,5 @@ static int in_flight_body(int rank, int nranks, const epx_unique_id_t *id, void 
 
 int main(void)
 {
-    if (epx_test_run_ranks(1, hammer_body, NULL, 120) || epx_test_run_ranks(2, in_flight_body, NULL, 60)) {
-        printf("threads: FAILED\n");
-        return 1;
-    }
-    printf("threads: ok\n");
-    return 0;
+    return io_main("threads", hammer_body, in_flight_body, 120);
 }
