@@ -70,7 +70,8 @@ extern "C" {
     X(ERR_MISMATCH, 9, "collective arguments differ across ranks")                             \
     X(ERR_REMOTE, 10, "a peer rank failed or left the operation")                              \
     X(ERR_BOOTSTRAP, 11, "bootstrap (rendezvous or callback) failed")                          \
-    X(ERR_INTERNAL, 12, "internal error")
+    X(ERR_INTERNAL, 12, "internal error")                                                      \
+    X(ERR_INVALID_USAGE, 13, "an object was used after its destroy or by two threads at once")
 
 typedef enum epx_result {
 #define EPX_RESULT_ENUM_(name, value, text) EPX_##name = value,
@@ -151,6 +152,17 @@ static inline epx_tensor_t epx_tensor_3d(void *data, epx_dtype_t dtype, int64_t 
 /* ------------------------------------------------------------------------------------------ */
 /* Communicator and bootstrap                                                                 */
 /* ------------------------------------------------------------------------------------------ */
+
+/* Threads and lifetimes (as NCCL's communicators): one thread at a time per communicator and per
+ * buffer; a handle counts as part of its buffer. Different communicators and buffers, even of one
+ * communicator, may be used from different threads at once. A call that enters a communicator or
+ * buffer another thread is inside returns EPX_ERR_INVALID_USAGE at once and does nothing: a
+ * collective call refused so is not numbered and no peer is told, so the misuse stays local (the
+ * caller must still make the call on every rank to stay in step). epx_get_async_error and
+ * epx_comm_get_topology may be called from any thread at any time. A communicator, buffer or
+ * handle used after its destroy, including a second destroy, is refused with
+ * EPX_ERR_INVALID_USAGE without touching freed memory, unless a new object of the same kind has
+ * since been created at the same address, which the library cannot tell apart. */
 
 typedef struct epx_comm *epx_comm_t;
 typedef struct epx_buffer *epx_buffer_t;

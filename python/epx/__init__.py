@@ -106,6 +106,10 @@ class InternalError(EpxError):
     """EPX_ERR_INTERNAL."""
 
 
+class InvalidUsageError(EpxError):
+    """EPX_ERR_INVALID_USAGE: an object used after its destroy, or by two threads at once."""
+
+
 _ERRORS = {
     "ERR_INVALID_ARG": InvalidArgumentError,
     "ERR_UNSUPPORTED": UnsupportedError,
@@ -119,6 +123,7 @@ _ERRORS = {
     "ERR_REMOTE": RemoteError,
     "ERR_BOOTSTRAP": BootstrapError,
     "ERR_INTERNAL": InternalError,
+    "ERR_INVALID_USAGE": InvalidUsageError,
 }
 for _code, (_name, _cls) in enumerate(_ERRORS.items(), start=1):  # the order of EPX_RESULT_MAP
     _cls.result, _cls.code = _name, _code

@@ -54,6 +54,50 @@ epx_result_t epx_api_handle_new(epx_buffer_t buffer, uint64_t seq, epx_handle_ki
  * on its buffer), on failure it is freed, the failure's message kept. Returns `res`. */
 epx_result_t epx_api_handle_filled(epx_handle_t h, epx_result_t res);
 
+/* ---------------------------------------------------------------- the object registry ---- */
+
+/* Every object a caller holds is registered (api/registry.c) from creation until its destroy, and
+ * its address stays known as destroyed after that. Entry points find their objects there under
+ * one lock before reading them, so a stale or foreign pointer is refused without touching its
+ * memory (EPX_ERR_INVALID_USAGE when it was destroyed), and take the object for the calling
+ * thread: one thread at a time per comm and per buffer (a handle counts as part of its buffer). */
+typedef enum epx_api_kind { EPX_API_COMM = 1, EPX_API_BUFFER, EPX_API_HANDLE } epx_api_kind_t;
+typedef enum epx_api_state { EPX_API_UNKNOWN, EPX_API_LIVE, EPX_API_DESTROYED } epx_api_state_t;
+
+/* Records `obj` as live (EPX_ERR_OUT_OF_MEMORY when the table cannot grow); its address may be
+ * that of a destroyed object. */
+epx_result_t epx_api_register(const void *obj, epx_api_kind_t kind);
+/* Records `obj` as destroyed, before its memory is freed. */
+void epx_api_retire(const void *obj);
+/* The registry's lock, for readers that look an object up and copy from it under it. */
+void epx_api_registry_lock(void);
+void epx_api_registry_unlock(void);
+epx_api_state_t epx_api_lookup_locked(const void *obj, epx_api_kind_t kind);
+
+/* The start of an entry point (`fn` names it): clears the thread's error, finds the object and
+ * takes it (its comm's or buffer's busy flag) for this thread. EPX_ERR_INVALID_ARG for NULL or a
+ * pointer never made by the library, EPX_ERR_INVALID_USAGE for a destroyed object or one another
+ * thread is inside. enter_handle takes the handle's buffer and returns it. */
+epx_result_t epx_api_enter_comm(epx_comm_t comm, const char *fn);
+/* enter_comm's checks without taking it, for the calls any thread may make (the async error):
+ * on success the registry's lock is held, for the caller to read and unlock. */
+epx_result_t epx_api_find_comm(epx_comm_t comm, const char *fn);
+epx_result_t epx_api_enter_buffer(epx_buffer_t buffer, const char *fn);
+epx_result_t epx_api_enter_handle(epx_handle_t handle, const char *fn, epx_buffer_t *buffer_out);
+/* Gives the object back: every path out of an entry that took it. */
+void epx_api_leave_comm(epx_comm_t comm);
+void epx_api_leave_buffer(epx_buffer_t buffer);
+
+/* An entry point's body: returns `call` (an expression over `buffer`) run while the buffer is
+ * taken for this thread. */
+#define EPX_API_HOLDING_BUFFER(buffer, fn, call)         \
+    do {                                                 \
+        EPX_CHECK(epx_api_enter_buffer((buffer), (fn))); \
+        epx_result_t holding_res_ = (call);              \
+        epx_api_leave_buffer(buffer);                    \
+        return holding_res_;                             \
+    } while (0)
+
 #ifdef __cplusplus
 }
 #endif

@@ -42,14 +42,9 @@ static epx_result_t compare_configs(epx_comm_t comm, const create_msg_t *msgs)
     return EPX_SUCCESS;
 }
 
-EPX_API epx_result_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *config,
-                                       epx_buffer_t *buffer_out)
+/* epx_buffer_create with `comm` taken for this thread. */
+static epx_result_t create(epx_comm_t comm, const epx_buffer_config_t *config, epx_buffer_t *buffer_out)
 {
-    epx_error_clear();
-    if (!comm) return epx_error(EPX_ERR_INVALID_ARG, "comm is NULL");
-    if (comm->magic != EPX_COMM_MAGIC)
-        return epx_error(EPX_ERR_INVALID_ARG, "comm %p is not a live communicator", (void *)comm);
-
     /* Every rank takes part in the exchange even when its own checks failed, so that peers
      * learn of it at once instead of waiting for a timeout. */
     epx_buffer_config_t cfg;
@@ -64,6 +59,12 @@ EPX_API epx_result_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_
                             comm->ops ? comm->ops->name : "(none)");
     if (local == EPX_SUCCESS && !(buffer = calloc(1, sizeof(*buffer))))
         local = EPX_API_ERR(comm, EPX_ERR_OUT_OF_MEMORY, "no memory for a buffer object");
+    /* Registered before the exchange so that no failure can follow the peers' success; nobody
+     * holds the pointer until it is returned. */
+    if (local == EPX_SUCCESS && (local = epx_api_register(buffer, EPX_API_BUFFER)) != EPX_SUCCESS) {
+        free(buffer);
+        buffer = NULL;
+    }
     char local_message[1024];
     epx_error_copy(local_message, sizeof(local_message));
 
@@ -112,6 +113,7 @@ EPX_API epx_result_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_
     buffer->seq = 0;
     atomic_init(&buffer->live_handles, 0);
     atomic_init(&buffer->overflow, 0);
+    atomic_init(&buffer->busy, 0);
     EPX_CHECK_GOTO(buffer->ops->buffer_create(buffer), res, err_free_buffer);
     atomic_fetch_add(&comm->live_buffers, 1);
     *buffer_out = buffer;
@@ -120,21 +122,39 @@ EPX_API epx_result_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_
 err_free_msgs:
     free(msgs);
 err_free_buffer:
-    if (buffer) buffer->magic = 0;
+    if (buffer) {
+        epx_api_retire(buffer);
+        buffer->magic = 0;
+    }
     free(buffer);
     return res;
 }
 
-EPX_API epx_result_t epx_buffer_destroy(epx_buffer_t buffer)
+EPX_API epx_result_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *config,
+                                       epx_buffer_t *buffer_out)
 {
     epx_error_clear();
-    if (!buffer) return EPX_SUCCESS;
-    EPX_CHECK(epx_api_check_buffer(buffer));
+    if (!comm) return epx_error(EPX_ERR_INVALID_ARG, "comm is NULL");
+    /* Refused before the exchange: a misuse stays local, the peers are not told. */
+    EPX_CHECK(epx_api_enter_comm(comm, "epx_buffer_create"));
+    epx_result_t res = create(comm, config, buffer_out);
+    epx_api_leave_comm(comm);
+    return res;
+}
+
+/* Destroy with `buffer` taken for this thread: on success it is retired and freed, never given
+ * back. */
+static epx_result_t destroy(epx_buffer_t buffer)
+{
     epx_comm_t comm = buffer->comm;
     int handles = atomic_load(&buffer->live_handles);
-    if (handles > 0)
-        return ARG_ERR("the buffer still has %d live handles; destroy them (epx_handle_destroy) first",
-                       handles);
+    if (handles > 0) {
+        epx_result_t res =
+            ARG_ERR("the buffer still has %d live handles; destroy them (epx_handle_destroy) first", handles);
+        epx_api_leave_buffer(buffer);
+        return res;
+    }
+    epx_api_retire(buffer);
     if (buffer->ops->buffer_destroy) buffer->ops->buffer_destroy(buffer);
     atomic_fetch_sub(&comm->live_buffers, 1);
     buffer->magic = 0;
@@ -142,10 +162,16 @@ EPX_API epx_result_t epx_buffer_destroy(epx_buffer_t buffer)
     return EPX_SUCCESS;
 }
 
-EPX_API epx_result_t epx_buffer_query_overflow(epx_buffer_t buffer)
+EPX_API epx_result_t epx_buffer_destroy(epx_buffer_t buffer)
 {
     epx_error_clear();
-    EPX_CHECK(epx_api_check_buffer(buffer));
+    if (!buffer) return EPX_SUCCESS;
+    EPX_CHECK(epx_api_enter_buffer(buffer, "epx_buffer_destroy"));
+    return destroy(buffer);
+}
+
+static epx_result_t query_overflow(epx_buffer_t buffer)
+{
     int overflowed = 0;
     if (buffer->ops->query_overflow)
         EPX_CHECK(buffer->ops->query_overflow(buffer, &overflowed));
@@ -157,4 +183,9 @@ EPX_API epx_result_t epx_buffer_query_overflow(epx_buffer_t buffer)
             "a call with an upper bound on this buffer dropped rows past the bound since the last "
             "query");
     return EPX_SUCCESS;
+}
+
+EPX_API epx_result_t epx_buffer_query_overflow(epx_buffer_t buffer)
+{
+    EPX_API_HOLDING_BUFFER(buffer, "epx_buffer_query_overflow", query_overflow(buffer));
 }

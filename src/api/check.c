@@ -6,7 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "api/check.h"
+#include "api/api.h"
 
 epx_result_t epx_api_error(epx_comm_t comm, epx_result_t code, const char *fmt, ...)
 {
@@ -136,24 +136,6 @@ static const char *mode_name(uint32_t mode)
     }
 }
 
-epx_result_t epx_api_check_buffer(epx_buffer_t buffer)
-{
-    if (!buffer) return epx_error(EPX_ERR_INVALID_ARG, "buffer is NULL");
-    if (buffer->magic != EPX_BUFFER_MAGIC)
-        return epx_error(EPX_ERR_INVALID_ARG,
-                         "buffer %p is not a live epx buffer (destroyed, or not made by "
-                         "epx_buffer_create)",
-                         (void *)buffer);
-    return EPX_SUCCESS;
-}
-
-epx_result_t epx_api_begin(epx_buffer_t buffer, uint32_t mode, const char *op)
-{
-    epx_error_clear();
-    EPX_CHECK(epx_api_check_buffer(buffer));
-    return epx_api_check_mode(buffer, mode, op);
-}
-
 epx_result_t epx_api_read_call(epx_buffer_t buffer, uint32_t mode, const char *op, bool implemented, void *a,
                                size_t a_size, const void *args, void *o, size_t o_size, const void *outputs)
 {
@@ -243,17 +225,27 @@ epx_result_t epx_api_check_handle(epx_buffer_t buffer, epx_handle_t handle, epx_
     epx_comm_t comm = buffer->comm;
     static const char *kinds[] = {"?", "HT", "routing-map"};
     if (!handle) return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "%s is NULL", name);
-    if (handle->magic != EPX_HANDLE_MAGIC)
+    /* Read under the registry's lock: a handle of another buffer may be destroyed meanwhile. */
+    epx_api_registry_lock();
+    const epx_api_state_t state = epx_api_lookup_locked(handle, EPX_API_HANDLE);
+    const epx_handle_kind_t handle_kind = state == EPX_API_LIVE ? handle->kind : (epx_handle_kind_t)0;
+    const epx_buffer_t owner = state == EPX_API_LIVE ? handle->buffer : NULL;
+    epx_api_registry_unlock();
+    if (state == EPX_API_DESTROYED)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_USAGE,
+                           "%s = %p was destroyed (epx_handle_destroy) and may not be used again", name,
+                           (void *)handle);
+    if (state != EPX_API_LIVE)
         return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
                            "%s = %p is not a live handle (destroyed, or not made by a dispatch)", name,
                            (void *)handle);
-    int have = handle->kind == EPX_HANDLE_RM ? 2 : handle->kind == EPX_HANDLE_HT ? 1 : 0;
-    if (handle->kind != kind)
+    int have = handle_kind == EPX_HANDLE_RM ? 2 : handle_kind == EPX_HANDLE_HT ? 1 : 0;
+    if (handle_kind != kind)
         return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "%s is a %s handle; this call needs a %s handle", name,
                            kinds[have], kinds[kind]);
-    if (handle->buffer != buffer)
+    if (owner != buffer)
         return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "%s belongs to another buffer (%p, not %p)", name,
-                           (void *)handle->buffer, (void *)buffer);
+                           (void *)owner, (void *)buffer);
     return EPX_SUCCESS;
 }
 

@@ -44,11 +44,6 @@ epx_result_t epx_api_buffer_config_normalize(epx_comm_t comm, const epx_buffer_c
 /* "bf16, fp32 or fp8_e4m3" for a mask of EPX_DTYPE_BIT()s. */
 const char *epx_api_dtype_list(uint32_t mask, char *buf, size_t cap);
 
-/* A live buffer: not NULL, not destroyed. */
-epx_result_t epx_api_check_buffer(epx_buffer_t buffer);
-/* The start of a call that is not collective: clears the thread's error, then checks that the
- * buffer is live and was created for `mode` (`op` names the call). */
-epx_result_t epx_api_begin(epx_buffer_t buffer, uint32_t mode, const char *op);
 /* Reads the caller's `args` and `outputs` over the defaults in `a` and `o` (a_size and o_size
  * bytes), then checks that the buffer was created for `mode` and that its backend implements
  * the call (`implemented`); `op` names the call in messages. */

@@ -8,13 +8,10 @@
 
 #include "api/api.h"
 
-/* Clears the thread's error, checks the buffer and numbers the call. */
-static epx_result_t collective_begin(epx_buffer_t buffer, uint64_t *seq_out)
+/* Numbers the call of the thread that holds the buffer. */
+static uint64_t collective_begin(epx_buffer_t buffer)
 {
-    epx_error_clear();
-    EPX_CHECK(epx_api_check_buffer(buffer));
-    *seq_out = ++buffer->seq;
-    return EPX_SUCCESS;
+    return ++buffer->seq;
 }
 
 /* `res`: the verdict of the call's checks. `stream` is read only after they ran, so a refusal is
@@ -28,24 +25,33 @@ static epx_result_t collective_checked(epx_buffer_t buffer, uint64_t seq, epx_re
 /* The start of every entry point: number the call, then read and check the caller's structs into
  * the copies `a` and `o` (declared here with `seq`) over their defaults. */
 #define COLLECTIVE_ENTER(op, OP)                      \
-    uint64_t seq;                                     \
-    EPX_CHECK(collective_begin(buffer, &seq));        \
+    const uint64_t seq = collective_begin(buffer);    \
     epx_##op##_args_t a = EPX_##OP##_ARGS_INIT;       \
     epx_##op##_outputs_t o = EPX_##OP##_OUTPUTS_INIT; \
     EPX_CHECK(                                        \
         collective_checked(buffer, seq, epx_api_check_##op(buffer, seq, args, outputs, &a, &o), &a.stream))
 
 /* An entry point whose backend writes every output itself (the combines of HT and routing-map). */
-#define COLLECTIVE_PLAIN(op, OP)                                                      \
+#define COLLECTIVE_PLAIN(op, OP)                                               \
+    static epx_result_t op(epx_buffer_t buffer, const epx_##op##_args_t *args, \
+                           epx_##op##_outputs_t *outputs)                      \
+    {                                                                          \
+        COLLECTIVE_ENTER(op, OP);                                              \
+        return buffer->ops->op(buffer, seq, &a, &o);                           \
+    }                                                                          \
+    COLLECTIVE_ENTRY(op)
+
+/* The public entry point of `op`: the buffer is taken for this thread before the call is numbered,
+ * so a refused concurrent entry consumes no sequence number and tells no peer. */
+#define COLLECTIVE_ENTRY(op)                                                          \
     EPX_API epx_result_t epx_##op(epx_buffer_t buffer, const epx_##op##_args_t *args, \
                                   epx_##op##_outputs_t *outputs)                      \
     {                                                                                 \
-        COLLECTIVE_ENTER(op, OP);                                                     \
-        return buffer->ops->op(buffer, seq, &a, &o);                                  \
+        EPX_API_HOLDING_BUFFER(buffer, "epx_" #op, op(buffer, args, outputs));        \
     }
 
-EPX_API epx_result_t epx_ht_dispatch(epx_buffer_t buffer, const epx_ht_dispatch_args_t *args,
-                                     epx_ht_dispatch_outputs_t *outputs)
+static epx_result_t ht_dispatch(epx_buffer_t buffer, const epx_ht_dispatch_args_t *args,
+                                epx_ht_dispatch_outputs_t *outputs)
 {
     COLLECTIVE_ENTER(ht_dispatch, HT_DISPATCH);
     epx_handle_t handle = a.cached_handle;
@@ -66,13 +72,14 @@ EPX_API epx_result_t epx_ht_dispatch(epx_buffer_t buffer, const epx_ht_dispatch_
     WRITE_OUT(outputs, &o, epx_ht_dispatch_outputs_t, handle);
     return EPX_SUCCESS;
 }
+COLLECTIVE_ENTRY(ht_dispatch)
 
 /* epx_ht_combine */
 COLLECTIVE_PLAIN(ht_combine, HT_COMBINE)
 
 /* The LL slot is counted by the checks, failed calls too. */
-EPX_API epx_result_t epx_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *args,
-                                     epx_ll_dispatch_outputs_t *outputs)
+static epx_result_t ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *args,
+                                epx_ll_dispatch_outputs_t *outputs)
 {
     COLLECTIVE_ENTER(ll_dispatch, LL_DISPATCH);
     EPX_CHECK(buffer->ops->ll_dispatch(buffer, seq, &a, &o));
@@ -80,18 +87,20 @@ EPX_API epx_result_t epx_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_
     if (a.return_recv_hook) WRITE_OUT(outputs, &o, epx_ll_dispatch_outputs_t, hook);
     return EPX_SUCCESS;
 }
+COLLECTIVE_ENTRY(ll_dispatch)
 
-EPX_API epx_result_t epx_ll_combine(epx_buffer_t buffer, const epx_ll_combine_args_t *args,
-                                    epx_ll_combine_outputs_t *outputs)
+static epx_result_t ll_combine(epx_buffer_t buffer, const epx_ll_combine_args_t *args,
+                               epx_ll_combine_outputs_t *outputs)
 {
     COLLECTIVE_ENTER(ll_combine, LL_COMBINE);
     EPX_CHECK(buffer->ops->ll_combine(buffer, seq, &a, &o));
     if (a.return_recv_hook) WRITE_OUT(outputs, &o, epx_ll_combine_outputs_t, hook);
     return EPX_SUCCESS;
 }
+COLLECTIVE_ENTRY(ll_combine)
 
-EPX_API epx_result_t epx_rm_dispatch(epx_buffer_t buffer, const epx_rm_dispatch_args_t *args,
-                                     epx_rm_dispatch_outputs_t *outputs)
+static epx_result_t rm_dispatch(epx_buffer_t buffer, const epx_rm_dispatch_args_t *args,
+                                epx_rm_dispatch_outputs_t *outputs)
 {
     COLLECTIVE_ENTER(rm_dispatch, RM_DISPATCH);
     epx_handle_t handle;
@@ -103,6 +112,7 @@ EPX_API epx_result_t epx_rm_dispatch(epx_buffer_t buffer, const epx_rm_dispatch_
     WRITE_OUT(outputs, &o, epx_rm_dispatch_outputs_t, handle);
     return EPX_SUCCESS;
 }
+COLLECTIVE_ENTRY(rm_dispatch)
 
 /* epx_rm_combine */
 COLLECTIVE_PLAIN(rm_combine, RM_COMBINE)

@@ -5,8 +5,8 @@
  */
 #include <string.h>
 
+#include "api/api.h"
 #include "core/bootstrap.h"
-#include "core/internal.h"
 
 /* Copies min(config->size, sizeof) bytes over the defaults and checks the result. */
 static epx_result_t read_config(const epx_comm_config_t *config, epx_comm_config_t *out)
@@ -49,7 +49,16 @@ static epx_result_t comm_init(int rank, int nranks, const epx_unique_id_t *id,
         return epx_error(EPX_ERR_INVALID_ARG, "rank %d is out of range [0, %d)", rank, nranks);
     epx_comm_config_t cfg;
     EPX_CHECK(read_config(config, &cfg));
-    return epx_comm_create(rank, nranks, id, callbacks, &cfg, comm_out);
+    epx_comm_t comm;
+    EPX_CHECK(epx_comm_create(rank, nranks, id, callbacks, &cfg, &comm));
+    /* Past the rendezvous a failure here is local (out of memory for one table entry). */
+    epx_result_t res = epx_api_register(comm, EPX_API_COMM);
+    if (res != EPX_SUCCESS) {
+        epx_comm_free(comm);
+        return res;
+    }
+    *comm_out = comm;
+    return EPX_SUCCESS;
 }
 
 EPX_API epx_result_t epx_get_unique_id(epx_unique_id_t *id_out)
@@ -82,22 +91,28 @@ EPX_API epx_result_t epx_comm_destroy(epx_comm_t comm)
 {
     epx_error_clear();
     if (!comm) return EPX_SUCCESS;
-    EPX_CHECK(epx_comm_check(comm, "epx_comm_destroy"));
+    EPX_CHECK(epx_api_enter_comm(comm, "epx_comm_destroy"));
     int live = atomic_load(&comm->live_buffers);
-    if (live > 0)
+    if (live > 0) {
+        epx_api_leave_comm(comm);
         return epx_error(EPX_ERR_INVALID_ARG,
                          "rank %d: the communicator still has %d live buffer(s); destroy "
                          "them first",
                          comm->rank, live);
+    }
+    epx_api_retire(comm);
     epx_comm_free(comm);
     return EPX_SUCCESS;
 }
 
 EPX_API epx_result_t epx_comm_get_topology(epx_comm_t comm, epx_topology_t *topo_out)
 {
-    epx_error_clear();
-    EPX_CHECK(epx_comm_check(comm, "epx_comm_get_topology"));
-    if (!topo_out) return epx_error(EPX_ERR_INVALID_ARG, "topo_out is NULL");
+    /* Read under the registry's lock: any thread may ask. */
+    EPX_CHECK(epx_api_find_comm(comm, "epx_comm_get_topology"));
+    if (!topo_out) {
+        epx_api_registry_unlock();
+        return epx_error(EPX_ERR_INVALID_ARG, "topo_out is NULL");
+    }
     epx_topology_t t;
     t.rank = comm->rank;
     t.nranks = comm->nranks;
@@ -107,13 +122,16 @@ EPX_API epx_result_t epx_comm_get_topology(epx_comm_t comm, epx_topology_t *topo
     t.num_nvlink_domains = comm->num_domains;
     t.backend = comm->backend;
     t.cuda_device = comm->backend == EPX_BACKEND_CUDA ? comm->cuda_device : -1;
+    epx_api_registry_unlock();
     *topo_out = t;
     return EPX_SUCCESS;
 }
 
 EPX_API epx_result_t epx_get_async_error(epx_comm_t comm)
 {
-    epx_error_clear();
-    EPX_CHECK(epx_comm_check(comm, "epx_get_async_error"));
-    return epx_comm_get_async_error(comm);
+    /* Any thread may ask, even while another is inside a call on the comm. */
+    EPX_CHECK(epx_api_find_comm(comm, "epx_get_async_error"));
+    epx_result_t res = epx_comm_get_async_error(comm);
+    epx_api_registry_unlock();
+    return res;
 }

@@ -7,10 +7,10 @@
 
 #include "api/api.h"
 
-EPX_API epx_result_t epx_get_dispatch_layout(epx_buffer_t buffer, const epx_tensor_t *topk_idx,
-                                             epx_layout_outputs_t *outputs, void *stream)
+static epx_result_t get_dispatch_layout(epx_buffer_t buffer, const epx_tensor_t *topk_idx,
+                                        epx_layout_outputs_t *outputs, void *stream)
 {
-    EPX_CHECK(epx_api_begin(buffer, EPX_MODE_HT, "epx_get_dispatch_layout"));
+    EPX_CHECK(epx_api_check_mode(buffer, EPX_MODE_HT, "epx_get_dispatch_layout"));
     epx_comm_t comm = buffer->comm;
     const epx_buffer_config_t *cfg = &buffer->config;
     if (!buffer->ops->layout) return epx_api_unsupported(buffer, "epx_get_dispatch_layout");
@@ -31,6 +31,13 @@ EPX_API epx_result_t epx_get_dispatch_layout(epx_buffer_t buffer, const epx_tens
                  {comm->num_domains}, "R/D", EPX_TENSOR_OPTIONAL);
     EPX_CHECK(epx_api_check_topk_idx(comm, topk_idx, cfg->num_experts, "topk_idx"));
     return buffer->ops->layout(buffer, topk_idx, &o, stream);
+}
+
+EPX_API epx_result_t epx_get_dispatch_layout(epx_buffer_t buffer, const epx_tensor_t *topk_idx,
+                                             epx_layout_outputs_t *outputs, void *stream)
+{
+    EPX_API_HOLDING_BUFFER(buffer, "epx_get_dispatch_layout",
+                           get_dispatch_layout(buffer, topk_idx, outputs, stream));
 }
 
 /* ----------------------------------------------------------------------------------- HT ---- */
@@ -154,10 +161,9 @@ EPX_API_CHECK_FN(ht_combine)
     return EPX_SUCCESS;
 }
 
-EPX_API epx_result_t epx_ht_get_combine_input(epx_buffer_t buffer, epx_handle_t handle,
-                                              epx_tensor_t *view_out)
+static epx_result_t ht_get_combine_input(epx_buffer_t buffer, epx_handle_t handle, epx_tensor_t *view_out)
 {
-    EPX_CHECK(epx_api_begin(buffer, EPX_MODE_HT, "epx_ht_get_combine_input"));
+    EPX_CHECK(epx_api_check_mode(buffer, EPX_MODE_HT, "epx_ht_get_combine_input"));
     epx_comm_t comm = buffer->comm;
     if (!buffer->ops->ht_get_combine_input) return epx_api_unsupported(buffer, "epx_ht_get_combine_input");
     if (!view_out) return ARG_ERR("view_out is NULL");
@@ -167,4 +173,11 @@ EPX_API epx_result_t epx_ht_get_combine_input(epx_buffer_t buffer, epx_handle_t 
     EPX_CHECK(buffer->ops->ht_get_combine_input(buffer, handle, &view));
     *view_out = view;
     return EPX_SUCCESS;
+}
+
+EPX_API epx_result_t epx_ht_get_combine_input(epx_buffer_t buffer, epx_handle_t handle,
+                                              epx_tensor_t *view_out)
+{
+    EPX_API_HOLDING_BUFFER(buffer, "epx_ht_get_combine_input",
+                           ht_get_combine_input(buffer, handle, view_out));
 }

@@ -76,10 +76,10 @@ EPX_API_CHECK_FN(ll_combine)
     return EPX_SUCCESS;
 }
 
-EPX_API epx_result_t epx_ll_get_combine_buffer(epx_buffer_t buffer, const epx_ll_handle_t *handle,
-                                               epx_tensor_t *view_out)
+static epx_result_t ll_get_combine_buffer(epx_buffer_t buffer, const epx_ll_handle_t *handle,
+                                          epx_tensor_t *view_out)
 {
-    EPX_CHECK(epx_api_begin(buffer, EPX_MODE_LL, "epx_ll_get_combine_buffer"));
+    EPX_CHECK(epx_api_check_mode(buffer, EPX_MODE_LL, "epx_ll_get_combine_buffer"));
     epx_comm_t comm = buffer->comm;
     if (!buffer->ops->ll_get_combine_buffer) return epx_api_unsupported(buffer, "epx_ll_get_combine_buffer");
     if (!handle) return ARG_ERR("handle is NULL");
@@ -92,12 +92,23 @@ EPX_API epx_result_t epx_ll_get_combine_buffer(epx_buffer_t buffer, const epx_ll
     return EPX_SUCCESS;
 }
 
+EPX_API epx_result_t epx_ll_get_combine_buffer(epx_buffer_t buffer, const epx_ll_handle_t *handle,
+                                               epx_tensor_t *view_out)
+{
+    EPX_API_HOLDING_BUFFER(buffer, "epx_ll_get_combine_buffer",
+                           ll_get_combine_buffer(buffer, handle, view_out));
+}
+
+static epx_result_t hook_run(const epx_hook_t *hook, void *stream)
+{
+    if (!hook->buffer->ops->hook_run) return epx_api_unsupported(hook->buffer, "epx_hook_run");
+    return hook->buffer->ops->hook_run(hook, stream);
+}
+
 EPX_API epx_result_t epx_hook_run(const epx_hook_t *hook, void *stream)
 {
     epx_error_clear();
     if (!hook) return epx_error(EPX_ERR_INVALID_ARG, "hook is NULL");
     if (!hook->buffer) return epx_error(EPX_ERR_INVALID_ARG, "hook->buffer is NULL (not a hook from a call)");
-    EPX_CHECK(epx_api_check_buffer(hook->buffer));
-    if (!hook->buffer->ops->hook_run) return epx_api_unsupported(hook->buffer, "epx_hook_run");
-    return hook->buffer->ops->hook_run(hook, stream);
+    EPX_API_HOLDING_BUFFER(hook->buffer, "epx_hook_run", hook_run(hook, stream));
 }

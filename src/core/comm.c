@@ -165,6 +165,7 @@ epx_result_t epx_comm_create(int rank, int nranks, const epx_unique_id_t *id,
     comm->timeout_ms = config->timeout_ms > 0 ? config->timeout_ms : params->timeout_ms;
     comm->ops = ops;
     atomic_init(&comm->live_buffers, 0);
+    atomic_init(&comm->busy, 0);
     atomic_init(&comm->async_result, EPX_SUCCESS);
     comm->peers = calloc((size_t)nranks, sizeof(*comm->peers));
     if (!comm->peers) {

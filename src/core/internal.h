@@ -171,6 +171,7 @@ struct epx_comm {
     const epx_backend_ops_t *ops;
     void *backend_comm_state;   /* backend's per-comm state (may be NULL) */
     atomic_int live_buffers;
+    atomic_int busy;            /* 1 while a thread is inside an entry point on it (src/api) */
     /* First asynchronous error, reported by epx_get_async_error. */
     atomic_int async_result;
     char async_message[512];
@@ -206,6 +207,7 @@ struct epx_buffer {
                                      (ll_dispatches - 1) % 2 for the current call) */
     atomic_int live_handles;
     atomic_int overflow;          /* set by a bounded call that dropped rows */
+    atomic_int busy;              /* 1 while a thread is inside an entry point on it (src/api) */
 };
 
 /* This rank failed collective call `seq` on `buffer` before its operation ran: tells the peers

@@ -5,7 +5,7 @@
  */
 #include <string.h>
 
-#include "api/check.h"
+#include "api/api.h"
 #include "core/internal.h"
 #include "epx_test.h"
 
@@ -240,6 +240,8 @@ static int test_fake_backend(void)
     buffer.comm = &comm;
     buffer.num_local_experts = 2;
     buffer.ops = &fake_ops;
+    /* Entry points reach only registered objects. */
+    EXPECT_OK(epx_api_register(&buffer, EPX_API_BUFFER));
 
     _Alignas(16) uint16_t x[4 * 128];
     _Alignas(16) uint16_t recv[8 * 128];
@@ -300,6 +302,7 @@ static int test_fake_backend(void)
 
     EXPECT_OK(epx_handle_destroy(h));
     EXPECT_EQ_INT(atomic_load(&buffer.live_handles), 0);
+    epx_api_retire(&buffer);
     return 0;
 }
 
