@@ -19,7 +19,7 @@ static PyObject *raise_result(epx_result_t res, const char *detail)
 {
     const char *name = epx_result_name(res);
     const char *message = detail && detail[0] ? detail : epx_strerror(res);
-    PyObject *cls = (res >= 0 && res <= EPX_ERR_INTERNAL && py_state.error_classes[res])
+    PyObject *cls = (res >= 0 && res < PY_NUM_RESULTS && py_state.error_classes[res])
                         ? py_state.error_classes[res]
                         : py_state.error_base;
     PyObject *exc = PyObject_CallFunction(cls, "s", message);
@@ -93,7 +93,7 @@ static PyObject *mod_set_error_classes(PyObject *mod, PyObject *args)
     if (!PyArg_ParseTuple(args, "OO!", &base, &PyDict_Type, &classes)) return NULL;
     Py_INCREF(base);
     Py_XSETREF(py_state.error_base, base);
-    for (int code = 1; code <= EPX_ERR_INTERNAL; code++) {
+    for (int code = 1; code < PY_NUM_RESULTS; code++) {
         PyObject *cls = PyDict_GetItemString(classes, epx_result_name((epx_result_t)code));
         Py_XINCREF(cls);
         Py_XSETREF(py_state.error_classes[code], cls);

@@ -49,9 +49,17 @@ enum { DL_CPU = 1, DL_CUDA = 2, DL_CUDA_HOST = 3 };
 
 /* ------------------------------------------------------------------ module state ---- */
 
+/* Result codes are 0..PY_NUM_RESULTS - 1 (the map's values are dense). */
+enum {
+    PY_NUM_RESULTS = 0
+#define PY_COUNT_RESULT_(name, value, text) +1
+    EPX_RESULT_MAP(PY_COUNT_RESULT_)
+#undef PY_COUNT_RESULT_
+};
+
 typedef struct {
     PyObject *error_base;                          /* epx.EpxError */
-    PyObject *error_classes[EPX_ERR_INTERNAL + 1]; /* by result code */
+    PyObject *error_classes[PY_NUM_RESULTS]; /* by result code */
     PyObject *numpy_empty, *numpy_dtypes[EPX_DTYPE_COUNT_];
     PyTypeObject *numpy_ndarray;
     PyObject *torch_empty, *torch_tensor_type, *torch_dtypes[EPX_DTYPE_COUNT_], *torch_fp8;
