@@ -6,7 +6,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -410,10 +409,9 @@ static epx_result_t wait_tick(const host_buffer_t *hb, wait_clock_t *c, int peer
     uint64_t now = epx_time_ns();
     if (now >= c->next_pid_check) {
         c->next_pid_check = now + HOST_PID_CHECK_NS;
-        int32_t pid = host_hdr(hb, peer)->pid;
-        if (pid > 0 && kill((pid_t)pid, 0) == -1 && errno == ESRCH)
+        if (host_peer_exited(&hb->peers, peer))
             return epx_error(EPX_ERR_REMOTE, "rank %d: peer %d (pid %d) exited while %s", hb->rank, peer,
-                             (int)pid, doing);
+                             (int)hb->peers.pid[peer], doing);
     }
     return now >= c->deadline ? EPX_ERR_TIMEOUT : EPX_SUCCESS;
 }
