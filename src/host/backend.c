@@ -16,8 +16,10 @@ static epx_result_t host_buffer_create(epx_buffer_t buffer)
     hb->buffer = buffer;
     hb->rank = comm->rank;
     hb->nranks = comm->nranks;
-    epx_result_t res = host_shm_init(hb);
+    epx_result_t res = host_peers_open(&hb->peers, comm);
     if (res != EPX_SUCCESS) goto err_free;
+    res = host_shm_init(hb);
+    if (res != EPX_SUCCESS) goto err_peers;
     if (buffer->config.modes & EPX_MODE_LL) {
         res = host_ll_init(hb);
         if (res != EPX_SUCCESS) goto err_shm;
@@ -27,6 +29,8 @@ static epx_result_t host_buffer_create(epx_buffer_t buffer)
 
 err_shm:
     host_shm_fini(hb);
+err_peers:
+    host_peers_close(&hb->peers);
 err_free:
     free(hb);
     return res;
@@ -38,6 +42,7 @@ static void host_buffer_destroy(epx_buffer_t buffer)
     if (!hb) return;
     if (buffer->config.modes & EPX_MODE_LL) host_ll_fini(hb);
     host_shm_fini(hb);
+    host_peers_close(&hb->peers);
     free(hb->ht_view);
     free(hb);
     buffer->backend_state = NULL;

@@ -1,5 +1,5 @@
 /*
- * Host (CPU) backend internals. Ranks are processes of one machine; each rank owns one POSIX
+ * Host (CPU) backend internals. Ranks are processes of one machine; each rank owns one
  * shared-memory region per buffer, mapped by every peer. Operations use a pull model: a rank
  * publishes its inputs in its own region, then every rank reads what it needs from its peers'
  * regions and writes its own outputs. Publications and completions are sequence numbers in
@@ -68,6 +68,13 @@ typedef struct host_region_hdr {
     host_area_ctrl_t areas[HOST_AREA_COUNT];
 } host_region_hdr_t;
 
+/* The peer processes of a buffer, watched for exit (src/host/peers.c). */
+typedef struct host_peers {
+    int nranks;
+    int *pidfd;   /* [nranks] pidfd of each peer, -1 for ourselves or where pidfds are missing */
+    int32_t *pid; /* [nranks] */
+} host_peers_t;
+
 /* Per-buffer state of the host backend. */
 typedef struct host_buffer {
     epx_buffer_t buffer;
@@ -81,6 +88,7 @@ typedef struct host_buffer {
     void *pool;                        /* thread pool (host_parallel_for) */
     uint8_t *ht_view;                  /* HT dispatch outputs of view mode (private, src/host/ht.c) */
     size_t ht_view_bytes;
+    host_peers_t peers;                /* opened first, closed last */
 } host_buffer_t;
 
 static inline host_region_hdr_t *host_hdr(const host_buffer_t *hb, int rank)
@@ -96,6 +104,23 @@ static inline uint8_t *host_area_ptr(const host_buffer_t *hb, int rank, host_are
  * starts the worker pool; host_shm_fini undoes it without waiting on a peer (src/host/shm.c). */
 epx_result_t host_shm_init(host_buffer_t *hb);
 void host_shm_fini(host_buffer_t *hb);
+
+/* Every rank reports its status `mine` (collective); returns the first failure, ours first, else
+ * a peer's as EPX_ERR_REMOTE naming `step`. */
+epx_result_t host_agree(host_buffer_t *hb, epx_result_t mine, const char *step);
+/* Hands our region's descriptor to every peer and receives theirs into fds[nranks] (collective,
+ * agreed: every rank returns success or every rank fails; src/host/share.c). The descriptors
+ * received are in fds even on failure, -1 elsewhere. */
+epx_result_t host_share_fds(host_buffer_t *hb, int own_fd, int *fds);
+/* Fault injection of the tests: dies by SIGKILL when EPX_TEST_FAULT_SHM is "<our rank>:<step>".
+ * Called at buffer creation only. */
+void host_fault_point(const host_buffer_t *hb, int step);
+
+/* Opens a pidfd for every peer of `comm` (once per buffer); host_peers_close closes them. */
+epx_result_t host_peers_open(host_peers_t *peers, epx_comm_t comm);
+void host_peers_close(host_peers_t *peers);
+/* 1 when `peer`'s process has exited, reaped or not (a zombie counts as dead); else 0. */
+int host_peer_exited(const host_peers_t *peers, int peer);
 
 /* Area sizes for a normalized buffer config (0 for areas of modes not enabled). Every rank
  * computes the same numbers. */

@@ -1,6 +1,6 @@
 /*
- * Host backend transport: one shared-memory region per rank and buffer (created, mapped by every
- * peer, then unlinked), the publish/wait/done protocol on the area headers, and the small worker
+ * Host backend transport: one shared-memory region per rank and buffer (a memfd whose descriptor
+ * every peer receives and maps), the publish/wait/done protocol on the area headers, and the small worker
  * pool that splits copies and reductions.
  */
 #include <errno.h>
@@ -11,9 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/random.h>
 #include <sys/stat.h>
-#include <sys/statvfs.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -190,16 +188,8 @@ static int pool_threads(const epx_params_t *params, int local_nranks)
 
 /* ------------------------------------------------------------------------- regions ---- */
 
-static uint64_t draw_token(void)
-{
-    uint64_t token = 0;
-    if (getrandom(&token, sizeof(token), GRND_NONBLOCK) != (ssize_t)sizeof(token))
-        token = epx_time_ns() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)&token;
-    return token;
-}
-
 /* Every rank reports its status; returns the first failure (ours, else a peer's). */
-static epx_result_t agree(host_buffer_t *hb, epx_result_t mine, const char *step)
+epx_result_t host_agree(host_buffer_t *hb, epx_result_t mine, const char *step)
 {
     epx_comm_t comm = hb->buffer->comm;
     int32_t *all = calloc((size_t)hb->nranks, sizeof(int32_t));
@@ -217,6 +207,14 @@ static epx_result_t agree(host_buffer_t *hb, epx_result_t mine, const char *step
     return res;
 }
 
+void host_fault_point(const host_buffer_t *hb, int step)
+{
+    /* Read at buffer creation only: the fault-injection tests name a rank and a step to die at. */
+    const char *spec = getenv("EPX_TEST_FAULT_SHM");
+    int rank = -1, at = -1;
+    if (spec && sscanf(spec, "%d:%d", &rank, &at) == 2 && rank == hb->rank && at == step) raise(SIGKILL);
+}
+
 static void unmap_regions(host_buffer_t *hb)
 {
     if (!hb->regions) return;
@@ -226,82 +224,87 @@ static void unmap_regions(host_buffer_t *hb)
     hb->regions = NULL;
 }
 
-/* Creates and initialises our own region file; returns its mapping in hb->regions[rank]. */
-static epx_result_t create_own_region(host_buffer_t *hb, const char *dir, const char *path)
+/* Creates and initialises our own region, anonymous memory shared by descriptor (*fd_out): no
+ * name exists that a crash could leave behind or another user could take first. */
+static epx_result_t create_own_region(host_buffer_t *hb, int *fd_out)
 {
-    struct statvfs vfs;
-    if (statvfs(dir, &vfs) != 0)
-        return epx_error(EPX_ERR_SYSTEM, "rank %d: statvfs of EPX_SHM_DIR %s failed: %s", hb->rank, dir,
-                         strerror(errno));
-    /* All ranks of the machine put their regions in the same directory. */
-    uint64_t avail = (uint64_t)vfs.f_bavail * (uint64_t)vfs.f_frsize;
-    uint64_t need = (uint64_t)hb->region_bytes * (uint64_t)hb->buffer->comm->local_nranks;
-    if (need > avail)
-        return epx_error(EPX_ERR_OUT_OF_MEMORY,
-                         "rank %d: EPX_SHM_DIR %s has %llu bytes free, %d regions of %zu bytes need %llu",
-                         hb->rank, dir, (unsigned long long)avail, hb->buffer->comm->local_nranks,
-                         hb->region_bytes, (unsigned long long)need);
-    int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    int fd = memfd_create("epx-region", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0)
-        return epx_error(EPX_ERR_SYSTEM, "rank %d: cannot create %s: %s", hb->rank, path, strerror(errno));
+        return epx_error(EPX_ERR_SYSTEM, "rank %d: memfd_create failed: %s", hb->rank, strerror(errno));
     epx_result_t res = EPX_SUCCESS;
     if (ftruncate(fd, (off_t)hb->region_bytes) != 0) {
-        res = epx_error(errno == EFBIG || errno == ENOSPC ? EPX_ERR_OUT_OF_MEMORY : EPX_ERR_SYSTEM,
-                        "rank %d: cannot size %s to %zu bytes: %s", hb->rank, path, hb->region_bytes,
+        res = epx_error(errno == EFBIG || errno == ENOSPC || errno == ENOMEM ? EPX_ERR_OUT_OF_MEMORY
+                                                                            : EPX_ERR_SYSTEM,
+                        "rank %d: cannot size our region to %zu bytes: %s", hb->rank, hb->region_bytes,
                         strerror(errno));
-        goto err_unlink;
+        goto err_close;
     }
+    /* Peers map the size they see: it can no longer change under them. */
+    (void)fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
     void *map = mmap(NULL, hb->region_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (map == MAP_FAILED) {
         res = epx_error(errno == ENOMEM ? EPX_ERR_OUT_OF_MEMORY : EPX_ERR_SYSTEM,
-                        "rank %d: cannot map %s (%zu bytes): %s", hb->rank, path, hb->region_bytes,
+                        "rank %d: cannot map our region (%zu bytes): %s", hb->rank, hb->region_bytes,
                         strerror(errno));
-        goto err_unlink;
+        goto err_close;
     }
-    close(fd);
     host_region_hdr_t *hdr = map;
     hdr->rank = hb->rank;
     hdr->pid = (int32_t)getpid();
     atomic_store_explicit(&hdr->failed_seq, 0, memory_order_relaxed);
     __atomic_store_n(&hdr->magic, HOST_REGION_MAGIC, __ATOMIC_RELEASE);
     hb->regions[hb->rank] = map;
+    *fd_out = fd;
     return EPX_SUCCESS;
 
-err_unlink:
-    unlink(path);
+err_close:
     close(fd);
     return res;
 }
 
-static epx_result_t map_peer_region(host_buffer_t *hb, const char *dir, uint64_t token, int peer)
+static epx_result_t map_peer_region(host_buffer_t *hb, int fd, int peer)
 {
-    char path[512];
-    snprintf(path, sizeof(path), "%s/epx-%016llx-%d", dir, (unsigned long long)token, peer);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return epx_error(EPX_ERR_SYSTEM, "rank %d: cannot open peer %d's region %s: %s", hb->rank, peer, path,
-                         strerror(errno));
     struct stat st;
-    if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != (uint64_t)hb->region_bytes) {
-        close(fd);
-        return epx_error(EPX_ERR_MISMATCH, "rank %d: peer %d's region %s has %lld bytes, expected %zu",
-                         hb->rank, peer, path, (long long)st.st_size, hb->region_bytes);
-    }
+    if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != (uint64_t)hb->region_bytes)
+        return epx_error(EPX_ERR_MISMATCH, "rank %d: peer %d's region has %lld bytes, expected %zu", hb->rank,
+                         peer, (long long)st.st_size, hb->region_bytes);
     /* Peers' regions are only read: a stray write is a crash, not corruption. */
     void *map = mmap(NULL, hb->region_bytes, PROT_READ, MAP_SHARED, fd, 0);
-    int err = errno;
-    close(fd);
     if (map == MAP_FAILED)
-        return epx_error(err == ENOMEM ? EPX_ERR_OUT_OF_MEMORY : EPX_ERR_SYSTEM,
-                         "rank %d: cannot map peer %d's region %s (%zu bytes): %s", hb->rank, peer, path,
-                         hb->region_bytes, strerror(err));
+        return epx_error(errno == ENOMEM ? EPX_ERR_OUT_OF_MEMORY : EPX_ERR_SYSTEM,
+                         "rank %d: cannot map peer %d's region (%zu bytes): %s", hb->rank, peer,
+                         hb->region_bytes, strerror(errno));
     hb->regions[peer] = map;
     const host_region_hdr_t *hdr = map;
     if (__atomic_load_n(&hdr->magic, __ATOMIC_ACQUIRE) != HOST_REGION_MAGIC || hdr->rank != peer)
-        return epx_error(EPX_ERR_INTERNAL,
-                         "rank %d: region %s does not belong to rank %d (magic %llx, rank %d)", hb->rank,
-                         path, peer, (unsigned long long)hdr->magic, hdr->rank);
+        return epx_error(EPX_ERR_INTERNAL, "rank %d: peer %d's region is not its own (magic %llx, rank %d)",
+                         hb->rank, peer, (unsigned long long)hdr->magic, hdr->rank);
     return EPX_SUCCESS;
+}
+
+/* Creates our region, hands its descriptor to every peer and maps theirs. */
+static epx_result_t map_regions(host_buffer_t *hb)
+{
+    int own_fd = -1;
+    int *fds = malloc((size_t)hb->nranks * sizeof(int));
+    if (!fds) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate descriptors", hb->rank);
+    for (int r = 0; r < hb->nranks; r++) fds[r] = -1;
+    epx_result_t res = host_agree(hb, create_own_region(hb, &own_fd), "create its shared-memory region");
+    if (res == EPX_SUCCESS) {
+        host_fault_point(hb, 1);
+        res = host_share_fds(hb, own_fd, fds);
+    }
+    epx_result_t mapped = res;
+    for (int r = 0; r < hb->nranks && mapped == EPX_SUCCESS; r++)
+        if (r != hb->rank) mapped = map_peer_region(hb, fds[r], r);
+    host_fault_point(hb, 3);
+    /* A rank that failed above has told its peers already; the rest agree on the mapping. */
+    if (res == EPX_SUCCESS) res = host_agree(hb, mapped, "map its peers' regions");
+    for (int r = 0; r < hb->nranks; r++)
+        if (fds[r] >= 0) close(fds[r]);
+    if (own_fd >= 0) close(own_fd);
+    free(fds);
+    return res;
 }
 
 epx_result_t host_shm_init(host_buffer_t *hb)
@@ -309,7 +312,6 @@ epx_result_t host_shm_init(host_buffer_t *hb)
     epx_comm_t comm = hb->buffer->comm;
     const epx_params_t *params;
     EPX_CHECK(epx_params_get(&params));
-    const char *dir = params->shm_dir[0] ? params->shm_dir : "/dev/shm";
 
     size_t offset = round_page(sizeof(host_region_hdr_t));
     host_area_sizes(&hb->buffer->config, hb->nranks, hb->area_bytes);
@@ -323,46 +325,16 @@ epx_result_t host_shm_init(host_buffer_t *hb)
     if (!hb->regions)
         return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate %d region pointers", hb->rank,
                          hb->nranks);
-
-    epx_result_t res;
-    uint64_t token = hb->rank == 0 ? draw_token() : 0;
-    uint64_t *tokens = calloc((size_t)hb->nranks, sizeof(uint64_t));
-    if (!tokens) {
-        res = epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate %d tokens", hb->rank, hb->nranks);
-        goto err_free_regions;
-    }
-    res = epx_comm_allgather(comm, &token, tokens, sizeof(token));
-    token = tokens[0];
-    free(tokens);
-    if (res != EPX_SUCCESS) goto err_free_regions;
-
-    char path[512];
-    snprintf(path, sizeof(path), "%s/epx-%016llx-%d", dir, (unsigned long long)token, hb->rank);
-    /* Every rank learns whether all regions exist before anyone maps a peer's. */
-    res = agree(hb, create_own_region(hb, dir, path), "create its shared-memory region");
-    if (res != EPX_SUCCESS) goto err_unlink;
-    epx_result_t mapped = EPX_SUCCESS;
-    for (int r = 0; r < hb->nranks && mapped == EPX_SUCCESS; r++)
-        if (r != hb->rank) mapped = map_peer_region(hb, dir, token, r);
-    res = agree(hb, mapped, "map its peers' regions");
-    /* Everyone has mapped ours (or given up): the name is no longer needed. */
-    if (hb->regions[hb->rank]) unlink(path);
+    epx_result_t res = map_regions(hb);
     if (res != EPX_SUCCESS) goto err_unmap;
-
     res = pool_create(pool_threads(params, comm->local_nranks), hb->rank, (host_pool_t **)&hb->pool);
     if (res != EPX_SUCCESS) goto err_unmap;
-    EPX_INFO(EPX_SUBSYS_SHM, "rank %d: %d regions of %zu bytes mapped from %s, %d worker threads", hb->rank,
-             hb->nranks, hb->region_bytes, dir, ((host_pool_t *)hb->pool)->nthreads);
+    EPX_INFO(EPX_SUBSYS_SHM, "rank %d: %d regions of %zu bytes mapped, %d worker threads", hb->rank,
+             hb->nranks, hb->region_bytes, ((host_pool_t *)hb->pool)->nthreads);
     return EPX_SUCCESS;
 
-err_unlink:
-    if (hb->regions[hb->rank]) unlink(path);
 err_unmap:
     unmap_regions(hb);
-    return res;
-err_free_regions:
-    free(hb->regions);
-    hb->regions = NULL;
     return res;
 }
 
@@ -410,10 +382,9 @@ static epx_result_t wait_tick(const host_buffer_t *hb, wait_clock_t *c, int peer
     uint64_t now = epx_time_ns();
     if (now >= c->next_pid_check) {
         c->next_pid_check = now + HOST_PID_CHECK_NS;
-        int32_t pid = host_hdr(hb, peer)->pid;
-        if (pid > 0 && kill((pid_t)pid, 0) == -1 && errno == ESRCH)
+        if (host_peer_exited(&hb->peers, peer))
             return epx_error(EPX_ERR_REMOTE, "rank %d: peer %d (pid %d) exited while %s", hb->rank, peer,
-                             (int)pid, doing);
+                             (int)hb->peers.pid[peer], doing);
     }
     return now >= c->deadline ? EPX_ERR_TIMEOUT : EPX_SUCCESS;
 }

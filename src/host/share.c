@@ -1,0 +1,207 @@
+/*
+ * Passes each rank's region descriptor (a memfd) to its peers: every rank listens on an
+ * abstract Unix socket named by a secret drawn for the buffer, every peer connects and receives
+ * the descriptor with SCM_RIGHTS. Nothing is named in a file system, so a crash leaves nothing.
+ */
+#include <errno.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "host/host.h"
+
+#define SHARE_POLL_MS 20
+
+typedef struct share {
+    host_buffer_t *hb;
+    uint64_t secret[2];
+    int listener;
+    int *socks;  /* [nranks] our connection to each peer's listener */
+    int *served; /* [nranks] peers that have our descriptor */
+    uint64_t deadline;
+} share_t;
+
+/* Abstract names are visible in /proc/net/unix: the secret keeps them from being guessed
+ * before they exist; the credentials check below keeps strangers out after. */
+static socklen_t socket_name(const share_t *sh, int rank, struct sockaddr_un *addr)
+{
+    memset(addr, 0, sizeof(*addr));
+    addr->sun_family = AF_UNIX;
+    int n = snprintf(addr->sun_path + 1, sizeof(addr->sun_path) - 1, "epx-%016llx%016llx-%d",
+                     (unsigned long long)sh->secret[0], (unsigned long long)sh->secret[1], rank);
+    return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+}
+
+static epx_result_t draw_secret(share_t *sh)
+{
+    host_buffer_t *hb = sh->hb;
+    uint64_t mine[2] = {0, 0};
+    if (hb->rank == 0 && getrandom(mine, sizeof(mine), 0) != (ssize_t)sizeof(mine))
+        return epx_error(EPX_ERR_SYSTEM, "rank %d: getrandom failed: %s", hb->rank, strerror(errno));
+    uint64_t *all = calloc((size_t)hb->nranks * 2, sizeof(uint64_t));
+    if (!all) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate secrets", hb->rank);
+    epx_result_t res = epx_comm_allgather(hb->buffer->comm, mine, all, sizeof(mine));
+    sh->secret[0] = all[0];
+    sh->secret[1] = all[1];
+    free(all);
+    return res;
+}
+
+static epx_result_t open_listener(share_t *sh)
+{
+    struct sockaddr_un addr;
+    socklen_t len = socket_name(sh, sh->hb->rank, &addr);
+    sh->listener = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (sh->listener < 0 || bind(sh->listener, (struct sockaddr *)&addr, len) != 0 ||
+        listen(sh->listener, sh->hb->nranks + 4) != 0)
+        return epx_error(EPX_ERR_SYSTEM, "rank %d: cannot listen on the descriptor socket: %s", sh->hb->rank,
+                         strerror(errno));
+    return EPX_SUCCESS;
+}
+
+static epx_result_t connect_peers(share_t *sh)
+{
+    host_buffer_t *hb = sh->hb;
+    for (int p = 0; p < hb->nranks; p++) {
+        if (p == hb->rank) continue;
+        struct sockaddr_un addr;
+        socklen_t len = socket_name(sh, p, &addr);
+        /* Non-blocking: a backlog filled by strangers fails here instead of hanging. */
+        sh->socks[p] = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        if (sh->socks[p] < 0 || connect(sh->socks[p], (struct sockaddr *)&addr, len) != 0)
+            return epx_error(EPX_ERR_SYSTEM, "rank %d: cannot connect to peer %d's descriptor socket: %s",
+                             hb->rank, p, strerror(errno));
+    }
+    return EPX_SUCCESS;
+}
+
+/* The rank whose process is at the other end of `sock`, or -1 for a stranger. */
+static int peer_of(const share_t *sh, int sock)
+{
+    struct ucred cred;
+    socklen_t len = sizeof(cred);
+    if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return -1;
+    for (int p = 0; p < sh->hb->nranks; p++)
+        if (p != sh->hb->rank && sh->hb->peers.pid[p] == cred.pid) return p;
+    return -1;
+}
+
+/* Waits up to one poll period on `fd`; EPX_ERR_REMOTE when `peer` (or, for -1, any peer not yet
+ * served) exited, EPX_ERR_TIMEOUT past the deadline. */
+static epx_result_t wait_readable(const share_t *sh, int fd, int peer, const char *doing)
+{
+    const host_buffer_t *hb = sh->hb;
+    for (int p = 0; p < hb->nranks; p++) {
+        if (p == hb->rank || (peer >= 0 && p != peer) || (peer < 0 && sh->served[p])) continue;
+        if (host_peer_exited(&hb->peers, p))
+            return epx_error(EPX_ERR_REMOTE, "rank %d: peer %d (pid %d) exited while we %s", hb->rank, p,
+                             (int)hb->peers.pid[p], doing);
+    }
+    if (epx_time_ns() >= sh->deadline)
+        return epx_error(EPX_ERR_TIMEOUT, "rank %d: no progress within %lld ms while we %s", hb->rank,
+                         (long long)hb->buffer->comm->timeout_ms, doing);
+    struct pollfd pfd = {fd, POLLIN, 0};
+    (void)poll(&pfd, 1, SHARE_POLL_MS);
+    return EPX_SUCCESS;
+}
+
+/* Accepts every peer once and hands it our descriptor; strangers are dropped. */
+static epx_result_t serve_peers(share_t *sh, int own_fd)
+{
+    host_buffer_t *hb = sh->hb;
+    int32_t rank = hb->rank;
+    for (int left = hb->nranks - 1; left > 0;) {
+        int sock = accept4(sh->listener, NULL, NULL, SOCK_CLOEXEC);
+        if (sock < 0) {
+            epx_result_t res = wait_readable(sh, sh->listener, -1, "handed our region to our peers");
+            if (res != EPX_SUCCESS) return res;
+            continue;
+        }
+        int p = peer_of(sh, sock);
+        if (p >= 0 && !sh->served[p]) {
+            char control[CMSG_SPACE(sizeof(int))] = {0};
+            struct iovec iov = {&rank, sizeof(rank)};
+            struct msghdr msg = {
+                .msg_iov = &iov, .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof(control)};
+            struct cmsghdr *cmsg = CMSG_FIRSTHDR(&msg);
+            cmsg->cmsg_level = SOL_SOCKET;
+            cmsg->cmsg_type = SCM_RIGHTS;
+            cmsg->cmsg_len = CMSG_LEN(sizeof(int));
+            memcpy(CMSG_DATA(cmsg), &own_fd, sizeof(int));
+            if (sendmsg(sock, &msg, MSG_NOSIGNAL) != (ssize_t)sizeof(rank)) {
+                epx_result_t res = epx_error(EPX_ERR_SYSTEM, "rank %d: cannot send our region to peer %d: %s",
+                                             hb->rank, p, strerror(errno));
+                close(sock);
+                return res;
+            }
+            sh->served[p] = 1;
+            left--;
+        }
+        close(sock);
+    }
+    return EPX_SUCCESS;
+}
+
+/* Receives peer p's descriptor over our connection to it. */
+static epx_result_t receive_peer(share_t *sh, int p, int *fd_out)
+{
+    host_buffer_t *hb = sh->hb;
+    if (peer_of(sh, sh->socks[p]) != p)
+        return epx_error(EPX_ERR_SYSTEM, "rank %d: peer %d's descriptor socket is held by another process",
+                         hb->rank, p);
+    for (;;) {
+        int32_t from = -1;
+        char control[CMSG_SPACE(sizeof(int))] = {0};
+        struct iovec iov = {&from, sizeof(from)};
+        struct msghdr msg = {
+            .msg_iov = &iov, .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof(control)};
+        ssize_t n = recvmsg(sh->socks[p], &msg, MSG_CMSG_CLOEXEC);
+        struct cmsghdr *cmsg = n > 0 ? CMSG_FIRSTHDR(&msg) : NULL;
+        if (cmsg && cmsg->cmsg_level == SOL_SOCKET && cmsg->cmsg_type == SCM_RIGHTS) {
+            memcpy(fd_out, CMSG_DATA(cmsg), sizeof(int));
+            if (n == (ssize_t)sizeof(from) && from == p) return EPX_SUCCESS;
+            close(*fd_out);
+            *fd_out = -1;
+        }
+        if (n >= 0 || (errno != EAGAIN && errno != EINTR))
+            return epx_error(EPX_ERR_SYSTEM, "rank %d: peer %d sent no region descriptor (%s)", hb->rank, p,
+                             n < 0 ? strerror(errno) : "bad message");
+        epx_result_t res = wait_readable(sh, sh->socks[p], p, "waited for a peer's region");
+        if (res != EPX_SUCCESS) return res;
+    }
+}
+
+epx_result_t host_share_fds(host_buffer_t *hb, int own_fd, int *fds)
+{
+    share_t sh = {hb, {0, 0}, -1, NULL, NULL, 0};
+    sh.socks = malloc((size_t)hb->nranks * 2 * sizeof(int));
+    if (!sh.socks) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate sockets", hb->rank);
+    sh.served = sh.socks + hb->nranks;
+    for (int p = 0; p < hb->nranks; p++) {
+        sh.socks[p] = -1;
+        sh.served[p] = 0;
+        fds[p] = -1;
+    }
+    /* Each step is agreed, so that no rank waits for a peer that already gave up. */
+    epx_result_t res = draw_secret(&sh);
+    if (res == EPX_SUCCESS) res = host_agree(hb, open_listener(&sh), "open its descriptor socket");
+    if (res == EPX_SUCCESS) res = host_agree(hb, connect_peers(&sh), "connect to its peers' sockets");
+    if (res == EPX_SUCCESS) {
+        host_fault_point(hb, 2);
+        sh.deadline = epx_deadline_after_ms(hb->buffer->comm->timeout_ms);
+        epx_result_t passed = serve_peers(&sh, own_fd);
+        for (int p = 0; p < hb->nranks && passed == EPX_SUCCESS; p++)
+            if (p != hb->rank) passed = receive_peer(&sh, p, &fds[p]);
+        res = host_agree(hb, passed, "exchange region descriptors");
+    }
+    if (sh.listener >= 0) close(sh.listener);
+    for (int p = 0; p < hb->nranks; p++)
+        if (sh.socks[p] >= 0) close(sh.socks[p]);
+    free(sh.socks);
+    return res;
+}
