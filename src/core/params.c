@@ -46,7 +46,7 @@ static const param_def_t param_table[] = {
      "exact names, '^' first to exclude (default: loopback when the launcher puts the job on one "
      "node, else the first interface not named docker* or lo*)"},
     {"EPX_SHM_DIR", PARAM_STRING, "/dev/shm", 0, 0, P_OFF(shm_dir), P_CAP(shm_dir),
-     "directory of the host backend's shared-memory files"},
+     "unused (kept for compatibility): the host backend shares anonymous memory, no files"},
     {"EPX_PRINT_ENV", PARAM_BOOL, "0", 0, 1, P_OFF(print_env), 4,
      "print this table with the values in effect at the first communicator init"},
 };
