@@ -189,7 +189,7 @@ static int run_rank(int me, int R, const epx_unique_id_t *id, void *ctx)
     int64_t *topk = malloc(TM * TOPK * 8), *recv_idx = malloc((size_t)cap * TOPK * 8);
     float *weights = malloc(TM * TOPK * 4), *recv_w = malloc((size_t)cap * TOPK * 4);
     float *x32 = malloc(TM * HID * 4), *recv_x32 = malloc((size_t)cap * HID * 4);
-    uint16_t *y = malloc((size_t)cap * HID * 2), *out = malloc(TM * HID * 2);
+    uint16_t *y = malloc((size_t)(cap + 8) * HID * 2), *out = malloc(TM * HID * 2);
     uint16_t *bias0 = malloc(TM * HID * 2), *bias1 = malloc(TM * HID * 2);
     int32_t *recv_idx32 = malloc((size_t)cap * TOPK * 4);
     float *out_w = malloc(TM * TOPK * 4);
@@ -289,18 +289,23 @@ static int run_rank(int me, int R, const epx_unique_id_t *id, void *ctx)
     EXPECT_RES(epx_buffer_query_overflow(buf), EPX_SUCCESS);
     if (me == 0) EXPECT_TRUE(N > W); /* the case this step exists for */
 
+    /* The handle has the bound's rows; rows past the real count (NaN here) contribute nothing. */
+    epx_handle_info_t sinfo;
+    EXPECT_OK(epx_handle_get_info(so.handle, &sinfo));
+    EXPECT_EQ_INT(sinfo.num_recv_tokens, W);
     fill_y(me, rs, kept, y);
+    for (int64_t i = kept * HID; i < W * HID; i++) y[i] = 0x7fc0;
     epx_ht_combine_args_t sca = EPX_HT_COMBINE_ARGS_INIT;
     sca.handle = so.handle;
-    sca.x = epx_tensor_2d(y, EPX_DTYPE_BF16, kept, HID);
+    sca.x = epx_tensor_2d(y, EPX_DTYPE_BF16, W, HID);
     epx_ht_combine_outputs_t sco = EPX_HT_COMBINE_OUTPUTS_INIT;
     sco.combined_x = epx_tensor_2d(out, EPX_DTYPE_BF16, T, HID);
     EXPECT_OK(epx_ht_combine(buf, &sca, &sco));
     if (check_combined(w, me, out, NULL, 0, bound)) return 1;
     EXPECT_OK(epx_handle_destroy(so.handle));
 
-    /* 5. Default mode with too small a recv_x fails on that rank only, writing nothing; the
-     * next collective call still works everywhere. */
+    /* 5. Default mode with too small a recv_x fails on every rank (that rank with its own error,
+     * the others naming it), writing nothing and making no handle; the next call still works. */
     if (rows_on(w, R - 1) > 0) { /* the same decision on every rank: the call is collective */
         epx_ht_dispatch_outputs_t small = EPX_HT_DISPATCH_OUTPUTS_INIT;
         memset(recv_x, 0xab, 2);
@@ -311,11 +316,14 @@ static int run_rank(int me, int R, const epx_unique_id_t *id, void *ctx)
         if (me == R - 1) {
             EXPECT_RES(res, EPX_ERR_INVALID_ARG);
             EXPECT_MSG_HAS("arrive");
-            EXPECT_EQ_INT(recv_x[0], 0xabab);
         } else {
-            EXPECT_RES(res, EPX_SUCCESS);
-            EXPECT_OK(epx_handle_destroy(small.handle));
+            char peer[32];
+            snprintf(peer, sizeof(peer), "peer %d", R - 1);
+            EXPECT_RES(res, EPX_ERR_REMOTE);
+            EXPECT_MSG_HAS(peer);
         }
+        EXPECT_EQ_INT(recv_x[0], 0xabab);
+        EXPECT_TRUE(small.handle == NULL);
     }
     EXPECT_OK(epx_ht_dispatch(buf, &da, &dout));
     EXPECT_EQ_INT(dout.num_recv_tokens_host, N);
