@@ -155,6 +155,8 @@ static epx_result_t destroy(epx_buffer_t buffer)
         return res;
     }
     epx_api_retire(buffer);
+    /* Peers inside a collective on the buffer learn it now instead of at their timeout. */
+    if (buffer->ops->notify_destroy) buffer->ops->notify_destroy(buffer);
     if (buffer->ops->buffer_destroy) buffer->ops->buffer_destroy(buffer);
     atomic_fetch_sub(&comm->live_buffers, 1);
     buffer->magic = 0;

@@ -267,3 +267,11 @@ epx_result_t epx_buffer_fail_collective(epx_buffer_t buffer, uint64_t seq, epx_r
     epx_error_set_message(message);
     return res;
 }
+
+const char *epx_call_name(int kind)
+{
+    static const char *const names[EPX_CALL_KIND_COUNT] = {
+        "no call",        "epx_ht_dispatch", "epx_ht_combine", "epx_ll_dispatch",
+        "epx_ll_combine", "epx_rm_dispatch", "epx_rm_combine"};
+    return kind >= 0 && kind < EPX_CALL_KIND_COUNT ? names[kind] : "an unknown call";
+}

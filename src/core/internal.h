@@ -232,6 +232,20 @@ struct epx_handle {
     void *backend_state;    /* freed by ops->handle_free */
 };
 
+/* The kind of a collective call, announced to the peers when the call starts (ops->begin_call), so
+ * that ranks making different calls under one sequence number find out at once. 0 is none. */
+typedef enum epx_call_kind {
+    EPX_CALL_HT_DISPATCH = 1,
+    EPX_CALL_HT_COMBINE,
+    EPX_CALL_LL_DISPATCH,
+    EPX_CALL_LL_COMBINE,
+    EPX_CALL_RM_DISPATCH,
+    EPX_CALL_RM_COMBINE,
+    EPX_CALL_KIND_COUNT,
+} epx_call_kind_t;
+/* The entry point of a call kind ("epx_ht_dispatch"), "no call" for 0, "an unknown call" else. */
+const char *epx_call_name(int kind);
+
 /* The operations of a backend, one type each, so that a backend declares its implementations
  * without restating them (`epx_ht_dispatch_op_t host_ht_dispatch;`). `seq` is the collective
  * sequence number of the call (the same on every rank); ht_dispatch and rm_dispatch fill
@@ -276,6 +290,14 @@ struct epx_backend_ops {
      * EPX_ERR_REMOTE) and stay in step, legal while `stream` (the call's, may be NULL) is being
      * captured into a CUDA graph. */
     void (*fail_collective)(epx_buffer_t buffer, uint64_t seq, epx_result_t res, void *stream);
+    /* Collective call `seq` of `kind` starts on this rank (before its checks, so refused calls
+     * too): tell the peers, whose waits for call `seq` then fail at once with EPX_ERR_MISMATCH
+     * when they make another kind of call. May be NULL. */
+    void (*begin_call)(epx_buffer_t buffer, uint64_t seq, epx_call_kind_t kind);
+    /* This rank destroys `buffer` (called before buffer_destroy, never waits): a peer waiting on
+     * it in any collective returns EPX_ERR_REMOTE at once, saying that this rank destroyed its
+     * buffer. May be NULL. */
+    void (*notify_destroy)(epx_buffer_t buffer);
     epx_layout_op_t *layout;
     epx_ht_dispatch_op_t *ht_dispatch;
     epx_ht_combine_op_t *ht_combine;

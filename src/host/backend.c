@@ -60,6 +60,16 @@ static void host_fail_collective(epx_buffer_t buffer, uint64_t seq, epx_result_t
     if (buffer->backend_state) host_fail(buffer->backend_state, seq, res);
 }
 
+static void host_begin_call_op(epx_buffer_t buffer, uint64_t seq, epx_call_kind_t kind)
+{
+    if (buffer->backend_state) host_begin_call(buffer->backend_state, seq, kind);
+}
+
+static void host_notify_destroy_op(epx_buffer_t buffer)
+{
+    if (buffer->backend_state) host_notify_destroy(buffer->backend_state);
+}
+
 static epx_result_t host_query_overflow(epx_buffer_t buffer, int *overflowed_out)
 {
     *overflowed_out = atomic_exchange_explicit(&buffer->overflow, 0, memory_order_acq_rel) != 0;
@@ -90,6 +100,8 @@ const epx_backend_ops_t epx_host_backend_ops = {
     .buffer_destroy = host_buffer_destroy,
     .handle_free = host_handle_free,
     .fail_collective = host_fail_collective,
+    .begin_call = host_begin_call_op,
+    .notify_destroy = host_notify_destroy_op,
     .layout = host_layout,
     .ht_dispatch = host_ht_dispatch,
     .ht_combine = host_ht_combine,

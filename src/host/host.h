@@ -34,19 +34,9 @@ typedef enum host_area {
 typedef struct host_pub {
     uint64_t seq;       /* collective sequence number */
     int32_t status;     /* EPX_SUCCESS or the owner's failure */
-    int32_t op;         /* which operation published (host_op_t) */
+    int32_t op;         /* which call published (epx_call_kind_t) */
     int64_t words[HOST_PUB_WORDS];
 } host_pub_t;
-
-/* 0 is no operation. */
-typedef enum host_op {
-    HOST_OP_HT_DISPATCH = 1,
-    HOST_OP_HT_COMBINE,
-    HOST_OP_LL_DISPATCH,
-    HOST_OP_LL_COMBINE,
-    HOST_OP_RM_DISPATCH,
-    HOST_OP_RM_COMBINE,
-} host_op_t;
 
 /* Owner-written control block of one area (cache-line separated). */
 typedef struct host_area_ctrl {
@@ -57,6 +47,10 @@ typedef struct host_area_ctrl {
     char pad1[56];
 } host_area_ctrl_t;
 
+/* Announcements of the latest calls kept in a region: a peer running the receive half of an older
+ * call (an LL hook) still finds what that call was. */
+#define HOST_CALL_RING 16
+
 /* Start of every region. */
 typedef struct host_region_hdr {
     uint64_t magic;
@@ -64,7 +58,11 @@ typedef struct host_region_hdr {
     int32_t pid;
     _Atomic uint64_t failed_seq;   /* this rank failed collective call failed_seq */
     int32_t failed_status;
-    char pad[36];
+    _Atomic int32_t destroyed;     /* this rank destroyed its buffer: it reads and writes no more */
+    _Atomic uint64_t verdict_seq;  /* this rank could complete call verdict_seq (host_verdict) */
+    char pad[24];
+    /* (seq << 8) | kind of call seq at [seq % HOST_CALL_RING], stored when the call starts */
+    _Atomic uint64_t calls[HOST_CALL_RING];
     host_area_ctrl_t areas[HOST_AREA_COUNT];
 } host_region_hdr_t;
 
@@ -84,6 +82,7 @@ typedef struct host_buffer {
     size_t area_bytes[HOST_AREA_COUNT];
     uint8_t **regions;                 /* [nranks] mappings; regions[rank] is our own */
     uint64_t last_pub_seq[HOST_AREA_COUNT]; /* what we last published into each area */
+    uint64_t call_seq;                 /* the latest collective call started (begin_call) */
     void *ll_state;                    /* owned by ll.c (slots, pending hooks) */
     void *pool;                        /* thread pool (host_parallel_for) */
     uint8_t *ht_view;                  /* HT dispatch outputs of view mode (private, src/host/ht.c) */
@@ -131,10 +130,12 @@ void host_area_sizes(const epx_buffer_config_t *cfg, int nranks, size_t sizes_ou
 epx_result_t host_area_acquire(host_buffer_t *hb, host_area_t area);
 /* Publishes our area for `seq` (payload already written): fills pub, then release-stores
  * pub_seq. */
-void host_area_publish(host_buffer_t *hb, host_area_t area, uint64_t seq, host_op_t op, int32_t status,
+void host_area_publish(host_buffer_t *hb, host_area_t area, uint64_t seq, epx_call_kind_t op, int32_t status,
                        const int64_t *words, int nwords);
 /* Waits (bounded) for `peer`'s publication of `area` for `seq` and returns a copy of it.
- * EPX_ERR_REMOTE when the peer published a failure, failed call `seq`, or exited;
+ * EPX_ERR_MISMATCH when the peer announced another kind of call `seq` than ours;
+ * EPX_ERR_REMOTE when the peer published a failure, failed call `seq`, destroyed its buffer or
+ * exited;
  * EPX_ERR_TIMEOUT naming rank, peer, area, the awaited and the seen sequence numbers. */
 epx_result_t host_area_wait(host_buffer_t *hb, int peer, host_area_t area, uint64_t seq, host_pub_t *pub_out);
 /* Waits for every peer's publication (including our own) of `area` for `seq`; pubs_out may be
@@ -145,6 +146,16 @@ void host_area_done(host_buffer_t *hb, host_area_t area, uint64_t seq);
 /* Marks collective call `seq` failed on this rank so waiting peers return EPX_ERR_REMOTE;
  * returns `res`. */
 epx_result_t host_fail(host_buffer_t *hb, uint64_t seq, epx_result_t res);
+/* The last step of a call before it writes any output or handle: every rank has learnt what it
+ * receives and reports whether it can complete (`mine`). Returns EPX_SUCCESS only when every rank
+ * can, so a call succeeds on all ranks or fails on all: a rank whose own check failed returns
+ * `mine` (and tells the peers through host_fail), the others EPX_ERR_REMOTE naming it. Bounded;
+ * notices dead, destroyed and mismatched peers. */
+epx_result_t host_verdict(host_buffer_t *hb, uint64_t seq, epx_result_t mine);
+/* Announces collective call `seq` of `kind` in our region (ops->begin_call). */
+void host_begin_call(host_buffer_t *hb, uint64_t seq, epx_call_kind_t kind);
+/* Tells the peers that we destroyed the buffer (ops->notify_destroy). */
+void host_notify_destroy(host_buffer_t *hb);
 
 /* One zeroed allocation cut into n parts of bytes[i] bytes, in order and 16-byte aligned; parts[i]
  * receives part i. A state made of several arrays is thus allocated, checked and freed once

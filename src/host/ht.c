@@ -30,6 +30,7 @@ typedef struct host_ht_state {
     int32_t nranks;
     int64_t num_tokens;      /* T dispatched from this rank */
     int64_t num_recv;        /* rows kept on this rank (N_r, or the static bound when lower) */
+    int64_t num_arriving;    /* N_r: rows past num_recv were dropped (a cached dispatch drops them too) */
     int64_t *recv_prefix;    /* [R + 1]: first kept row of each source */
     int32_t *recv_src_rank;  /* [num_recv] */
     int32_t *recv_src_token; /* [num_recv] */
@@ -278,7 +279,7 @@ static epx_result_t check_dispatch_pubs(const host_buffer_t *hb, const host_pub_
     const host_pub_t *z = &pubs[0];
     for (int p = 0; p < hb->nranks; p++) {
         const host_pub_t *a = &pubs[p];
-        EPX_CHECK(check_pub_op(hb, a, p, HOST_OP_HT_DISPATCH, "an HT dispatch"));
+        EPX_CHECK(check_pub_op(hb, a, p, EPX_CALL_HT_DISPATCH, "an HT dispatch"));
         if (a->words[W_DTYPE] != z->words[W_DTYPE])
             return epx_error(EPX_ERR_MISMATCH,
                              "rank %d: ranks disagree on the dtype of x: rank 0 passes %s, rank %d %s", me,
@@ -297,7 +298,7 @@ static epx_result_t check_dispatch_pubs(const host_buffer_t *hb, const host_pub_
 static epx_result_t check_combine_pubs(const host_buffer_t *hb, const host_pub_t *pubs)
 {
     for (int p = 0; p < hb->nranks; p++) {
-        EPX_CHECK(check_pub_op(hb, &pubs[p], p, HOST_OP_HT_COMBINE, "an HT combine"));
+        EPX_CHECK(check_pub_op(hb, &pubs[p], p, EPX_CALL_HT_COMBINE, "an HT combine"));
         EPX_CHECK(check_pub_same(hb, pubs, p, C_HANDLE_SEQ, NULL, "combine"));
         EPX_CHECK(check_pub_same(hb, pubs, p, C_IN_BUFFER, "x_in_buffer", NULL));
     }
@@ -352,15 +353,16 @@ static epx_result_t scratch_alloc(const host_buffer_t *hb, int routed, dispatch_
     return EPX_SUCCESS;
 }
 
-static epx_result_t dispatch_routed(host_buffer_t *hb, uint64_t seq, const epx_ht_dispatch_args_t *args,
-                                    epx_ht_dispatch_outputs_t *outputs, epx_handle_t handle,
-                                    dispatch_scratch_t *sc)
+/* Everything a routed dispatch can fail at, after the exchange and before the verdict: counts,
+ * capacities, views and the handle's state (*st_out). Writes no output. */
+static epx_result_t dispatch_plan(host_buffer_t *hb, uint64_t seq, const epx_ht_dispatch_args_t *args,
+                                  epx_ht_dispatch_outputs_t *outputs, dispatch_scratch_t *sc,
+                                  host_ht_state_t **st_out)
 {
     epx_buffer_t buffer = hb->buffer;
     const epx_buffer_config_t *cfg = &buffer->config;
     const int R = hb->nranks, me = hb->rank, L = buffer->num_local_experts;
-    const int64_t K = cfg->num_topk, H = cfg->hidden, T = args->x.shape[0];
-    const epx_dtype_t dtype = args->x.dtype;
+    const int64_t K = cfg->num_topk, T = args->x.shape[0];
     const int64_t worst = args->num_worst_tokens > 0 ? args->num_worst_tokens : 0;
     const host_pub_t *pubs = sc->pubs;
     const in_layout_t lay = in_layout_of(cfg);
@@ -386,6 +388,7 @@ static epx_result_t dispatch_routed(host_buffer_t *hb, uint64_t seq, const epx_h
                             .nranks = R,
                             .num_tokens = T,
                             .num_recv = kept,
+                            .num_arriving = arriving,
                             .recv_prefix = parts[1],
                             .recv_src_rank = parts[2],
                             .recv_src_token = parts[3],
@@ -404,7 +407,8 @@ static epx_result_t dispatch_routed(host_buffer_t *hb, uint64_t seq, const epx_h
     }
     st->recv_prefix[R] = kept;
 
-    /* Source side: where each of our tokens lands on each rank (-1 if not sent or dropped). */
+    /* Source side: where each of our tokens lands on each rank (-1 if not sent or dropped). Each
+     * rank's own bound decides its drops: bounds may differ between ranks. */
     for (int r = 0; r < R; r++) {
         sc->run[r] = 0;
         sc->seen[r] = -1;
@@ -425,6 +429,23 @@ static epx_result_t dispatch_routed(host_buffer_t *hb, uint64_t seq, const epx_h
             rows[r] = bound > 0 && landed >= bound ? -1 : (int32_t)landed;
         }
     }
+    *st_out = st;
+    return EPX_SUCCESS;
+}
+
+/* After every rank's verdict passed: writes the outputs and fills the handle; cannot fail. */
+static void dispatch_commit(host_buffer_t *hb, uint64_t seq, const epx_ht_dispatch_args_t *args,
+                            epx_ht_dispatch_outputs_t *outputs, epx_handle_t handle,
+                            const dispatch_scratch_t *sc, host_ht_state_t *st)
+{
+    epx_buffer_t buffer = hb->buffer;
+    const epx_buffer_config_t *cfg = &buffer->config;
+    const int R = hb->nranks, me = hb->rank, L = buffer->num_local_experts;
+    const int64_t K = cfg->num_topk, H = cfg->hidden;
+    const int64_t worst = args->num_worst_tokens > 0 ? args->num_worst_tokens : 0;
+    const epx_dtype_t dtype = args->x.dtype;
+    const in_layout_t lay = in_layout_of(cfg);
+    const int64_t arriving = st->num_arriving;
 
     /* Per local expert counts over every arriving token, dropped or not. */
     if (outputs->num_recv_tokens_per_expert.data) {
@@ -456,7 +477,7 @@ static epx_result_t dispatch_routed(host_buffer_t *hb, uint64_t seq, const epx_h
                      dtype == EPX_DTYPE_FP8_E4M3 ? H / 128 : 0,
                      (size_t)H * epx_dtype_bytes(dtype),
                      1};
-    host_parallel_for(hb, kept, 16, copy_rows, &xc);
+    host_parallel_for(hb, st->num_recv, 16, copy_rows, &xc);
 
     if (outputs->num_recv_tokens.data) ((int32_t *)outputs->num_recv_tokens.data)[0] = (int32_t)arriving;
     outputs->num_recv_tokens_host = arriving;
@@ -465,24 +486,31 @@ static epx_result_t dispatch_routed(host_buffer_t *hb, uint64_t seq, const epx_h
         EPX_INFO(EPX_SUBSYS_HT, "rank %d: call %llu: %lld rows arrive, num_worst_tokens %lld: rows dropped",
                  me, (unsigned long long)seq, (long long)arriving, (long long)worst);
     }
-    handle->num_tokens = T;
-    handle->num_recv = kept;
+    handle->num_tokens = st->num_tokens;
+    /* In static mode the handle has the bound's rows on every backend (a device cannot learn N_r
+     * without a sync); the rows past N_r contribute nothing to the combine. */
+    handle->num_recv = worst > 0 ? worst : st->num_recv;
     handle->x_dtype = dtype;
     handle->backend_state = st;
-    return EPX_SUCCESS;
 }
 
-static epx_result_t dispatch_cached(host_buffer_t *hb, const epx_ht_dispatch_args_t *args,
-                                    epx_ht_dispatch_outputs_t *outputs, epx_handle_t handle)
+static epx_result_t cached_plan(host_buffer_t *hb, const epx_ht_dispatch_args_t *args,
+                                 epx_ht_dispatch_outputs_t *outputs, const host_ht_state_t *st)
 {
-    const host_ht_state_t *st = handle->backend_state;
-    const epx_buffer_config_t *cfg = &hb->buffer->config;
-    const int64_t H = cfg->hidden;
-    const epx_dtype_t dtype = args->x.dtype;
     EPX_CHECK(check_dispatch_capacity(hb->rank, outputs, st->num_recv, st->num_recv, 0));
     if (args->recv_in_buffer)
         EPX_CHECK(set_views(hb, args, outputs,
                             args->num_worst_tokens > 0 ? args->num_worst_tokens : st->num_recv, 0));
+    return EPX_SUCCESS;
+}
+
+/* The same routing drops the same rows again: the overflow flag is set as by the first dispatch. */
+static void cached_commit(host_buffer_t *hb, uint64_t seq, const epx_ht_dispatch_args_t *args,
+                          epx_ht_dispatch_outputs_t *outputs, const host_ht_state_t *st)
+{
+    const epx_buffer_config_t *cfg = &hb->buffer->config;
+    const int64_t H = cfg->hidden;
+    const epx_dtype_t dtype = args->x.dtype;
     copy_ctx_t xc = {hb,
                      outputs,
                      in_layout_of(cfg),
@@ -496,7 +524,11 @@ static epx_result_t dispatch_cached(host_buffer_t *hb, const epx_ht_dispatch_arg
                      (size_t)H * epx_dtype_bytes(dtype),
                      0};
     host_parallel_for(hb, st->num_recv, 16, copy_rows, &xc);
-    return EPX_SUCCESS;
+    if (st->num_arriving > st->num_recv) {
+        atomic_store_explicit(&hb->buffer->overflow, 1, memory_order_release);
+        EPX_INFO(EPX_SUBSYS_HT, "rank %d: cached call %llu: %lld rows arrive, %lld kept: rows dropped",
+                 hb->rank, (unsigned long long)seq, (long long)st->num_arriving, (long long)st->num_recv);
+    }
 }
 
 epx_result_t host_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ht_dispatch_args_t *args,
@@ -540,13 +572,18 @@ epx_result_t host_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ht_di
     words[W_WANTS_WEIGHTS] = !cached && outputs->recv_topk_weights.data != NULL;
     words[W_WORST] = !cached && args->num_worst_tokens > 0 ? args->num_worst_tokens : 0;
     words[W_VIEW] = args->recv_in_buffer != 0;
-    host_area_publish(hb, HOST_AREA_IN, seq, HOST_OP_HT_DISPATCH, EPX_SUCCESS, words, W_DISPATCH_COUNT);
+    host_area_publish(hb, HOST_AREA_IN, seq, EPX_CALL_HT_DISPATCH, EPX_SUCCESS, words, W_DISPATCH_COUNT);
 
+    host_ht_state_t *st = NULL;
     res = host_area_wait_all(hb, HOST_AREA_IN, seq, sc.pubs);
     if (res == EPX_SUCCESS) res = check_dispatch_pubs(hb, sc.pubs);
     if (res == EPX_SUCCESS)
-        res = cached ? dispatch_cached(hb, args, outputs, args->cached_handle)
-                     : dispatch_routed(hb, seq, args, outputs, handle, &sc);
+        res = cached ? cached_plan(hb, args, outputs, cst) : dispatch_plan(hb, seq, args, outputs, &sc, &st);
+    /* Nothing is written before every rank knows it can complete the call. */
+    res = host_verdict(hb, seq, res);
+    if (res == EPX_SUCCESS && cached) cached_commit(hb, seq, args, outputs, cst);
+    if (res == EPX_SUCCESS && !cached) dispatch_commit(hb, seq, args, outputs, handle, &sc, st);
+    if (res != EPX_SUCCESS) free(st);
 out:
     /* Also after a failure: peers may reuse their IN areas. */
     host_area_done(hb, HOST_AREA_IN, seq);
@@ -653,7 +690,7 @@ epx_result_t host_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht_com
     words[C_HANDLE_SEQ] = (int64_t)st->dispatch_seq;
     words[C_WANTS_WEIGHTS] = outputs->combined_topk_weights.data != NULL;
     words[C_IN_BUFFER] = args->x_in_buffer != 0;
-    host_area_publish(hb, HOST_AREA_COMBINE, seq, HOST_OP_HT_COMBINE, EPX_SUCCESS, words, C_COUNT);
+    host_area_publish(hb, HOST_AREA_COMBINE, seq, EPX_CALL_HT_COMBINE, EPX_SUCCESS, words, C_COUNT);
 
     res = host_area_wait_all(hb, HOST_AREA_COMBINE, seq, pubs);
     if (res == EPX_SUCCESS) res = check_combine_pubs(hb, pubs);
@@ -673,12 +710,16 @@ epx_result_t host_ht_get_combine_input(epx_buffer_t buffer, epx_handle_t handle,
     const host_ht_state_t *st = handle->backend_state;
     const int64_t H = buffer->config.hidden;
     if (!st) return epx_error(EPX_ERR_INVALID_ARG, "rank %d: the handle has no HT dispatch state", hb->rank);
-    if ((size_t)st->num_recv * (size_t)H * 2 > hb->area_bytes[HOST_AREA_COMBINE])
-        return epx_error(EPX_ERR_INTERNAL, "rank %d: combine area of %zu bytes, %lld rows of %lld need more",
-                         hb->rank, hb->area_bytes[HOST_AREA_COMBINE], (long long)st->num_recv, (long long)H);
+    /* The handle's rows: num_worst_tokens in static mode (of which the first N_r are read). */
+    const int64_t rows = handle->num_recv;
+    const int64_t cap = (int64_t)hb->nranks * buffer->config.max_tokens;
+    if (rows > cap)
+        return epx_error(EPX_ERR_INVALID_ARG,
+                         "rank %d: the handle has %lld rows (num_worst_tokens), above the %lld rows "
+                         "(R * max_tokens) of the combine input in the buffer",
+                         hb->rank, (long long)rows, (long long)cap);
     /* Peers may still be reading the rows of our previous combine. */
     EPX_CHECK(host_area_acquire(hb, HOST_AREA_COMBINE));
-    *view_out =
-        epx_tensor_2d(host_area_ptr(hb, hb->rank, HOST_AREA_COMBINE), EPX_DTYPE_BF16, st->num_recv, H);
+    *view_out = epx_tensor_2d(host_area_ptr(hb, hb->rank, HOST_AREA_COMBINE), EPX_DTYPE_BF16, rows, H);
     return EPX_SUCCESS;
 }

@@ -39,6 +39,7 @@ typedef struct ll_state {
     int32_t *counts;  /* [R, E] scratch: tokens of source s that selected e */
     int32_t *row_src; /* [L, R*T_max] scratch: s * T_max + t of each received row */
     host_pub_t *pubs; /* [R] */
+    int32_t *cursor;  /* [L] scratch: rows placed so far per local expert */
 } ll_state_t;
 
 static ll_state_t *ll_state_of(host_buffer_t *hb)
@@ -47,6 +48,7 @@ static ll_state_t *ll_state_of(host_buffer_t *hb)
 }
 
 #define LL_SLOT_ARRAYS 6
+#define LL_SHARED_PARTS 5 /* the state and its four scratch arrays */
 
 epx_result_t host_ll_init(host_buffer_t *hb)
 {
@@ -55,25 +57,27 @@ epx_result_t host_ll_init(host_buffer_t *hb)
     const size_t TK = (size_t)(cfg->max_tokens * cfg->num_topk);
     const size_t counts = (size_t)(R * E) * sizeof(int32_t);
     const size_t rows = (size_t)(L * R * cfg->max_tokens) * sizeof(int32_t);
-    size_t bytes[4 + 2 * LL_SLOT_ARRAYS] = {sizeof(ll_state_t), counts, rows, (size_t)R * sizeof(host_pub_t)};
+    size_t bytes[LL_SHARED_PARTS + 2 * LL_SLOT_ARRAYS] = {
+        sizeof(ll_state_t), counts, rows, (size_t)R * sizeof(host_pub_t), (size_t)L * sizeof(int32_t)};
     for (int i = 0; i < 2; i++) {
-        size_t *slot = bytes + 4 + i * LL_SLOT_ARRAYS;
+        size_t *slot = bytes + LL_SHARED_PARTS + i * LL_SLOT_ARRAYS;
         slot[0] = slot[1] = (size_t)E * sizeof(int32_t);
         slot[2] = (size_t)L * sizeof(int32_t);
         slot[3] = TK * sizeof(int64_t);
         slot[4] = TK * sizeof(float);
         slot[5] = TK * sizeof(int32_t);
     }
-    void *parts[4 + 2 * LL_SLOT_ARRAYS];
-    ll_state_t *st = host_alloc_parts(4 + 2 * LL_SLOT_ARRAYS, bytes, parts);
+    void *parts[LL_SHARED_PARTS + 2 * LL_SLOT_ARRAYS];
+    ll_state_t *st = host_alloc_parts(LL_SHARED_PARTS + 2 * LL_SLOT_ARRAYS, bytes, parts);
     if (!st)
         return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: ll state allocation failed (R=%lld, E=%lld)",
                          hb->rank, (long long)R, (long long)E);
     st->counts = parts[1];
     st->row_src = parts[2];
     st->pubs = parts[3];
+    st->cursor = parts[4];
     for (int i = 0; i < 2; i++) {
-        void **slot = parts + 4 + i * LL_SLOT_ARRAYS;
+        void **slot = parts + LL_SHARED_PARTS + i * LL_SLOT_ARRAYS;
         st->slots[i] = (ll_slot_t){.my_count = slot[0],
                                    .my_begin = slot[1],
                                    .recv_count = slot[2],
@@ -239,12 +243,11 @@ static epx_result_t ll_dispatch_recv(host_buffer_t *hb, int slot)
         }
         sl->recv_count[j] = (int32_t)total;
     }
-    /* Sources ascending, tokens ascending: the packed order of every local expert. */
-    int32_t *cursor = calloc((size_t)L, sizeof(int32_t));
-    if (!cursor) {
-        res = epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: ll dispatch scratch allocation failed", me);
-        goto out;
-    }
+    /* Sources ascending, tokens ascending: the packed order of every local expert. The scratch is
+     * the buffer's: past the exchange nothing fails on one rank alone (every rank checks the same
+     * publications above), so no verdict step is needed. */
+    int32_t *cursor = st->cursor;
+    memset(cursor, 0, (size_t)L * sizeof(int32_t));
     for (int s = 0; s < R; s++) {
         const int64_t *topk = (const int64_t *)host_area_ptr(hb, s, area);
         int64_t T_s = st->pubs[s].words[0];
@@ -256,7 +259,6 @@ static epx_result_t ll_dispatch_recv(host_buffer_t *hb, int slot)
                 st->row_src[j * RT + cursor[j]++] = (int32_t)(s * T_max + t);
             }
     }
-    free(cursor);
 
     ll_pass_t pass = ll_pass_of(hb, slot, HOST_AREA_LL_IN0);
     host_parallel_for(hb, L * RT, 64, ll_copy_rows, &pass);
@@ -319,7 +321,7 @@ epx_result_t host_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ll_di
         memcpy((uint8_t *)topk + (size_t)(T_max * K) * sizeof(int64_t), args->x.data, (size_t)(T * H) * 2);
     }
     int64_t words[1] = {T};
-    host_area_publish(hb, area, seq, HOST_OP_LL_DISPATCH, (int32_t)res, words, 1);
+    host_area_publish(hb, area, seq, EPX_CALL_LL_DISPATCH, (int32_t)res, words, 1);
     if (res != EPX_SUCCESS) {
         host_area_done(hb, area, seq);
         return res;
@@ -473,7 +475,7 @@ epx_result_t host_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll_com
             memcpy(dst + j * RT * H, y + j * RT * H, (size_t)(sl->recv_count[j] * H) * 2);
     }
     int64_t words[1] = {(int64_t)args->handle.seq};
-    host_area_publish(hb, area, seq, HOST_OP_LL_COMBINE, (int32_t)res, words, 1);
+    host_area_publish(hb, area, seq, EPX_CALL_LL_COMBINE, (int32_t)res, words, 1);
     if (res != EPX_SUCCESS) {
         host_area_done(hb, area, seq);
         return res;

@@ -348,6 +348,27 @@ static epx_result_t rm_build_rows(host_buffer_t *hb, const rm_in_layout_t *lay, 
     return EPX_SUCCESS;
 }
 
+/* Without a bound, every output must hold the real row count (known only after the exchange). */
+static epx_result_t rm_check_capacity(int me, const epx_rm_dispatch_outputs_t *outputs, int64_t bound,
+                                      int64_t real)
+{
+    if (bound >= 0) return EPX_SUCCESS;
+    int64_t cap = outputs->tokens.shape[0];
+    const char *name = "tokens";
+    if (outputs->scaling_factor.data && outputs->scaling_factor.shape[0] < cap) {
+        cap = outputs->scaling_factor.shape[0];
+        name = "scaling_factor";
+    }
+    if (outputs->probs.data && outputs->probs.shape[0] < cap) {
+        cap = outputs->probs.shape[0];
+        name = "probs";
+    }
+    if (cap < real)
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: routing-map dispatch receives %lld rows, %s holds %lld",
+                         me, (long long)real, name, (long long)cap);
+    return EPX_SUCCESS;
+}
+
 epx_result_t host_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_rm_dispatch_args_t *args,
                               epx_rm_dispatch_outputs_t *outputs, epx_handle_t handle)
 {
@@ -381,42 +402,28 @@ epx_result_t host_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_rm_di
     }
     int64_t words[RM_W_COUNT] = {
         T, (int64_t)dtype, permute, args->probs.data != NULL, permute ? args->pad_multiple : 1, my_bound};
-    host_area_publish(hb, HOST_AREA_IN, seq, HOST_OP_RM_DISPATCH, (int32_t)res, words, RM_W_COUNT);
-    if (res != EPX_SUCCESS) goto out;
-
-    /* Receive half. */
-    pubs = calloc((size_t)R, sizeof(host_pub_t));
-    h = rm_handle_new(T, buffer->config.num_topk, L);
-    if (!pubs || !h) {
-        res = epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: routing-map dispatch allocation failed", me);
+    host_area_publish(hb, HOST_AREA_IN, seq, EPX_CALL_RM_DISPATCH, (int32_t)res, words, RM_W_COUNT);
+    if (res != EPX_SUCCESS) {
+        host_fail(hb, seq, res);
         goto out;
     }
-    EPX_CHECK_GOTO(host_area_wait_all(hb, HOST_AREA_IN, seq, pubs), res, out);
-    EPX_CHECK_GOTO(rm_check_agreement(hb, pubs), res, out);
-    EPX_CHECK_GOTO(rm_plan_build(hb, &lay, pubs, permute, &plan), res, out);
 
-    int64_t real = plan.real[me];
-    int64_t out_rows = my_bound >= 0 ? my_bound : real;
-    if (my_bound < 0) {
-        int64_t cap = outputs->tokens.shape[0];
-        const char *name = "tokens";
-        if (outputs->scaling_factor.data && outputs->scaling_factor.shape[0] < cap) {
-            cap = outputs->scaling_factor.shape[0];
-            name = "scaling_factor";
-        }
-        if (outputs->probs.data && outputs->probs.shape[0] < cap) {
-            cap = outputs->probs.shape[0];
-            name = "probs";
-        }
-        if (cap < real) {
-            res = epx_error(EPX_ERR_INVALID_ARG,
-                            "rank %d: routing-map dispatch receives %lld rows, %s holds %lld", me,
-                            (long long)real, name, (long long)cap);
-            goto out;
-        }
-    }
-    EPX_CHECK_GOTO(rm_build_source_map(hb, &lay, &plan, permute, T, h), res, out);
-    EPX_CHECK_GOTO(rm_build_rows(hb, &lay, pubs, &plan, permute, out_rows, &rows), res, out);
+    /* Receive half: everything that can fail, then the verdict, then the outputs. */
+    pubs = calloc((size_t)R, sizeof(host_pub_t));
+    h = rm_handle_new(T, buffer->config.num_topk, L);
+    if (!pubs || !h)
+        res = epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: routing-map dispatch allocation failed", me);
+    if (res == EPX_SUCCESS) res = host_area_wait_all(hb, HOST_AREA_IN, seq, pubs);
+    if (res == EPX_SUCCESS) res = rm_check_agreement(hb, pubs);
+    if (res == EPX_SUCCESS) res = rm_plan_build(hb, &lay, pubs, permute, &plan);
+    const int64_t real = res == EPX_SUCCESS ? plan.real[me] : 0;
+    const int64_t out_rows = my_bound >= 0 ? my_bound : real;
+    if (res == EPX_SUCCESS) res = rm_check_capacity(me, outputs, my_bound, real);
+    if (res == EPX_SUCCESS) res = rm_build_source_map(hb, &lay, &plan, permute, T, h);
+    if (res == EPX_SUCCESS) res = rm_build_rows(hb, &lay, pubs, &plan, permute, out_rows, &rows);
+    res = host_verdict(hb, seq, res);
+    if (res != EPX_SUCCESS) goto out;
+
     h->dispatch_seq = seq;
     h->permute = permute;
     h->has_probs = args->probs.data != NULL;
@@ -530,7 +537,7 @@ epx_result_t host_rm_combine(epx_buffer_t buffer, uint64_t seq, const epx_rm_com
         }
     }
     int64_t words[1] = {h ? (int64_t)h->dispatch_seq : -1};
-    host_area_publish(hb, HOST_AREA_COMBINE, seq, HOST_OP_RM_COMBINE, (int32_t)res, words, 1);
+    host_area_publish(hb, HOST_AREA_COMBINE, seq, EPX_CALL_RM_COMBINE, (int32_t)res, words, 1);
     if (res != EPX_SUCCESS) goto out;
 
     pubs = calloc((size_t)R, sizeof(host_pub_t));

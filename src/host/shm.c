@@ -373,6 +373,43 @@ static epx_result_t check_failed(const host_buffer_t *hb, int peer, uint64_t seq
     return EPX_SUCCESS;
 }
 
+/* Whether `peer` destroyed its buffer. Loaded before the progress a wait looks for: what the peer
+ * did before its destroy is then visible too, so only a peer that left without it is blamed. */
+static int peer_destroyed(const host_buffer_t *hb, int peer)
+{
+    return atomic_load_explicit(&host_hdr(hb, peer)->destroyed, memory_order_acquire) != 0;
+}
+
+static epx_result_t destroyed_error(const host_buffer_t *hb, int peer, const char *doing)
+{
+    return epx_error(EPX_ERR_REMOTE, "rank %d: peer %d destroyed its buffer while %s", hb->rank, peer, doing);
+}
+
+/* EPX_ERR_MISMATCH when `peer` announced another kind of call `seq` than we did. */
+static epx_result_t check_call(const host_buffer_t *hb, int peer, uint64_t seq)
+{
+    const size_t i = seq % HOST_CALL_RING;
+    const uint64_t mine = atomic_load_explicit(&host_hdr(hb, hb->rank)->calls[i], memory_order_relaxed);
+    const uint64_t theirs = atomic_load_explicit(&host_hdr(hb, peer)->calls[i], memory_order_acquire);
+    if (seq == 0 || mine >> 8 != seq || theirs >> 8 != seq || (mine & 0xff) == (theirs & 0xff))
+        return EPX_SUCCESS;
+    return epx_error(EPX_ERR_MISMATCH, "rank %d: call %llu is %s here but %s on peer %d", hb->rank,
+                     (unsigned long long)seq, epx_call_name((int)(mine & 0xff)),
+                     epx_call_name((int)(theirs & 0xff)), peer);
+}
+
+void host_begin_call(host_buffer_t *hb, uint64_t seq, epx_call_kind_t kind)
+{
+    hb->call_seq = seq;
+    atomic_store_explicit(&host_hdr(hb, hb->rank)->calls[seq % HOST_CALL_RING], seq << 8 | (uint64_t)kind,
+                          memory_order_release);
+}
+
+void host_notify_destroy(host_buffer_t *hb)
+{
+    atomic_store_explicit(&host_hdr(hb, hb->rank)->destroyed, 1, memory_order_release);
+}
+
 /* Advances the clock; EPX_ERR_REMOTE if peer's process is gone, EPX_ERR_TIMEOUT (without a
  * message) past the deadline. */
 static epx_result_t wait_tick(const host_buffer_t *hb, wait_clock_t *c, int peer, const char *doing)
@@ -401,11 +438,14 @@ epx_result_t host_area_acquire(host_buffer_t *hb, host_area_t area)
         snprintf(doing, sizeof(doing), "we waited for it to release area %s of call %llu", area_names[area],
                  (unsigned long long)last);
         for (;;) {
+            const int gone = peer_destroyed(hb, p);
             uint64_t done = atomic_load_explicit(&hdr->areas[area].done_seq, memory_order_acquire);
             if (done >= last) break;
             /* A peer that failed call `last` (or a later one) will not read it any more. */
             uint64_t failed = atomic_load_explicit(&hdr->failed_seq, memory_order_acquire);
             if (failed >= last) break;
+            if (gone) return destroyed_error(hb, p, doing);
+            EPX_CHECK(check_call(hb, p, hb->call_seq));
             epx_result_t res = wait_tick(hb, &clock, p, doing);
             if (res == EPX_ERR_TIMEOUT)
                 return epx_error(EPX_ERR_TIMEOUT,
@@ -419,7 +459,7 @@ epx_result_t host_area_acquire(host_buffer_t *hb, host_area_t area)
     return EPX_SUCCESS;
 }
 
-void host_area_publish(host_buffer_t *hb, host_area_t area, uint64_t seq, host_op_t op, int32_t status,
+void host_area_publish(host_buffer_t *hb, host_area_t area, uint64_t seq, epx_call_kind_t op, int32_t status,
                        const int64_t *words, int nwords)
 {
     host_area_ctrl_t *ctrl = &host_hdr(hb, hb->rank)->areas[area];
@@ -438,8 +478,14 @@ static int poll_pub(const host_buffer_t *hb, int peer, host_area_t area, uint64_
                     epx_result_t *res_out)
 {
     const host_area_ctrl_t *ctrl = &host_hdr(hb, peer)->areas[area];
+    /* The call's kind first: a peer in another call may publish this very area (both dispatches
+     * use IN) or never publish it. */
+    *res_out = check_call(hb, peer, seq);
+    if (*res_out != EPX_SUCCESS) return -1;
     /* failed_seq is read before pub_seq: a peer publishes call n before it can fail call n+1, so
-     * once we see the later failure, its publication of n is visible too and wins below. */
+     * once we see the later failure, its publication of n is visible too and wins below. The same
+     * holds for a destroy. */
+    const int gone = peer_destroyed(hb, peer);
     uint64_t failed = atomic_load_explicit(&host_hdr(hb, peer)->failed_seq, memory_order_acquire);
     uint64_t seen = atomic_load_explicit(&ctrl->pub_seq, memory_order_acquire);
     char doing[96];
@@ -460,6 +506,10 @@ static int poll_pub(const host_buffer_t *hb, int peer, host_area_t area, uint64_
     if (failed != 0 && failed >= seq) {
         *res_out = check_failed(hb, peer, seq, doing);
         if (*res_out != EPX_SUCCESS) return -1;
+    }
+    if (gone) {
+        *res_out = destroyed_error(hb, peer, doing);
+        return -1;
     }
     if (seen > seq) {
         /* Only a peer that gave up on our call moves on without it. */
@@ -544,4 +594,35 @@ epx_result_t host_fail(host_buffer_t *hb, uint64_t seq, epx_result_t res)
     EPX_INFO(EPX_SUBSYS_SHM, "rank %d: call %llu failed (%s), peers told", hb->rank, (unsigned long long)seq,
              epx_result_str(res));
     return res;
+}
+
+epx_result_t host_verdict(host_buffer_t *hb, uint64_t seq, epx_result_t mine)
+{
+    if (mine != EPX_SUCCESS) return host_fail(hb, seq, mine);
+    atomic_store_explicit(&host_hdr(hb, hb->rank)->verdict_seq, seq, memory_order_release);
+    wait_clock_t clock = wait_clock_start(hb);
+    char doing[96];
+    snprintf(doing, sizeof(doing), "we waited for its verdict on call %llu", (unsigned long long)seq);
+    for (int p = 0; p < hb->nranks; p++) {
+        if (p == hb->rank) continue;
+        const host_region_hdr_t *hdr = host_hdr(hb, p);
+        for (;;) {
+            /* A peer stores its verdict before it can fail in this step, so a passed verdict is
+             * seen before any failure that follows it. */
+            const int gone = peer_destroyed(hb, p);
+            if (atomic_load_explicit(&hdr->verdict_seq, memory_order_acquire) >= seq) break;
+            epx_result_t res = check_call(hb, p, seq);
+            if (res == EPX_SUCCESS) res = check_failed(hb, p, seq, doing);
+            if (res == EPX_SUCCESS && gone) res = destroyed_error(hb, p, doing);
+            if (res == EPX_SUCCESS) {
+                res = wait_tick(hb, &clock, p, doing);
+                if (res == EPX_ERR_TIMEOUT)
+                    res = epx_error(EPX_ERR_TIMEOUT,
+                                    "rank %d: peer %d gave no verdict on call %llu within %lld ms", hb->rank,
+                                    p, (unsigned long long)seq, (long long)hb->buffer->comm->timeout_ms);
+            }
+            if (res != EPX_SUCCESS) return host_fail(hb, seq, res);
+        }
+    }
+    return EPX_SUCCESS;
 }
