@@ -1,0 +1,188 @@
+/*
+ * What the agreement and mismatch tests share: small valid calls of every collective kind on one
+ * rank (HT, LL and routing-map dispatch and combine) over a host buffer with every mode, so that
+ * a test can make any kind of call at any point.
+ */
+#ifndef EPX_TEST_CALLS_IO_H
+#define EPX_TEST_CALLS_IO_H
+
+#include <string.h>
+
+#include "core/numeric.h"
+#include "epx_test.h"
+
+#define CT     4   /* T = T_max */
+#define CH     128 /* H */
+#define CK     2   /* K */
+#define CL     2   /* local experts per rank */
+#define CR_MAX 8
+
+typedef struct calls {
+    int rank, nranks;
+    epx_buffer_t buf;
+    _Alignas(16) uint16_t x[CT * CH];
+    int32_t topk[CT * CK];
+    float weights[CT * CK];
+    uint8_t map[CT * CL * CR_MAX];
+    _Alignas(16) uint16_t recv[CR_MAX * CT * CH];      /* HT and RM rows, and combine inputs */
+    _Alignas(16) uint16_t ll_recv[CL * CR_MAX * CT * CH]; /* LL rows and combine input */
+    int32_t ll_count[CL];
+    _Alignas(16) uint16_t out[CT * CH];
+    epx_handle_t ht, rm;
+    int64_t ht_rows, rm_rows;
+    epx_ll_handle_t ll;
+} calls_t;
+
+/* Routing: token t of rank r selects expert 0 of rank (r + t) % R and expert 1 of rank
+ * (r + t + 1) % R, so every rank receives tokens from several sources; the routing map says the
+ * same. */
+static inline void calls_init(calls_t *c, int rank, int nranks, epx_buffer_t buf)
+{
+    memset(c, 0, sizeof(*c));
+    c->rank = rank;
+    c->nranks = nranks;
+    c->buf = buf;
+    const int E = CL * nranks;
+    for (int t = 0; t < CT; t++) {
+        for (int h = 0; h < CH; h++) c->x[t * CH + h] = epx_f32_to_bf16((float)(rank + t + h % 7));
+        for (int k = 0; k < CK; k++) {
+            const int e = ((rank + t + k) % nranks) * CL + k;
+            c->topk[t * CK + k] = e;
+            c->weights[t * CK + k] = 0.5f;
+            c->map[t * E + e] = 1;
+        }
+    }
+}
+
+static inline epx_buffer_config_t calls_config(int nranks)
+{
+    return epx_test_buffer_config(CT, CH, CK, CL * nranks, EPX_MODE_ALL);
+}
+
+static inline epx_result_t calls_ht_dispatch(calls_t *c, epx_ht_dispatch_outputs_t *o)
+{
+    epx_ht_dispatch_args_t a = EPX_HT_DISPATCH_ARGS_INIT;
+    a.x = epx_tensor_2d(c->x, EPX_DTYPE_BF16, CT, CH);
+    a.topk_idx = epx_tensor_2d(c->topk, EPX_DTYPE_INT32, CT, CK);
+    *o = (epx_ht_dispatch_outputs_t)EPX_HT_DISPATCH_OUTPUTS_INIT;
+    o->recv_x = epx_tensor_2d(c->recv, EPX_DTYPE_BF16, (int64_t)c->nranks * CT, CH);
+    return epx_ht_dispatch(c->buf, &a, o);
+}
+
+static inline epx_result_t calls_ht_combine(calls_t *c)
+{
+    epx_ht_combine_args_t a = EPX_HT_COMBINE_ARGS_INIT;
+    a.handle = c->ht;
+    a.x = epx_tensor_2d(c->recv, EPX_DTYPE_BF16, c->ht_rows, CH);
+    epx_ht_combine_outputs_t o = EPX_HT_COMBINE_OUTPUTS_INIT;
+    o.combined_x = epx_tensor_2d(c->out, EPX_DTYPE_BF16, CT, CH);
+    return epx_ht_combine(c->buf, &a, &o);
+}
+
+static inline epx_result_t calls_ll_dispatch(calls_t *c, epx_ll_handle_t *handle_out)
+{
+    epx_ll_dispatch_args_t a = EPX_LL_DISPATCH_ARGS_INIT;
+    a.x = epx_tensor_2d(c->x, EPX_DTYPE_BF16, CT, CH);
+    a.topk_idx = epx_tensor_2d(c->topk, EPX_DTYPE_INT32, CT, CK);
+    epx_ll_dispatch_outputs_t o = EPX_LL_DISPATCH_OUTPUTS_INIT;
+    o.recv_x = epx_tensor_3d(c->ll_recv, EPX_DTYPE_BF16, CL, (int64_t)c->nranks * CT, CH);
+    o.recv_count = epx_tensor_1d(c->ll_count, EPX_DTYPE_INT32, CL);
+    epx_result_t res = epx_ll_dispatch(c->buf, &a, &o);
+    if (res == EPX_SUCCESS && handle_out) *handle_out = o.handle;
+    return res;
+}
+
+static inline epx_result_t calls_ll_combine(calls_t *c)
+{
+    epx_ll_combine_args_t a = EPX_LL_COMBINE_ARGS_INIT;
+    a.handle = c->ll;
+    a.y = epx_tensor_3d(c->ll_recv, EPX_DTYPE_BF16, CL, (int64_t)c->nranks * CT, CH);
+    a.topk_idx = epx_tensor_2d(c->topk, EPX_DTYPE_INT32, CT, CK);
+    a.topk_weights = epx_tensor_2d(c->weights, EPX_DTYPE_FP32, CT, CK);
+    epx_ll_combine_outputs_t o = EPX_LL_COMBINE_OUTPUTS_INIT;
+    o.combined_x = epx_tensor_2d(c->out, EPX_DTYPE_BF16, CT, CH);
+    return epx_ll_combine(c->buf, &a, &o);
+}
+
+static inline epx_result_t calls_rm_dispatch(calls_t *c, epx_rm_dispatch_outputs_t *o)
+{
+    epx_rm_dispatch_args_t a = EPX_RM_DISPATCH_ARGS_INIT;
+    a.hidden = epx_tensor_2d(c->x, EPX_DTYPE_BF16, CT, CH);
+    a.routing_map = epx_tensor_2d(c->map, EPX_DTYPE_BOOL, CT, (int64_t)CL * c->nranks);
+    *o = (epx_rm_dispatch_outputs_t)EPX_RM_DISPATCH_OUTPUTS_INIT;
+    o->tokens = epx_tensor_2d(c->recv, EPX_DTYPE_BF16, (int64_t)c->nranks * CT, CH);
+    return epx_rm_dispatch(c->buf, &a, o);
+}
+
+static inline epx_result_t calls_rm_combine(calls_t *c)
+{
+    epx_rm_combine_args_t a = EPX_RM_COMBINE_ARGS_INIT;
+    a.handle = c->rm;
+    a.x = epx_tensor_2d(c->recv, EPX_DTYPE_BF16, c->rm_rows, CH);
+    epx_rm_combine_outputs_t o = EPX_RM_COMBINE_OUTPUTS_INIT;
+    o.combined = epx_tensor_2d(c->out, EPX_DTYPE_BF16, CT, CH);
+    return epx_rm_combine(c->buf, &a, &o);
+}
+
+/* One dispatch of each family, so that every combine has a handle. */
+static inline epx_result_t calls_prepare(calls_t *c)
+{
+    epx_ht_dispatch_outputs_t ho;
+    epx_rm_dispatch_outputs_t ro;
+    epx_result_t res = calls_ht_dispatch(c, &ho);
+    if (res != EPX_SUCCESS) return res;
+    c->ht = ho.handle;
+    c->ht_rows = ho.num_recv_tokens_host;
+    if ((res = calls_ll_dispatch(c, &c->ll)) != EPX_SUCCESS) return res;
+    if ((res = calls_rm_dispatch(c, &ro)) != EPX_SUCCESS) return res;
+    c->rm = ro.handle;
+    c->rm_rows = ro.num_tokens_host;
+    return EPX_SUCCESS;
+}
+
+/* The call kinds in the order of their names below. */
+enum { CALL_HT_DISPATCH, CALL_HT_COMBINE, CALL_LL_DISPATCH, CALL_LL_COMBINE, CALL_RM_DISPATCH,
+       CALL_RM_COMBINE, CALL_KINDS };
+static const char *const calls_names[CALL_KINDS] = {"epx_ht_dispatch", "epx_ht_combine",  "epx_ll_dispatch",
+                                                    "epx_ll_combine",  "epx_rm_dispatch", "epx_rm_combine"};
+
+/* Makes one call of `kind`; a dispatch's new handle is destroyed when it succeeds. */
+static inline epx_result_t calls_make(calls_t *c, int kind)
+{
+    epx_ht_dispatch_outputs_t ho;
+    epx_rm_dispatch_outputs_t ro;
+    epx_result_t res;
+    switch (kind) {
+    case CALL_HT_DISPATCH:
+        res = calls_ht_dispatch(c, &ho);
+        if (res == EPX_SUCCESS) epx_handle_destroy(ho.handle);
+        return res;
+    case CALL_HT_COMBINE: return calls_ht_combine(c);
+    case CALL_LL_DISPATCH: return calls_ll_dispatch(c, NULL);
+    case CALL_LL_COMBINE: return calls_ll_combine(c);
+    case CALL_RM_DISPATCH:
+        res = calls_rm_dispatch(c, &ro);
+        if (res == EPX_SUCCESS) epx_handle_destroy(ro.handle);
+        return res;
+    default: return calls_rm_combine(c);
+    }
+}
+
+static inline void calls_release(calls_t *c)
+{
+    epx_handle_destroy(c->ht);
+    epx_handle_destroy(c->rm);
+    c->ht = c->rm = NULL;
+}
+
+/* A host communicator with a 20 s timeout (NULL on failure). */
+static inline epx_comm_t calls_comm(int rank, int nranks, const epx_unique_id_t *id)
+{
+    epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
+    cc.backend = EPX_BACKEND_HOST;
+    cc.timeout_ms = 20000;
+    epx_comm_t comm = NULL;
+    return epx_comm_init(id, rank, nranks, &cc, &comm) == EPX_SUCCESS ? comm : NULL;
+}
+
+#endif
