@@ -26,11 +26,11 @@ static epx_result_t collective_checked(epx_buffer_t buffer, uint64_t seq, epx_re
 
 /* The start of every entry point: number the call, then read and check the caller's structs into
  * the copies `a` and `o` (declared here with `seq`) over their defaults. */
-#define COLLECTIVE_ENTER(op, OP)                      \
+#define COLLECTIVE_ENTER(op, OP)                                  \
     const uint64_t seq = collective_begin(buffer, EPX_CALL_##OP); \
-    epx_##op##_args_t a = EPX_##OP##_ARGS_INIT;       \
-    epx_##op##_outputs_t o = EPX_##OP##_OUTPUTS_INIT; \
-    EPX_CHECK(                                        \
+    epx_##op##_args_t a = EPX_##OP##_ARGS_INIT;                   \
+    epx_##op##_outputs_t o = EPX_##OP##_OUTPUTS_INIT;             \
+    EPX_CHECK(                                                    \
         collective_checked(buffer, seq, epx_api_check_##op(buffer, seq, args, outputs, &a, &o), &a.stream))
 
 /* An entry point whose backend writes every output itself (the combines of HT and routing-map). */

@@ -495,7 +495,7 @@ static void dispatch_commit(host_buffer_t *hb, uint64_t seq, const epx_ht_dispat
 }
 
 static epx_result_t cached_plan(host_buffer_t *hb, const epx_ht_dispatch_args_t *args,
-                                 epx_ht_dispatch_outputs_t *outputs, const host_ht_state_t *st)
+                                epx_ht_dispatch_outputs_t *outputs, const host_ht_state_t *st)
 {
     EPX_CHECK(check_dispatch_capacity(hb->rank, outputs, st->num_recv, st->num_recv, 0));
     if (args->recv_in_buffer)

@@ -364,8 +364,9 @@ static epx_result_t rm_check_capacity(int me, const epx_rm_dispatch_outputs_t *o
         name = "probs";
     }
     if (cap < real)
-        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: routing-map dispatch receives %lld rows, %s holds %lld",
-                         me, (long long)real, name, (long long)cap);
+        return epx_error(EPX_ERR_INVALID_ARG,
+                         "rank %d: routing-map dispatch receives %lld rows, %s holds %lld", me,
+                         (long long)real, name, (long long)cap);
     return EPX_SUCCESS;
 }
 

@@ -149,8 +149,8 @@ static int destroy_body(int rank, int nranks, const epx_unique_id_t *id, void *c
     epx_result_t res = epx_buffer_create(comm, &cfg, &buf);
     waited = epx_test_now_s() - t0;
     if (res == EPX_SUCCESS || waited > LIMIT_S) {
-        fprintf(stderr, "rank %d: buffer creation without peer %d returned %s after %.3f s (%s)\n", rank, gone,
-                epx_result_name(res), waited, epx_last_error_message());
+        fprintf(stderr, "rank %d: buffer creation without peer %d returned %s after %.3f s (%s)\n", rank,
+                gone, epx_result_name(res), waited, epx_last_error_message());
         return 1;
     }
     EXPECT_MSG_HAS("closed");

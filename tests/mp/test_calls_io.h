@@ -24,7 +24,7 @@ typedef struct calls {
     int32_t topk[CT * CK];
     float weights[CT * CK];
     uint8_t map[CT * CL * CR_MAX];
-    _Alignas(16) uint16_t recv[CR_MAX * CT * CH];      /* HT and RM rows, and combine inputs */
+    _Alignas(16) uint16_t recv[CR_MAX * CT * CH];         /* HT and RM rows, and combine inputs */
     _Alignas(16) uint16_t ll_recv[CL * CR_MAX * CT * CH]; /* LL rows and combine input */
     int32_t ll_count[CL];
     _Alignas(16) uint16_t out[CT * CH];
@@ -141,8 +141,15 @@ static inline epx_result_t calls_prepare(calls_t *c)
 }
 
 /* The call kinds in the order of their names below. */
-enum { CALL_HT_DISPATCH, CALL_HT_COMBINE, CALL_LL_DISPATCH, CALL_LL_COMBINE, CALL_RM_DISPATCH,
-       CALL_RM_COMBINE, CALL_KINDS };
+enum {
+    CALL_HT_DISPATCH,
+    CALL_HT_COMBINE,
+    CALL_LL_DISPATCH,
+    CALL_LL_COMBINE,
+    CALL_RM_DISPATCH,
+    CALL_RM_COMBINE,
+    CALL_KINDS
+};
 static const char *const calls_names[CALL_KINDS] = {"epx_ht_dispatch", "epx_ht_combine",  "epx_ll_dispatch",
                                                     "epx_ll_combine",  "epx_rm_dispatch", "epx_rm_combine"};
 

@@ -43,7 +43,8 @@ static int all_zero(const uint16_t *out, int64_t n, const char *what)
 {
     for (int64_t i = 0; i < n; i++)
         if (out[i] != 0) {
-            fprintf(stderr, "%s: element %lld is 0x%04x, the unfused sum is +0\n", what, (long long)i, out[i]);
+            fprintf(stderr, "%s: element %lld is 0x%04x, the unfused sum is +0\n", what, (long long)i,
+                    out[i]);
             return 0;
         }
     return 1;
@@ -303,7 +304,8 @@ static int ll_slots_body(int rank, int nranks, const epx_unique_id_t *id, void *
             w[t * K + k] = 1.0f;
         }
     epx_ll_handle_t ha, hb, hc;
-    if (ll_dispatch(buf, x, topk, recv_a, count, &ha) || ll_dispatch(buf, x, topk, recv_b, count, &hb)) return 1;
+    if (ll_dispatch(buf, x, topk, recv_a, count, &ha) || ll_dispatch(buf, x, topk, recv_b, count, &hb))
+        return 1;
     for (int round = 0; round < 2; round++) {
         EXPECT_OK(ll_combine(buf, ha, topk, w, recv_a, out));
         EXPECT_OK(ll_combine(buf, hb, topk, w, recv_b, out));
