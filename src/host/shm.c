@@ -607,12 +607,14 @@ epx_result_t host_verdict(host_buffer_t *hb, uint64_t seq, epx_result_t mine)
         if (p == hb->rank) continue;
         const host_region_hdr_t *hdr = host_hdr(hb, p);
         for (;;) {
-            /* A peer stores its verdict before it can fail in this step, so a passed verdict is
-             * seen before any failure that follows it. */
+            /* Failures and the destroy are read before the verdict: a peer that passed it may fail
+             * in this step (another peer failed) or in its next call, and its verdict, stored
+             * first, is then visible and wins. */
             const int gone = peer_destroyed(hb, p);
+            const uint64_t failed = atomic_load_explicit(&hdr->failed_seq, memory_order_acquire);
             if (atomic_load_explicit(&hdr->verdict_seq, memory_order_acquire) >= seq) break;
             epx_result_t res = check_call(hb, p, seq);
-            if (res == EPX_SUCCESS) res = check_failed(hb, p, seq, doing);
+            if (res == EPX_SUCCESS && failed >= seq) res = check_failed(hb, p, seq, doing);
             if (res == EPX_SUCCESS && gone) res = destroyed_error(hb, p, doing);
             if (res == EPX_SUCCESS) {
                 res = wait_tick(hb, &clock, p, doing);
