@@ -478,15 +478,15 @@ static int poll_pub(const host_buffer_t *hb, int peer, host_area_t area, uint64_
                     epx_result_t *res_out)
 {
     const host_area_ctrl_t *ctrl = &host_hdr(hb, peer)->areas[area];
+    /* failed_seq is read before the announcement and pub_seq: a peer announces and publishes call
+     * n before it can fail call n (or n+1), so once we see the failure, what came before it is
+     * visible too and wins below. The same holds for a destroy. */
+    const int gone = peer_destroyed(hb, peer);
+    uint64_t failed = atomic_load_explicit(&host_hdr(hb, peer)->failed_seq, memory_order_acquire);
     /* The call's kind first: a peer in another call may publish this very area (both dispatches
      * use IN) or never publish it. */
     *res_out = check_call(hb, peer, seq);
     if (*res_out != EPX_SUCCESS) return -1;
-    /* failed_seq is read before pub_seq: a peer publishes call n before it can fail call n+1, so
-     * once we see the later failure, its publication of n is visible too and wins below. The same
-     * holds for a destroy. */
-    const int gone = peer_destroyed(hb, peer);
-    uint64_t failed = atomic_load_explicit(&host_hdr(hb, peer)->failed_seq, memory_order_acquire);
     uint64_t seen = atomic_load_explicit(&ctrl->pub_seq, memory_order_acquire);
     char doing[96];
     if (seen == seq) {
