@@ -5,30 +5,12 @@
  */
 #include "api/api.h"
 
-/* Runs the checks of `op` on no arguments. They refuse at their first read (args is NULL), after
- * counting what every call of the kind counts, failed ones included (an LL dispatch's slot), so
- * the refusal leaves the buffer as a call refused by them does. Their message is replaced. */
-#define REFUSED_CHECKS(op, OP)                                                \
-    case EPX_COLLECTIVE_##OP: {                                               \
-        epx_##op##_args_t a = EPX_##OP##_ARGS_INIT;                           \
-        epx_##op##_outputs_t o = EPX_##OP##_OUTPUTS_INIT;                     \
-        (void)epx_api_check_##op(buffer, seq, NULL, NULL, &a, &o);            \
-        return "epx_" #op;                                                    \
-    }
-
-/* Counts call `seq` as a refused call of `kind`; returns the entry point's name (NULL: no kind). */
-static const char *count_refused(epx_buffer_t buffer, uint64_t seq, epx_collective_t kind)
-{
-    switch (kind) {
-        REFUSED_CHECKS(ht_dispatch, HT_DISPATCH)
-        REFUSED_CHECKS(ht_combine, HT_COMBINE)
-        REFUSED_CHECKS(ll_dispatch, LL_DISPATCH)
-        REFUSED_CHECKS(ll_combine, LL_COMBINE)
-        REFUSED_CHECKS(rm_dispatch, RM_DISPATCH)
-        REFUSED_CHECKS(rm_combine, RM_COMBINE)
-    }
-    return NULL;
-}
+/* The entry point of each kind, for messages. */
+static const char *const call_names[] = {
+    [EPX_COLLECTIVE_HT_DISPATCH] = "epx_ht_dispatch", [EPX_COLLECTIVE_HT_COMBINE] = "epx_ht_combine",
+    [EPX_COLLECTIVE_LL_DISPATCH] = "epx_ll_dispatch", [EPX_COLLECTIVE_LL_COMBINE] = "epx_ll_combine",
+    [EPX_COLLECTIVE_RM_DISPATCH] = "epx_rm_dispatch", [EPX_COLLECTIVE_RM_COMBINE] = "epx_rm_combine",
+};
 
 static bool is_failure(epx_result_t code)
 {
@@ -48,12 +30,14 @@ static epx_result_t refuse_collective(epx_buffer_t buffer, epx_collective_t kind
         return EPX_API_ERR(buffer->comm, EPX_ERR_INVALID_ARG,
                            "epx_buffer_refuse_collective: kind = %d is not an epx_collective_t", (int)kind);
     const uint64_t seq = ++buffer->seq; /* as api/collective.c numbers every call */
-    const char *op = count_refused(buffer, seq, kind);
+    /* What a refused call counts besides its number: an LL dispatch its slot (api/ll.c counts it
+     * before any check), so every rank keeps the same slot order. */
+    if (kind == EPX_COLLECTIVE_LL_DISPATCH) buffer->ll_dispatches++;
     if (!is_failure(code)) code = EPX_ERR_INVALID_ARG;
     if (reason)
         epx_error(code, "%s", reason);
     else
-        epx_error(code, "rank %d: the caller refused its %s call", buffer->comm->rank, op);
+        epx_error(code, "rank %d: the caller refused its %s call", buffer->comm->rank, call_names[kind]);
     return epx_buffer_fail_collective(buffer, seq, code, stream);
 }
 
