@@ -15,6 +15,8 @@ Library failures raise ``EpxError`` subclasses carrying the library's message (`
 result name (``.result``, e.g. ``"ERR_INVALID_ARG"``) and its code (``.code``).
 """
 
+import contextlib
+
 from . import _epx
 from ._epx import (  # noqa: F401  (re-exported)
     CombineOutput,
@@ -249,6 +251,30 @@ class Buffer(_epx.Buffer):
     def __repr__(self):
         return "epx.Buffer(T_max=%d, H=%d, K=%d, E=%d, ranks=%d)" % (
             self.max_tokens, self.hidden, self.num_topk, self.num_experts, self.num_ranks)
+
+
+# ---------------------------------------------------------------------------------------- refusals
+
+# The collective calls a refusal names (epx_collective_t).
+HT_DISPATCH, HT_COMBINE = _epx.COLLECTIVE_HT_DISPATCH, _epx.COLLECTIVE_HT_COMBINE
+LL_DISPATCH, LL_COMBINE = _epx.COLLECTIVE_LL_DISPATCH, _epx.COLLECTIVE_LL_COMBINE
+RM_DISPATCH, RM_COMBINE = _epx.COLLECTIVE_RM_DISPATCH, _epx.COLLECTIVE_RM_COMBINE
+
+
+@contextlib.contextmanager
+def collective(buffer, kind):
+    """For layers over Buffer (compat/): the block makes this rank's collective call of ``kind`` on
+    ``buffer`` (an epx.Buffer, or None when there is none yet). An exception raised in it before that
+    call reached the library refuses the call, as the library refuses bad arguments: the peers'
+    matching calls raise RemoteError instead of pairing with this rank's next call. The exception
+    then propagates unchanged. Buffer's own methods do the same for what they reject."""
+    calls = buffer._collective_calls if buffer is not None else None
+    try:
+        yield
+    except BaseException as exc:
+        if buffer is not None and not buffer.destroyed and buffer._collective_calls == calls:
+            buffer._refuse(kind, exc)
+        raise
 
 
 # ---------------------------------------------------------------------------------------- numpy helpers
