@@ -645,8 +645,8 @@ typedef enum epx_collective {
  *      the peers never breaks a capture on it.
  * Returns `code` (as adjusted above) after telling the peers. Without telling anyone:
  * EPX_ERR_INVALID_ARG for a NULL or unknown buffer or an unknown kind, EPX_ERR_INVALID_USAGE for a
- * destroyed buffer or one another thread is inside. Not thread-safe on one buffer, like every
- * collective call. */
+ * destroyed buffer or one another thread is inside (one thread at a time per buffer, as for every
+ * entry point). */
 EPX_API epx_result_t epx_buffer_refuse_collective(epx_buffer_t buffer, epx_collective_t kind,
                                                   epx_result_t code, const char *reason, void *stream);
 

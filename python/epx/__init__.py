@@ -12,7 +12,10 @@ Streams: for cuda tensors every call runs on torch's current stream unless ``str
 ``cudaStream_t`` as int) is given; the host backend runs synchronously.
 
 Library failures raise ``EpxError`` subclasses carrying the library's message (``.message``), the
-result name (``.result``, e.g. ``"ERR_INVALID_ARG"``) and its code (``.code``).
+result name (``.result``, e.g. ``"ERR_INVALID_ARG"``) and its code (``.code``). A collective call that
+the binding itself rejects before it reaches the library (a dtype epx lacks, an object without DLPack, a
+destroyed handle) raises as usual and is refused on the buffer (epx_buffer_refuse_collective), so the
+peers' matching calls raise RemoteError instead of pairing with this rank's next call.
 """
 
 import contextlib

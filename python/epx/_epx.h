@@ -183,23 +183,23 @@ void py_refuse_pending(BufferObject *buffer, int kind);
 /* A collective method `name` of Buffer: its body (the block that follows) converts and checks the
  * inputs, then makes its library call through COLLECTIVE_CALL. When the body fails before that
  * call, the call is refused for the pending exception, which the method then raises. */
-#define COLLECTIVE_METHOD(name, kind)                                                            \
-    static PyObject *name##_body(BufferObject *self, PyObject *args, PyObject *kwargs);          \
-    static PyObject *name(BufferObject *self, PyObject *args, PyObject *kwargs)                  \
-    {                                                                                            \
-        const uint64_t calls = self->collective_calls;                                           \
-        PyObject *result = name##_body(self, args, kwargs);                                      \
-        if (!result && self->collective_calls == calls) py_refuse_pending(self, (kind));        \
-        return result;                                                                           \
-    }                                                                                            \
+#define COLLECTIVE_METHOD(name, kind)                                                    \
+    static PyObject *name##_body(BufferObject *self, PyObject *args, PyObject *kwargs);  \
+    static PyObject *name(BufferObject *self, PyObject *args, PyObject *kwargs)          \
+    {                                                                                    \
+        const uint64_t calls = self->collective_calls;                                   \
+        PyObject *result = name##_body(self, args, kwargs);                              \
+        if (!result && self->collective_calls == calls) py_refuse_pending(self, (kind)); \
+        return result;                                                                   \
+    }                                                                                    \
     static PyObject *name##_body(BufferObject *self, PyObject *args, PyObject *kwargs)
 
 /* The library call of a collective method (`stmt` assigns its result), counted and run without
  * the GIL. */
-#define COLLECTIVE_CALL(self, stmt)    \
-    do {                               \
-        (self)->collective_calls++;    \
-        WITHOUT_GIL(stmt);             \
+#define COLLECTIVE_CALL(self, stmt) \
+    do {                            \
+        (self)->collective_calls++; \
+        WITHOUT_GIL(stmt);          \
     } while (0)
 
 /* ------------------------------------------------------------------ _epx_dlpack.c ---- */

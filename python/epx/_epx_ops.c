@@ -617,8 +617,8 @@ PyMethodDef py_buffer_methods[] = {
      "query_overflow() -> bool\n--\n\nTrue (and the flag cleared) when a call with an upper bound dropped "
      "rows."},
     {"_refuse", (PyCFunction)buffer_refuse, METH_VARARGS,
-     "_refuse(kind, exc)\n--\n\nInternal: refuses this rank's collective call of `kind` (COLLECTIVE_*) for the\n"
-     "exception `exc` that stopped it before it reached the library; the peers raise RemoteError."},
+     "_refuse(kind, exc)\n--\n\nInternal: refuses this rank's collective call of `kind` (COLLECTIVE_*)\n"
+     "for the exception `exc` that stopped it before it reached the library; the peers raise RemoteError."},
     {"destroy", (PyCFunction)py_buffer_destroy, METH_NOARGS,
      "destroy()\n--\n\nFrees the buffer now (handles must be gone). Not collective."},
     {NULL},
