@@ -39,7 +39,8 @@ def ranks_of(idx):
 
 def expect_rows(rank, nranks):
     """Tokens of every rank that reach `rank` (an HT or routing-map dispatch's N_r)."""
-    return sum(int(any(int(e) // 2 == rank for e in row)) for s in range(nranks) for row in routing(s, nranks))
+    return sum(int(any(int(e) // 2 == rank for e in row))
+               for s in range(nranks) for row in routing(s, nranks))
 
 
 # ------------------------------------------------------------------------------- the families
@@ -219,3 +220,57 @@ def test_one_rank_goes_on():
     buf.destroy()
     with pytest.raises(ValueError, match="destroyed"):
         f.dispatch()
+
+
+def _deep_ep(rank, nranks, dist):
+    """The DeepEP front: a refusal before the HT buffer is chosen rides on the ranks' agreement on it;
+    later ones (in the binding) are refused on the buffer. Needs torch."""
+    import torch
+
+    from epx.compat import deep_ep
+    from npref import Problem
+    from test_torch_cpu import inputs as torch_inputs
+    from torchutil import bf16_bits
+
+    p = Problem(11, nranks, T, H, K, 2 * nranks, ragged=False)
+    comm = epx.Comm.from_torch(dist.group.WORLD, backend="host", timeout_ms=TIMEOUT_MS)
+    buf = deep_ep.Buffer(dist.group.WORLD, 0, 0, comm=comm)
+    x, idx, w = torch_inputs(p, rank)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, p.E)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    refuser = nranks - 1
+    if rank == refuser:
+        with pytest.raises(ValueError, match="topk_idx"):
+            buf.dispatch(x, **layout)
+    else:
+        with pytest.raises(epx.RemoteError):
+            buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
+    recv_x, _, _, counts, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
+    want_x, _, _, want_counts = p.ht_dispatch(rank)
+    np.testing.assert_array_equal(bf16_bits(recv_x), want_x)
+    assert counts == want_counts.tolist()
+    if rank == 0:
+        with pytest.raises(epx.InvalidArgumentError):
+            buf.dispatch(x.double(), handle=handle)
+    else:
+        with pytest.raises(epx.RemoteError):
+            buf.dispatch(x, handle=handle)
+    y = (recv_x.float() * (rank + 1)).to(torch.bfloat16)
+    if rank == refuser:
+        with pytest.raises(TypeError):
+            buf.combine(y.tolist(), handle)
+    else:
+        with pytest.raises(epx.RemoteError):
+            buf.combine(y, handle)
+    combined, _, _ = buf.combine(y, handle)
+    np.testing.assert_array_equal(bf16_bits(combined), p.ht_combine(rank))
+    buf.destroy()
+    return True
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_deep_ep_rejection_reaches_peers(nranks):
+    pytest.importorskip("torch")
+    from torchutil import run_in_group
+
+    assert run_in_group(nranks, _deep_ep) == [True] * nranks
