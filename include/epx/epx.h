@@ -615,6 +615,41 @@ typedef struct epx_rm_combine_outputs {
 EPX_API epx_result_t epx_rm_combine(epx_buffer_t buffer, const epx_rm_combine_args_t *args,
                                     epx_rm_combine_outputs_t *outputs);
 
+/* ------------------------------------------------------------------------------------------ */
+/* Refusing a collective call                                                                 */
+/* ------------------------------------------------------------------------------------------ */
+
+/* The collective calls on a buffer, as epx_buffer_refuse_collective names them. */
+typedef enum epx_collective {
+    EPX_COLLECTIVE_HT_DISPATCH = 1, /* epx_ht_dispatch */
+    EPX_COLLECTIVE_HT_COMBINE,      /* epx_ht_combine */
+    EPX_COLLECTIVE_LL_DISPATCH,     /* epx_ll_dispatch */
+    EPX_COLLECTIVE_LL_COMBINE,      /* epx_ll_combine */
+    EPX_COLLECTIVE_RM_DISPATCH,     /* epx_rm_dispatch */
+    EPX_COLLECTIVE_RM_COMBINE,      /* epx_rm_combine */
+} epx_collective_t;
+
+/* Stands for a collective call of `kind` that the caller refused before making it (a binding or
+ * wrapper whose own checks of its inputs failed), so that the ranks stay in step: it takes this
+ * rank's place in the buffer's sequence of collective calls exactly as that call refused by the
+ * library's own checks would (an LL dispatch also takes its LL slot), and tells the peers, whose
+ * matching call returns EPX_ERR_REMOTE instead of waiting. Every later call pairs with the peers'
+ * next one. Collective in that sense: call it where the refused call would have been made, and
+ * not in addition to that call.
+ * [in] buffer: a live buffer; it need not have been created for the mode of `kind`.
+ * [in] kind: the refused call.
+ * [in] code: the result the refused call stands for; EPX_SUCCESS or a value outside epx_result_t
+ *      counts as EPX_ERR_INVALID_ARG.
+ * [in] reason: the detail epx_last_error_message() returns after this call (NULL: a generic one).
+ * [in] stream: the refused call's stream as far as the caller knows it (NULL otherwise); telling
+ *      the peers never breaks a capture on it.
+ * Returns `code` (as adjusted above) after telling the peers. Without telling anyone:
+ * EPX_ERR_INVALID_ARG for a NULL or unknown buffer or an unknown kind, EPX_ERR_INVALID_USAGE for a
+ * destroyed buffer or one another thread is inside (one thread at a time per buffer, as for every
+ * entry point). */
+EPX_API epx_result_t epx_buffer_refuse_collective(epx_buffer_t buffer, epx_collective_t kind,
+                                                  epx_result_t code, const char *reason, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

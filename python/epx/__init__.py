@@ -12,8 +12,13 @@ Streams: for cuda tensors every call runs on torch's current stream unless ``str
 ``cudaStream_t`` as int) is given; the host backend runs synchronously.
 
 Library failures raise ``EpxError`` subclasses carrying the library's message (``.message``), the
-result name (``.result``, e.g. ``"ERR_INVALID_ARG"``) and its code (``.code``).
+result name (``.result``, e.g. ``"ERR_INVALID_ARG"``) and its code (``.code``). A collective call that
+the binding itself rejects before it reaches the library (a dtype epx lacks, an object without DLPack, a
+destroyed handle) raises as usual and is refused on the buffer (epx_buffer_refuse_collective), so the
+peers' matching calls raise RemoteError instead of pairing with this rank's next call.
 """
+
+import contextlib
 
 from . import _epx
 from ._epx import (  # noqa: F401  (re-exported)
@@ -249,6 +254,30 @@ class Buffer(_epx.Buffer):
     def __repr__(self):
         return "epx.Buffer(T_max=%d, H=%d, K=%d, E=%d, ranks=%d)" % (
             self.max_tokens, self.hidden, self.num_topk, self.num_experts, self.num_ranks)
+
+
+# ---------------------------------------------------------------------------------------- refusals
+
+# The collective calls a refusal names (epx_collective_t).
+HT_DISPATCH, HT_COMBINE = _epx.COLLECTIVE_HT_DISPATCH, _epx.COLLECTIVE_HT_COMBINE
+LL_DISPATCH, LL_COMBINE = _epx.COLLECTIVE_LL_DISPATCH, _epx.COLLECTIVE_LL_COMBINE
+RM_DISPATCH, RM_COMBINE = _epx.COLLECTIVE_RM_DISPATCH, _epx.COLLECTIVE_RM_COMBINE
+
+
+@contextlib.contextmanager
+def collective(buffer, kind):
+    """For layers over Buffer (compat/): the block makes this rank's collective call of ``kind`` on
+    ``buffer`` (an epx.Buffer, or None when there is none yet). An exception raised in it before that
+    call reached the library refuses the call, as the library refuses bad arguments: the peers'
+    matching calls raise RemoteError instead of pairing with this rank's next call. The exception
+    then propagates unchanged. Buffer's own methods do the same for what they reject."""
+    calls = buffer._collective_calls if buffer is not None else None
+    try:
+        yield
+    except BaseException as exc:
+        if buffer is not None and not buffer.destroyed and buffer._collective_calls == calls:
+            buffer._refuse(kind, exc)
+        raise
 
 
 # ---------------------------------------------------------------------------------------- numpy helpers

@@ -66,6 +66,53 @@ PyObject *py_take_exception(void)
     return value;
 }
 
+/* ------------------------------------------------------------------ refusals ---- */
+
+/* The result a refused call stands for: an EpxError's own, EPX_ERR_OUT_OF_MEMORY for MemoryError,
+ * else EPX_ERR_INVALID_ARG (what a bad argument is in the library). */
+static epx_result_t refusal_code(PyObject *exc)
+{
+    if (PyObject_IsInstance(exc, py_state.error_base) == 1) {
+        PyObject *code = PyObject_GetAttrString(exc, "code");
+        long value = code && PyLong_Check(code) ? PyLong_AsLong(code) : -1;
+        Py_XDECREF(code);
+        PyErr_Clear();
+        if (value > 0 && value < PY_NUM_RESULTS) return (epx_result_t)value;
+    }
+    if (PyErr_GivenExceptionMatches(exc, PyExc_MemoryError)) return EPX_ERR_OUT_OF_MEMORY;
+    return EPX_ERR_INVALID_ARG;
+}
+
+int py_refuse(BufferObject *buffer, int kind, PyObject *exc)
+{
+    if (!buffer->buf) return 0; /* destroyed: no library object, no call to number */
+    /* "TypeError: epx: x (list) does not support ...": the peers' logs and this rank's last
+     * library message name the refusal. */
+    char reason[1024];
+    PyObject *text = exc ? PyObject_Str(exc) : NULL;
+    const char *detail = text ? PyUnicode_AsUTF8(text) : NULL;
+    if (!detail) PyErr_Clear();
+    snprintf(reason, sizeof(reason), "rank %d: %s: %s", buffer->comm->topo.rank,
+             exc ? Py_TYPE(exc)->tp_name : "refused", detail ? detail : "(no message)");
+    Py_XDECREF(text);
+    const epx_result_t code = exc ? refusal_code(exc) : EPX_ERR_INVALID_ARG;
+    buffer->collective_calls++;
+    const epx_result_t res =
+        epx_buffer_refuse_collective(buffer->buf, (epx_collective_t)kind, code, reason, NULL);
+    if (res == code) return 0;
+    py_raise_epx(res); /* the buffer is busy in another thread, or `kind` is unknown */
+    return -1;
+}
+
+void py_refuse_pending(BufferObject *buffer, int kind)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (py_refuse(buffer, kind, value) != 0) PyErr_Clear(); /* the call's own exception comes first */
+    PyErr_Restore(type, value, tb);
+}
+
 /* ------------------------------------------------------------------ module functions ---- */
 
 static PyObject *mod_get_unique_id(PyObject *mod, PyObject *unused)
@@ -154,7 +201,13 @@ PyMODINIT_FUNC PyInit__epx(void)
         PyModule_AddIntConstant(m, "MODE_LL", EPX_MODE_LL) ||
         PyModule_AddIntConstant(m, "MODE_PERMUTE", EPX_MODE_PERMUTE) ||
         PyModule_AddIntConstant(m, "MODE_ALL", EPX_MODE_ALL) ||
-        PyModule_AddIntConstant(m, "UNIQUE_ID_BYTES", EPX_UNIQUE_ID_BYTES))
+        PyModule_AddIntConstant(m, "UNIQUE_ID_BYTES", EPX_UNIQUE_ID_BYTES) ||
+        PyModule_AddIntConstant(m, "COLLECTIVE_HT_DISPATCH", EPX_COLLECTIVE_HT_DISPATCH) ||
+        PyModule_AddIntConstant(m, "COLLECTIVE_HT_COMBINE", EPX_COLLECTIVE_HT_COMBINE) ||
+        PyModule_AddIntConstant(m, "COLLECTIVE_LL_DISPATCH", EPX_COLLECTIVE_LL_DISPATCH) ||
+        PyModule_AddIntConstant(m, "COLLECTIVE_LL_COMBINE", EPX_COLLECTIVE_LL_COMBINE) ||
+        PyModule_AddIntConstant(m, "COLLECTIVE_RM_DISPATCH", EPX_COLLECTIVE_RM_DISPATCH) ||
+        PyModule_AddIntConstant(m, "COLLECTIVE_RM_COMBINE", EPX_COLLECTIVE_RM_COMBINE))
         goto fail;
     /* numpy is imported lazily: torch-only users need not have it. */
     if (py_ensure_numpy() != 0) PyErr_Clear();

@@ -127,6 +127,7 @@ typedef struct {
     epx_buffer_config_t cfg;
     int32_t R, L;
     int live_handles;
+    uint64_t collective_calls; /* collective calls (made or refused) this binding passed to the library */
     PyObject *weakrefs;
     PyObject *dict;
 } BufferObject;
@@ -171,6 +172,35 @@ PyObject *py_raise_epx(epx_result_t res);
 PyObject *py_raise_invalid(const char *fmt, ...);
 /* The pending exception, normalised and with its traceback attached; the error indicator is cleared. */
 PyObject *py_take_exception(void);
+/* Refuses this rank's collective call of `kind` (epx_collective_t) on `buffer` for the exception
+ * `exc` that stopped it before the library call, so the peers return EPX_ERR_REMOTE instead of
+ * pairing it with this rank's next call. Nothing to do when the buffer was destroyed. Returns -1
+ * with an exception set only when the refusal itself could not be made. */
+int py_refuse(BufferObject *buffer, int kind, PyObject *exc);
+/* py_refuse for the pending exception, which stays pending unchanged. */
+void py_refuse_pending(BufferObject *buffer, int kind);
+
+/* A collective method `name` of Buffer: its body (the block that follows) converts and checks the
+ * inputs, then makes its library call through COLLECTIVE_CALL. When the body fails before that
+ * call, the call is refused for the pending exception, which the method then raises. */
+#define COLLECTIVE_METHOD(name, kind)                                                    \
+    static PyObject *name##_body(BufferObject *self, PyObject *args, PyObject *kwargs);  \
+    static PyObject *name(BufferObject *self, PyObject *args, PyObject *kwargs)          \
+    {                                                                                    \
+        const uint64_t calls = self->collective_calls;                                   \
+        PyObject *result = name##_body(self, args, kwargs);                              \
+        if (!result && self->collective_calls == calls) py_refuse_pending(self, (kind)); \
+        return result;                                                                   \
+    }                                                                                    \
+    static PyObject *name##_body(BufferObject *self, PyObject *args, PyObject *kwargs)
+
+/* The library call of a collective method (`stmt` assigns its result), counted and run without
+ * the GIL. */
+#define COLLECTIVE_CALL(self, stmt) \
+    do {                            \
+        (self)->collective_calls++; \
+        WITHOUT_GIL(stmt);          \
+    } while (0)
 
 /* ------------------------------------------------------------------ _epx_dlpack.c ---- */
 

@@ -2,7 +2,8 @@
  * The operations of a Buffer (layout, HT, LL and routing-map dispatch and combine), the method table
  * that names them, and the C baseline of the LL call-overhead benchmark. Each operation imports its
  * tensors, allocates its outputs through the caller's framework, runs the library call without the GIL
- * and returns the outputs as a struct sequence.
+ * and returns the outputs as a struct sequence. A collective operation that fails before its library
+ * call refuses that call (COLLECTIVE_METHOD), so the peers' matching calls fail too.
  */
 #include "_epx.h"
 
@@ -136,7 +137,7 @@ static int ht_dispatch_rows(BufferObject *self, HandleObject *cached, int64_t nu
     return 0;
 }
 
-static PyObject *buffer_dispatch(BufferObject *self, PyObject *args, PyObject *kwargs)
+COLLECTIVE_METHOD(buffer_dispatch, EPX_COLLECTIVE_HT_DISPATCH)
 {
     static char *kw[] = {"x",      "topk_idx",         "topk_weights",     "x_scales",
                          "handle", "expert_alignment", "num_worst_tokens", "stream",
@@ -192,7 +193,7 @@ static PyObject *buffer_dispatch(BufferObject *self, PyObject *args, PyObject *k
     };
     if (call_alloc(&c, outs, COUNT(outs)) != 0) return call_fail(&c);
     epx_result_t res;
-    WITHOUT_GIL(res = epx_ht_dispatch(self->buf, &a, &o));
+    COLLECTIVE_CALL(self, res = epx_ht_dispatch(self->buf, &a, &o));
     if (call_end(&c, res) != 0) return NULL;
     if (cached) {
         Py_INCREF(cached);
@@ -209,7 +210,7 @@ static PyObject *buffer_dispatch(BufferObject *self, PyObject *args, PyObject *k
     return call_result(&c, py_ht_dispatch_type);
 }
 
-static PyObject *buffer_combine(BufferObject *self, PyObject *args, PyObject *kwargs)
+COLLECTIVE_METHOD(buffer_combine, EPX_COLLECTIVE_HT_COMBINE)
 {
     static char *kw[] = {"x", "handle", "topk_weights", "bias0", "bias1", "stream", NULL};
     PyObject *x_obj, *weights_obj = Py_None, *b0 = Py_None, *b1 = Py_None, *stream_obj = Py_None;
@@ -241,7 +242,7 @@ static PyObject *buffer_combine(BufferObject *self, PyObject *args, PyObject *kw
     };
     if (call_alloc(&c, outs, COUNT(outs)) != 0) return call_fail(&c);
     epx_result_t res;
-    WITHOUT_GIL(res = epx_ht_combine(self->buf, &a, &o));
+    COLLECTIVE_CALL(self, res = epx_ht_combine(self->buf, &a, &o));
     if (call_end(&c, res) != 0) return NULL;
     return call_result(&c, py_ht_combine_type);
 }
@@ -269,7 +270,7 @@ static int ll_dispatch_alloc(call_t *c, BufferObject *self, int use_fp8, int use
     return call_alloc(c, outs, COUNT(outs));
 }
 
-static PyObject *buffer_ll_dispatch(BufferObject *self, PyObject *args, PyObject *kwargs)
+COLLECTIVE_METHOD(buffer_ll_dispatch, EPX_COLLECTIVE_LL_DISPATCH)
 {
     static char *kw[] = {"x",           "topk_idx",  "cumulative_recv_stats", "use_fp8",
                          "round_scale", "use_ue8m0", "return_recv_hook",      "stream",
@@ -295,7 +296,7 @@ static PyObject *buffer_ll_dispatch(BufferObject *self, PyObject *args, PyObject
     a.return_recv_hook = hook;
     if (ll_dispatch_alloc(&c, self, use_fp8, use_ue8m0, &o) != 0) return call_fail(&c);
     epx_result_t res;
-    WITHOUT_GIL(res = epx_ll_dispatch(self->buf, &a, &o));
+    COLLECTIVE_CALL(self, res = epx_ll_dispatch(self->buf, &a, &o));
     /* The handle takes its own reference to ctx.device, which keep holds: make it before keep goes. */
     if (res == EPX_SUCCESS) c.items[5] = py_llhandle_new(self, &o.handle, &c.ctx);
     if (call_end(&c, res) != 0) return NULL;
@@ -331,7 +332,7 @@ static PyObject *buffer_get_combine_buffer(BufferObject *self, PyObject *args, P
     return out;
 }
 
-static PyObject *buffer_ll_combine(BufferObject *self, PyObject *args, PyObject *kwargs)
+COLLECTIVE_METHOD(buffer_ll_combine, EPX_COLLECTIVE_LL_COMBINE)
 {
     static char *kw[] = {"y",         "topk_idx",         "topk_weights", "handle",
                          "zero_copy", "return_recv_hook", "stream",       NULL};
@@ -361,7 +362,7 @@ static PyObject *buffer_ll_combine(BufferObject *self, PyObject *args, PyObject 
     };
     if (call_alloc(&c, outs, COUNT(outs)) != 0) return call_fail(&c);
     epx_result_t res;
-    WITHOUT_GIL(res = epx_ll_combine(self->buf, &a, &o));
+    COLLECTIVE_CALL(self, res = epx_ll_combine(self->buf, &a, &o));
     if (call_end(&c, res) != 0) return NULL;
     if (hook) {
         c.items[1] = py_hook_new(self, &o.hook, c.items[0]);
@@ -393,7 +394,7 @@ static int64_t rm_dispatch_rows(BufferObject *self, int64_t bound, int permute, 
     return R * Tm * (K < L ? K : L) + L * (pad - 1);
 }
 
-static PyObject *buffer_rm_dispatch(BufferObject *self, PyObject *args, PyObject *kwargs)
+COLLECTIVE_METHOD(buffer_rm_dispatch, EPX_COLLECTIVE_RM_DISPATCH)
 {
     static char *kw[] = {"hidden",
                          "routing_map",
@@ -441,7 +442,7 @@ static PyObject *buffer_rm_dispatch(BufferObject *self, PyObject *args, PyObject
     };
     if (call_alloc(&c, outs, COUNT(outs)) != 0) return call_fail(&c);
     epx_result_t res;
-    WITHOUT_GIL(res = epx_rm_dispatch(self->buf, &a, &o));
+    COLLECTIVE_CALL(self, res = epx_rm_dispatch(self->buf, &a, &o));
     if (call_end(&c, res) != 0) return NULL;
     c.items[4] = (PyObject *)py_handle_new(self, o.handle, HANDLE_RM, permute, a.hidden.shape[0]);
     c.items[5] = PyLong_FromLongLong(o.num_tokens_host);
@@ -452,7 +453,7 @@ static PyObject *buffer_rm_dispatch(BufferObject *self, PyObject *args, PyObject
     return call_result(&c, py_rm_dispatch_type);
 }
 
-static PyObject *buffer_rm_combine(BufferObject *self, PyObject *args, PyObject *kwargs)
+COLLECTIVE_METHOD(buffer_rm_combine, EPX_COLLECTIVE_RM_COMBINE)
 {
     static char *kw[] = {"x", "handle", "weighted", "stream", NULL};
     PyObject *x_obj, *stream_obj = Py_None;
@@ -474,7 +475,7 @@ static PyObject *buffer_rm_combine(BufferObject *self, PyObject *args, PyObject 
     };
     if (call_alloc(&c, outs, COUNT(outs)) != 0) return call_fail(&c);
     epx_result_t res;
-    WITHOUT_GIL(res = epx_rm_combine(self->buf, &a, &o));
+    COLLECTIVE_CALL(self, res = epx_rm_combine(self->buf, &a, &o));
     if (call_end(&c, res) != 0) return NULL;
     return c.items[0];
 }
@@ -487,6 +488,16 @@ static PyObject *buffer_query_overflow(BufferObject *self, PyObject *unused)
     if (res == EPX_ERR_OVERFLOW) Py_RETURN_TRUE;
     if (res != EPX_SUCCESS) return py_raise_epx(res);
     Py_RETURN_FALSE;
+}
+
+/* _refuse(kind, exc): for layers above the binding that refuse a collective call themselves. */
+static PyObject *buffer_refuse(BufferObject *self, PyObject *args)
+{
+    int kind;
+    PyObject *exc;
+    if (!PyArg_ParseTuple(args, "iO", &kind, &exc)) return NULL;
+    if (py_refuse(self, kind, exc) != 0) return NULL;
+    Py_RETURN_NONE;
 }
 
 /* ------------------------------------------------------------------ C baseline ---- */
@@ -605,6 +616,9 @@ PyMethodDef py_buffer_methods[] = {
     {"query_overflow", (PyCFunction)buffer_query_overflow, METH_NOARGS,
      "query_overflow() -> bool\n--\n\nTrue (and the flag cleared) when a call with an upper bound dropped "
      "rows."},
+    {"_refuse", (PyCFunction)buffer_refuse, METH_VARARGS,
+     "_refuse(kind, exc)\n--\n\nInternal: refuses this rank's collective call of `kind` (COLLECTIVE_*)\n"
+     "for the exception `exc` that stopped it before it reached the library; the peers raise RemoteError."},
     {"destroy", (PyCFunction)py_buffer_destroy, METH_NOARGS,
      "destroy()\n--\n\nFrees the buffer now (handles must be gone). Not collective."},
     {NULL},

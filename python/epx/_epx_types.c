@@ -221,6 +221,7 @@ static PyObject *buffer_get(BufferObject *self, void *field)
     if (!strcmp(f, "num_local_experts")) return PyLong_FromLong(self->L);
     if (!strcmp(f, "num_ranks")) return PyLong_FromLong(self->R);
     if (!strcmp(f, "destroyed")) return PyBool_FromLong(self->buf == NULL);
+    if (!strcmp(f, "_collective_calls")) return PyLong_FromUnsignedLongLong(self->collective_calls);
     Py_RETURN_NONE;
 }
 
@@ -233,6 +234,8 @@ static PyGetSetDef buffer_getset[] = {
     {"num_local_experts", (getter)buffer_get, NULL, "L = E / R.", "num_local_experts"},
     {"num_ranks", (getter)buffer_get, NULL, "R.", "num_ranks"},
     {"destroyed", (getter)buffer_get, NULL, "Whether destroy() ran.", "destroyed"},
+    {"_collective_calls", (getter)buffer_get, NULL,
+     "Internal: collective calls this binding passed to the library (made or refused).", "_collective_calls"},
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {NULL},
 };

@@ -141,13 +141,23 @@ class Buffer:
 
     # ------------------------------------------------------------------ buffers
 
-    def _ht_buffer(self, T, H, K, E, device, config):
+    def _ht_agree(self, T):
+        """Collective: the largest T over the group. T None: this rank refuses its dispatch before any
+        buffer is chosen; every rank then raises (the others RemoteError), and no buffer sees a call."""
         torch = _torch()
         # The group's own device: gloo reduces CPU tensors, NCCL CUDA ones.
-        on_cuda = device.type == "cuda" and epx._group_on_cuda(self._dist, self.group)
-        t = torch.tensor([T], dtype=torch.int64, device=device if on_cuda else "cpu")
+        on_cuda = epx._group_on_cuda(self._dist, self.group)
+        device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else "cpu"
+        t = torch.tensor([T or 0, T is None], dtype=torch.int64, device=device)
         self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
-        need = max(int(t.item()), 1)
+        if T is not None and int(t[1].item()):
+            err = epx.RemoteError("rank %d: a peer rank refused its dispatch" % self.rank)
+            err.message = err.args[0]
+            raise err
+        return max(int(t[0].item()), 1)
+
+    def _ht_buffer(self, T, H, K, E, config):
+        need = self._ht_agree(T)
         if self._ht is not None:
             (h, k, e), buf = self._ht
             if (h, k, e) == (H, K, E) and buf.max_tokens >= need:
@@ -192,22 +202,33 @@ class Buffer:
                  expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
                  allocate_on_comm_stream=False):
         """x [T, H] bf16/fp32, or (x_fp8 [T, H], scales [T, H/128] fp32). Returns (recv_x (a tuple for
-        fp8), recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, EventOverlap)."""
-        _unsupported(num_tokens_per_rdma_rank=(num_tokens_per_rdma_rank, None))
-        _wait(previous_event)
-        x, scales = (x if isinstance(x, tuple) else (x, None))
+        fp8), recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, EventOverlap).
+        Whatever this rank refuses, the others raise RemoteError (epx.collective)."""
         if handle is not None:
-            buf = handle.buffer
-            out = buf.dispatch(x, x_scales=scales, handle=handle.epx)
-            recv_x = (out.recv_x, out.recv_x_scales) if scales is not None else out.recv_x
-            return recv_x, None, None, None, handle, _event(x, async_finish)
-        if topk_idx is None or num_tokens_per_expert is None:
-            raise ValueError("dispatch without a handle needs topk_idx and num_tokens_per_expert "
-                             "(from get_dispatch_layout)")
-        T, H = x.shape
-        buf = self._ht_buffer(T, H, topk_idx.shape[1], num_tokens_per_expert.numel(), x.device, config)
-        out = buf.dispatch(x, topk_idx, topk_weights, x_scales=scales, expert_alignment=expert_alignment,
-                           num_worst_tokens=num_worst_tokens)
+            with epx.collective(self._ht_of(handle), epx.HT_DISPATCH):
+                _unsupported(num_tokens_per_rdma_rank=(num_tokens_per_rdma_rank, None))
+                _wait(previous_event)
+                x, scales = (x if isinstance(x, tuple) else (x, None))
+                out = handle.buffer.dispatch(x, x_scales=scales, handle=handle.epx)
+                recv_x = (out.recv_x, out.recv_x_scales) if scales is not None else out.recv_x
+                return recv_x, None, None, None, handle, _event(x, async_finish)
+        # Without a handle the ranks first agree on the buffer: a refusal before that rides on the agreement.
+        try:
+            _unsupported(num_tokens_per_rdma_rank=(num_tokens_per_rdma_rank, None))
+            _wait(previous_event)
+            x, scales = (x if isinstance(x, tuple) else (x, None))
+            if topk_idx is None or num_tokens_per_expert is None:
+                raise ValueError("dispatch without a handle needs topk_idx and num_tokens_per_expert "
+                                 "(from get_dispatch_layout)")
+            T, H = x.shape
+            K, E = topk_idx.shape[1], num_tokens_per_expert.numel()
+        except BaseException:
+            self._ht_agree(None)
+            raise
+        buf = self._ht_buffer(T, H, K, E, config)
+        with epx.collective(buf, epx.HT_DISPATCH):
+            out = buf.dispatch(x, topk_idx, topk_weights, x_scales=scales, expert_alignment=expert_alignment,
+                               num_worst_tokens=num_worst_tokens)
         recv_x = (out.recv_x, out.recv_x_scales) if scales is not None else out.recv_x
         counts = out.num_recv_tokens_per_expert.tolist()
         handle = _HTHandle(buf, out.handle)
@@ -217,10 +238,20 @@ class Buffer:
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
         """x [N_r, H] bf16 -> (combined_x [T, H] bf16, combined_topk_weights or None, EventOverlap)."""
-        _wait(previous_event)
-        bias0, bias1 = (bias if isinstance(bias, tuple) else (bias, None))
-        out = handle.buffer.combine(x, handle.epx, topk_weights=topk_weights, bias0=bias0, bias1=bias1)
-        return out.combined_x, out.combined_topk_weights, _event(x, async_finish)
+        with epx.collective(self._ht_of(handle), epx.HT_COMBINE):
+            _wait(previous_event)
+            bias0, bias1 = (bias if isinstance(bias, tuple) else (bias, None))
+            out = handle.buffer.combine(x, handle.epx, topk_weights=topk_weights, bias0=bias0, bias1=bias1)
+            return out.combined_x, out.combined_topk_weights, _event(x, async_finish)
+
+    def _ht_of(self, handle):
+        """The HT buffer a call with `handle` goes to: the handle's, else the current one (None if none)."""
+        if isinstance(handle, _HTHandle):
+            return handle.buffer
+        return self._ht[1] if self._ht is not None else None
+
+    def _ll_current(self):
+        return self._ll[1] if self._ll is not None else None
 
     # ------------------------------------------------------------------ LL
 
@@ -235,12 +266,15 @@ class Buffer:
                              use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False,
                              return_recv_hook=False):
         """Returns (recv_x or (recv_x_fp8, scales [L, R*T_max, H/128] view), recv_count, handle,
-        EventOverlap, hook or None)."""
-        _unsupported(dispatch_wait_recv_cost_stats=(dispatch_wait_recv_cost_stats, None))
-        H = x.shape[1]
-        buf = self._ll_buffer(num_max_dispatch_tokens_per_rank, H, topk_idx.shape[1], num_experts)
-        out = buf.ll_dispatch(x, topk_idx, cumulative_local_expert_recv_stats, use_fp8=use_fp8,
-                              round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=return_recv_hook)
+        EventOverlap, hook or None). What this rank refuses is refused on the current LL buffer (the
+        others raise RemoteError when their call goes to it too)."""
+        with epx.collective(self._ll_current(), epx.LL_DISPATCH):
+            _unsupported(dispatch_wait_recv_cost_stats=(dispatch_wait_recv_cost_stats, None))
+            H = x.shape[1]
+            buf = self._ll_buffer(num_max_dispatch_tokens_per_rank, H, topk_idx.shape[1], num_experts)
+            out = buf.ll_dispatch(x, topk_idx, cumulative_local_expert_recv_stats, use_fp8=use_fp8,
+                                  round_scale=round_scale, use_ue8m0=use_ue8m0,
+                                  return_recv_hook=return_recv_hook)
         recv_x = (out.recv_x, out.recv_scales.transpose(1, 2)) if use_fp8 else out.recv_x
         handle = (out.src_info, out.layout_range, num_max_dispatch_tokens_per_rank, H, num_experts,
                   out.handle)
@@ -250,14 +284,17 @@ class Buffer:
                             async_finish=False, return_recv_hook=False, out=None,
                             combine_wait_recv_cost_stats=None):
         """x [L, R*T_max, H] bf16 -> (combined_x [T, H] bf16, EventOverlap, hook or None)."""
-        _unsupported(use_logfmt=(use_logfmt, False),
-                     combine_wait_recv_cost_stats=(combine_wait_recv_cost_stats, None))
-        if out is not None and return_recv_hook:
-            raise NotImplementedError(
-                "epx.compat.deep_ep does not support: out together with return_recv_hook")
-        buf = self._ll[1]
-        res = buf.ll_combine(None if zero_copy else x, topk_idx, topk_weights, handle[-1],
-                             zero_copy=zero_copy, return_recv_hook=return_recv_hook)
+        buf = self._ll_current()
+        with epx.collective(buf, epx.LL_COMBINE):
+            _unsupported(use_logfmt=(use_logfmt, False),
+                         combine_wait_recv_cost_stats=(combine_wait_recv_cost_stats, None))
+            if out is not None and return_recv_hook:
+                raise NotImplementedError(
+                    "epx.compat.deep_ep does not support: out together with return_recv_hook")
+            if buf is None:
+                raise RuntimeError("low_latency_combine before any low_latency_dispatch")
+            res = buf.ll_combine(None if zero_copy else x, topk_idx, topk_weights, handle[-1],
+                                 zero_copy=zero_copy, return_recv_hook=return_recv_hook)
         combined = res.combined_x
         if out is not None:
             out.copy_(combined)

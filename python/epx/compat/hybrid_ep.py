@@ -68,37 +68,42 @@ class HybridEPBuffer:
                  handle=None, async_mode=False):
         """hidden [T, H] -> (dispatched_token [N_r, H], dispatched_probs [N_r, L] or None,
         dispatched_scaling_factor or None, handle)."""
-        _unsupported(handle=(handle, None), async_mode=(async_mode, False),
-                     num_dispatched_tokens_tensor=(num_dispatched_tokens_tensor, None))
-        routing_map, probs = self._routing(routing_map, probs, topk_idx, topk_weights, num_of_experts)
-        out = self.buffer.rm_dispatch(hidden, routing_map, probs, scaling_factor,
-                                      num_dispatched_tokens=num_dispatched_tokens)
+        with epx.collective(self.buffer, epx.RM_DISPATCH):
+            _unsupported(handle=(handle, None), async_mode=(async_mode, False),
+                         num_dispatched_tokens_tensor=(num_dispatched_tokens_tensor, None))
+            routing_map, probs = self._routing(routing_map, probs, topk_idx, topk_weights, num_of_experts)
+            out = self.buffer.rm_dispatch(hidden, routing_map, probs, scaling_factor,
+                                          num_dispatched_tokens=num_dispatched_tokens)
         return out.tokens, out.probs, out.scaling_factor, out.handle
 
     def combine(self, hidden, probs=None, handle=None):
         """hidden [N_r, H] bf16 -> (combined_token [T, H] bf16, None): an unweighted sum over ranks."""
-        _unsupported(probs=(probs, None))
-        return self.buffer.rm_combine(hidden, handle), None
+        with epx.collective(self.buffer, epx.RM_COMBINE):
+            _unsupported(probs=(probs, None))
+            return self.buffer.rm_combine(hidden, handle), None
 
     def dispatch_with_permute(self, hidden, routing_map=None, probs=None, scaling_factor=None, topk_idx=None,
                               topk_weights=None, num_of_experts_per_rank=None, pad_multiple=None, handle=None,
                               num_permuted_tokens=None, non_blocking=False, num_of_experts=None):
         """hidden [T, H] -> (dispatched_token [P, H], dispatched_probs [P] or None, dispatched_scaling_factor
         or None, tokens_per_expert [L] int32 (padded), handle). non_blocking needs num_permuted_tokens."""
-        _unsupported(handle=(handle, None))
-        if num_of_experts_per_rank not in (None, self.num_local_experts):
-            raise ValueError("num_of_experts_per_rank = %d, the buffer has %d" % (num_of_experts_per_rank,
-                                                                                 self.num_local_experts))
-        if non_blocking and num_permuted_tokens is None:
-            raise ValueError("non_blocking=True needs num_permuted_tokens (an upper bound on the rows)")
-        routing_map, probs = self._routing(routing_map, probs, topk_idx, topk_weights, num_of_experts)
-        out = self.buffer.rm_dispatch(hidden, routing_map, probs, scaling_factor, permute=True,
-                                      pad_multiple=pad_multiple or 1, num_permuted_tokens=num_permuted_tokens)
+        with epx.collective(self.buffer, epx.RM_DISPATCH):
+            _unsupported(handle=(handle, None))
+            if num_of_experts_per_rank not in (None, self.num_local_experts):
+                raise ValueError("num_of_experts_per_rank = %d, the buffer has %d" % (
+                    num_of_experts_per_rank, self.num_local_experts))
+            if non_blocking and num_permuted_tokens is None:
+                raise ValueError("non_blocking=True needs num_permuted_tokens (an upper bound on the rows)")
+            routing_map, probs = self._routing(routing_map, probs, topk_idx, topk_weights, num_of_experts)
+            out = self.buffer.rm_dispatch(hidden, routing_map, probs, scaling_factor, permute=True,
+                                          pad_multiple=pad_multiple or 1,
+                                          num_permuted_tokens=num_permuted_tokens)
         return out.tokens, out.probs, out.scaling_factor, out.tokens_per_expert, out.handle
 
     def combine_with_unpermute(self, hidden, probs=None, handle=None, pad_multiple=None, weighted=False):
         """hidden [P, H] bf16 in the permuted layout -> (combined_token [T, H] bf16, None). weighted=True
         weights each row by the prob it was dispatched with (other probs cannot be passed). pad_multiple
         is the dispatch's, which the handle already holds."""
-        _unsupported(probs=(probs, None))
-        return self.buffer.rm_combine(hidden, handle, weighted=weighted), None
+        with epx.collective(self.buffer, epx.RM_COMBINE):
+            _unsupported(probs=(probs, None))
+            return self.buffer.rm_combine(hidden, handle, weighted=weighted), None
