@@ -77,7 +77,8 @@ typedef struct fault_rec {
     int32_t err_res;           /* epx_result_t of the failed call */
     int32_t bad_data;          /* successful calls whose outputs were wrong */
     int32_t fds_before, fds_after; /* open descriptors at start and after teardown (-1: not reached) */
-    double t_err;              /* CLOCK_MONOTONIC seconds of the failed call's return */
+    double t_entered;          /* CLOCK_MONOTONIC seconds when the last call began */
+    double t_err;              /* ... when the failed call returned */
     double t_init;             /* FAULT_MODE_BOOT: seconds the init took */
     char err_what[48];         /* the failed call */
     char err_msg[200];         /* its message, or the first wrong output */

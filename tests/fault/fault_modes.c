@@ -205,6 +205,7 @@ static epx_tensor_t tensor(const rank_state_t *st, const mem_t *m, epx_dtype_t d
 
 static int call_begin(rank_state_t *st)
 {
+    st->rec->t_entered = fault_now();
     st->rec->entered = st->seq;
     return st->seq++;
 }
