@@ -55,33 +55,33 @@ typedef struct fault_plan {
     fault_mode_t mode;
     fault_kill_t kill;
     int victim;
-    int shm_step;     /* FAULT_KILL_SHM_POINT: 1..3 */
-    int delay_us;     /* FAULT_KILL_INIT/CREATE/LOOP: after the phase began */
-    uint64_t seed;    /* inputs and routing */
+    int shm_step;  /* FAULT_KILL_SHM_POINT: 1..3 */
+    int delay_us;  /* FAULT_KILL_INIT/CREATE/LOOP: after the phase began */
+    uint64_t seed; /* inputs and routing */
     epx_backend_t backend;
-    int ngpu;         /* cuda: GPUs shared round-robin */
-    int timeout_ms;   /* the communicators' EPX_TIMEOUT_MS */
-    int boot_procs;                 /* FAULT_MODE_BOOT: processes (R, or R + 1 with a duplicate) */
-    int boot_rank[FAULT_MAX_RANKS + 1]; /* FAULT_MODE_BOOT: the rank each process claims */
+    int ngpu;                               /* cuda: GPUs shared round-robin */
+    int timeout_ms;                         /* the communicators' EPX_TIMEOUT_MS */
+    int boot_procs;                         /* FAULT_MODE_BOOT: processes (R, or R + 1 with a duplicate) */
+    int boot_rank[FAULT_MAX_RANKS + 1];     /* FAULT_MODE_BOOT: the rank each process claims */
     int boot_delay_ms[FAULT_MAX_RANKS + 1]; /* FAULT_MODE_BOOT: before the init */
 } fault_plan_t;
 
 /* One rank's account of its run; calls are numbered in order (init 0, create 1, then the loop's). */
 typedef struct fault_rec {
-    volatile int32_t phase;    /* fault_phase_t */
-    volatile int32_t entered;  /* the call it is in or last entered */
-    int32_t last_recv_needs;   /* of the last successful call that received data: the number of the call in
-                                  which the peers sent it (-1: none) */
+    volatile int32_t phase;   /* fault_phase_t */
+    volatile int32_t entered; /* the call it is in or last entered */
+    int32_t last_recv_needs;  /* of the last successful call that received data: the number of the call in
+                                 which the peers sent it (-1: none) */
     int32_t ok_calls;
-    int32_t err_call;          /* -1: no call failed */
-    int32_t err_res;           /* epx_result_t of the failed call */
-    int32_t bad_data;          /* successful calls whose outputs were wrong */
+    int32_t err_call;              /* -1: no call failed */
+    int32_t err_res;               /* epx_result_t of the failed call */
+    int32_t bad_data;              /* successful calls whose outputs were wrong */
     int32_t fds_before, fds_after; /* open descriptors at start and after teardown (-1: not reached) */
-    double t_entered;          /* CLOCK_MONOTONIC seconds when the last call began */
-    double t_err;              /* ... when the failed call returned */
-    double t_init;             /* FAULT_MODE_BOOT: seconds the init took */
-    char err_what[48];         /* the failed call */
-    char err_msg[200];         /* its message, or the first wrong output */
+    double t_entered;              /* CLOCK_MONOTONIC seconds when the last call began */
+    double t_err;                  /* ... when the failed call returned */
+    double t_init;                 /* FAULT_MODE_BOOT: seconds the init took */
+    char err_what[48];             /* the failed call */
+    char err_msg[200];             /* its message, or the first wrong output */
 } fault_rec_t;
 
 /* The body of rank `rank` (fault_modes.c): init, create, loop until a call fails, teardown. Returns
@@ -98,13 +98,13 @@ double fault_now(void);
 
 /* The bootstrap attacks (fault_boot.c). */
 typedef enum fault_attack {
-    FAULT_ATTACK_IDLE = 0,   /* a few connections that never say anything */
-    FAULT_ATTACK_PARTIAL,    /* half a hello */
-    FAULT_ATTACK_OVERSIZED,  /* a hello with 1000 bytes more */
-    FAULT_ATTACK_SECRET,     /* a hello with a wrong secret */
-    FAULT_ATTACK_DUPLICATE,  /* a second process claims rank 1 before the real one: the job fails fast */
+    FAULT_ATTACK_IDLE = 0,       /* a few connections that never say anything */
+    FAULT_ATTACK_PARTIAL,        /* half a hello */
+    FAULT_ATTACK_OVERSIZED,      /* a hello with 1000 bytes more */
+    FAULT_ATTACK_SECRET,         /* a hello with a wrong secret */
+    FAULT_ATTACK_DUPLICATE,      /* a second process claims rank 1 before the real one: the job fails fast */
     FAULT_ATTACK_LATE_DUPLICATE, /* ... after the job formed: the job succeeds, the latecomer fails */
-    FAULT_ATTACK_MANY,       /* more idle connections than rank 0 holds at once */
+    FAULT_ATTACK_MANY,           /* more idle connections than rank 0 holds at once */
     FAULT_ATTACK_COUNT
 } fault_attack_t;
 const char *fault_attack_name(fault_attack_t attack);
@@ -118,15 +118,15 @@ typedef struct fault_run {
     int point_missed;            /* FAULT_KILL_SHM_POINT: the victim got past creation alive */
 } fault_run_t;
 
-/* Forks plan->R ranks (plan->boot_procs processes for FAULT_MODE_BOOT) on a fresh unique id (or *id when non-NULL), kills the victim as planned and waits
- * for every rank under a watchdog. recs: plan->R shared records. Returns 0, or -1 when the run could not
- * start. */
+/* Forks plan->R ranks (plan->boot_procs processes for FAULT_MODE_BOOT) on a fresh unique id (or *id when
+ * non-NULL), kills the victim as planned and waits for every rank under a watchdog. recs: plan->R shared
+ * records. Returns 0, or -1 when the run could not start. */
 int fault_run_ranks(const fault_plan_t *plan, const epx_unique_id_t *id, fault_rec_t *recs, fault_run_t *run);
 
 /* One bootstrap attack trial of a job of R ranks: 0 when the job ended as expected and every attacker was
  * refused within its bound; describes what went wrong in why[why_len] otherwise. *hung: the job had to be
  * killed. */
-int fault_boot_trial(fault_attack_t attack, int R, int timeout_ms, fault_rec_t *recs, char *why, size_t why_len,
-                     int *hung);
+int fault_boot_trial(fault_attack_t attack, int R, int timeout_ms, fault_rec_t *recs, char *why,
+                     size_t why_len, int *hung);
 
 #endif

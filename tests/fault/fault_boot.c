@@ -19,12 +19,12 @@
 
 #define MAX_ATTACKERS (EPX_BOOT_PENDING_MAX + 40)
 /* A job's init under attack ends within this (rank start-up on a loaded 2-core machine included). */
-#define JOB_BOUND_S 2.0
+#define JOB_BOUND_S        2.0
 #define DUPLICATE_DELAY_MS 300
 
-static const char *attack_names[FAULT_ATTACK_COUNT] = {"idle",         "partial hello", "oversized hello",
-                                                       "wrong secret", "duplicate rank", "late duplicate",
-                                                       "many connections"};
+static const char *attack_names[FAULT_ATTACK_COUNT] = {
+    "idle",           "partial hello",  "oversized hello", "wrong secret",
+    "duplicate rank", "late duplicate", "many connections"};
 
 const char *fault_attack_name(fault_attack_t attack)
 {
@@ -96,8 +96,8 @@ static int dropped_within(int fd, double limit_s)
     }
 }
 
-int fault_boot_trial(fault_attack_t attack, int R, int timeout_ms, fault_rec_t *recs, char *why, size_t why_len,
-                     int *hung)
+int fault_boot_trial(fault_attack_t attack, int R, int timeout_ms, fault_rec_t *recs, char *why,
+                     size_t why_len, int *hung)
 {
     static int fds[MAX_ATTACKERS];
     *hung = 0;
@@ -123,10 +123,10 @@ int fault_boot_trial(fault_attack_t attack, int R, int timeout_ms, fault_rec_t *
         snprintf(why, why_len, "epx_get_unique_id: %s", epx_last_error_message());
         return 1;
     }
-    const int nattack = attack == FAULT_ATTACK_MANY ? MAX_ATTACKERS
+    const int nattack = attack == FAULT_ATTACK_MANY   ? MAX_ATTACKERS
                         : attack == FAULT_ATTACK_IDLE ? 4
-                        : duplicate                        ? 0
-                                                           : 1;
+                        : duplicate                   ? 0
+                                                      : 1;
     int rc = 0;
     const double t_attack = fault_now();
     for (int i = 0; i < nattack; i++) {
@@ -160,8 +160,8 @@ int fault_boot_trial(fault_attack_t attack, int R, int timeout_ms, fault_rec_t *
             snprintf(why, why_len, "process %d (rank %d) ended with status 0x%x after init %s: %s", p,
                      plan.boot_rank[p], run.status[p], got, rec->err_msg);
         } else if (must_fail ? rec->err_res != (int)want || rec->err_call != 0 : rec->err_call >= 0) {
-            snprintf(why, why_len, "process %d (rank %d): %s returned %s, expected %s: %s", p, plan.boot_rank[p],
-                     rec->err_call >= 0 ? rec->err_what : "epx_comm_init", got,
+            snprintf(why, why_len, "process %d (rank %d): %s returned %s, expected %s: %s", p,
+                     plan.boot_rank[p], rec->err_call >= 0 ? rec->err_what : "epx_comm_init", got,
                      must_fail ? epx_result_name(want) : "SUCCESS", rec->err_msg);
         } else if (rec->t_init > bound) {
             snprintf(why, why_len, "process %d: init took %.3f s, bound %.1f s", p, rec->t_init, bound);
@@ -173,12 +173,12 @@ int fault_boot_trial(fault_attack_t attack, int R, int timeout_ms, fault_rec_t *
     /* Every attacker is dropped without a byte: at once once the job is over; a partial hello after
      * EPX_BOOT_HELLO_MS from its connection at the latest. */
     for (int i = 0; i < nattack; i++) {
-        const double limit = attack == FAULT_ATTACK_PARTIAL
-                                 ? t_attack + EPX_BOOT_HELLO_MS * 1e-3 + 0.5 - fault_now()
-                                 : 1.0;
+        const double limit =
+            attack == FAULT_ATTACK_PARTIAL ? t_attack + EPX_BOOT_HELLO_MS * 1e-3 + 0.5 - fault_now() : 1.0;
         const int d = dropped_within(fds[i], limit > 0.05 ? limit : 0.05);
         if (d && !rc) {
-            snprintf(why, why_len, "attacker %d %s", i, d == 2 ? "received a byte" : "was not dropped in time");
+            snprintf(why, why_len, "attacker %d %s", i,
+                     d == 2 ? "received a byte" : "was not dropped in time");
             rc = 1;
         }
         close(fds[i]);

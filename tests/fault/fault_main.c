@@ -7,8 +7,8 @@
  */
 #include <dirent.h>
 #include <errno.h>
-#include <stdarg.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,7 +25,8 @@
 /* After the death, teardown gets this long on top of the timeout before the watchdog calls a hang. */
 #define HANG_GRACE_S 2.0
 /* Errors a survivor may report for a dead peer. */
-#define EXPECTED_ERROR(res) ((res) == EPX_ERR_REMOTE || (res) == EPX_ERR_TIMEOUT || (res) == EPX_ERR_BOOTSTRAP)
+#define EXPECTED_ERROR(res) \
+    ((res) == EPX_ERR_REMOTE || (res) == EPX_ERR_TIMEOUT || (res) == EPX_ERR_BOOTSTRAP)
 
 typedef struct opts {
     int trials, max_ranks, timeout_ms, slack_ms, only, verbose;
@@ -33,13 +34,14 @@ typedef struct opts {
     epx_backend_t backend;
 } opts_t;
 
-static const char *mode_names[FAULT_MODE_COUNT] = {"ht",         "ht-static", "ll",  "ll-hook",
-                                                   "rm",         "rm-permute", "boot"};
+static const char *mode_names[FAULT_MODE_COUNT] = {"ht", "ht-static",  "ll",  "ll-hook",
+                                                   "rm", "rm-permute", "boot"};
 static const char *kill_names[FAULT_KILL_COUNT] = {"attack", "init", "create", "shm point", "loop"};
 
 /* ------------------------------------------------------------------------ runner ---- */
 
-int fault_run_ranks(const fault_plan_t *plan, const epx_unique_id_t *id_in, fault_rec_t *recs, fault_run_t *run)
+int fault_run_ranks(const fault_plan_t *plan, const epx_unique_id_t *id_in, fault_rec_t *recs,
+                    fault_run_t *run)
 {
     const int n = plan->mode == FAULT_MODE_BOOT ? plan->boot_procs : plan->R;
     memset(recs, 0, sizeof(*recs) * (size_t)n);
@@ -160,12 +162,13 @@ static void add(tally_t *t, const outcome_t *o)
 static int result_counts[EPX_ERR_INVALID_USAGE + 1];
 
 /* How every survivor of a kill trial ended. */
-static void classify(const opts_t *op, const fault_plan_t *plan, const fault_rec_t *recs, const fault_run_t *run,
-                     outcome_t *o)
+static void classify(const opts_t *op, const fault_plan_t *plan, const fault_rec_t *recs,
+                     const fault_run_t *run, outcome_t *o)
 {
     const int v = plan->victim;
     const fault_rec_t *vr = &recs[v];
-    if (run->point_missed) flag(o, P_UNEXPECTED, "victim passed EPX_TEST_FAULT_SHM step %d alive", plan->shm_step);
+    if (run->point_missed)
+        flag(o, P_UNEXPECTED, "victim passed EPX_TEST_FAULT_SHM step %d alive", plan->shm_step);
     if (!run->victim_killed && !run->hung[v])
         flag(o, P_UNEXPECTED, "victim ended with status 0x%x before the kill (%s: %s)", run->status[v],
              vr->err_what, vr->err_msg);
@@ -180,12 +183,15 @@ static void classify(const opts_t *op, const fault_plan_t *plan, const fault_rec
         }
         if (rr->bad_data) flag(o, P_WRONG, "rank %d: wrong output: %s", r, rr->err_msg);
         if (rr->last_recv_needs > vr->entered)
-            flag(o, P_WRONG, "rank %d: call %d succeeded, needing data of call %d the victim never entered (it died in %d)",
+            flag(o, P_WRONG,
+                 "rank %d: call %d succeeded, needing data of call %d the victim never entered (it died in "
+                 "%d)",
                  r, rr->entered, rr->last_recv_needs, vr->entered);
         const int status = run->status[r];
         if (rr->err_call < 0) {
             if (!rr->bad_data)
-                flag(o, P_UNEXPECTED, "rank %d ended without an error (status 0x%x, phase %d)", r, status, rr->phase);
+                flag(o, P_UNEXPECTED, "rank %d ended without an error (status 0x%x, phase %d)", r, status,
+                     rr->phase);
             continue;
         }
         if (rr->err_res >= 0 && rr->err_res <= EPX_ERR_INVALID_USAGE) result_counts[rr->err_res]++;
@@ -205,8 +211,8 @@ static void classify(const opts_t *op, const fault_plan_t *plan, const fault_rec
         if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
             flag(o, P_UNEXPECTED, "rank %d ended with status 0x%x after %s", r, status, rr->err_what);
         if (rr->fds_before >= 0 && rr->fds_after > rr->fds_before)
-            flag(o, P_LEFTOVER, "rank %d: %d descriptors open after teardown, %d before init", r, rr->fds_after,
-                 rr->fds_before);
+            flag(o, P_LEFTOVER, "rank %d: %d descriptors open after teardown, %d before init", r,
+                 rr->fds_after, rr->fds_before);
     }
 }
 
@@ -241,8 +247,10 @@ static fault_plan_t make_plan(const opts_t *op, int trial)
     p.mode = (fault_mode_t)(epx_test_rand(&st) % FAULT_MODE_BOOT);
     p.victim = (int)(epx_test_rand(&st) % (uint64_t)p.R);
     const int where = (int)(epx_test_rand(&st) % 20);
-    p.kill = where < 3 ? FAULT_KILL_INIT : where < 6 ? FAULT_KILL_CREATE : where < 10 ? FAULT_KILL_SHM_POINT
-                                                                                     : FAULT_KILL_LOOP;
+    p.kill = where < 3    ? FAULT_KILL_INIT
+             : where < 6  ? FAULT_KILL_CREATE
+             : where < 10 ? FAULT_KILL_SHM_POINT
+                          : FAULT_KILL_LOOP;
     p.shm_step = 1 + (int)(epx_test_rand(&st) % 3);
     /* Up to about the length of the phase on a loaded 2-core machine; GPU phases take longer. */
     const int scale = op->backend == EPX_BACKEND_CUDA ? 10 : 1;
@@ -257,9 +265,10 @@ static fault_plan_t make_plan(const opts_t *op, int trial)
 
 static int usage(void)
 {
-    fprintf(stderr, "usage: fault_kill [--trials N] [--seed S] [--backend host|cuda] [--max-ranks R]\n"
-                    "                  [--timeout-ms MS] [--slack-ms MS] [--only TRIAL] [--verbose]\n"
-                    "environment: EPX_FAULT_TRIALS, EPX_FAULT_SEED, EPX_FAULT_BACKEND, EPX_FAULT_MAX_RANKS\n");
+    fprintf(stderr,
+            "usage: fault_kill [--trials N] [--seed S] [--backend host|cuda] [--max-ranks R]\n"
+            "                  [--timeout-ms MS] [--slack-ms MS] [--only TRIAL] [--verbose]\n"
+            "environment: EPX_FAULT_TRIALS, EPX_FAULT_SEED, EPX_FAULT_BACKEND, EPX_FAULT_MAX_RANKS\n");
     return 2;
 }
 
@@ -282,19 +291,27 @@ static int parse(int argc, char **argv, opts_t *op)
         }
         if (!val) return usage();
         i++;
-        if (strcmp(a, "--trials") == 0) op->trials = atoi(val);
-        else if (strcmp(a, "--seed") == 0) op->seed = strtoull(val, NULL, 0);
-        else if (strcmp(a, "--max-ranks") == 0) op->max_ranks = atoi(val);
-        else if (strcmp(a, "--timeout-ms") == 0) op->timeout_ms = atoi(val);
-        else if (strcmp(a, "--slack-ms") == 0) op->slack_ms = atoi(val);
-        else if (strcmp(a, "--only") == 0) op->only = atoi(val);
+        if (strcmp(a, "--trials") == 0)
+            op->trials = atoi(val);
+        else if (strcmp(a, "--seed") == 0)
+            op->seed = strtoull(val, NULL, 0);
+        else if (strcmp(a, "--max-ranks") == 0)
+            op->max_ranks = atoi(val);
+        else if (strcmp(a, "--timeout-ms") == 0)
+            op->timeout_ms = atoi(val);
+        else if (strcmp(a, "--slack-ms") == 0)
+            op->slack_ms = atoi(val);
+        else if (strcmp(a, "--only") == 0)
+            op->only = atoi(val);
         else if (strcmp(a, "--backend") == 0 && (strcmp(val, "host") == 0 || strcmp(val, "cuda") == 0))
             op->backend = strcmp(val, "cuda") == 0 ? EPX_BACKEND_CUDA : EPX_BACKEND_HOST;
-        else return usage();
+        else
+            return usage();
     }
     if (op->trials < 1 || op->max_ranks < 2 || op->max_ranks > FAULT_MAX_RANKS || op->timeout_ms < 100 ||
         op->slack_ms < 0) {
-        fprintf(stderr, "fault: trials >= 1, max ranks 2..%d, timeout >= 100 ms, slack >= 0\n", FAULT_MAX_RANKS);
+        fprintf(stderr, "fault: trials >= 1, max ranks 2..%d, timeout >= 100 ms, slack >= 0\n",
+                FAULT_MAX_RANKS);
         return 2;
     }
     return 0;
@@ -317,17 +334,19 @@ int main(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
     char timeout[16];
     snprintf(timeout, sizeof(timeout), "%d", op.timeout_ms);
-    if (epx_test_set_env("EPX_TIMEOUT_MS", timeout) || epx_test_set_env("EPX_DEBUG", op.verbose ? "warn" : "none"))
+    if (epx_test_set_env("EPX_TIMEOUT_MS", timeout) ||
+        epx_test_set_env("EPX_DEBUG", op.verbose ? "warn" : "none"))
         return 1;
     const int cuda = op.backend == EPX_BACKEND_CUDA;
     if (cuda && epx_harness_gpu_count() < 1) {
         printf("fault: no GPU, skipped\n");
         return EPX_TEST_SKIP;
     }
-    printf("fault: %d trials, seed %llu (--seed or EPX_FAULT_SEED to replay, --only TRIAL for one), backend %s, "
-           "2..%d ranks, EPX_TIMEOUT_MS %d, bound %d ms after the death\n",
-           op.trials, (unsigned long long)op.seed, cuda ? "cuda" : "host", op.max_ranks, op.timeout_ms,
-           op.timeout_ms + op.slack_ms);
+    printf(
+        "fault: %d trials, seed %llu (--seed or EPX_FAULT_SEED to replay, --only TRIAL for one), backend %s, "
+        "2..%d ranks, EPX_TIMEOUT_MS %d, bound %d ms after the death\n",
+        op.trials, (unsigned long long)op.seed, cuda ? "cuda" : "host", op.max_ranks, op.timeout_ms,
+        op.timeout_ms + op.slack_ms);
     fault_rec_t *recs = mmap(NULL, sizeof(fault_rec_t) * (FAULT_MAX_RANKS + 1), PROT_READ | PROT_WRITE,
                              MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (recs == MAP_FAILED) return 1;
@@ -365,12 +384,16 @@ int main(int argc, char **argv)
                      recs[plan.victim].entered, recs[plan.victim].phase);
         }
         if (fault_count_fds(1) != fds_before)
-            flag(&o, P_LEFTOVER, "the driver holds %d descriptors, %d before", fault_count_fds(1), fds_before);
-        if (shm_entries() != shm_before) flag(&o, P_LEFTOVER, "/dev/shm epx entries %d -> %d", shm_before, shm_entries());
+            flag(&o, P_LEFTOVER, "the driver holds %d descriptors, %d before", fault_count_fds(1),
+                 fds_before);
+        if (shm_entries() != shm_before)
+            flag(&o, P_LEFTOVER, "/dev/shm epx entries %d -> %d", shm_before, shm_entries());
         if (children_left()) flag(&o, P_LEFTOVER, "a child process is left");
         add(&total, &o);
         add(&by_mode[plan.mode], &o);
-        add(&by_kill[plan.kill == FAULT_KILL_SHM_POINT ? FAULT_KILL_COUNT + plan.shm_step - 1 : (int)plan.kill], &o);
+        add(&by_kill[plan.kill == FAULT_KILL_SHM_POINT ? FAULT_KILL_COUNT + plan.shm_step - 1
+                                                       : (int)plan.kill],
+            &o);
         int any = 0;
         for (int p = 0; p < P_COUNT; p++) any |= o.problem[p];
         if (any || op.verbose)
@@ -380,16 +403,18 @@ int main(int argc, char **argv)
     const double took = fault_now() - t0;
     outcome_t o;
     memset(&o, 0, sizeof(o));
-    if (fault_count_fds(1) != fds_start) flag(&o, P_LEFTOVER, "driver descriptors %d -> %d", fds_start, fault_count_fds(1));
-    if (shm_entries() != shm_start) flag(&o, P_LEFTOVER, "/dev/shm epx entries %d -> %d", shm_start, shm_entries());
+    if (fault_count_fds(1) != fds_start)
+        flag(&o, P_LEFTOVER, "driver descriptors %d -> %d", fds_start, fault_count_fds(1));
+    if (shm_entries() != shm_start)
+        flag(&o, P_LEFTOVER, "/dev/shm epx entries %d -> %d", shm_start, shm_entries());
     if (children_left()) flag(&o, P_LEFTOVER, "child processes are left");
     if (o.problem[P_LEFTOVER]) {
         printf("after all trials: %s\n", o.why);
         total.problems[P_LEFTOVER]++;
     }
 
-    printf("\n%-22s %7s %9s %7s %6s %6s %11s %10s %10s\n", "class", "trials", "expected", "wrong", "hangs", "late",
-           "unexpected", "leftovers", "worst ms");
+    printf("\n%-22s %7s %9s %7s %6s %6s %11s %10s %10s\n", "class", "trials", "expected", "wrong", "hangs",
+           "late", "unexpected", "leftovers", "worst ms");
     for (int m = 0; m < FAULT_MODE_COUNT; m++) {
         char name[32];
         snprintf(name, sizeof(name), "mode %s", mode_names[m]);

@@ -8,13 +8,13 @@
  */
 #include <dirent.h>
 #include <errno.h>
-#include <sys/socket.h>
-#include <unistd.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "core/internal.h"
 #include "fault.h"
@@ -290,8 +290,9 @@ static int check_rows(rank_state_t *st, const char *what, const uint16_t *recv, 
 {
     static int src[FAULT_MAX_RANKS * TM], tok[FAULT_MAX_RANKS * TM];
     const int64_t n = expected_rows(st, rtag, e, src, tok);
-    if (rows < n) return bad(st, "%s: %lld rows, expected %lld (expert %lld)", what, (long long)rows, (long long)n,
-                             (long long)e);
+    if (rows < n)
+        return bad(st, "%s: %lld rows, expected %lld (expert %lld)", what, (long long)rows, (long long)n,
+                   (long long)e);
     for (int64_t i = 0; i < rows; i++)
         if (!row_is(st, recv, first + i, i < n ? src[i] : -1, i < n ? tok[i] : 0, xtag))
             return bad(st, "%s: row %lld (expert %lld) is not token %d of rank %d from call tag %llu", what,
@@ -309,8 +310,8 @@ static int check_combined(rank_state_t *st, const char *what, uint64_t rtag, uin
         const float f = factor(st, st->rank, t, rtag, per_expert);
         for (int c = 0; c < H; c++)
             if (out[t * H + c] != ref_f32_to_bf16(xval(st, st->rank, t, xtag, c) * f))
-                return bad(st, "%s: token %d channel %d is 0x%04x, expected 0x%04x", what, t, c, out[t * H + c],
-                           ref_f32_to_bf16(xval(st, st->rank, t, xtag, c) * f));
+                return bad(st, "%s: token %d channel %d is 0x%04x, expected 0x%04x", what, t, c,
+                           out[t * H + c], ref_f32_to_bf16(xval(st, st->rank, t, xtag, c) * f));
     }
     return 0;
 }
@@ -346,7 +347,8 @@ static void make_y(rank_state_t *st, int64_t rows)
     const uint16_t *recv = st->recv.h;
     uint16_t *y = st->y.h;
     memset(y, 0, st->y.bytes);
-    for (int64_t i = 0; i < rows * H; i++) y[i] = ref_f32_to_bf16(ref_bf16_to_f32(recv[i]) * (float)(st->rank + 1));
+    for (int64_t i = 0; i < rows * H; i++)
+        y[i] = ref_f32_to_bf16(ref_bf16_to_f32(recv[i]) * (float)(st->rank + 1));
     mem_up(st, &st->y);
 }
 
@@ -366,12 +368,13 @@ static int ht_round(rank_state_t *st, uint64_t rtag, uint64_t xtag, int cached, 
     a.cached_handle = cached ? st->handle : NULL;
     epx_ht_dispatch_outputs_t o = EPX_HT_DISPATCH_OUTPUTS_INIT;
     o.recv_x = tensor(st, &st->recv, EPX_DTYPE_BF16, 2, cap, H, 0);
-    RUN(st, NEEDS_SELF, cached ? "epx_ht_dispatch (cached)" : "epx_ht_dispatch", epx_ht_dispatch(st->buf, &a, &o),
-        k);
+    RUN(st, NEEDS_SELF, cached ? "epx_ht_dispatch (cached)" : "epx_ht_dispatch",
+        epx_ht_dispatch(st->buf, &a, &o), k);
     if (!cached) st->handle = o.handle;
     const int64_t n = expected_rows(st, rtag, -1, NULL, NULL);
     if (!is_static && !cached && o.num_recv_tokens_host != n)
-        return bad(st, "ht dispatch: N_r %lld, expected %lld", (long long)o.num_recv_tokens_host, (long long)n);
+        return bad(st, "ht dispatch: N_r %lld, expected %lld", (long long)o.num_recv_tokens_host,
+                   (long long)n);
     mem_down(st, &st->recv);
     int rc = check_rows(st, "ht dispatch", st->recv.h, 0, n, rtag, xtag, -1);
     if (rc) return rc;
@@ -426,7 +429,8 @@ static int ll_loop(rank_state_t *st, int hooks)
             const int64_t e = (int64_t)st->rank * L + j;
             static int tok[FAULT_MAX_RANKS * TM];
             const int64_t n = expected_rows(st, it, e, NULL, tok);
-            if (count[j] != n) return bad(st, "ll dispatch: count[%d] %d, expected %lld", j, count[j], (long long)n);
+            if (count[j] != n)
+                return bad(st, "ll dispatch: count[%d] %d, expected %lld", j, count[j], (long long)n);
             for (int64_t i = 0; i < n; i++)
                 if (src[j * RT + i] != tok[i])
                     return bad(st, "ll dispatch: src_info[%d][%lld] %d, expected %d", j, (long long)i,
@@ -469,8 +473,8 @@ static int rm_loop(rank_state_t *st, int permute)
         epx_rm_dispatch_outputs_t o = EPX_RM_DISPATCH_OUTPUTS_INIT;
         o.tokens = tensor(st, &st->recv, EPX_DTYPE_BF16, 2, cap, H, 0);
         if (permute) o.tokens_per_expert = tensor(st, &st->tpe, EPX_DTYPE_INT32, 1, L, 0, 0);
-        RUN(st, NEEDS_SELF, permute ? "epx_rm_dispatch (permute)" : "epx_rm_dispatch", epx_rm_dispatch(st->buf, &a, &o),
-            k);
+        RUN(st, NEEDS_SELF, permute ? "epx_rm_dispatch (permute)" : "epx_rm_dispatch",
+            epx_rm_dispatch(st->buf, &a, &o), k);
         st->handle = o.handle;
         mem_down(st, &st->recv);
         mem_down(st, &st->tpe);
@@ -486,7 +490,8 @@ static int rm_loop(rank_state_t *st, int permute)
             rows += padded;
         }
         if (o.num_tokens_host != rows)
-            return bad(st, "rm dispatch: %lld rows, expected %lld", (long long)o.num_tokens_host, (long long)rows);
+            return bad(st, "rm dispatch: %lld rows, expected %lld", (long long)o.num_tokens_host,
+                       (long long)rows);
         make_y(st, rows);
         epx_rm_combine_args_t ca = EPX_RM_COMBINE_ARGS_INIT;
         ca.handle = o.handle;
@@ -516,7 +521,8 @@ static int alloc_all(rank_state_t *st)
 
 static void free_all(rank_state_t *st)
 {
-    mem_t *all[] = {&st->x, &st->topk, &st->w, &st->map, &st->recv, &st->y, &st->out, &st->count, &st->src, &st->tpe};
+    mem_t *all[] = {&st->x, &st->topk, &st->w,     &st->map, &st->recv,
+                    &st->y, &st->out,  &st->count, &st->src, &st->tpe};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) mem_free(st, all[i]);
 }
 
