@@ -254,7 +254,10 @@ static fault_plan_t make_plan(const opts_t *op, int trial)
     p.shm_step = 1 + (int)(epx_test_rand(&st) % 3);
     /* Up to about the length of the phase on a loaded 2-core machine; GPU phases take longer. */
     const int scale = op->backend == EPX_BACKEND_CUDA ? 10 : 1;
-    p.delay_us = (int)(epx_test_rand(&st) % (uint64_t)(p.kill == FAULT_KILL_LOOP ? 60000 : 20000)) * scale;
+    p.delay_us = (int)(epx_test_rand(&st) % (uint64_t)(p.kill == FAULT_KILL_LOOP   ? 60000
+                                                       : p.kill == FAULT_KILL_INIT ? 1000
+                                                                                   : 3000)) *
+                 scale;
     if (op->backend == EPX_BACKEND_CUDA && p.kill == FAULT_KILL_SHM_POINT) p.kill = FAULT_KILL_CREATE;
     p.seed = epx_test_rand(&st);
     p.backend = op->backend;
@@ -354,6 +357,7 @@ int main(int argc, char **argv)
     /* The bootstrap attacks come first (host only: the rendezvous is the same for every backend). */
     const int attacks = cuda ? 0 : FAULT_ATTACK_COUNT;
     tally_t total = {0}, by_mode[FAULT_MODE_COUNT] = {{0}}, by_kill[FAULT_KILL_COUNT + 3] = {{0}};
+    tally_t by_phase[FAULT_PHASE_DONE + 1] = {{0}}; /* the victim's phase when it died */
     const double t0 = fault_now();
     for (int trial = 0; trial < op.trials; trial++) {
         if (op.only >= 0 && trial != op.only) continue;
@@ -394,6 +398,7 @@ int main(int argc, char **argv)
         add(&by_kill[plan.kill == FAULT_KILL_SHM_POINT ? FAULT_KILL_COUNT + plan.shm_step - 1
                                                        : (int)plan.kill],
             &o);
+        if (plan.mode != FAULT_MODE_BOOT) add(&by_phase[recs[plan.victim].phase], &o);
         int any = 0;
         for (int p = 0; p < P_COUNT; p++) any |= o.problem[p];
         if (any || op.verbose)
@@ -427,6 +432,12 @@ int main(int argc, char **argv)
         else
             snprintf(name, sizeof(name), "kill at shm step %d", k - FAULT_KILL_COUNT + 1);
         if (k != FAULT_KILL_SHM_POINT) print_row(name, &by_kill[k]);
+    }
+    static const char *phase_names[] = {"start", "init", "create", "loop", "teardown", "done"};
+    for (int ph = 0; ph <= FAULT_PHASE_DONE; ph++) {
+        char name[32];
+        snprintf(name, sizeof(name), "victim died in %s", phase_names[ph]);
+        print_row(name, &by_phase[ph]);
     }
     print_row("total", &total);
     printf("survivor errors:");
