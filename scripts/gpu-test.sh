@@ -5,7 +5,8 @@
 set -u -o pipefail
 LOGDIR=${1:?usage: scripts/gpu-test.sh LOGDIR}
 # EPX_GPU_PHASES picks what runs (default all): sanitize, tests, bench. EPX_GPU_CTEST_TIMEOUT caps
-# each GPU test (seconds, default 300); EPX_GPU_CTEST_REGEX selects GPU tests by name.
+# each GPU test (seconds, default 300); EPX_GPU_CTEST_REGEX selects GPU tests by name;
+# EPX_GPU_FAULT_TRIALS sets the trials of the cuda fault kill test (default 40).
 PHASES=${EPX_GPU_PHASES:-sanitize,tests,bench}
 phase() { case ",$PHASES," in *",$1,"*) return 0 ;; esac; return 1; }
 mkdir -p "$LOGDIR" && LOGDIR=$(cd "$LOGDIR" && pwd)
@@ -69,6 +70,16 @@ if phase tests; then
         log "  gpu tests FAILED"; status=1
     fi
     grep -E "tests passed|Passed|Failed|\*\*\*" "$LOGDIR/ctest-gpu.log" | tee -a "$LOGDIR/summary.log"
+    # The fault-injection kill test (docs/fault.md) on the cuda backend: ranks killed at random points
+    # of init, buffer creation and every mode's loop; its table goes to the summary.
+    log "fault kill test, cuda backend: ${EPX_GPU_FAULT_TRIALS:-40} trials, 2..4 ranks"
+    if timeout 300 "$BUILD/tests/fault/fault_kill" --backend cuda --trials "${EPX_GPU_FAULT_TRIALS:-40}" \
+        --max-ranks 4 >"$LOGDIR/fault-cuda.log" 2>&1; then
+        log "  fault kill test passed"
+    else
+        log "  fault kill test FAILED (see fault-cuda.log)"; status=1
+    fi
+    sed -n '/^class/,$p' "$LOGDIR/fault-cuda.log" | tee -a "$LOGDIR/summary.log"
 fi
 phase bench || { log "done, status $status"; exit $status; }
 
