@@ -497,13 +497,47 @@ static void handle_pool_fini(cuda_buffer_t *cb)
         }
 }
 
+/* Tells every peer that this rank is gone: its fail word for us becomes the largest epoch, so each
+ * of its waits on us, now or later, ends with EPX_ERR_REMOTE. Copies on the internal stream (copy
+ * engines: no SM is needed while our own kernels may still hold them), bounded by the timeout. */
+static void tell_peers_gone(cuda_buffer_t *cb)
+{
+    epx_comm_t comm = cb->buffer->comm;
+    volatile epx_cuda_host_block_t *hb = cb->host;
+    hb->gone = ~0ull;
+    cudaStream_t st = (cudaStream_t)cb->internal_stream;
+    for (int r = 0; r < comm->nranks; r++) {
+        if (r == comm->rank) continue;
+        uint64_t *word = &((epx_cuda_ctrl_t *)cb->peers[r])->fail[comm->rank];
+        if (cudaMemcpyAsync(word, (const void *)&cb->host->gone, sizeof(*word), cudaMemcpyDefault, st) !=
+            cudaSuccess)
+            (void)cudaGetLastError();
+    }
+    cudaEvent_t done;
+    if (cudaEventCreateWithFlags(&done, cudaEventDisableTiming) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return;
+    }
+    if (cudaEventRecord(done, st) == cudaSuccess) {
+        const uint64_t deadline = epx_deadline_after_ms(comm->timeout_ms);
+        while (cudaEventQuery(done) == cudaErrorNotReady && epx_time_ns() < deadline) {
+            struct timespec ts = {0, 50000};
+            nanosleep(&ts, NULL);
+        }
+    }
+    (void)cudaGetLastError();
+    (void)cudaEventDestroy(done);
+}
+
 static void cuda_buffer_destroy(epx_buffer_t buffer)
 {
     cuda_buffer_t *cb = buffer->backend_state;
     if (!cb) return;
     (void)cudaSetDevice(cb->device);
-    /* Every device wait polls the abort flag, so this synchronisation cannot hang on a peer. */
+    /* Every device wait polls the abort flag, so this synchronisation cannot hang on a peer; the
+     * peers' waits on us end through their fail words. */
     ((volatile epx_cuda_host_block_t *)cb->host)->abort_flag = 1;
+    tell_peers_gone(cb);
     (void)cudaDeviceSynchronize();
     if (cb->poller_running) {
         atomic_store(&cb->poller_stop, 1);

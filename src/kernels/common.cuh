@@ -274,17 +274,17 @@ __device__ __forceinline__ bool call_agrees(const epx_cuda_common_t *c, int peer
 }
 
 /* Spins until *flag >= target. Gives up on the deadline (EPX_ERR_TIMEOUT), on the peer's
- * failure word reaching `epoch` (EPX_ERR_REMOTE, also when the flag is there: the peer failed the
- * call), on a peer's call of the same epoch that differs from ours (EPX_ERR_MISMATCH), on the abort
- * flag, or when another block of this rank already failed the epoch. Returns true when the flag
- * arrived. */
+ * failure word reaching `epoch` (EPX_ERR_REMOTE; for a release of an earlier epoch, target < epoch,
+ * also when it is there: the peer failed or left the call before we write into its region), on a
+ * peer's call of the same epoch that differs from ours (EPX_ERR_MISMATCH), on the abort flag, or
+ * when another block of this rank already failed the epoch. Returns true when the flag arrived. */
 __device__ inline bool wait_flag_geq(const epx_cuda_common_t *c, const uint64_t *flag, uint64_t target,
                                      uint64_t epoch, int peer, int what, int expert = -1)
 {
     const uint64_t *fail = &peer_ctrl(c, c->rank)->fail[peer];
     uint64_t v = ld_acquire_sys(flag);
     if (v >= target) {
-        if (ld_volatile_u64(fail) >= epoch) {
+        if (target < epoch && ld_volatile_u64(fail) >= epoch) {
             record_error(c, epoch, EPX_ERR_REMOTE, peer, what, v, target, expert);
             return false;
         }
