@@ -146,7 +146,7 @@ static void describe_mismatch(char *msg, size_t cap, int me, int peer, uint32_t 
                  epx_dtype_str((epx_dtype_t)(theirs >> 4 & 15)));
         return;
     }
-    if (diff & 0xff0000u) {
+    if (!(diff & 0xff00u)) {
         snprintf(p, left, "the handles of %s come from different dispatches (low byte of the call number: %u "
                  "here, %u on rank %d)", call_kind_name(mine), mine >> 16 & 0xff, theirs >> 16 & 0xff, peer);
         return;
@@ -156,8 +156,9 @@ static void describe_mismatch(char *msg, size_t cap, int me, int peer, uint32_t 
                                                                                        : "args.recv_in_buffer";
     else if (diff & EPX_CUDA_SIG_PERMUTE) field = "args.permute";
     else field = "the presence of args.probs";
+    const uint32_t bit = diff & 0xff00u & (0u - (diff & 0xff00u)); /* the lowest differing flag */
     snprintf(p, left, "ranks disagree on %s of %s: this rank %s, rank %d %s", field, call_kind_name(mine),
-             (mine & diff) ? "sets it" : "does not", peer, (theirs & diff) ? "sets it" : "does not");
+             (mine & bit) ? "sets it" : "does not", peer, (theirs & bit) ? "sets it" : "does not");
 }
 
 /* Reports a device error record of an epoch not reported yet to the comm (async error). */
@@ -497,29 +498,16 @@ static void handle_pool_fini(cuda_buffer_t *cb)
         }
 }
 
-/* Tells every peer that this rank is gone: its fail word for us becomes the largest epoch, so each
- * of its waits on us, now or later, ends with EPX_ERR_REMOTE. Copies on the internal stream (copy
- * engines: no SM is needed while our own kernels may still hold them), bounded by the timeout. */
-static void tell_peers_gone(cuda_buffer_t *cb)
+/* Waits (bounded by the comm's timeout) for the work queued so far on the internal stream. */
+static void internal_stream_wait(cuda_buffer_t *cb)
 {
-    epx_comm_t comm = cb->buffer->comm;
-    volatile epx_cuda_host_block_t *hb = cb->host;
-    hb->gone = ~0ull;
-    cudaStream_t st = (cudaStream_t)cb->internal_stream;
-    for (int r = 0; r < comm->nranks; r++) {
-        if (r == comm->rank) continue;
-        uint64_t *word = &((epx_cuda_ctrl_t *)cb->peers[r])->fail[comm->rank];
-        if (cudaMemcpyAsync(word, (const void *)&cb->host->gone, sizeof(*word), cudaMemcpyDefault, st) !=
-            cudaSuccess)
-            (void)cudaGetLastError();
-    }
     cudaEvent_t done;
     if (cudaEventCreateWithFlags(&done, cudaEventDisableTiming) != cudaSuccess) {
         (void)cudaGetLastError();
         return;
     }
-    if (cudaEventRecord(done, st) == cudaSuccess) {
-        const uint64_t deadline = epx_deadline_after_ms(comm->timeout_ms);
+    if (cudaEventRecord(done, (cudaStream_t)cb->internal_stream) == cudaSuccess) {
+        const uint64_t deadline = epx_deadline_after_ms(cb->buffer->comm->timeout_ms);
         while (cudaEventQuery(done) == cudaErrorNotReady && epx_time_ns() < deadline) {
             struct timespec ts = {0, 50000};
             nanosleep(&ts, NULL);
@@ -527,6 +515,32 @@ static void tell_peers_gone(cuda_buffer_t *cb)
     }
     (void)cudaGetLastError();
     (void)cudaEventDestroy(done);
+}
+
+/* Tells every peer that this rank is gone: its fail word for us becomes the largest epoch, so each
+ * of its waits on us, now or later, ends with EPX_ERR_REMOTE. Copies on the internal stream (copy
+ * engines: no SM is needed while our own kernels may still hold them), bounded by the timeout. A
+ * peer that told us it is gone (its word in our ctrl) may have freed its region: skipped. */
+static void tell_peers_gone(cuda_buffer_t *cb)
+{
+    epx_comm_t comm = cb->buffer->comm;
+    volatile epx_cuda_host_block_t *hb = cb->host;
+    uint64_t told[EPX_CUDA_MAX_RANKS];
+    memset(told, 0, sizeof(told));
+    hb->gone = ~0ull;
+    cudaStream_t st = (cudaStream_t)cb->internal_stream;
+    if (cudaMemcpyAsync(told, ((epx_cuda_ctrl_t *)cb->region)->fail, sizeof(uint64_t) * (size_t)comm->nranks,
+                        cudaMemcpyDeviceToHost, st) != cudaSuccess)
+        (void)cudaGetLastError();
+    internal_stream_wait(cb);
+    for (int r = 0; r < comm->nranks; r++) {
+        if (r == comm->rank || told[r] == ~0ull) continue;
+        uint64_t *word = &((epx_cuda_ctrl_t *)cb->peers[r])->fail[comm->rank];
+        if (cudaMemcpyAsync(word, (const void *)&cb->host->gone, sizeof(*word), cudaMemcpyDefault, st) !=
+            cudaSuccess)
+            (void)cudaGetLastError();
+    }
+    internal_stream_wait(cb);
 }
 
 static void cuda_buffer_destroy(epx_buffer_t buffer)
