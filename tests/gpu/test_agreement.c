@@ -11,6 +11,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "core/internal.h"
 #include "gpu_test.h"
 
 #define TIMEOUT_MS 30000
@@ -158,7 +159,6 @@ static int kind_mismatch(fixture_t *f)
 /* A cached static dispatch bounded at one row drops the rest: the overflow flag is set. */
 static int cached_overflow(fixture_t *f)
 {
-    const int rank = f->rank;
     epx_handle_t h;
     int64_t n;
     EXPECT_OK(dispatch(f, EPX_DTYPE_BF16, 0, NULL, 0, NULL, &h, &n));
