@@ -104,16 +104,11 @@ epx_result_t epx_api_buffer_config_normalize(epx_comm_t comm, const epx_buffer_c
     if (c.num_topk > c.num_experts)
         return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "config.num_topk = %d exceeds num_experts = %d",
                            c.num_topk, c.num_experts);
-    /* LL may be asked for fp8 on any call, so it needs the fp8 granularity like fp8 dispatch. */
+    /* LL needs no granularity of its own: its fp8 calls are checked per call (hidden % 128). */
     if (c.hidden % 128 != 0 && (c.dispatch_dtypes & EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3)))
         return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
                            "config.hidden = %lld is not a multiple of 128, which fp8 dispatch needs (leave "
                            "fp8_e4m3 out of dispatch_dtypes)",
-                           (long long)c.hidden);
-    if (c.hidden % 128 != 0 && (c.modes & EPX_MODE_LL))
-        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
-                           "config.hidden = %lld is not a multiple of 128, which EPX_MODE_LL needs (its fp8 "
-                           "cast works on 128 channels)",
                            (long long)c.hidden);
     if (c.num_sms < 0)
         return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "config.num_sms = %d must be >= 0", c.num_sms);

@@ -20,6 +20,9 @@ EPX_API_CHECK_FN(ll_dispatch)
         return ARG_ERR("outputs->size = %zu does not reach outputs.%s (%zu bytes needed)", o->size,
                        a->return_recv_hook ? "hook" : "handle", need);
 
+    if (a->use_fp8 && H % 128 != 0)
+        return ARG_ERR("args.use_fp8 needs hidden %% 128 == 0 (the cast works on 128 channels); hidden = %lld",
+                       (long long)H);
     if (a->round_scale && !a->use_fp8) return ARG_ERR("args.round_scale needs args.use_fp8");
     if (a->use_ue8m0 && !a->use_fp8) return ARG_ERR("args.use_ue8m0 needs args.use_fp8");
     if (a->use_ue8m0 && !a->round_scale) return ARG_ERR("args.use_ue8m0 needs args.round_scale");

@@ -117,6 +117,50 @@ static void compute_layout(epx_buffer_t b, epx_cuda_layout_t *lay)
     lay->total = off;
 }
 
+static const char *call_kind_name(uint32_t sig)
+{
+    static const char *names[] = {"?",          "an HT dispatch",      "an HT combine", "a routing-map dispatch",
+                                  "a routing-map combine", "an LL dispatch", "an LL combine"};
+    const uint32_t kind = sig & 15;
+    return kind < sizeof(names) / sizeof(names[0]) ? names[kind] : names[0];
+}
+
+/* The first field in which this rank's call (`mine`) and rank `peer`'s (`theirs`) differ, from
+ * their call words (contract.h), as a message naming both. */
+static void describe_mismatch(char *msg, size_t cap, int me, int peer, uint32_t theirs, uint32_t mine,
+                              uint64_t epoch)
+{
+    const int n = snprintf(msg, cap, "rank %d: collective epoch %llu: ", me, (unsigned long long)epoch);
+    char *p = msg + (n > 0 ? n : 0);
+    const size_t left = cap - (size_t)(n > 0 ? n : 0);
+    const uint32_t diff = theirs ^ mine;
+    const char *field = NULL;
+    if (diff & 15) {
+        snprintf(p, left, "this rank makes %s but rank %d makes %s (the ranks' calls are out of step)",
+                 call_kind_name(mine), peer, call_kind_name(theirs));
+        return;
+    }
+    if (diff & 0xf0) {
+        snprintf(p, left, "ranks disagree on the dtype of %s: this rank passes %s, rank %d passes %s",
+                 call_kind_name(mine), epx_dtype_str((epx_dtype_t)(mine >> 4 & 15)), peer,
+                 epx_dtype_str((epx_dtype_t)(theirs >> 4 & 15)));
+        return;
+    }
+    if (!(diff & 0xff00u)) {
+        snprintf(p, left, "the handles of %s come from different dispatches (low byte of the call number: %u "
+                 "here, %u on rank %d)", call_kind_name(mine), mine >> 16 & 0xff, theirs >> 16 & 0xff, peer);
+        return;
+    }
+    if (diff & EPX_CUDA_SIG_CACHED) field = "args.cached_handle";
+    else if (diff & EPX_CUDA_SIG_VIEW) field = (mine & 15) == EPX_CUDA_CALL_HT_COMBINE ? "args.x_in_buffer"
+                                                                                       : "args.recv_in_buffer";
+    else if (diff & EPX_CUDA_SIG_PERMUTE) field = "args.permute";
+    else field = "the presence of args.probs";
+    const uint32_t bit = diff & 0xff00u & (0u - (diff & 0xff00u)); /* the lowest differing flag */
+    snprintf(p, left, "ranks disagree on %s of %s: this rank %s, rank %d %s", field, call_kind_name(mine),
+             (mine & bit) ? "sets it" : "does not", peer, (theirs & bit) ? "sets it" : "does not");
+}
+
 /* Reports a device error record of an epoch not reported yet to the comm (async error). */
 epx_result_t epx_cuda_report_record(cuda_buffer_t *cb, uint64_t min_epoch, int set_thread_error)
 {
@@ -126,16 +170,12 @@ epx_result_t epx_cuda_report_record(cuda_buffer_t *cb, uint64_t min_epoch, int s
     uint64_t epoch = hb->err.epoch;
     if (code == 0 || epoch < min_epoch) return EPX_SUCCESS;
     static const char *what_names[] = {"?", "release of its dispatch area", "dispatch rows", "release of its combine area",
-                                       "combine rows", "expert id", "capacity"};
-    int what = hb->err.what >= 0 && hb->err.what <= 6 ? hb->err.what : 0;
+                                       "combine rows", "expert id", "capacity", "call"};
+    int what = hb->err.what >= 0 && hb->err.what <= 7 ? hb->err.what : 0;
     char msg[512];
     if (code == EPX_ERR_MISMATCH)
-        snprintf(msg, sizeof(msg), "rank %d: routing-map dispatch arguments differ: rank %d passes dtype %llu, "
-                 "permute %llu, probs %llu; this rank dtype %llu, permute %llu, probs %llu (epoch %llu)",
-                 hb->err.rank, hb->err.peer, (unsigned long long)(hb->err.seen & 0xff),
-                 (unsigned long long)(hb->err.seen >> 8 & 1), (unsigned long long)(hb->err.seen >> 9 & 1),
-                 (unsigned long long)(hb->err.expected & 0xff), (unsigned long long)(hb->err.expected >> 8 & 1),
-                 (unsigned long long)(hb->err.expected >> 9 & 1), (unsigned long long)epoch);
+        describe_mismatch(msg, sizeof(msg), hb->err.rank, hb->err.peer, (uint32_t)hb->err.seen,
+                          (uint32_t)hb->err.expected, epoch);
     else if (code == EPX_ERR_REMOTE)
         snprintf(msg, sizeof(msg), "rank %d: peer %d failed collective epoch %llu while this rank waited for its %s "
                  "(channel %d)", hb->err.rank, hb->err.peer, (unsigned long long)epoch, what_names[what],
@@ -458,13 +498,60 @@ static void handle_pool_fini(cuda_buffer_t *cb)
         }
 }
 
+/* Waits (bounded by the comm's timeout) for the work queued so far on the internal stream. */
+static void internal_stream_wait(cuda_buffer_t *cb)
+{
+    cudaEvent_t done;
+    if (cudaEventCreateWithFlags(&done, cudaEventDisableTiming) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return;
+    }
+    if (cudaEventRecord(done, (cudaStream_t)cb->internal_stream) == cudaSuccess) {
+        const uint64_t deadline = epx_deadline_after_ms(cb->buffer->comm->timeout_ms);
+        while (cudaEventQuery(done) == cudaErrorNotReady && epx_time_ns() < deadline) {
+            struct timespec ts = {0, 50000};
+            nanosleep(&ts, NULL);
+        }
+    }
+    (void)cudaGetLastError();
+    (void)cudaEventDestroy(done);
+}
+
+/* Tells every peer that this rank is gone: its fail word for us becomes the largest epoch, so each
+ * of its waits on us, now or later, ends with EPX_ERR_REMOTE. Copies on the internal stream (copy
+ * engines: no SM is needed while our own kernels may still hold them), bounded by the timeout. A
+ * peer that told us it is gone (its word in our ctrl) may have freed its region: skipped. */
+static void tell_peers_gone(cuda_buffer_t *cb)
+{
+    epx_comm_t comm = cb->buffer->comm;
+    volatile epx_cuda_host_block_t *hb = cb->host;
+    uint64_t told[EPX_CUDA_MAX_RANKS];
+    memset(told, 0, sizeof(told));
+    hb->gone = ~0ull;
+    cudaStream_t st = (cudaStream_t)cb->internal_stream;
+    if (cudaMemcpyAsync(told, ((epx_cuda_ctrl_t *)cb->region)->fail, sizeof(uint64_t) * (size_t)comm->nranks,
+                        cudaMemcpyDeviceToHost, st) != cudaSuccess)
+        (void)cudaGetLastError();
+    internal_stream_wait(cb);
+    for (int r = 0; r < comm->nranks; r++) {
+        if (r == comm->rank || told[r] == ~0ull) continue;
+        uint64_t *word = &((epx_cuda_ctrl_t *)cb->peers[r])->fail[comm->rank];
+        if (cudaMemcpyAsync(word, (const void *)&cb->host->gone, sizeof(*word), cudaMemcpyDefault, st) !=
+            cudaSuccess)
+            (void)cudaGetLastError();
+    }
+    internal_stream_wait(cb);
+}
+
 static void cuda_buffer_destroy(epx_buffer_t buffer)
 {
     cuda_buffer_t *cb = buffer->backend_state;
     if (!cb) return;
     (void)cudaSetDevice(cb->device);
-    /* Every device wait polls the abort flag, so this synchronisation cannot hang on a peer. */
+    /* Every device wait polls the abort flag, so this synchronisation cannot hang on a peer; the
+     * peers' waits on us end through their fail words. */
     ((volatile epx_cuda_host_block_t *)cb->host)->abort_flag = 1;
+    tell_peers_gone(cb);
     (void)cudaDeviceSynchronize();
     if (cb->poller_running) {
         atomic_store(&cb->poller_stop, 1);

@@ -21,6 +21,7 @@ typedef struct cuda_handle {
     int32_t no_host_wait;   /* dispatched without a host wait (HT static mode, routing map with a
                                bound): its combine reports device errors through the poller too */
     int32_t has_probs;      /* routing map: probs were given at dispatch */
+    uint64_t seq;           /* the dispatch call that made it (its low byte is in combine's call word) */
     union {
         epx_cuda_handle_dev_t ht;
         epx_cuda_rm_handle_dev_t rm;

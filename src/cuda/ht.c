@@ -147,6 +147,7 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
         res = epx_cuda_handle_get(cb, EPX_HANDLE_HT, &h);
         if (res != EPX_SUCCESS) return epx_cuda_op_refuse(&op, res);
         h->no_host_wait = is_static;
+        h->seq = seq;
         handle->backend_state = h;
         epx_cuda_layout_args_t la;
         layout_args(buffer, &args->topk_idx, &la);
@@ -163,6 +164,9 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
     a.h = h->dev.ht;
     a.num_tokens = T;
     a.cached = cached;
+    a.c.call_sig = epx_cuda_sig(EPX_CUDA_CALL_HT_DISPATCH, args->x.dtype,
+                                (cached ? EPX_CUDA_SIG_CACHED : 0) | (args->recv_in_buffer ? EPX_CUDA_SIG_VIEW : 0),
+                                cached ? h->seq : 0);
     a.x = args->x.data;
     a.row_bytes = H * (int64_t)epx_dtype_bytes(args->x.dtype);
     if (args->x.dtype == EPX_DTYPE_FP8_E4M3) {
@@ -241,6 +245,7 @@ epx_result_t epx_cuda_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht
     a.combined_x = outputs->combined_x.data;
     a.combined_topk_weights = outputs->combined_topk_weights.data;
     a.in_buffer = args->x_in_buffer != 0;
+    a.c.call_sig = epx_cuda_sig(EPX_CUDA_CALL_HT_COMBINE, 0, a.in_buffer ? EPX_CUDA_SIG_VIEW : 0, h->seq);
     if (a.in_buffer)
         EPX_CHECK(epx_cuda_op_launched(&op, epx_cuda_launch_combine_view(&a, args->stream),
                                        "view combine kernel launch"));

@@ -177,6 +177,7 @@ epx_result_t epx_cuda_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_l
     a.src_info = outputs->src_info.data;
     a.layout_range = outputs->layout_range.data;
     a.cumulative = args->cumulative_recv_stats.data;
+    a.c.call_sig = epx_cuda_sig(EPX_CUDA_CALL_LL_DISPATCH, a.use_fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16, 0, 0);
 
     EPX_CHECK(
         epx_cuda_op_sent(&op, epx_cuda_launch_ll_dispatch_send(&a, args->stream), "ll dispatch send launch"));
@@ -261,6 +262,7 @@ epx_result_t epx_cuda_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll
     a.y = args->zero_copy ? (const uint16_t *)epx_cuda_ll_zc_ptr(cb, slot) : (const uint16_t *)args->y.data;
     a.topk_weights = args->topk_weights.data;
     a.combined_x = outputs->combined_x.data;
+    a.c.call_sig = epx_cuda_sig(EPX_CUDA_CALL_LL_COMBINE, 0, 0, args->handle.seq);
     EPX_CHECK(
         epx_cuda_op_sent(&op, epx_cuda_launch_ll_combine_send(&a, args->stream), "ll combine send launch"));
     ll_mark_sent(sl, &op);

@@ -23,8 +23,6 @@ uint64_t epx_cuda_rm_layout(epx_buffer_t b, epx_cuda_layout_t *lay, uint64_t off
     off = rm_align(off + R * T * K * 4);
     lay->rm_cnt = off;
     off = rm_align(off + R * L * 4);
-    lay->rm_sig = off;
-    off = rm_align(off + R * 8);
     /* Unpermute rows are [token][k]; the HT combine area [R][T_max] holds them when K <= R. */
     if (K <= R) {
         lay->rm_comb = lay->comb_x;
@@ -94,6 +92,7 @@ epx_result_t epx_cuda_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_r
     if (res != EPX_SUCCESS) return epx_cuda_op_refuse(&op, res);
     h->no_host_wait = bounded;
     h->has_probs = args->probs.data != NULL;
+    h->seq = seq;
     handle->backend_state = h; /* freed through handle_free if this call fails */
 
     const int64_t H = buffer->config.hidden;
@@ -102,7 +101,8 @@ epx_result_t epx_cuda_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_r
     EPX_CHECK(rm_args(&op, h, args->hidden.shape[0], &a));
     a.permute = permute;
     a.pad_multiple = permute && args->pad_multiple > 1 ? args->pad_multiple : 1;
-    a.sig = (uint64_t)args->hidden.dtype | (uint64_t)permute << 8 | (uint64_t)(h->has_probs != 0) << 9;
+    a.c.call_sig = epx_cuda_sig(EPX_CUDA_CALL_RM_DISPATCH, args->hidden.dtype,
+                                (permute ? EPX_CUDA_SIG_PERMUTE : 0) | (h->has_probs ? EPX_CUDA_SIG_PROBS : 0), 0);
     a.hidden = args->hidden.data;
     a.row_bytes = H * (int64_t)epx_dtype_bytes(args->hidden.dtype);
     if (fp8) {
@@ -172,6 +172,7 @@ epx_result_t epx_cuda_rm_combine(epx_buffer_t buffer, uint64_t seq, const epx_rm
     a.x = args->x.data;
     a.combined = outputs->combined.data;
     a.weighted = handle->permute && args->weighted;
+    a.c.call_sig = epx_cuda_sig(EPX_CUDA_CALL_RM_COMBINE, 0, 0, h->seq);
     EPX_CHECK(epx_cuda_op_launched(&op, epx_cuda_launch_rm_combine(&a, args->stream),
                                    "routing-map combine launch"));
     EPX_TRACE(EPX_SUBSYS_PERMUTE, "rank %d: routing-map combine seq %llu epoch %llu%s", me,

@@ -251,24 +251,55 @@ __device__ __forceinline__ bool epoch_failed(const epx_cuda_common_t *c, uint64_
     return ld_volatile_u64(&peer_ctrl(c, c->rank)->err_epoch) >= epoch;
 }
 
+/* The call's first kernel (block 0, threads r < R) posts this rank's call word for `epoch` to
+ * every peer (contract.h: EPX_CUDA_SIG_BITS). */
+__device__ __forceinline__ void post_call(const epx_cuda_common_t *c, uint64_t epoch)
+{
+    if (c->call_sig != 0 && blockIdx.x == 0 && (int)threadIdx.x < c->nranks)
+        st_release_sys(&peer_ctrl(c, threadIdx.x)->call[epoch & 1][c->rank],
+                       epoch << EPX_CUDA_SIG_BITS | c->call_sig);
+}
+
+/* False (recorded as EPX_ERR_MISMATCH, the peer's signature as `seen`, ours as `expected`) when
+ * peer's call word for `epoch` is there and differs from ours. A word of another epoch says
+ * nothing: the peer has not started the call, or this kernel belongs to no call (hooks). */
+__device__ __forceinline__ bool call_agrees(const epx_cuda_common_t *c, int peer, uint64_t epoch, int expert)
+{
+    if (c->call_sig == 0) return true;
+    const uint64_t w = ld_acquire_sys(&peer_ctrl(c, c->rank)->call[epoch & 1][peer]);
+    if (w >> EPX_CUDA_SIG_BITS != epoch || (w & EPX_CUDA_SIG_MASK) == c->call_sig) return true;
+    record_error(c, epoch, EPX_ERR_MISMATCH, peer, EPX_CUDA_WAIT_CALL, w & EPX_CUDA_SIG_MASK, c->call_sig,
+                 expert);
+    return false;
+}
+
 /* Spins until *flag >= target. Gives up on the deadline (EPX_ERR_TIMEOUT), on the peer's
- * failure word reaching `epoch` (EPX_ERR_REMOTE), on the abort flag, or when another block of
- * this rank already failed the epoch. Returns true when the flag arrived. */
+ * failure word reaching `epoch` (EPX_ERR_REMOTE; for a release of an earlier epoch, target < epoch,
+ * also when it is there: the peer failed or left the call before we write into its region), on a
+ * peer's call of the same epoch that differs from ours (EPX_ERR_MISMATCH), on the abort flag, or
+ * when another block of this rank already failed the epoch. Returns true when the flag arrived. */
 __device__ inline bool wait_flag_geq(const epx_cuda_common_t *c, const uint64_t *flag, uint64_t target,
                                      uint64_t epoch, int peer, int what, int expert = -1)
 {
-    uint64_t v = ld_acquire_sys(flag);
-    if (v >= target) return true;
-    const uint64_t start = globaltimer_ns();
     const uint64_t *fail = &peer_ctrl(c, c->rank)->fail[peer];
+    uint64_t v = ld_acquire_sys(flag);
+    if (v >= target) {
+        if (target < epoch && ld_volatile_u64(fail) >= epoch) {
+            record_error(c, epoch, EPX_ERR_REMOTE, peer, what, v, target, expert);
+            return false;
+        }
+        return call_agrees(c, peer, epoch, expert);
+    }
+    const uint64_t start = globaltimer_ns();
     for (uint32_t it = 1;; it++) {
         v = ld_acquire_sys(flag);
-        if (v >= target) return true;
+        if (v >= target) return call_agrees(c, peer, epoch, expert);
         if ((it & 63u) == 0) {
             if (ld_volatile_u64(fail) >= epoch) {
                 record_error(c, epoch, EPX_ERR_REMOTE, peer, what, v, target, expert);
                 return false;
             }
+            if (!call_agrees(c, peer, epoch, expert)) return false;
             if (epoch_failed(c, epoch) || ld_volatile_i32(&c->host->abort_flag)) return false;
             if (globaltimer_ns() - start > c->timeout_ns) {
                 record_error(c, epoch, EPX_ERR_TIMEOUT, peer, what, v, target, expert);
@@ -393,13 +424,29 @@ __device__ __forceinline__ void close_epoch(epx_cuda_ctrl_t *own, uint64_t *op_l
     }
 }
 
+/* A failed collective's end (last block, all threads): the area of the other kind (the dispatch
+ * area after a combine, `disp`, or the combine area after a dispatch) goes back to every peer at
+ * `epoch`, so a peer whose call of this epoch was of that kind (a mismatch) does not wait for a
+ * release we would never make. Between calls that area holds nothing of ours. */
+__device__ __forceinline__ void release_if_failed(const epx_cuda_common_t *c, uint64_t epoch, bool disp)
+{
+    __shared__ int failed;
+    __syncthreads();
+    if (threadIdx.x == 0) failed = epoch_failed(c, epoch);
+    __syncthreads();
+    if (failed && (int)threadIdx.x < c->nranks) {
+        epx_cuda_ctrl_t *peer = peer_ctrl(c, threadIdx.x);
+        st_release_sys(disp ? &peer->disp_ack[c->rank] : &peer->comb_ack[c->rank], epoch);
+    }
+}
+
 /* A dispatch receiver's end (last block, after its own writes): every source may reuse its slice
  * of our area, and the collective closes. */
 __device__ __forceinline__ void finish_dispatch_recv(const epx_cuda_common_t *c, uint64_t epoch,
                                                      uint64_t *also_last = nullptr)
 {
     epx_cuda_ctrl_t *own = peer_ctrl(c, c->rank);
-    __syncthreads();
+    release_if_failed(c, epoch, false);
     release_peers(
         c, [&](int r) { return &peer_ctrl(c, r)->disp_ack[c->rank]; }, epoch);
     close_epoch(own, &own->disp_last, epoch, also_last);

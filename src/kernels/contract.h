@@ -23,7 +23,32 @@ typedef enum epx_cuda_wait {
     EPX_CUDA_WAIT_COMBINE_DATA = 4,
     EPX_CUDA_WAIT_BAD_EXPERT = 5,    /* not a wait: an expert id out of range in device topk_idx */
     EPX_CUDA_WAIT_CAPACITY = 6,      /* not a wait: N_r above the output capacity */
+    EPX_CUDA_WAIT_CALL = 7,          /* not a wait: the peer's call differs from ours (call words) */
 } epx_cuda_wait_t;
+
+/* The call word every collective kernel posts to every peer when it starts: epoch << 24 | signature.
+ * The signature holds what the ranks' calls must agree on; a peer whose word for the same epoch
+ * differs makes the call fail with EPX_ERR_MISMATCH on every rank (each rank reads every peer's). */
+#define EPX_CUDA_SIG_BITS 24
+#define EPX_CUDA_SIG_MASK ((1ull << EPX_CUDA_SIG_BITS) - 1)
+enum {
+    EPX_CUDA_CALL_HT_DISPATCH = 1,
+    EPX_CUDA_CALL_HT_COMBINE = 2,
+    EPX_CUDA_CALL_RM_DISPATCH = 3,
+    EPX_CUDA_CALL_RM_COMBINE = 4,
+    EPX_CUDA_CALL_LL_DISPATCH = 5,
+    EPX_CUDA_CALL_LL_COMBINE = 6,
+};
+/* Signature fields: kind (bits 0-3), dtype (4-7), flags (8-15), low byte of the handle's dispatch
+ * call (16-23; combines and cached dispatches). */
+#define EPX_CUDA_SIG_CACHED  (1u << 8)  /* HT dispatch: args.cached_handle */
+#define EPX_CUDA_SIG_VIEW    (1u << 9)  /* HT: recv_in_buffer (dispatch), x_in_buffer (combine) */
+#define EPX_CUDA_SIG_PERMUTE (1u << 10) /* routing map: permute */
+#define EPX_CUDA_SIG_PROBS   (1u << 11) /* routing map: probs given */
+static inline uint32_t epx_cuda_sig(int kind, int dtype, uint32_t flags, uint64_t handle_seq)
+{
+    return (uint32_t)kind | (uint32_t)(dtype & 15) << 4 | flags | (uint32_t)(handle_seq & 0xff) << 16;
+}
 
 /* First failure of an epoch, written by the device into host-mapped memory. `code` is written
  * last (after a system fence), so a non-zero code means the rest is complete. */
@@ -49,6 +74,7 @@ typedef struct epx_cuda_host_block {
     int64_t num_recv;   /* N_r of the last dispatch (-1 when it failed) */
     int64_t bad_where;  /* 1 + token * EPX_MAX_TOPK + slot of an invalid device topk_idx entry, 0 = none */
     int64_t bad_value;
+    uint64_t gone;      /* ~0: the word a destroyed buffer copies into every peer's fail[rank] */
 } epx_cuda_host_block_t;
 
 /* Start of every rank's registered region. Words indexed [peer] are written by that peer
@@ -75,6 +101,9 @@ typedef struct epx_cuda_ctrl {
     uint64_t comb_pulled[EPX_CUDA_MAX_RANKS]; /* [src] epoch src finished reading our combine input */
     uint64_t view_last;                       /* epoch of the last view dispatch */
     uint32_t view_done_counter[4];            /* last-block detection of the view kernels */
+    /* [epoch & 1][peer] peer's call word (EPX_CUDA_SIG_BITS): a peer is at most one collective
+     * ahead of any kernel of ours that reads it, so the word of our epoch stays until we read it. */
+    uint64_t call[2][EPX_CUDA_MAX_RANKS];
 } epx_cuda_ctrl_t;
 
 /* Byte offsets inside a region (all ranks use the same numbers). */
@@ -92,7 +121,6 @@ typedef struct epx_cuda_layout {
     /* Routing-map areas (src/cuda/rm.c; 0 without EPX_MODE_PERMUTE). */
     uint64_t rm_within;   /* [R][T_max][K] int32: row of (token, expert) among the source's */
     uint64_t rm_cnt;      /* [R][L] int32: tokens of source s per local expert */
-    uint64_t rm_sig;      /* [R] uint64: source's dtype | permute << 8 | probs << 9 */
     uint64_t rm_comb;     /* [T_max][K][H] bf16 unpermute rows (aliases comb_x when K <= R) */
     uint64_t rm_scratch;  /* owner only: [T_max/32 + 1][E + R] int32 tile counts, totals */
     /* Low-latency areas (src/cuda/ll.c; epx_cuda_ll_layout_t inside, 0 bytes without EPX_MODE_LL). */
@@ -124,6 +152,8 @@ typedef struct epx_cuda_common {
     int64_t hidden, max_tokens;
     uint64_t timeout_ns;
     int32_t num_blocks, num_threads;
+    uint32_t call_sig; /* this call's signature (epx_cuda_sig); 0: posts and checks nothing */
+    int32_t pad;
 } epx_cuda_common_t;
 
 typedef struct epx_cuda_layout_args {
@@ -228,7 +258,6 @@ typedef struct epx_cuda_rm_args {
     int64_t num_tokens;        /* T of this rank */
     int32_t num_experts;
     int32_t permute, pad_multiple;
-    uint64_t sig;              /* dtype | permute << 8 | probs << 9: must agree across ranks */
     /* dispatch */
     const uint8_t *hidden;     /* [T][row_bytes] */
     int64_t row_bytes;

@@ -32,6 +32,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     const kernel_frame f(c);
     const int64_t row_bytes = c->hidden * 2;
     __shared__ int prefix[EPX_CUDA_MAX_RANKS + 1];
+    post_call(c, f.epoch);
     const int &ok = open_combine_send(c, a.h.recv_prefix, prefix, f.epoch);
     const int64_t rows = ok ? *a.h.rows_valid : 0;
     /* Rows past rows_valid were dropped by a static bound: the source still counts us among the
@@ -114,6 +115,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     const int R = c->nranks, K = c->num_topk, me = c->rank;
     const kernel_frame f(c);
     const int64_t rows = *a.h.rows_valid;
+    post_call(c, f.epoch);
     if (a.topk_weights) {
         float *w = (float *)(f.region + c->lay.comb_w);
         for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < rows * K;
@@ -189,6 +191,7 @@ __global__ void __launch_bounds__(kBlockThreads, 3)
         if (all_done)
             release_peers(
                 c, [&](int r) { return &peer_ctrl(c, r)->comb_ack[me]; }, f.epoch);
+        release_if_failed(c, f.epoch, true);
         close_epoch(f.own, &f.own->comb_last, f.epoch);
     }
 }

@@ -35,6 +35,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     const kernel_frame f(c);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const uint64_t prev = ld_volatile_u64(&f.own->disp_last);
+    post_call(c, f.epoch);
     const int &ok = wait_peers(
         c, [&](int r) { return &f.own->disp_ack[r]; }, prev, f.epoch, EPX_CUDA_WAIT_DISPATCH_ACK);
     if (ok) ht_send_rows<false>(a, nullptr, warp, lane);
@@ -58,6 +59,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     __shared__ int counted;
     __shared__ int64_t base[EPX_CUDA_MAX_RANKS];
     if (threadIdx.x == 0) counted = 1;
+    post_call(c, f.epoch);
     if (blockIdx.x == 0 && threadIdx.x < R) {
         epx_cuda_ctrl_t *peer = peer_ctrl(c, threadIdx.x);
         if (ld_volatile_u64(&peer->view_ack[me]) < closed) st_release_sys(&peer->view_ack[me], closed);

@@ -221,6 +221,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     __shared__ int sel[kBlockWarps][EPX_MAX_TOPK]; /* the token's experts, first occurrence only (else -1) */
     __shared__ int pos[kBlockWarps][EPX_MAX_TOPK]; /* earlier tokens selecting sel[k] */
     __shared__ uint8_t *rows[kBlockWarps][EPX_MAX_TOPK];
+    post_call(c, f.epoch);
     ll_drops(a);
     const int &ok = wait_peers(
         c, [&](int r) { return &lown->disp_ack[a.slot][r]; }, prev, f.epoch, EPX_CUDA_WAIT_DISPATCH_ACK);
@@ -393,7 +394,10 @@ __global__ void __launch_bounds__(kBlockThreads)
     const kernel_frame f(c);
     epx_cuda_ll_ctrl_t *lown = ll_ctrl(a, me);
     const uint64_t prev = ld_volatile_u64(&lown->comb_epoch[a.slot]);
-    if (!a.floor_only) ll_drops(a);
+    if (!a.floor_only) {
+        post_call(c, f.epoch);
+        ll_drops(a);
+    }
     /* The benchmark floor neither waits nor publishes: its gate stays shut, its rows go anyway. */
     const int &ok = wait_peers(
         c, [&](int r) { return &lown->comb_ack[a.slot][r]; }, prev, f.epoch, EPX_CUDA_WAIT_COMBINE_ACK,

@@ -169,6 +169,7 @@ __global__ void __launch_bounds__(kBlockThreads) rm_send_kernel(const __grid_con
     __shared__ int dst_rank[kBlockWarps][EPX_CUDA_MAX_RANKS];
     __shared__ uint8_t *dst_ptr[kBlockWarps][EPX_CUDA_MAX_RANKS];
     __shared__ int64_t dst_slot[kBlockWarps][EPX_CUDA_MAX_RANKS];
+    post_call(c, f.epoch);
     const int &ok = wait_peers(
         c, [&](int r) { return &f.own->disp_ack[r]; }, prev, f.epoch, EPX_CUDA_WAIT_DISPATCH_ACK);
     const int ns = a.scales ? a.num_scales : 0;
@@ -225,7 +226,6 @@ __global__ void __launch_bounds__(kBlockThreads) rm_send_kernel(const __grid_con
         if (good) {
             for (int i = threadIdx.x; i < E; i += blockDim.x)
                 ((int32_t *)(c->peers[i / L] + c->lay.rm_cnt))[me * L + i % L] = tot[i];
-            if (threadIdx.x < R) ((uint64_t *)(c->peers[threadIdx.x] + c->lay.rm_sig))[me] = a.sig;
         }
         __threadfence_system();
         __syncthreads();
@@ -260,15 +260,13 @@ __global__ void __launch_bounds__(kBlockThreads) rm_recv_kernel(const __grid_con
     __shared__ uint8_t *dst_ptr[kBlockWarps][EPX_MAX_TOPK];
     __shared__ int64_t dst_row[kBlockWarps][EPX_MAX_TOPK];
     __shared__ float dst_w[kBlockWarps][EPX_MAX_TOPK];
-    /* Source s's rows are usable when its signature (dtype, permute, probs) matches ours. */
+    /* Source s's rows are usable when its call (dtype, permute, probs) matches ours (the wait
+     * compares the call words). */
     const int &ok = wait_peers(
         c, [&](int s) { return &f.own->disp_flag[s]; }, f.epoch, f.epoch, EPX_CUDA_WAIT_DISPATCH_DATA,
         [&](int s) {
             cnt[s] = (int)ld_volatile_u64(&f.own->disp_count[s]);
-            const uint64_t sig = ld_volatile_u64((const uint64_t *)(f.region + c->lay.rm_sig) + s);
-            if (sig == a.sig) return true;
-            record_error(c, f.epoch, EPX_ERR_MISMATCH, s, EPX_CUDA_WAIT_DISPATCH_DATA, sig, a.sig);
-            return false;
+            return true;
         });
     if (threadIdx.x == 0) {
         prefix[0] = 0;
@@ -455,6 +453,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     __shared__ int prefix[EPX_CUDA_MAX_RANKS + 1];
     __shared__ const uint8_t *src_ptr[kBlockWarps][EPX_MAX_TOPK];
     __shared__ uint8_t *dst_ptr[kBlockWarps][EPX_MAX_TOPK];
+    post_call(c, f.epoch);
     const int &ok = open_combine_send(c, a.h.recv_prefix, prefix, f.epoch);
     const int64_t rows = ok ? a.h.meta[0] : 0, kept = a.h.meta[1];
     /* Rows in HT order, our own block [prefix[me], prefix[me + 1]) skipped. */
