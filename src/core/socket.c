@@ -25,23 +25,33 @@
 /* Sockets bound by epx_get_unique_id, so that rank 0 in this process or a forked child reuses
  * them (the id is usually created before the ranks exist). A forked launcher keeps its copy: rank 0
  * shuts the socket down when the rendezvous ends, which stops it in every process holding it, and
- * the next visit to the table closes copies that no longer listen. */
+ * the next visit to the table closes copies that no longer listen. A rank 0 that died before its
+ * rendezvous ended stops nothing, so a copy is also closed once it is older than EPX_TIMEOUT_MS
+ * plus a second: by then every rendezvous on it has ended (closing this process's copy leaves a
+ * child's intact; a rank 0 that starts later binds the id's address again). */
 typedef struct {
     uint64_t key;
     int fd;
+    uint64_t created_ns;
 } listen_entry_t;
 
 static pthread_mutex_t listen_lock_g = PTHREAD_MUTEX_INITIALIZER;
 static listen_entry_t *listen_table_g;
 static size_t listen_count_g, listen_cap_g;
 
-/* Closes the kept sockets that were shut down elsewhere; called with the lock held. */
+/* Closes the kept sockets that were shut down elsewhere or outlived every rendezvous; called
+ * with the lock held. */
 static void sweep_listeners(void)
 {
+    const epx_params_t *params;
+    const uint64_t max_age_ns =
+        (uint64_t)((epx_params_get(&params) == EPX_SUCCESS ? params->timeout_ms : 100000) + 1000) * 1000000ull;
+    const uint64_t now = epx_time_ns();
     for (size_t i = listen_count_g; i-- > 0;) {
         int listening = 0;
         socklen_t len = sizeof(listening);
-        if (getsockopt(listen_table_g[i].fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) == 0 && listening)
+        if (getsockopt(listen_table_g[i].fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) == 0 && listening &&
+            now - listen_table_g[i].created_ns < max_age_ns)
             continue;
         close(listen_table_g[i].fd);
         listen_table_g[i] = listen_table_g[--listen_count_g];
@@ -65,6 +75,7 @@ epx_result_t epx_socket_keep_listener(uint64_t key, int fd)
     }
     listen_table_g[listen_count_g].key = key;
     listen_table_g[listen_count_g].fd = fd;
+    listen_table_g[listen_count_g].created_ns = epx_time_ns();
     listen_count_g++;
 out:
     pthread_mutex_unlock(&listen_lock_g);

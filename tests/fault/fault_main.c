@@ -218,6 +218,12 @@ static void classify(const opts_t *op, const fault_plan_t *plan, const fault_rec
 
 /* ------------------------------------------------------------------- leftovers ---- */
 
+/* Rank 0 was the victim and died before its rendezvous ended (it alone stops the id's socket). */
+static int rank0_died_in_rendezvous(const fault_plan_t *plan, const fault_rec_t *recs)
+{
+    return plan->mode != FAULT_MODE_BOOT && plan->victim == 0 && recs[0].phase <= FAULT_PHASE_INIT;
+}
+
 /* Entries of /dev/shm whose name holds "epx". */
 static int shm_entries(void)
 {
@@ -359,6 +365,7 @@ int main(int argc, char **argv)
     tally_t total = {0}, by_mode[FAULT_MODE_COUNT] = {{0}}, by_kill[FAULT_KILL_COUNT + 3] = {{0}};
     tally_t by_phase[FAULT_PHASE_DONE + 1] = {{0}}; /* the victim's phase when it died */
     const double t0 = fault_now();
+    int held = 0, held_live = 0; /* trials that left the id's socket; those still open */
     for (int trial = 0; trial < op.trials; trial++) {
         if (op.only >= 0 && trial != op.only) continue;
         outcome_t o;
@@ -387,9 +394,18 @@ int main(int argc, char **argv)
                      plan.kill == FAULT_KILL_SHM_POINT ? plan.shm_step : plan.delay_us / 1000,
                      recs[plan.victim].entered, recs[plan.victim].phase);
         }
-        if (fault_count_fds(1) != fds_before)
-            flag(&o, P_LEFTOVER, "the driver holds %d descriptors, %d before", fault_count_fds(1),
-                 fds_before);
+        /* A socket held since an earlier trial may be closed by the age sweep during this one. */
+        int fds_after = fault_count_fds(1);
+        const int swept = fds_before - fds_after > 0 && fds_before - fds_after <= held_live + 1
+                              ? fds_before - fds_after - (rank0_died_in_rendezvous(&plan, recs) ? 1 : 0)
+                              : 0;
+        held_live -= swept > 0 ? swept : 0;
+        fds_after += swept > 0 ? swept : 0;
+        if (fds_after == fds_before + 1 && rank0_died_in_rendezvous(&plan, recs)) {
+            held++; /* the id's socket, closed by the library's age sweep (checked at the end) */
+            held_live++;
+        } else if (fds_after != fds_before)
+            flag(&o, P_LEFTOVER, "the driver holds %d descriptors, %d before", fds_after, fds_before);
         if (shm_entries() != shm_before)
             flag(&o, P_LEFTOVER, "/dev/shm epx entries %d -> %d", shm_before, shm_entries());
         if (children_left()) flag(&o, P_LEFTOVER, "a child process is left");
@@ -408,8 +424,20 @@ int main(int argc, char **argv)
     const double took = fault_now() - t0;
     outcome_t o;
     memset(&o, 0, sizeof(o));
-    if (fault_count_fds(1) != fds_start)
-        flag(&o, P_LEFTOVER, "driver descriptors %d -> %d", fds_start, fault_count_fds(1));
+    int fds_end = fault_count_fds(1), fds_expected = fds_start;
+    if (held > 0) {
+        /* A rank 0 that died inside its rendezvous leaves the driver's copy of the id's socket
+         * listening; the library closes such copies once older than EPX_TIMEOUT_MS + 1 s, at its
+         * next visit to them (here: a new id, whose own socket is the one left). */
+        usleep((useconds_t)(op.timeout_ms + 1200) * 1000u);
+        epx_unique_id_t id;
+        if (epx_get_unique_id(&id) == EPX_SUCCESS) fds_expected++;
+        fds_end = fault_count_fds(1);
+        printf("%d trial(s) left the id's socket with the driver while rank 0 died in its rendezvous; "
+               "after the age sweep the driver holds %d descriptors (%d expected)\n",
+               held, fds_end, fds_expected);
+    }
+    if (fds_end != fds_expected) flag(&o, P_LEFTOVER, "driver descriptors %d -> %d", fds_start, fds_end);
     if (shm_entries() != shm_start)
         flag(&o, P_LEFTOVER, "/dev/shm epx entries %d -> %d", shm_start, shm_entries());
     if (children_left()) flag(&o, P_LEFTOVER, "child processes are left");
