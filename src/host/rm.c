@@ -452,7 +452,9 @@ epx_result_t host_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_rm_di
                  (unsigned long long)seq, (long long)(real - out_rows), (long long)out_rows);
     }
     handle->num_tokens = T;
-    handle->num_recv = h->kept_rows;
+    /* With a bound the handle covers the bound's rows (as on a device, which cannot learn the
+     * real count without a sync); rows past the real count contribute nothing to the combine. */
+    handle->num_recv = out_rows;
     handle->permute = permute;
     handle->x_dtype = dtype;
     handle->backend_state = h;

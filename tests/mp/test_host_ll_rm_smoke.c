@@ -521,9 +521,10 @@ static int rm_tests(const world_t *w, int me, epx_buffer_t buf)
             for (int h = 0; h < HID; h++) EXPECT_EQ_INT(tokens[row * HID + h], 0);
             EXPECT_TRUE(oprobs[row] == 0.0f);
         }
-        /* y = row * (j + 1); padding and dropped rows become NaN, so reading one shows. */
+        /* y = row * (j + 1) over the handle's rows (the bound's, when given); padding rows and rows
+         * past P are NaN, so reading one shows. */
         int64_t kept = rows < P ? rows : P;
-        for (int64_t i = 0; i < kept * HID; i++) x[i] = GARBAGE_BF16;
+        for (int64_t i = 0; i < rows * HID; i++) x[i] = GARBAGE_BF16;
         for (int j = 0; j < L; j++)
             for (int64_t row = 0; row < kept; row++) {
                 int64_t e = (int64_t)me * L + j;
@@ -537,7 +538,10 @@ static int rm_tests(const world_t *w, int me, epx_buffer_t buf)
                         epx_f32_to_bf16(epx_bf16_to_f32(tokens[row * HID + h]) * (float)(j + 1));
             }
         free(filled);
-        EXPECT_OK(rm_combine(buf, o.handle, x, kept, 1, out, T));
+        epx_handle_info_t info;
+        EXPECT_OK(epx_handle_get_info(o.handle, &info));
+        EXPECT_EQ_INT(info.num_recv_tokens, rows);
+        EXPECT_OK(rm_combine(buf, o.handle, x, rows, 1, out, T));
         for (int t = 0; t < T; t++)
             for (int h = 0; h < HID; h++) {
                 float acc = 0.0f;

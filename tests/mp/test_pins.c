@@ -5,6 +5,8 @@
  * - in static mode an HT handle has num_worst_tokens rows (handle info, combine input view), rows
  *   past the real count contribute nothing, with and without overflow; a cached dispatch of a
  *   handle that dropped rows sets the overflow flag again (issue 11, defect 13);
+ * - a routing-map handle (and its combine input) has the bound's rows when one is given, the real
+ *   count without; rows past the real count are zero and contribute nothing to the combine;
  * - num_recv_tokens_per_expert counts every arriving token after an overflow; expert_alignment 0
  *   means 1; combine weights are summed as given (not masked by recv_topk_idx);
  * - num_tokens_per_domain counts tokens (not token-expert pairs) per domain;
@@ -257,6 +259,140 @@ static int static_body(int rank, int nranks, const epx_unique_id_t *id, void *ct
     return 0;
 }
 
+/* ------------------------------------------------------------- routing-map rows ---- */
+
+/* A routing-map dispatch of expert_of's routing; bound -1: none (the same on every rank). */
+typedef struct rm_pin {
+    int permute, pad;
+    int64_t bound;
+} rm_pin_t;
+
+#define RM_MAX_ROWS 16
+
+static int selects(int s, int t, int e)
+{
+    return expert_of(s, t, 0) == e || expert_of(s, t, 1) == e;
+}
+
+/* Rank d's row for token t of source s: the HT row without permute, with permute the row in
+ * expert e's group (groups padded to pad); -1 when the token does not go there. *real (when not
+ * NULL): d's real row count (N_r, or P with padding). */
+static int64_t rm_row_on(int d, int permute, int pad, int s, int t, int e, int64_t *real)
+{
+    if (!permute) {
+        if (real) *real = arriving_on(d);
+        return reaches(s, t, d) ? row_on(s, t, d) : -1;
+    }
+    int64_t row = 0, found = -1;
+    for (int j = 0; j < L; j++) {
+        int64_t n = 0;
+        for (int s2 = 0; s2 < R; s2++)
+            for (int t2 = 0; t2 < T; t2++)
+                if (selects(s2, t2, d * L + j)) {
+                    if (s2 == s && t2 == t && d * L + j == e) found = row + n;
+                    n++;
+                }
+        row += (n + pad - 1) / pad * pad;
+    }
+    if (real) *real = row;
+    return found;
+}
+
+static epx_result_t rm_pin_combine(epx_buffer_t buf, epx_handle_t handle, uint16_t *y, int64_t rows,
+                                   uint16_t *out)
+{
+    epx_rm_combine_args_t a = EPX_RM_COMBINE_ARGS_INIT;
+    a.handle = handle;
+    a.x = epx_tensor_2d(y, EPX_DTYPE_BF16, rows, H);
+    epx_rm_combine_outputs_t o = EPX_RM_COMBINE_OUTPUTS_INIT;
+    o.combined = epx_tensor_2d(out, EPX_DTYPE_BF16, T, H);
+    return epx_rm_combine(buf, &a, &o);
+}
+
+/* With a bound the handle covers the bound's rows (so does the combine input), rows past the real
+ * count are zero and contribute nothing; without one it covers the real rows. */
+static int rm_rows_body(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
+{
+    const rm_pin_t *c = ctx;
+    const int64_t B = c->bound;
+    int64_t real;
+    rm_row_on(rank, c->permute, c->pad, 0, 0, -1, &real);
+    const int64_t rows = B >= 0 ? B : real, kept = rows < real ? rows : real;
+    EXPECT_TRUE(rows <= RM_MAX_ROWS);
+    epx_comm_t comm = pins_comm(rank, nranks, id);
+    EXPECT_TRUE(comm != NULL);
+    epx_buffer_config_t cfg = epx_test_buffer_config(T, H, K, E, EPX_MODE_PERMUTE);
+    cfg.max_pad_multiple = 4;
+    epx_buffer_t buf;
+    EXPECT_OK(epx_buffer_create(comm, &cfg, &buf));
+    static uint16_t x[T * H], tokens[RM_MAX_ROWS * H], y[RM_MAX_ROWS * H], out[T * H];
+    uint8_t map[T * E] = {0};
+    int32_t num_tokens = -1, per_expert[L];
+    for (int t = 0; t < T; t++)
+        for (int k = 0; k < K; k++)
+            if (expert_of(rank, t, k) >= 0) map[t * E + expert_of(rank, t, k)] = 1;
+    for (int i = 0; i < T * H; i++) x[i] = 0x3f80; /* 1 */
+    for (int i = 0; i < RM_MAX_ROWS * H; i++) tokens[i] = 0x7fc0;
+
+    epx_rm_dispatch_args_t a = EPX_RM_DISPATCH_ARGS_INIT;
+    a.hidden = epx_tensor_2d(x, EPX_DTYPE_BF16, T, H);
+    a.routing_map = epx_tensor_2d(map, EPX_DTYPE_BOOL, T, E);
+    a.permute = c->permute;
+    a.pad_multiple = c->pad;
+    a.num_dispatched_tokens = c->permute ? -1 : B;
+    a.num_permuted_tokens = c->permute ? B : -1;
+    epx_rm_dispatch_outputs_t o = EPX_RM_DISPATCH_OUTPUTS_INIT;
+    o.tokens = epx_tensor_2d(tokens, EPX_DTYPE_BF16, rows, H);
+    o.num_tokens = epx_tensor_1d(&num_tokens, EPX_DTYPE_INT32, 1);
+    if (c->permute) o.tokens_per_expert = epx_tensor_1d(per_expert, EPX_DTYPE_INT32, L);
+    EXPECT_OK(epx_rm_dispatch(buf, &a, &o));
+    EXPECT_EQ_INT(o.num_tokens_host, rows);
+    EXPECT_EQ_INT(num_tokens, real);
+    EXPECT_RES(epx_buffer_query_overflow(buf), real > rows ? EPX_ERR_OVERFLOW : EPX_SUCCESS);
+    epx_handle_info_t info;
+    EXPECT_OK(epx_handle_get_info(o.handle, &info));
+    EXPECT_EQ_INT(info.num_tokens, T);
+    EXPECT_EQ_INT(info.num_recv_tokens, rows);
+
+    /* Rows holding a token are 1; padding and rows past the real count are 0. */
+    char held[RM_MAX_ROWS] = {0};
+    for (int s = 0; s < R; s++)
+        for (int t = 0; t < T; t++)
+            for (int j = 0; j < (c->permute ? L : 1); j++) {
+                int64_t row = rm_row_on(rank, c->permute, c->pad, s, t, rank * L + j, NULL);
+                if (row >= 0 && row < rows) held[row] = 1;
+            }
+    for (int64_t i = 0; i < rows; i++)
+        for (int h = 0; h < H; h++) EXPECT_EQ_INT(tokens[i * H + h], held[i] ? 0x3f80 : 0);
+
+    /* Combine input: the handle's rows, 1 where a token is held, NaN elsewhere (it must not be read).
+     * Fewer rows (only the real ones, when the bound is above them) are refused on every rank. */
+    for (int64_t i = 0; i < rows; i++)
+        for (int h = 0; h < H; h++) y[i * H + h] = held[i] ? 0x3f80 : 0x7fc0;
+    if (kept < rows) {
+        EXPECT_RES(rm_pin_combine(buf, o.handle, y, kept, out), EPX_ERR_INVALID_ARG);
+        EXPECT_MSG_HAS("x.shape[0]");
+    }
+    memset(out, 0xff, sizeof(out));
+    EXPECT_OK(rm_pin_combine(buf, o.handle, y, rows, out));
+    for (int t = 0; t < T; t++) {
+        /* Rows of token t that some rank kept: one per rank without permute, one per expert with. */
+        int n = 0;
+        for (int i = 0; i < (c->permute ? K : R); i++) {
+            const int e = c->permute ? expert_of(rank, t, i) : -1, d = c->permute ? e / L : i;
+            if (c->permute && e < 0) continue;
+            int64_t real_d;
+            const int64_t row = rm_row_on(d, c->permute, c->pad, rank, t, e, &real_d);
+            n += row >= 0 && row < (B >= 0 ? B : real_d);
+        }
+        for (int h = 0; h < H; h++) EXPECT_EQ_INT(out[t * H + h], epx_f32_to_bf16((float)n));
+    }
+    EXPECT_OK(epx_handle_destroy(o.handle));
+    EXPECT_OK(epx_buffer_destroy(buf));
+    EXPECT_OK(epx_comm_destroy(comm));
+    return 0;
+}
+
 /* ---------------------------------------------------------------------- LL slots ---- */
 
 static int ll_dispatch(epx_buffer_t buf, uint16_t *x, int32_t *topk, uint16_t *recv, int32_t *count,
@@ -333,6 +469,15 @@ int main(void)
             failed = 1;
         }
     }
+    /* Routing map: 6 rows without permute, P = 8 with pad 4 (group 1: 2 rows, 2 padding); no
+     * bound, a bound above, one that drops rows. */
+    const rm_pin_t rm_pins[] = {{0, 1, -1}, {0, 1, 8}, {0, 1, 4}, {1, 4, -1}, {1, 4, 10}, {1, 4, 5}};
+    for (size_t i = 0; i < sizeof(rm_pins) / sizeof(rm_pins[0]); i++)
+        if (epx_test_run_ranks(R, rm_rows_body, (void *)&rm_pins[i], 60)) {
+            fprintf(stderr, "pins: routing map, permute %d pad %d bound %lld: FAILED\n", rm_pins[i].permute,
+                    rm_pins[i].pad, (long long)rm_pins[i].bound);
+            failed = 1;
+        }
     failed |= epx_test_run_ranks(R, ll_slots_body, NULL, 60);
     printf("pins: %s\n", failed ? "FAILED" : "ok");
     return failed;

@@ -1,7 +1,8 @@
 /*
  * Routing-map dispatch with and without permute (padding, upper bounds equal to / above / below the
  * real count, overflow) and its combine, on the host backend, checked against the reference for every
- * rank. Combine outputs are compared bit for bit: the reference sums in the pinned fp32 order.
+ * rank. With a bound the handle (and the combine input) has the bound's rows. Combine outputs are
+ * compared bit for bit: the reference sums in the pinned fp32 order.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -114,10 +115,12 @@ static int rm_iteration(epx_buffer_t buf, const rm_case_t *rc_, int rank, int it
         rc = 2; /* the peers go on to the combine; this rank cannot */
         goto out;
     }
-    rc |= ref_check_handle(rank, handle, Ts, kept, R, L);
+    /* The handle covers the bound's rows when one is given (as on every backend), else the real ones. */
+    rc |= ref_check_handle(rank, handle, Ts, rows, R, L);
     if (rc & 2) goto out;
 
-    /* ---- combine: rows the handle does not cover, and padding rows, hold a value that would show ---- */
+    /* ---- combine: x has the handle's rows; rows past the real count (up to the bound) and padding
+     * rows hold a value that would show if read ---- */
     {
         uint64_t yseed = seed ^ 0x726d63ull;
         uint16_t *cx = ref_arena_alloc(&a, 2 * (size_t)(rows * H));
