@@ -360,8 +360,8 @@ typedef struct epx_ht_dispatch_outputs {
     epx_tensor_t recv_topk_weights;          /* [out] optional [cap, K] fp32 */
     epx_tensor_t num_recv_tokens_per_expert; /* [out] optional [L] int32 */
     epx_tensor_t num_recv_tokens;            /* [out] optional [1] int32: N_r, in device memory */
-    int64_t num_recv_tokens_host;            /* [out] N_r (static mode on cuda: read it after a
-                                                stream sync through epx_handle_get_info) */
+    int64_t num_recv_tokens_host;            /* [out] N_r; -1 in static mode on every backend
+                                                (the num_recv_tokens tensor has it after a sync) */
     epx_handle_t handle;                     /* [out] new handle (not written for cached) */
 } epx_ht_dispatch_outputs_t;
 
@@ -426,7 +426,9 @@ EPX_API epx_result_t epx_ht_combine(epx_buffer_t buffer, const epx_ht_combine_ar
 
 typedef struct epx_handle_info {
     int64_t num_tokens;      /* T this rank dispatched */
-    int64_t num_recv_tokens; /* N_r (HT, routing map) or P (permute) */
+    int64_t num_recv_tokens; /* rows the handle covers: N_r (HT, routing map) or P (permute);
+                              * with a bound (num_worst_tokens, num_dispatched_tokens,
+                              * num_permuted_tokens) the bound, on every backend */
     int32_t num_ranks;
     int32_t num_local_experts;
 } epx_handle_info_t;

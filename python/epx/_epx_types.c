@@ -490,7 +490,7 @@ static PyStructSequence_Field ht_dispatch_fields[] = {
     {"recv_topk_weights", "[N_r, K] float32 when topk_weights was given, else None"},
     {"num_recv_tokens_per_expert", "[L] int32 rounded up to expert_alignment; None for cached"},
     {"handle", "epx.Handle for combine and cached dispatch"},
-    {"num_recv_tokens", "N_r (int)"},
+    {"num_recv_tokens", "N_r (int; -1 in static mode, where num_recv_tokens_tensor has it)"},
     {"num_recv_tokens_tensor", "[1] int32 holding N_r in the tensors' memory (static mode), else None"},
     {NULL},
 };

@@ -480,7 +480,8 @@ static void dispatch_commit(host_buffer_t *hb, uint64_t seq, const epx_ht_dispat
     host_parallel_for(hb, st->num_recv, 16, copy_rows, &xc);
 
     if (outputs->num_recv_tokens.data) ((int32_t *)outputs->num_recv_tokens.data)[0] = (int32_t)arriving;
-    outputs->num_recv_tokens_host = arriving;
+    /* Static mode returns before the device could know N_r on every backend: -1, as on cuda. */
+    outputs->num_recv_tokens_host = worst > 0 ? -1 : arriving;
     if (worst > 0 && arriving > worst) {
         atomic_store_explicit(&buffer->overflow, 1, memory_order_release);
         EPX_INFO(EPX_SUBSYS_HT, "rank %d: call %llu: %lld rows arrive, num_worst_tokens %lld: rows dropped",
