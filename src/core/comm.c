@@ -224,6 +224,7 @@ static pthread_mutex_t async_lock_g = PTHREAD_MUTEX_INITIALIZER;
 
 epx_result_t epx_comm_get_async_error(epx_comm_t comm)
 {
+    if (comm->ops && comm->ops->poll_async) comm->ops->poll_async(comm);
     epx_result_t res = (epx_result_t)atomic_load_explicit(&comm->async_result, memory_order_acquire);
     if (res != EPX_SUCCESS) epx_error_set_message(comm->async_message);
     return res;

@@ -290,6 +290,10 @@ struct epx_backend_ops {
      * EPX_ERR_REMOTE) and stay in step, legal while `stream` (the call's, may be NULL) is being
      * captured into a CUDA graph. */
     void (*fail_collective)(epx_buffer_t buffer, uint64_t seq, epx_result_t res, void *stream);
+    /* Turns what the backend's buffers of `comm` recorded asynchronously (device error records)
+     * into the comm's async error now, so a caller who synchronised sees it at once. Never
+     * blocks. May be NULL. */
+    void (*poll_async)(epx_comm_t comm);
     /* Collective call `seq` of `kind` starts on this rank (before its checks, so refused calls
      * too): tell the peers, whose waits for call `seq` then fail at once with EPX_ERR_MISMATCH
      * when they make another kind of call. May be NULL. */

@@ -214,6 +214,42 @@ static void *poller_main(void *arg)
     return NULL;
 }
 
+/* The process's live buffers, for epx_get_async_error (cuda_poll_async): a caller who synchronised
+ * must see a device record at once, not at the poller's next turn. */
+static pthread_mutex_t live_lock_g = PTHREAD_MUTEX_INITIALIZER;
+static cuda_buffer_t *live_g;
+
+static void live_add(cuda_buffer_t *cb)
+{
+    pthread_mutex_lock(&live_lock_g);
+    cb->next_live = live_g;
+    live_g = cb;
+    pthread_mutex_unlock(&live_lock_g);
+}
+
+static void live_remove(cuda_buffer_t *cb)
+{
+    pthread_mutex_lock(&live_lock_g);
+    for (cuda_buffer_t **p = &live_g; *p; p = &(*p)->next_live)
+        if (*p == cb) {
+            *p = cb->next_live;
+            break;
+        }
+    pthread_mutex_unlock(&live_lock_g);
+}
+
+static void cuda_poll_async(epx_comm_t comm)
+{
+    pthread_mutex_lock(&live_lock_g);
+    for (cuda_buffer_t *cb = live_g; cb; cb = cb->next_live) {
+        if (cb->buffer->comm != comm) continue;
+        (void)epx_cuda_report_record(cb, cb->reported_epoch + 1, 0);
+        char msg[256];
+        if (epx_cuda_bad_topk(cb, msg, sizeof(msg), 0)) epx_comm_set_async_error(comm, EPX_ERR_INVALID_ARG, msg);
+    }
+    pthread_mutex_unlock(&live_lock_g);
+}
+
 /* SMs per rank for kernels that wait on each other; with `cap` 0, the most that keeps every
  * sharing rank's blocks co-resident. */
 static epx_result_t default_num_sms(epx_buffer_t b, int *out, int cap)
@@ -364,6 +400,7 @@ static epx_result_t cuda_buffer_create(epx_buffer_t buffer)
         }
     }
     buffer->backend_state = cb;
+    live_add(cb);
     EPX_INFO(EPX_SUBSYS_IPC, "rank %d: cuda buffer of %llu bytes, %d blocks per kernel", me,
              (unsigned long long)cb->lay.total, cb->num_blocks);
     return EPX_SUCCESS;
@@ -547,6 +584,7 @@ static void cuda_buffer_destroy(epx_buffer_t buffer)
 {
     cuda_buffer_t *cb = buffer->backend_state;
     if (!cb) return;
+    live_remove(cb);
     (void)cudaSetDevice(cb->device);
     /* Every device wait polls the abort flag, so this synchronisation cannot hang on a peer; the
      * peers' waits on us end through their fail words. */
@@ -595,6 +633,7 @@ const epx_backend_ops_t epx_cuda_backend_ops = {
     .buffer_destroy = cuda_buffer_destroy,
     .handle_free = cuda_handle_free,
     .fail_collective = cuda_fail_collective,
+    .poll_async = cuda_poll_async,
     .layout = epx_cuda_layout,
     .ht_dispatch = epx_cuda_ht_dispatch,
     .ht_combine = epx_cuda_ht_combine,

@@ -50,6 +50,7 @@ typedef struct cuda_buffer {
     int32_t poller_running;
     atomic_int poller_stop;
     void *ll;                              /* LL state (src/cuda/ll.c), NULL without EPX_MODE_LL */
+    struct cuda_buffer *next_live;         /* the process's live buffers (src/cuda/backend.c) */
 } cuda_buffer_t;
 
 /* Device, transport, error poller and handle pool (src/cuda/backend.c). */
