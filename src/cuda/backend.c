@@ -170,8 +170,10 @@ epx_result_t epx_cuda_report_record(cuda_buffer_t *cb, uint64_t min_epoch, int s
     uint64_t epoch = hb->err.epoch;
     if (code == 0 || epoch < min_epoch) return EPX_SUCCESS;
     static const char *what_names[] = {"?", "release of its dispatch area", "dispatch rows", "release of its combine area",
-                                       "combine rows", "expert id", "capacity", "call"};
-    int what = hb->err.what >= 0 && hb->err.what <= 7 ? hb->err.what : 0;
+                                       "combine rows", "expert id", "capacity", "call",
+                                       "acceptance of its row count (its outputs are too small)", "routing map"};
+    const int nwhat = (int)(sizeof(what_names) / sizeof(what_names[0]));
+    int what = hb->err.what >= 0 && hb->err.what < nwhat ? hb->err.what : 0;
     char msg[512];
     if (code == EPX_ERR_MISMATCH)
         describe_mismatch(msg, sizeof(msg), hb->err.rank, hb->err.peer, (uint32_t)hb->err.seen,

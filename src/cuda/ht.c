@@ -215,7 +215,7 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
     if (n > cap)
         return epx_error(EPX_ERR_INVALID_ARG,
                          "rank %d: outputs hold %lld rows but N_r = %lld tokens arrived; nothing "
-                         "was written",
+                         "was written and the peers' calls fail with EPX_ERR_REMOTE",
                          me, (long long)cap, (long long)n);
     outputs->num_recv_tokens_host = n;
     if (!cached) handle->num_recv = n;

@@ -452,6 +452,31 @@ __device__ __forceinline__ void finish_dispatch_recv(const epx_cuda_common_t *c,
     close_epoch(own, &own->disp_last, epoch, also_last);
 }
 
+/* A dispatch receiver's verdict on its row count, before it writes any output (all threads; `ok`
+ * and `fits` the same in every thread of the block). Block 0's threads r < R tell peer r that we
+ * accept (accept word), or, when our waits succeeded but the outputs are too small (!fits), that
+ * we refuse: our fail word for `epoch`, which makes the peer's waits on us return
+ * EPX_ERR_REMOTE. With `wait` (a receiver whose outputs must hold every row), a block that
+ * accepted then waits until every peer accepted, so no rank writes outputs of a call that some
+ * rank refuses; one flag round, only where the host waits for N_r anyway. Every dispatch that a
+ * waiting peer's call can meet at its epoch posts: a refusal or a bad call never leaves a peer
+ * waiting. Returns the block's verdict: ok, and fits, and every peer accepted. */
+__device__ __forceinline__ bool accept_counts(const epx_cuda_common_t *c, uint64_t epoch, bool ok, bool fits,
+                                              bool wait)
+{
+    epx_cuda_ctrl_t *own = peer_ctrl(c, c->rank);
+    if (blockIdx.x == 0 && (int)threadIdx.x < c->nranks) {
+        epx_cuda_ctrl_t *peer = peer_ctrl(c, threadIdx.x);
+        const bool refuse = ok && !fits && (int)threadIdx.x != c->rank;
+        st_release_sys(refuse ? &peer->fail[c->rank] : &peer->accept[c->rank], epoch);
+    }
+    if (!ok || !fits) return false;
+    if (!wait) return true;
+    const int &agreed = wait_peers(
+        c, [&](int r) { return &own->accept[r]; }, epoch, epoch, EPX_CUDA_WAIT_ACCEPT);
+    return agreed != 0;
+}
+
 /* -------------------------------------------------------------------------- launchers ---- */
 
 /* Enqueues kernel<<<grid, block, smem>>>(args) on `stream`; a cudaError_t value (0 = success). */

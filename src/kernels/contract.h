@@ -24,6 +24,8 @@ typedef enum epx_cuda_wait {
     EPX_CUDA_WAIT_BAD_EXPERT = 5,    /* not a wait: an expert id out of range in device topk_idx */
     EPX_CUDA_WAIT_CAPACITY = 6,      /* not a wait: N_r above the output capacity */
     EPX_CUDA_WAIT_CALL = 7,          /* not a wait: the peer's call differs from ours (call words) */
+    EPX_CUDA_WAIT_ACCEPT = 8,        /* receiver's acceptance of its row count (accept words) */
+    EPX_CUDA_WAIT_BAD_MAP = 9,       /* not a wait: a routing_map row with more than K true entries */
 } epx_cuda_wait_t;
 
 /* The call word every collective kernel posts to every peer when it starts: epoch << 24 | signature.
@@ -104,6 +106,10 @@ typedef struct epx_cuda_ctrl {
     /* [epoch & 1][peer] peer's call word (EPX_CUDA_SIG_BITS): a peer is at most one collective
      * ahead of any kernel of ours that reads it, so the word of our epoch stays until we read it. */
     uint64_t call[2][EPX_CUDA_MAX_RANKS];
+    /* [peer] epoch of a dispatch whose row count peer accepted: its outputs hold every row it
+     * receives. A receiver whose outputs are too small writes its fail word for that epoch instead,
+     * so every rank's call fails (contract: common.cuh accept_counts). */
+    uint64_t accept[EPX_CUDA_MAX_RANKS];
 } epx_cuda_ctrl_t;
 
 /* Byte offsets inside a region (all ranks use the same numbers). */

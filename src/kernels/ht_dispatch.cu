@@ -218,8 +218,10 @@ __device__ __forceinline__ void ht_collect_view(const epx_cuda_dispatch_args_t &
 
 /* Receiver of either mode: threads s < R wait for source s's rows (ht_open_recv), the block's warps
  * copy rows out (default) or collect their metadata (view), the last block publishes. The default
- * mode writes nothing when N_r exceeds the outputs (the host call fails), static mode keeps the
- * first `capacity` rows. The view mode releases the default areas at once (it did not touch
+ * mode first settles the row count with the peers (accept_counts): when N_r exceeds our outputs we
+ * refuse and write nothing (the host call fails with EPX_ERR_INVALID_ARG), and a peer's refusal
+ * fails ours (EPX_ERR_REMOTE) before we write anything; static mode keeps the first `capacity`
+ * rows and only posts its acceptance. The view mode releases the default areas at once (it did not touch
  * them) and its own at our next view dispatch. */
 template <bool kView>
 __global__ void __launch_bounds__(kBlockThreads)
@@ -238,11 +240,12 @@ __global__ void __launch_bounds__(kBlockThreads)
         ht_finish_recv(a, &f.own->view_done_counter[DONE_VIEW_RECV], ok, ok, total, ok ? rows : 0, prefix,
                        expert_cnt, want_counts, f.epoch, &f.own->view_last);
     } else {
-        const bool fits = ok && (a.static_mode || total <= a.capacity);
-        const int64_t rows = fits ? (total < a.capacity ? total : a.capacity) : 0;
-        ht_copy_out(a, f.region, prefix, (fits && !a.cached) ? total : rows, rows, expert_cnt, want_counts);
-        ht_finish_recv(a, &f.own->done_counter[DONE_HT_RECV], ok, fits, total, rows, prefix, expert_cnt,
-                       want_counts, f.epoch, nullptr);
+        const bool fits = a.static_mode || total <= a.capacity;
+        const bool agreed = accept_counts(c, f.epoch, ok, fits, !a.static_mode);
+        const int64_t rows = agreed ? (total < a.capacity ? total : a.capacity) : 0;
+        ht_copy_out(a, f.region, prefix, (agreed && !a.cached) ? total : rows, rows, expert_cnt, want_counts);
+        ht_finish_recv(a, &f.own->done_counter[DONE_HT_RECV], ok && (agreed || !fits), agreed, total, rows,
+                       prefix, expert_cnt, want_counts, f.epoch, nullptr);
     }
 }
 

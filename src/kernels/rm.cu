@@ -294,9 +294,12 @@ __global__ void __launch_bounds__(kBlockThreads) rm_recv_kernel(const __grid_con
     __syncthreads();
     const int64_t total = prefix[R];
     const int64_t real = a.permute ? gb[L] : total;
-    /* Without a bound the outputs must hold every row, else nothing is written (the host
-     * reports it); with one, rows past it are dropped. */
-    const bool writable = ok && (a.bounded || real <= a.limit);
+    /* Without a bound the outputs must hold every row, else we refuse the call and write nothing
+     * (the host reports it; the peers fail with EPX_ERR_REMOTE before writing: accept_counts); with
+     * one, rows past it are dropped. */
+    const bool fits = a.bounded || real <= a.limit;
+    const bool writable = accept_counts(c, f.epoch, ok, fits, !a.bounded);
+    const bool counted = ok && (writable || !fits); /* N_r is ours to report */
     const int64_t lim = writable ? a.limit : 0;
     const int ns = a.out_scales ? a.num_scales : 0;
     const uint8_t *dx = f.region + c->lay.disp_x;
@@ -305,7 +308,7 @@ __global__ void __launch_bounds__(kBlockThreads) rm_recv_kernel(const __grid_con
     const float *dw = (const float *)(f.region + c->lay.disp_w);
     const int32_t *dwithin = (const int32_t *)(f.region + c->lay.rm_within);
     const int32_t *dsrc = (const int32_t *)(f.region + c->lay.disp_src);
-    const int64_t nrows = ok ? total : 0;
+    const int64_t nrows = writable ? total : 0;
     for (int64_t i = (int64_t)blockIdx.x * kBlockWarps + warp; i < nrows;
          i += (int64_t)gridDim.x * kBlockWarps) {
         const int s = source_of_row(prefix, R, i);
@@ -395,13 +398,13 @@ __global__ void __launch_bounds__(kBlockThreads) rm_recv_kernel(const __grid_con
     }
     if (last_block_arrive(&f.own->done_counter[EPX_CUDA_RM_DONE_RECV])) {
         if (threadIdx.x == 0) {
-            c->host->num_recv = ok ? real : -1;
-            if (ok && a.bounded && real > a.limit) c->host->overflow = 1;
+            c->host->num_recv = counted ? real : -1;
+            if (counted && a.bounded && real > a.limit) c->host->overflow = 1;
             if (writable && a.num_tokens_out) *a.num_tokens_out = (int32_t)real;
             a.h.meta[0] = (int32_t)nrows;
             a.h.meta[1] = (int32_t)(nrows < lim ? nrows : lim);
         }
-        for (int r = threadIdx.x; r <= R; r += blockDim.x) a.h.recv_prefix[r] = ok ? prefix[r] : 0;
+        for (int r = threadIdx.x; r <= R; r += blockDim.x) a.h.recv_prefix[r] = writable ? prefix[r] : 0;
         if (writable && a.permute && a.tokens_per_expert)
             for (int j = threadIdx.x; j < L; j += blockDim.x) a.tokens_per_expert[j] = gb[j + 1] - gb[j];
         finish_dispatch_recv(c, f.epoch);
