@@ -326,17 +326,81 @@ __device__ __forceinline__ bool expert_ok(int64_t e, int E)
  * earlier slot's id is recorded for the host (which cannot read device ids; `host` may be NULL)
  * and reads as -1. */
 __device__ __forceinline__ int64_t topk_checked(const void *idx, int is64, int64_t t, int K, int k, int E,
-                                                epx_cuda_host_block_t *host)
+                                                epx_cuda_host_block_t *host, int64_t *bad_word = nullptr)
 {
     const int64_t e = topk_at(idx, is64, t * K + k);
     bool bad = e < -1 || e >= E;
     for (int j = 0; j < k && !bad && e >= 0; j++) bad = topk_at(idx, is64, t * K + j) == e;
     if (!bad) return e;
+    const int64_t where = 1 + t * EPX_MAX_TOPK + k;
     if (host) {
         host->bad_value = e;
-        host->bad_where = 1 + t * EPX_MAX_TOPK + k;
+        host->bad_where = where;
     }
+    if (bad_word && atomicCAS((unsigned long long *)bad_word, 0ull, (unsigned long long)where) == 0ull)
+        bad_word[1] = e;
     return -1;
+}
+
+/* A rank whose own device input held a bad value (bad[0] != 0, written by an earlier kernel of the
+ * call; NULL: none checked) fails the call on the device (all threads get the same answer): block
+ * 0 records EPX_ERR_INVALID_ARG (`what`, bad[1] as `seen`, bad[0] as `expected`) and posts its fail
+ * word for `epoch` to every peer, whose waits on us then return EPX_ERR_REMOTE. */
+__device__ __forceinline__ bool refuse_bad(const epx_cuda_common_t *c, const int64_t *bad, uint64_t epoch,
+                                           int what)
+{
+    if (!bad) return false;
+    const int64_t where = *(const volatile int64_t *)bad;
+    if (where == 0) return false;
+    if (blockIdx.x == 0) {
+        if (threadIdx.x == 0)
+            record_error(c, epoch, EPX_ERR_INVALID_ARG, c->rank, what, (uint64_t)bad[1], (uint64_t)where);
+        if ((int)threadIdx.x < c->nranks && (int)threadIdx.x != c->rank)
+            st_release_sys(&peer_ctrl(c, threadIdx.x)->fail[c->rank], epoch);
+    }
+    return true;
+}
+
+/* Gates of wait_peers: true lets the waits run. */
+struct gate_unless {
+    bool refused;
+    __device__ bool operator()() const
+    {
+        return !refused;
+    }
+};
+
+/* ------------------------------------------------------------------------------ poison ---- */
+
+/* The NaN of an element of `elem` bytes (1: fp8 e4m3 0x7f, 2: bf16 0x7fc0, 4: fp32 0x7fc00000) over
+ * 32 bits; kPoisonIndex: -1 for int32 and int64 ids. */
+__device__ __forceinline__ uint32_t nan_pattern(int elem)
+{
+    return elem == 1 ? 0x7f7f7f7fu : (elem == 2 ? 0x7fc07fc0u : 0x7fc00000u);
+}
+constexpr uint32_t kPoisonIndex = 0xffffffffu;
+
+/* Outputs of a call that saw a bad value never look like data: `rows` rows of `row_bytes` bytes
+ * are filled with the 32-bit pattern `pat` (nan_pattern, kPoisonIndex), spread over the grid's
+ * threads. */
+__device__ inline void poison_rows(void *base, int64_t rows, int64_t row_bytes, uint32_t pat)
+{
+    if (!base || rows <= 0) return;
+    const int64_t bytes = rows * row_bytes;
+    const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, n = (int64_t)gridDim.x * blockDim.x;
+    if ((bytes & 3) == 0 && ((uintptr_t)base & 3) == 0) {
+        for (int64_t i = tid; i < bytes / 4; i += n) ((uint32_t *)base)[i] = pat;
+    } else {
+        for (int64_t i = tid; i < bytes; i += n) ((uint8_t *)base)[i] = (uint8_t)(pat >> (8 * (i & 3)));
+    }
+}
+
+/* `n` int32 counts become -1, spread over the grid's threads (NULL: skipped). */
+__device__ inline void poison_counts(int32_t *p, int64_t n)
+{
+    if (!p) return;
+    const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, m = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = tid; i < n; i += m) p[i] = -1;
 }
 
 /* ------------------------------------------------------------------------ kernel frame ---- */

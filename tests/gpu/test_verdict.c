@@ -11,6 +11,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "core/internal.h"
 #include "gpu_test.h"
@@ -195,12 +196,167 @@ static int too_small(fixture_t *f, int rm)
     return ht_round_trip(f, after) || rm_round_trip(f, after);
 }
 
+/* Every 32-bit word of `bytes` bytes of device memory is `pat` (NaN or -1: poisoned). */
+static int poisoned(fixture_t *f, const void *p, size_t bytes, uint32_t pat, const char *what)
+{
+    const int rank = f->rank;
+    uint32_t host[1024];
+    for (size_t off = 0; off < bytes; off += sizeof(host)) {
+        const size_t n = bytes - off < sizeof(host) ? bytes - off : sizeof(host);
+        EXPECT_TRUE(cudaMemcpy(host, (const uint8_t *)p + off, n, cudaMemcpyDeviceToHost) == cudaSuccess);
+        for (size_t i = 0; i < n / 4; i++)
+            if (host[i] != pat)
+                return ref_fail(rank, "%s: word %zu = 0x%08x, expected poison 0x%08x", what, off / 4 + i, host[i],
+                                pat);
+    }
+    return 0;
+}
+
+/* The last rank's topk_idx repeats an id in row 3 (slot 1) or holds E + 5 there. */
+static void *bad_topk(fixture_t *f, int repeated)
+{
+    int32_t topk[TM * K];
+    for (int t = 0; t < TM; t++) {
+        topk[t * K] = t % E;
+        topk[t * K + 1] = (t + 1) % E;
+    }
+    topk[3 * K + 1] = repeated ? topk[3 * K] : E + 5;
+    return gpu_alloc(&f->da, sizeof(topk), topk);
+}
+
+/* A standalone layout with a repeated id on the last rank: its counts are all -1 and the async
+ * error names topk_idx[3][1]; the other ranks' layouts are untouched by it. Runs first, while the
+ * comm's (first-error) async record is still clear. */
+static int layout_bad(fixture_t *f)
+{
+    const int rank = f->rank, victim = f->R - 1;
+    void *topk = rank == victim ? bad_topk(f, 1) : f->topk;
+    void *per_rank = gpu_alloc(&f->da, 4 * (size_t)f->R, NULL), *per_expert = gpu_alloc(&f->da, 4 * E, NULL);
+    void *in_rank = gpu_alloc(&f->da, (size_t)TM * f->R, NULL);
+    EXPECT_TRUE(topk && per_rank && per_expert && in_rank);
+    epx_tensor_t idx = gpu_tensor(topk, EPX_DTYPE_INT32, 2, TM, K, 0, f->device);
+    epx_layout_outputs_t o = EPX_LAYOUT_OUTPUTS_INIT;
+    o.num_tokens_per_rank = gpu_tensor(per_rank, EPX_DTYPE_INT32, 1, f->R, 0, 0, f->device);
+    o.num_tokens_per_expert = gpu_tensor(per_expert, EPX_DTYPE_INT32, 1, E, 0, 0, f->device);
+    o.is_token_in_rank = gpu_tensor(in_rank, EPX_DTYPE_BOOL, 2, TM, f->R, 0, f->device);
+    EXPECT_OK(epx_get_dispatch_layout(f->buf, &idx, &o, NULL));
+    EXPECT_TRUE(cudaDeviceSynchronize() == cudaSuccess);
+    if (rank == victim) {
+        if (poisoned(f, per_rank, 4 * (size_t)f->R, 0xffffffffu, "layout num_tokens_per_rank") ||
+            poisoned(f, per_expert, 4 * E, 0xffffffffu, "layout num_tokens_per_expert"))
+            return 1;
+        epx_result_t r = EPX_SUCCESS;
+        for (int i = 0; i < 500 && r == EPX_SUCCESS; i++) {
+            r = epx_get_async_error(f->comm);
+            if (r == EPX_SUCCESS) usleep(2000);
+        }
+        EXPECT_RES(r, EPX_ERR_INVALID_ARG);
+        EXPECT_MSG_HAS("topk_idx[3][1]");
+    } else {
+        int32_t cnt[E];
+        EXPECT_TRUE(cudaMemcpy(cnt, per_expert, sizeof(cnt), cudaMemcpyDeviceToHost) == cudaSuccess);
+        for (int e = 0; e < E; e++)
+            if (cnt[e] != 2 * TM / E) return ref_fail(rank, "layout num_tokens_per_expert[%d] = %d", e, cnt[e]);
+    }
+    EXPECT_OK(epx_comm_barrier(f->comm));
+    return ht_round_trip(f, "a layout with a repeated id");
+}
+
+/* HT dispatch with a bad id on the last rank (repeated, eager; out of range, static): it fails
+ * with EPX_ERR_INVALID_ARG naming topk_idx[3][1] (eager: the call; static: the call succeeds on the
+ * host and the device's record follows), the peers with EPX_ERR_REMOTE, and its outputs are
+ * poisoned: recv_x NaN, recv_topk_idx -1, recv_topk_weights NaN, both counts -1. */
+static int ht_bad(fixture_t *f, int repeated)
+{
+    const int rank = f->rank, victim = f->R - 1;
+    const int64_t rows = rows_all(f), worst = repeated ? 0 : rows;
+    void *topk = rank == victim ? bad_topk(f, repeated) : f->topk;
+    float hw[TM * K];
+    for (int i = 0; i < TM * K; i++) hw[i] = 0.5f;
+    void *w = gpu_alloc(&f->da, sizeof(hw), hw), *ridx = gpu_alloc(&f->da, (size_t)rows * K * 4, NULL);
+    void *rw = gpu_alloc(&f->da, (size_t)rows * K * 4, NULL), *cnt = gpu_alloc(&f->da, 4 * E, NULL);
+    void *n_dev = gpu_alloc(&f->da, 16, NULL);
+    EXPECT_TRUE(topk && w && ridx && rw && cnt && n_dev);
+    epx_ht_dispatch_args_t a = EPX_HT_DISPATCH_ARGS_INIT;
+    a.x = gpu_tensor(f->x, EPX_DTYPE_BF16, 2, TM, H, 0, f->device);
+    a.topk_idx = gpu_tensor(topk, EPX_DTYPE_INT32, 2, TM, K, 0, f->device);
+    a.topk_weights = gpu_tensor(w, EPX_DTYPE_FP32, 2, TM, K, 0, f->device);
+    a.num_worst_tokens = worst;
+    epx_ht_dispatch_outputs_t o = EPX_HT_DISPATCH_OUTPUTS_INIT;
+    o.recv_x = gpu_tensor(f->rx, EPX_DTYPE_BF16, 2, rows, H, 0, f->device);
+    o.recv_topk_idx = gpu_tensor(ridx, EPX_DTYPE_INT32, 2, rows, K, 0, f->device);
+    o.recv_topk_weights = gpu_tensor(rw, EPX_DTYPE_FP32, 2, rows, K, 0, f->device);
+    o.num_recv_tokens_per_expert = gpu_tensor(cnt, EPX_DTYPE_INT32, 1, E / f->R, 0, 0, f->device);
+    o.num_recv_tokens = gpu_tensor(n_dev, EPX_DTYPE_INT32, 1, 1, 0, 0, f->device);
+    const double t0 = epx_test_now_s();
+    const epx_result_t res = epx_ht_dispatch(f->buf, &a, &o);
+    if (worst) {
+        EXPECT_OK(res); /* static: no host wait, the record follows */
+        EXPECT_OK(epx_handle_destroy(o.handle));
+        EXPECT_TRUE(cudaDeviceSynchronize() == cudaSuccess);
+    } else if (rank == victim) {
+        EXPECT_RES(res, EPX_ERR_INVALID_ARG);
+        EXPECT_MSG_HAS("topk_idx[3][1]");
+        EXPECT_MSG_HAS("poisoned");
+    } else {
+        EXPECT_RES(res, EPX_ERR_REMOTE);
+    }
+    EXPECT_TRUE(epx_test_now_s() - t0 < TIMEOUT_MS / 3000.0);
+    if (rank == victim &&
+        (poisoned(f, f->rx, (size_t)rows * H * 2, 0x7fc07fc0u, "recv_x") ||
+         poisoned(f, ridx, (size_t)rows * K * 4, 0xffffffffu, "recv_topk_idx") ||
+         poisoned(f, rw, (size_t)rows * K * 4, 0x7fc00000u, "recv_topk_weights") ||
+         poisoned(f, cnt, 4 * (size_t)(E / f->R), 0xffffffffu, "num_recv_tokens_per_expert") ||
+         poisoned(f, n_dev, 4, 0xffffffffu, "num_recv_tokens")))
+        return 1;
+    EXPECT_OK(epx_comm_barrier(f->comm));
+    return ht_round_trip(f, repeated ? "an HT dispatch with a repeated id" : "an HT dispatch with an id past E");
+}
+
+/* Routing-map dispatch without a bound, the last rank's row 3 with K + 1 true entries: it fails
+ * with EPX_ERR_INVALID_ARG naming routing_map[3], the peers with EPX_ERR_REMOTE; its tokens are
+ * NaN and its num_tokens -1. */
+static int rm_bad(fixture_t *f)
+{
+    const int rank = f->rank, victim = f->R - 1;
+    const int64_t rows = rows_all(f);
+    uint8_t map[TM * E];
+    EXPECT_TRUE(cudaMemcpy(map, f->map, sizeof(map), cudaMemcpyDeviceToHost) == cudaSuccess);
+    map[3 * E + (3 + K) % E] = 1;
+    void *bad_map = gpu_alloc(&f->da, sizeof(map), map), *n_dev = gpu_alloc(&f->da, 16, NULL);
+    EXPECT_TRUE(bad_map && n_dev);
+    epx_rm_dispatch_args_t a = EPX_RM_DISPATCH_ARGS_INIT;
+    a.hidden = gpu_tensor(f->x, EPX_DTYPE_BF16, 2, TM, H, 0, f->device);
+    a.routing_map = gpu_tensor(rank == victim ? bad_map : f->map, EPX_DTYPE_BOOL, 2, TM, E, 0, f->device);
+    epx_rm_dispatch_outputs_t o = EPX_RM_DISPATCH_OUTPUTS_INIT;
+    o.tokens = gpu_tensor(f->rx, EPX_DTYPE_BF16, 2, rows, H, 0, f->device);
+    o.num_tokens = gpu_tensor(n_dev, EPX_DTYPE_INT32, 1, 1, 0, 0, f->device);
+    const double t0 = epx_test_now_s();
+    const epx_result_t res = epx_rm_dispatch(f->buf, &a, &o);
+    if (rank == victim) {
+        EXPECT_RES(res, EPX_ERR_INVALID_ARG);
+        EXPECT_MSG_HAS("routing_map[3]");
+        if (poisoned(f, f->rx, (size_t)rows * H * 2, 0x7fc07fc0u, "tokens") ||
+            poisoned(f, n_dev, 4, 0xffffffffu, "num_tokens"))
+            return 1;
+    } else {
+        EXPECT_RES(res, EPX_ERR_REMOTE);
+    }
+    EXPECT_TRUE(epx_test_now_s() - t0 < TIMEOUT_MS / 3000.0);
+    EXPECT_OK(epx_comm_barrier(f->comm));
+    return rm_round_trip(f, "a routing map with K + 1 entries") || ht_round_trip(f, "a bad routing map");
+}
+
 static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx)
 {
     fixture_t f;
     if (fixture_open(&f, vctx, id, rank, nranks)) return 1;
-    int rc = too_small(&f, 0);
+    int rc = layout_bad(&f);
+    if (rc == 0) rc = too_small(&f, 0);
     if (rc == 0) rc = too_small(&f, 1);
+    if (rc == 0) rc = ht_bad(&f, 1);
+    if (rc == 0) rc = ht_bad(&f, 0);
+    if (rc == 0) rc = rm_bad(&f);
     if (rc == 0) EXPECT_OK(epx_comm_barrier(f.comm));
     EXPECT_OK(epx_buffer_destroy(f.buf));
     gpu_arena_free(&f.da);
