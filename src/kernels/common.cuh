@@ -488,19 +488,36 @@ __device__ __forceinline__ void close_epoch(epx_cuda_ctrl_t *own, uint64_t *op_l
     }
 }
 
-/* A failed collective's end (last block, all threads): the area of the other kind (the dispatch
- * area after a combine, `disp`, or the combine area after a dispatch) goes back to every peer at
- * `epoch`, so a peer whose call of this epoch was of that kind (a mismatch) does not wait for a
- * release we would never make. Between calls that area holds nothing of ours. */
-__device__ __forceinline__ void release_if_failed(const epx_cuda_common_t *c, uint64_t epoch, bool disp)
+/* A failed collective's end (last block, all threads): the HT/routing-map dispatch and combine
+ * areas go back to every peer at `epoch`, and after a mismatch also both LL slots' dispatch and
+ * combine areas, so a peer whose call of this epoch was of another kind does not wait for a
+ * release we would never make. Between calls the HT areas hold nothing of ours that a peer still
+ * needs; an LL slot may (a receive hook not run yet), so its release waits for a mismatch, where
+ * the ranks' calls are out of step anyway. */
+__device__ __forceinline__ void release_if_failed(const epx_cuda_common_t *c, uint64_t epoch)
 {
     __shared__ int failed;
     __syncthreads();
-    if (threadIdx.x == 0) failed = epoch_failed(c, epoch);
+    if (threadIdx.x == 0) {
+        failed = epoch_failed(c, epoch);
+        if (failed && c->lay.ll && ld_volatile_i32(&c->host->err.code) == EPX_ERR_MISMATCH &&
+            ld_volatile_u64(&c->host->err.epoch) == epoch)
+            failed = 2;
+    }
     __syncthreads();
     if (failed && (int)threadIdx.x < c->nranks) {
+        /* Never below what a later call released (an LL receive hook may run late): a maximum. */
         epx_cuda_ctrl_t *peer = peer_ctrl(c, threadIdx.x);
-        st_release_sys(disp ? &peer->disp_ack[c->rank] : &peer->comb_ack[c->rank], epoch);
+        __threadfence_system();
+        atomicMax_system((unsigned long long *)&peer->disp_ack[c->rank], (unsigned long long)epoch);
+        atomicMax_system((unsigned long long *)&peer->comb_ack[c->rank], (unsigned long long)epoch);
+        if (failed == 2) {
+            epx_cuda_ll_ctrl_t *lp = (epx_cuda_ll_ctrl_t *)(c->peers[threadIdx.x] + c->lay.ll);
+            for (int s = 0; s < 2; s++) {
+                atomicMax_system((unsigned long long *)&lp->disp_ack[s][c->rank], (unsigned long long)epoch);
+                atomicMax_system((unsigned long long *)&lp->comb_ack[s][c->rank], (unsigned long long)epoch);
+            }
+        }
     }
 }
 
@@ -510,7 +527,7 @@ __device__ __forceinline__ void finish_dispatch_recv(const epx_cuda_common_t *c,
                                                      uint64_t *also_last = nullptr)
 {
     epx_cuda_ctrl_t *own = peer_ctrl(c, c->rank);
-    release_if_failed(c, epoch, false);
+    release_if_failed(c, epoch);
     release_peers(
         c, [&](int r) { return &peer_ctrl(c, r)->disp_ack[c->rank]; }, epoch);
     close_epoch(own, &own->disp_last, epoch, also_last);
