@@ -28,6 +28,7 @@ __global__ void __launch_bounds__(1024) layout_kernel(const __grid_constant__ ep
     }
     if (a.num_tokens_per_expert)
         for (int i = threadIdx.x; i < E; i += blockDim.x) a.num_tokens_per_expert[i] = 0;
+    if (a.bad && threadIdx.x == 0) a.bad[0] = 0; /* one block: cleared before any thread checks */
     __syncthreads();
     bool saw_bad = false;
     for (int64_t tile = 0; tile < a.num_tokens; tile += blockDim.x) {
