@@ -170,10 +170,23 @@ epx_result_t epx_cuda_report_record(cuda_buffer_t *cb, uint64_t min_epoch, int s
     uint64_t epoch = hb->err.epoch;
     if (code == 0 || epoch < min_epoch) return EPX_SUCCESS;
     static const char *what_names[] = {"?", "release of its dispatch area", "dispatch rows", "release of its combine area",
-                                       "combine rows", "expert id", "capacity", "call"};
-    int what = hb->err.what >= 0 && hb->err.what <= 7 ? hb->err.what : 0;
+                                       "combine rows", "expert id", "capacity", "call",
+                                       "acceptance of its row count (its outputs are too small)", "routing map"};
+    const int nwhat = (int)(sizeof(what_names) / sizeof(what_names[0]));
+    int what = hb->err.what >= 0 && hb->err.what < nwhat ? hb->err.what : 0;
     char msg[512];
-    if (code == EPX_ERR_MISMATCH)
+    const int64_t where = (int64_t)hb->err.expected - 1;
+    if (code == EPX_ERR_INVALID_ARG && what == EPX_CUDA_WAIT_BAD_EXPERT)
+        snprintf(msg, sizeof(msg), "rank %d: topk_idx[%lld][%lld] = %lld is out of range [-1, %d) or repeated in "
+                 "its row; this rank's outputs of collective epoch %llu are poisoned (counts -1, rows NaN)",
+                 hb->err.rank, (long long)(where / EPX_MAX_TOPK), (long long)(where % EPX_MAX_TOPK),
+                 (long long)hb->err.seen, cb->buffer->config.num_experts, (unsigned long long)epoch);
+    else if (code == EPX_ERR_INVALID_ARG && what == EPX_CUDA_WAIT_BAD_MAP)
+        snprintf(msg, sizeof(msg), "rank %d: routing_map[%lld] has more than K = %d true entries (column %lld is "
+                 "past them); this rank's outputs of collective epoch %llu are poisoned (counts -1, rows NaN)",
+                 hb->err.rank, (long long)where, cb->buffer->config.num_topk, (long long)hb->err.seen,
+                 (unsigned long long)epoch);
+    else if (code == EPX_ERR_MISMATCH)
         describe_mismatch(msg, sizeof(msg), hb->err.rank, hb->err.peer, (uint32_t)hb->err.seen,
                           (uint32_t)hb->err.expected, epoch);
     else if (code == EPX_ERR_REMOTE)
@@ -208,7 +221,7 @@ static void *poller_main(void *arg)
         nanosleep(&ts, NULL);
         (void)epx_cuda_report_record(cb, cb->reported_epoch + 1, 0);
         char msg[256];
-        if (epx_cuda_bad_topk(cb, msg, sizeof(msg), 0))
+        if (epx_cuda_bad_topk(cb, msg, sizeof(msg), 1))
             epx_comm_set_async_error(cb->buffer->comm, EPX_ERR_INVALID_ARG, msg);
     }
     return NULL;
@@ -459,6 +472,7 @@ static uint64_t slab_layout(epx_buffer_t b, epx_handle_kind_t kind, uint8_t *bas
         d->recv_prefix = carve(&c, (R + 1) * 4);
         d->local_row = carve(&c, T * 4);
         d->meta = carve(&c, 2 * 4);
+        d->bad = carve(&c, 2 * 8);
     } else {
         epx_cuda_handle_dev_t *d = &h->dev.ht;
         d->send_row = carve(&c, T * R * 4);
@@ -466,6 +480,7 @@ static uint64_t slab_layout(epx_buffer_t b, epx_handle_kind_t kind, uint8_t *bas
         d->recv_src = carve(&c, R * T * 4);
         d->recv_prefix = carve(&c, (R + 1) * 4);
         d->rows_valid = carve(&c, 4);
+        d->bad = carve(&c, 2 * 8);
     }
     return c.off;
 }
@@ -492,13 +507,24 @@ epx_result_t epx_cuda_handle_get(cuda_buffer_t *cb, epx_handle_kind_t kind, cuda
         epx_result_t res = epx_cuda_check(cudaMalloc(&h->slab, slab_layout(b, kind, NULL, h)),
                                           rm ? "cudaMalloc(routing-map handle)" : "cudaMalloc(handle)",
                                           b->comm->rank);
+        if (res == EPX_SUCCESS) {
+            h->kind = kind;
+            (void)slab_layout(b, kind, h->slab, h);
+            /* The bad word starts clear (the receive kernel clears it after each use); on the
+             * internal stream, which no capture or blocking stream waits on. */
+            void *bad = rm ? (void *)h->dev.rm.bad : (void *)h->dev.ht.bad;
+            res = epx_cuda_check(cudaMemsetAsync(bad, 0, 16, (cudaStream_t)cb->internal_stream),
+                                 "cudaMemsetAsync(handle)", b->comm->rank);
+            if (res == EPX_SUCCESS)
+                res = epx_cuda_check(cudaStreamSynchronize((cudaStream_t)cb->internal_stream),
+                                     "cudaStreamSynchronize(handle)", b->comm->rank);
+            if (res != EPX_SUCCESS) (void)cudaFree(h->slab);
+        }
         (void)cudaThreadExchangeStreamCaptureMode(&mode);
         if (res != EPX_SUCCESS) {
             free(h);
             return res;
         }
-        h->kind = kind;
-        (void)slab_layout(b, kind, h->slab, h);
     }
     h->next_free = NULL;
     *out = h;

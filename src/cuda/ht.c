@@ -7,15 +7,12 @@
 
 #include "cuda/cuda.h"
 
-/* After the host wait: the device error recorded since the call's mark, or a bad expert id of
- * the layout kernel, as the call's result. */
+/* After the host wait: the device error recorded since the call's mark as the call's result (a bad
+ * topk_idx id of the call is one: the device refused the call on every rank). A bad id that a
+ * standalone layout found is not this call's: the poller reports it. */
 static epx_result_t ht_wait(const epx_cuda_op_t *op, const char *what)
 {
-    cuda_buffer_t *cb = op->cb;
-    EPX_CHECK(epx_cuda_op_wait(op, what));
-    char msg[256];
-    if (epx_cuda_bad_topk(cb, msg, sizeof(msg), 1)) return epx_error(EPX_ERR_INVALID_ARG, "%s", msg);
-    return EPX_SUCCESS;
+    return epx_cuda_op_wait(op, what);
 }
 
 /* The layout kernel's arguments every caller shares; outputs stay NULL (skipped). */
@@ -153,6 +150,8 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
         layout_args(buffer, &args->topk_idx, &la);
         la.send_row = h->dev.ht.send_row;
         la.num_tokens_per_rank = h->dev.ht.send_count;
+        la.host = NULL; /* a bad id fails the dispatch on the device (error record) instead */
+        la.bad = h->dev.ht.bad;
         la.ranks_per_domain = buffer->comm->nranks;
         res = epx_cuda_check(epx_cuda_launch_layout(&la, args->stream), "layout kernel launch", me);
         if (res != EPX_SUCCESS) return epx_cuda_op_refuse(&op, res);
@@ -215,7 +214,7 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
     if (n > cap)
         return epx_error(EPX_ERR_INVALID_ARG,
                          "rank %d: outputs hold %lld rows but N_r = %lld tokens arrived; nothing "
-                         "was written",
+                         "was written and the peers' calls fail with EPX_ERR_REMOTE",
                          me, (long long)cap, (long long)n);
     outputs->num_recv_tokens_host = n;
     if (!cached) handle->num_recv = n;

@@ -28,6 +28,7 @@ typedef struct cuda_ll {
     epx_cuda_ll_layout_t lay;
     ll_slot_t slots[2];
     uint64_t dispatches_seen; /* buffer->ll_dispatches at our last dispatch */
+    uint64_t last_disp_epoch; /* epoch of our last LL dispatch (0: none, or given back) */
 } cuda_ll_t;
 
 static uint64_t ll_align(uint64_t v, uint64_t a)
@@ -120,6 +121,25 @@ static epx_result_t ll_begin(epx_cuda_op_t *op, epx_buffer_t buffer, uint64_t se
     return epx_cuda_op_begin(op, buffer, seq, stream);
 }
 
+/* Our last LL dispatch met another kind of call on a peer (EPX_ERR_MISMATCH recorded at its epoch,
+ * the peer's call word not an LL dispatch): that peer took no LL slot, so ours is given back and
+ * every rank's next LL dispatch takes the same slot. The device releases what the failed epoch
+ * held (release_if_failed). Seen when the record has arrived: after the caller synchronised with
+ * the failed call (its error reached it). */
+static void ll_give_back_slot(cuda_buffer_t *cb, cuda_ll_t *ll)
+{
+    const volatile epx_cuda_host_block_t *hb = cb->host;
+    if (ll->last_disp_epoch == 0 || hb->err.code != EPX_ERR_MISMATCH || hb->err.epoch != ll->last_disp_epoch)
+        return;
+    if (((uint32_t)hb->err.expected & 15) != EPX_CUDA_CALL_LL_DISPATCH ||
+        ((uint32_t)hb->err.seen & 15) == EPX_CUDA_CALL_LL_DISPATCH)
+        return;
+    ll->last_disp_epoch = 0;
+    cb->buffer->ll_dispatches--;
+    EPX_INFO(EPX_SUBSYS_LL, "rank %d: ll dispatch of epoch %llu met another kind of call: its slot is given back",
+             cb->buffer->comm->rank, (unsigned long long)hb->err.epoch);
+}
+
 /* A new call on `slot` drops the slot's receive half that never ran; the send kernel releases it. */
 static void ll_take_drops(ll_slot_t *sl, epx_cuda_ll_args_t *a)
 {
@@ -160,6 +180,7 @@ epx_result_t epx_cuda_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_l
     EPX_CHECK(ll_begin(&op, buffer, seq, args->stream)); /* peers must not wait for us */
     if (!ll)
         return epx_cuda_op_refuse(&op, epx_error(EPX_ERR_INTERNAL, "rank %d: buffer has no ll state", me));
+    ll_give_back_slot(cb, ll);
     const int slot = (int)((buffer->ll_dispatches - 1) % 2);
     ll_slot_t *sl = &ll->slots[slot];
 
@@ -182,6 +203,7 @@ epx_result_t epx_cuda_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_l
     EPX_CHECK(
         epx_cuda_op_sent(&op, epx_cuda_launch_ll_dispatch_send(&a, args->stream), "ll dispatch send launch"));
     ll->dispatches_seen = buffer->ll_dispatches;
+    ll->last_disp_epoch = op.epoch;
     ll_mark_sent(sl, &op);
     sl->valid = 1;
     EPX_TRACE(EPX_SUBSYS_LL, "rank %d: ll dispatch seq %llu epoch %llu slot %d T %lld%s%s", me,

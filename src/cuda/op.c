@@ -122,7 +122,7 @@ int epx_cuda_bad_topk(cuda_buffer_t *cb, char *msg, size_t cap, int clear)
     const int64_t where = hb->bad_where;
     if (!where) return 0;
     const int64_t w = where - 1;
-    snprintf(msg, cap, "rank %d: topk_idx[%lld][%lld] = %lld is out of range [0, %d) or repeated",
+    snprintf(msg, cap, "rank %d: topk_idx[%lld][%lld] = %lld is out of range [-1, %d) or repeated in its row",
              cb->buffer->comm->rank, (long long)(w / EPX_MAX_TOPK), (long long)(w % EPX_MAX_TOPK),
              (long long)hb->bad_value, cb->buffer->config.num_experts);
     if (clear) hb->bad_where = 0;

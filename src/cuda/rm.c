@@ -143,7 +143,7 @@ epx_result_t epx_cuda_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_r
         return epx_error(
             EPX_ERR_INVALID_ARG,
             "rank %d: routing-map dispatch receives %lld rows (%s), the outputs hold %lld; nothing "
-            "was written",
+            "was written and the peers' calls fail with EPX_ERR_REMOTE",
             me, (long long)n, permute ? "P" : "N_r", (long long)cap);
     outputs->num_tokens_host = n;
     handle->num_recv = n;

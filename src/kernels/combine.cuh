@@ -102,7 +102,7 @@ __device__ __forceinline__ void finish_combine_reduce(const epx_cuda_common_t *c
 {
     if (last_block_arrive(counter)) {
         epx_cuda_ctrl_t *own = peer_ctrl(c, c->rank);
-        release_if_failed(c, epoch, true);
+        release_if_failed(c, epoch);
         release_peers(
             c, [&](int r) { return &peer_ctrl(c, r)->comb_ack[c->rank]; }, epoch);
         close_epoch(own, &own->comb_last, epoch);

@@ -326,17 +326,81 @@ __device__ __forceinline__ bool expert_ok(int64_t e, int E)
  * earlier slot's id is recorded for the host (which cannot read device ids; `host` may be NULL)
  * and reads as -1. */
 __device__ __forceinline__ int64_t topk_checked(const void *idx, int is64, int64_t t, int K, int k, int E,
-                                                epx_cuda_host_block_t *host)
+                                                epx_cuda_host_block_t *host, int64_t *bad_word = nullptr)
 {
     const int64_t e = topk_at(idx, is64, t * K + k);
     bool bad = e < -1 || e >= E;
     for (int j = 0; j < k && !bad && e >= 0; j++) bad = topk_at(idx, is64, t * K + j) == e;
     if (!bad) return e;
+    const int64_t where = 1 + t * EPX_MAX_TOPK + k;
     if (host) {
         host->bad_value = e;
-        host->bad_where = 1 + t * EPX_MAX_TOPK + k;
+        host->bad_where = where;
     }
+    if (bad_word && atomicCAS((unsigned long long *)bad_word, 0ull, (unsigned long long)where) == 0ull)
+        bad_word[1] = e;
     return -1;
+}
+
+/* A rank whose own device input held a bad value (bad[0] != 0, written by an earlier kernel of the
+ * call; NULL: none checked) fails the call on the device (all threads get the same answer): block
+ * 0 records EPX_ERR_INVALID_ARG (`what`, bad[1] as `seen`, bad[0] as `expected`) and posts its fail
+ * word for `epoch` to every peer, whose waits on us then return EPX_ERR_REMOTE. */
+__device__ __forceinline__ bool refuse_bad(const epx_cuda_common_t *c, const int64_t *bad, uint64_t epoch,
+                                           int what)
+{
+    if (!bad) return false;
+    const int64_t where = *(const volatile int64_t *)bad;
+    if (where == 0) return false;
+    if (blockIdx.x == 0) {
+        if (threadIdx.x == 0)
+            record_error(c, epoch, EPX_ERR_INVALID_ARG, c->rank, what, (uint64_t)bad[1], (uint64_t)where);
+        if ((int)threadIdx.x < c->nranks && (int)threadIdx.x != c->rank)
+            st_release_sys(&peer_ctrl(c, threadIdx.x)->fail[c->rank], epoch);
+    }
+    return true;
+}
+
+/* Gates of wait_peers: true lets the waits run. */
+struct gate_unless {
+    bool refused;
+    __device__ bool operator()() const
+    {
+        return !refused;
+    }
+};
+
+/* ------------------------------------------------------------------------------ poison ---- */
+
+/* The NaN of an element of `elem` bytes (1: fp8 e4m3 0x7f, 2: bf16 0x7fc0, 4: fp32 0x7fc00000) over
+ * 32 bits; kPoisonIndex: -1 for int32 and int64 ids. */
+__device__ __forceinline__ uint32_t nan_pattern(int elem)
+{
+    return elem == 1 ? 0x7f7f7f7fu : (elem == 2 ? 0x7fc07fc0u : 0x7fc00000u);
+}
+constexpr uint32_t kPoisonIndex = 0xffffffffu;
+
+/* Outputs of a call that saw a bad value never look like data: `rows` rows of `row_bytes` bytes
+ * are filled with the 32-bit pattern `pat` (nan_pattern, kPoisonIndex), spread over the grid's
+ * threads. */
+__device__ inline void poison_rows(void *base, int64_t rows, int64_t row_bytes, uint32_t pat)
+{
+    if (!base || rows <= 0) return;
+    const int64_t bytes = rows * row_bytes;
+    const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, n = (int64_t)gridDim.x * blockDim.x;
+    if ((bytes & 3) == 0 && ((uintptr_t)base & 3) == 0) {
+        for (int64_t i = tid; i < bytes / 4; i += n) ((uint32_t *)base)[i] = pat;
+    } else {
+        for (int64_t i = tid; i < bytes; i += n) ((uint8_t *)base)[i] = (uint8_t)(pat >> (8 * (i & 3)));
+    }
+}
+
+/* `n` int32 counts become -1, spread over the grid's threads (NULL: skipped). */
+__device__ inline void poison_counts(int32_t *p, int64_t n)
+{
+    if (!p) return;
+    const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, m = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = tid; i < n; i += m) p[i] = -1;
 }
 
 /* ------------------------------------------------------------------------ kernel frame ---- */
@@ -424,19 +488,36 @@ __device__ __forceinline__ void close_epoch(epx_cuda_ctrl_t *own, uint64_t *op_l
     }
 }
 
-/* A failed collective's end (last block, all threads): the area of the other kind (the dispatch
- * area after a combine, `disp`, or the combine area after a dispatch) goes back to every peer at
- * `epoch`, so a peer whose call of this epoch was of that kind (a mismatch) does not wait for a
- * release we would never make. Between calls that area holds nothing of ours. */
-__device__ __forceinline__ void release_if_failed(const epx_cuda_common_t *c, uint64_t epoch, bool disp)
+/* A failed collective's end (last block, all threads): the HT/routing-map dispatch and combine
+ * areas go back to every peer at `epoch`, and after a mismatch also both LL slots' dispatch and
+ * combine areas, so a peer whose call of this epoch was of another kind does not wait for a
+ * release we would never make. Between calls the HT areas hold nothing of ours that a peer still
+ * needs; an LL slot may (a receive hook not run yet), so its release waits for a mismatch, where
+ * the ranks' calls are out of step anyway. */
+__device__ __forceinline__ void release_if_failed(const epx_cuda_common_t *c, uint64_t epoch)
 {
     __shared__ int failed;
     __syncthreads();
-    if (threadIdx.x == 0) failed = epoch_failed(c, epoch);
+    if (threadIdx.x == 0) {
+        failed = epoch_failed(c, epoch);
+        if (failed && c->lay.ll && ld_volatile_i32(&c->host->err.code) == EPX_ERR_MISMATCH &&
+            ld_volatile_u64(&c->host->err.epoch) == epoch)
+            failed = 2;
+    }
     __syncthreads();
     if (failed && (int)threadIdx.x < c->nranks) {
+        /* Never below what a later call released (an LL receive hook may run late): a maximum. */
         epx_cuda_ctrl_t *peer = peer_ctrl(c, threadIdx.x);
-        st_release_sys(disp ? &peer->disp_ack[c->rank] : &peer->comb_ack[c->rank], epoch);
+        __threadfence_system();
+        atomicMax_system((unsigned long long *)&peer->disp_ack[c->rank], (unsigned long long)epoch);
+        atomicMax_system((unsigned long long *)&peer->comb_ack[c->rank], (unsigned long long)epoch);
+        if (failed == 2) {
+            epx_cuda_ll_ctrl_t *lp = (epx_cuda_ll_ctrl_t *)(c->peers[threadIdx.x] + c->lay.ll);
+            for (int s = 0; s < 2; s++) {
+                atomicMax_system((unsigned long long *)&lp->disp_ack[s][c->rank], (unsigned long long)epoch);
+                atomicMax_system((unsigned long long *)&lp->comb_ack[s][c->rank], (unsigned long long)epoch);
+            }
+        }
     }
 }
 
@@ -446,10 +527,35 @@ __device__ __forceinline__ void finish_dispatch_recv(const epx_cuda_common_t *c,
                                                      uint64_t *also_last = nullptr)
 {
     epx_cuda_ctrl_t *own = peer_ctrl(c, c->rank);
-    release_if_failed(c, epoch, false);
+    release_if_failed(c, epoch);
     release_peers(
         c, [&](int r) { return &peer_ctrl(c, r)->disp_ack[c->rank]; }, epoch);
     close_epoch(own, &own->disp_last, epoch, also_last);
+}
+
+/* A dispatch receiver's verdict on its row count, before it writes any output (all threads; `ok`
+ * and `fits` the same in every thread of the block). Block 0's threads r < R tell peer r that we
+ * accept (accept word), or, when our waits succeeded but the outputs are too small (!fits), that
+ * we refuse: our fail word for `epoch`, which makes the peer's waits on us return
+ * EPX_ERR_REMOTE. With `wait` (a receiver whose outputs must hold every row), a block that
+ * accepted then waits until every peer accepted, so no rank writes outputs of a call that some
+ * rank refuses; one flag round, only where the host waits for N_r anyway. Every dispatch that a
+ * waiting peer's call can meet at its epoch posts: a refusal or a bad call never leaves a peer
+ * waiting. Returns the block's verdict: ok, and fits, and every peer accepted. */
+__device__ __forceinline__ bool accept_counts(const epx_cuda_common_t *c, uint64_t epoch, bool ok, bool fits,
+                                              bool wait)
+{
+    epx_cuda_ctrl_t *own = peer_ctrl(c, c->rank);
+    if (blockIdx.x == 0 && (int)threadIdx.x < c->nranks) {
+        epx_cuda_ctrl_t *peer = peer_ctrl(c, threadIdx.x);
+        const bool refuse = ok && !fits && (int)threadIdx.x != c->rank;
+        st_release_sys(refuse ? &peer->fail[c->rank] : &peer->accept[c->rank], epoch);
+    }
+    if (!ok || !fits) return false;
+    if (!wait) return true;
+    const int &agreed = wait_peers(
+        c, [&](int r) { return &own->accept[r]; }, epoch, epoch, EPX_CUDA_WAIT_ACCEPT);
+    return agreed != 0;
 }
 
 /* -------------------------------------------------------------------------- launchers ---- */

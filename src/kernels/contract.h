@@ -24,6 +24,8 @@ typedef enum epx_cuda_wait {
     EPX_CUDA_WAIT_BAD_EXPERT = 5,    /* not a wait: an expert id out of range in device topk_idx */
     EPX_CUDA_WAIT_CAPACITY = 6,      /* not a wait: N_r above the output capacity */
     EPX_CUDA_WAIT_CALL = 7,          /* not a wait: the peer's call differs from ours (call words) */
+    EPX_CUDA_WAIT_ACCEPT = 8,        /* receiver's acceptance of its row count (accept words) */
+    EPX_CUDA_WAIT_BAD_MAP = 9,       /* not a wait: a routing_map row with more than K true entries */
 } epx_cuda_wait_t;
 
 /* The call word every collective kernel posts to every peer when it starts: epoch << 24 | signature.
@@ -104,6 +106,10 @@ typedef struct epx_cuda_ctrl {
     /* [epoch & 1][peer] peer's call word (EPX_CUDA_SIG_BITS): a peer is at most one collective
      * ahead of any kernel of ours that reads it, so the word of our epoch stays until we read it. */
     uint64_t call[2][EPX_CUDA_MAX_RANKS];
+    /* [peer] epoch of a dispatch whose row count peer accepted: its outputs hold every row it
+     * receives. A receiver whose outputs are too small writes its fail word for that epoch instead,
+     * so every rank's call fails (contract: common.cuh accept_counts). */
+    uint64_t accept[EPX_CUDA_MAX_RANKS];
 } epx_cuda_ctrl_t;
 
 /* Byte offsets inside a region (all ranks use the same numbers). */
@@ -140,6 +146,8 @@ typedef struct epx_cuda_handle_dev {
     int32_t *recv_src;    /* [R*T_max]: source token index of each received row */
     int32_t *recv_prefix; /* [R+1]: first row of each source */
     int32_t *rows_valid;  /* [1]: received rows actually written (min(N_r, capacity)) */
+    int64_t *bad;         /* [2]: 1 + token * EPX_MAX_TOPK + slot of a bad topk_idx entry the call's layout
+                             found (0 = none), its value; the receive kernel clears it */
 } epx_cuda_handle_dev_t;
 
 /* Common part of every collective kernel's arguments. */
@@ -168,8 +176,9 @@ typedef struct epx_cuda_layout_args {
     uint8_t *is_token_in_rank;   /* [T][R] */
     int32_t *num_tokens_per_domain; /* [R/D] */
     int32_t ranks_per_domain;
-    epx_cuda_host_block_t *host; /* bad ids go to the error record */
-    uint8_t *ctrl_region;        /* our region (err_epoch claim) */
+    epx_cuda_host_block_t *host; /* bad ids go to the host's bad_where (NULL: not there) */
+    int64_t *bad;                /* inside a dispatch: the handle's bad word (the call fails on the
+                                    device); NULL: a standalone layout, whose counts become -1 */
     int32_t rank;
 } epx_cuda_layout_args_t;
 
@@ -250,6 +259,8 @@ typedef struct epx_cuda_rm_handle_dev {
     int32_t *meta;        /* [2]: rows received (N_r), rows written without permute (min(N_r, limit)) */
     int32_t *local_row;   /* [T_max]: HT row of our own token t here (valid where send_row[t][rank] >= 0);
                              combine reads our own rows from x through it instead of pushing them */
+    int64_t *bad;         /* [2]: 1 + token of a routing_map row with more than K true entries (0 = none),
+                             the column of its first entry past K; the receive kernel clears it */
 } epx_cuda_rm_handle_dev_t;
 
 typedef struct epx_cuda_rm_args {

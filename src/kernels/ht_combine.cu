@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kBlockThreads, 3)
         if (all_done)
             release_peers(
                 c, [&](int r) { return &peer_ctrl(c, r)->comb_ack[me]; }, f.epoch);
-        release_if_failed(c, f.epoch, true);
+        release_if_failed(c, f.epoch);
         close_epoch(f.own, &f.own->comb_last, f.epoch);
     }
 }

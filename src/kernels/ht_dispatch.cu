@@ -36,8 +36,10 @@ __global__ void __launch_bounds__(kBlockThreads)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const uint64_t prev = ld_volatile_u64(&f.own->disp_last);
     post_call(c, f.epoch);
+    const gate_unless bad{refuse_bad(c, a.cached ? nullptr : a.h.bad, f.epoch, EPX_CUDA_WAIT_BAD_EXPERT)};
     const int &ok = wait_peers(
-        c, [&](int r) { return &f.own->disp_ack[r]; }, prev, f.epoch, EPX_CUDA_WAIT_DISPATCH_ACK);
+        c, [&](int r) { return &f.own->disp_ack[r]; }, prev, f.epoch, EPX_CUDA_WAIT_DISPATCH_ACK, no_arrival(),
+        bad);
     if (ok) ht_send_rows<false>(a, nullptr, warp, lane);
     ht_finish_send(a, &f.own->done_counter[DONE_HT_SEND], f.epoch);
 }
@@ -64,8 +66,10 @@ __global__ void __launch_bounds__(kBlockThreads)
         epx_cuda_ctrl_t *peer = peer_ctrl(c, threadIdx.x);
         if (ld_volatile_u64(&peer->view_ack[me]) < closed) st_release_sys(&peer->view_ack[me], closed);
     }
+    const gate_unless bad{refuse_bad(c, a.cached ? nullptr : a.h.bad, f.epoch, EPX_CUDA_WAIT_BAD_EXPERT)};
     const int &acked = wait_peers(
-        c, [&](int r) { return &f.own->view_ack[r]; }, prev, f.epoch, EPX_CUDA_WAIT_DISPATCH_ACK);
+        c, [&](int r) { return &f.own->view_ack[r]; }, prev, f.epoch, EPX_CUDA_WAIT_DISPATCH_ACK, no_arrival(),
+        bad);
     if (acked && blockIdx.x == 0 && threadIdx.x < R) {
         epx_cuda_ctrl_t *peer = peer_ctrl(c, threadIdx.x);
         st_relaxed_sys(&peer->disp_count[me], (uint64_t)a.h.send_count[threadIdx.x]);
@@ -135,6 +139,7 @@ __device__ __forceinline__ void ht_finish_recv(const epx_cuda_dispatch_args_t &a
     }
     if (last_block_arrive(counter)) {
         if (threadIdx.x == 0) {
+            if (!a.cached) a.h.bad[0] = 0; /* every block read it at its start */
             c->host->num_recv = ok ? total : -1;
             if (ok && a.static_mode && total > a.capacity) c->host->overflow = 1;
             if (a.num_recv_tokens && good) *a.num_recv_tokens = (int32_t)total;
@@ -216,10 +221,31 @@ __device__ __forceinline__ void ht_collect_view(const epx_cuda_dispatch_args_t &
     }
 }
 
+/* The outputs of a call whose topk_idx held a bad value (the send kernel refused it): every row the
+ * outputs hold (views: the rows the call would return) and every count. */
+__device__ __forceinline__ void ht_poison(const epx_cuda_dispatch_args_t &a, uint8_t *region, bool view)
+{
+    const epx_cuda_common_t *c = &a.c;
+    const int K = c->num_topk;
+    const int64_t rows = view ? (a.static_mode ? a.capacity : 0) : a.capacity;
+    const int ns = a.x_scales ? a.num_scales : 0;
+    poison_rows(view ? region + c->lay.view_x : a.recv_x, rows, a.row_bytes,
+                nan_pattern((int)(a.row_bytes / c->hidden)));
+    poison_rows(view ? (float *)(region + c->lay.view_scales) : a.recv_scales, ns ? rows : 0, ns * 4,
+                nan_pattern(4));
+    poison_rows(view ? (float *)(region + c->lay.view_w) : a.recv_topk_weights, rows, K * 4, nan_pattern(4));
+    poison_rows(view ? (void *)(region + c->lay.view_idx) : a.recv_topk_idx, rows,
+                K * (!view && a.recv_idx_is_64 ? 8 : 4), kPoisonIndex);
+    poison_counts(a.num_recv_tokens_per_expert, c->num_local_experts);
+    poison_counts(a.num_recv_tokens, 1);
+}
+
 /* Receiver of either mode: threads s < R wait for source s's rows (ht_open_recv), the block's warps
  * copy rows out (default) or collect their metadata (view), the last block publishes. The default
- * mode writes nothing when N_r exceeds the outputs (the host call fails), static mode keeps the
- * first `capacity` rows. The view mode releases the default areas at once (it did not touch
+ * mode first settles the row count with the peers (accept_counts): when N_r exceeds our outputs we
+ * refuse and write nothing (the host call fails with EPX_ERR_INVALID_ARG), and a peer's refusal
+ * fails ours (EPX_ERR_REMOTE) before we write anything; static mode keeps the first `capacity`
+ * rows and only posts its acceptance. The view mode releases the default areas at once (it did not touch
  * them) and its own at our next view dispatch. */
 template <bool kView>
 __global__ void __launch_bounds__(kBlockThreads)
@@ -230,19 +256,22 @@ __global__ void __launch_bounds__(kBlockThreads)
     extern __shared__ int expert_cnt[]; /* [L] */
     __shared__ int prefix[EPX_CUDA_MAX_RANKS + 1];
     const bool want_counts = !a.cached && a.num_recv_tokens_per_expert;
+    const bool bad = !a.cached && *(const volatile int64_t *)a.h.bad != 0;
     const int &ok = ht_open_recv(a, expert_cnt, want_counts, prefix, f.epoch);
     const int64_t total = prefix[c->nranks];
+    if (bad) ht_poison(a, f.region, kView);
     if (kView) {
         const int64_t rows = total < a.capacity ? total : a.capacity;
         ht_collect_view(a, f.region, total, expert_cnt, want_counts);
         ht_finish_recv(a, &f.own->view_done_counter[DONE_VIEW_RECV], ok, ok, total, ok ? rows : 0, prefix,
                        expert_cnt, want_counts, f.epoch, &f.own->view_last);
     } else {
-        const bool fits = ok && (a.static_mode || total <= a.capacity);
-        const int64_t rows = fits ? (total < a.capacity ? total : a.capacity) : 0;
-        ht_copy_out(a, f.region, prefix, (fits && !a.cached) ? total : rows, rows, expert_cnt, want_counts);
-        ht_finish_recv(a, &f.own->done_counter[DONE_HT_RECV], ok, fits, total, rows, prefix, expert_cnt,
-                       want_counts, f.epoch, nullptr);
+        const bool fits = a.static_mode || total <= a.capacity;
+        const bool agreed = accept_counts(c, f.epoch, ok, fits, !a.static_mode);
+        const int64_t rows = agreed ? (total < a.capacity ? total : a.capacity) : 0;
+        ht_copy_out(a, f.region, prefix, (agreed && !a.cached) ? total : rows, rows, expert_cnt, want_counts);
+        ht_finish_recv(a, &f.own->done_counter[DONE_HT_RECV], ok && (agreed || !fits), agreed, total, rows,
+                       prefix, expert_cnt, want_counts, f.epoch, nullptr);
     }
 }
 

@@ -11,7 +11,9 @@
 /* One block walks tiles of blockDim tokens, thread = token: it checks the token's ids and counts
  * them; per rank a warp ballot counts the tile's tokens going there, threads r < R prefix those
  * counts over the warps, and each token gets its row in the rank's slice (prefix over
- * is_token_in_rank), so rows come out in ascending token order. */
+ * is_token_in_rank), so rows come out in ascending token order. A bad id reads as -1; inside a
+ * dispatch it goes to the handle's bad word (the dispatch then fails on the device), in a
+ * standalone layout every count output becomes -1. */
 __global__ void __launch_bounds__(1024) layout_kernel(const __grid_constant__ epx_cuda_layout_args_t a)
 {
     const int R = a.nranks, K = a.num_topk, L = a.num_local_experts, E = a.num_experts;
@@ -26,14 +28,19 @@ __global__ void __launch_bounds__(1024) layout_kernel(const __grid_constant__ ep
     }
     if (a.num_tokens_per_expert)
         for (int i = threadIdx.x; i < E; i += blockDim.x) a.num_tokens_per_expert[i] = 0;
+    if (a.bad && threadIdx.x == 0) a.bad[0] = 0; /* one block: cleared before any thread checks */
     __syncthreads();
+    bool saw_bad = false;
     for (int64_t tile = 0; tile < a.num_tokens; tile += blockDim.x) {
         const int64_t t = tile + threadIdx.x;
         uint64_t mask = 0;
         if (t < a.num_tokens) {
             for (int k = 0; k < K; k++) {
-                const int64_t e = topk_checked(a.topk_idx, a.idx_is_64, t, K, k, E, a.host);
-                if (e < 0) continue;
+                const int64_t e = topk_checked(a.topk_idx, a.idx_is_64, t, K, k, E, a.host, a.bad);
+                if (e < 0) {
+                    saw_bad |= topk_at(a.topk_idx, a.idx_is_64, t * K + k) != -1;
+                    continue;
+                }
                 mask |= 1ull << (e / L);
                 if (a.num_tokens_per_expert) atomicAdd(&a.num_tokens_per_expert[e], 1);
             }
@@ -66,10 +73,13 @@ __global__ void __launch_bounds__(1024) layout_kernel(const __grid_constant__ ep
         }
         __syncthreads();
     }
+    const bool poison = __syncthreads_or(saw_bad) && !a.bad;
     for (int r = threadIdx.x; r < R; r += blockDim.x)
-        if (a.num_tokens_per_rank) a.num_tokens_per_rank[r] = base[r];
+        if (a.num_tokens_per_rank) a.num_tokens_per_rank[r] = poison ? -1 : base[r];
     if (a.num_tokens_per_domain)
-        for (int d = threadIdx.x; d < R / D; d += blockDim.x) a.num_tokens_per_domain[d] = dom_cnt[d];
+        for (int d = threadIdx.x; d < R / D; d += blockDim.x) a.num_tokens_per_domain[d] = poison ? -1 : dom_cnt[d];
+    if (poison && a.num_tokens_per_expert)
+        for (int i = threadIdx.x; i < E; i += blockDim.x) a.num_tokens_per_expert[i] = -1;
 }
 
 extern "C" int epx_cuda_launch_layout(const epx_cuda_layout_args_t *args, void *stream)

@@ -76,7 +76,7 @@ __device__ __forceinline__ void ll_finish_send(const epx_cuda_ll_args_t &a, bool
 {
     if (last_block_arrive(counter)) {
         if (ok) publish_peers(&a.c, epoch, [&](int r) { st_release_sys(flag_of(r), epoch); });
-        __syncthreads();
+        release_if_failed(&a.c, epoch); /* a peer's call of another kind (mismatch) waits for nothing */
         close_epoch(peer_ctrl(&a.c, a.c.rank), slot_epoch, epoch);
     }
 }
@@ -370,9 +370,11 @@ __global__ void __launch_bounds__(kBlockThreads)
         }
         __syncthreads();
     }
-    if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_DISP_RECV]))
+    if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_DISP_RECV])) {
+        release_if_failed(c, epoch); /* also when only this half saw the failure */
         release_peers(
             c, [&](int r) { return &ll_ctrl(a, r)->disp_ack[a.slot][me]; }, epoch);
+    }
 }
 
 EPX_DEFINE_LAUNCHER(ll_dispatch_send, epx_cuda_ll_args_t)
@@ -512,9 +514,11 @@ __global__ void __launch_bounds__(kBlockThreads)
         }
         __syncwarp();
     }
-    if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_COMB_RECV]))
+    if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_COMB_RECV])) {
+        release_if_failed(c, epoch); /* also when only this half saw the failure */
         release_peers(
             c, [&](int r) { return &ll_ctrl(a, r)->comb_ack[a.slot][me]; }, epoch);
+    }
 }
 
 EPX_DEFINE_LAUNCHER(ll_combine_send, epx_cuda_ll_args_t)

@@ -99,7 +99,11 @@ __global__ void __launch_bounds__(kBlockThreads) rm_scan_kernel(const __grid_con
             }
             for (int q = 0; q < 16 && e0 + q < E; q++) {
                 const int e = e0 + q;
-                const bool v = ((w[q >> 2] >> (8 * (q & 3))) & 0xffu) != 0 && nsel < K;
+                const bool set = ((w[q >> 2] >> (8 * (q & 3))) & 0xffu) != 0;
+                const bool v = set && nsel < K;
+                /* An entry past the first K: the row is bad, the call fails on the device. */
+                if (set && !v && atomicCAS((unsigned long long *)a.h.bad, 0ull, (unsigned long long)(1 + t)) == 0ull)
+                    a.h.bad[1] = e;
                 const unsigned b = __ballot_sync(kFullMask, v);
                 if (lane == 0) cnt[tile * W + e] = __popc(b);
                 if (v) {
@@ -170,8 +174,10 @@ __global__ void __launch_bounds__(kBlockThreads) rm_send_kernel(const __grid_con
     __shared__ uint8_t *dst_ptr[kBlockWarps][EPX_CUDA_MAX_RANKS];
     __shared__ int64_t dst_slot[kBlockWarps][EPX_CUDA_MAX_RANKS];
     post_call(c, f.epoch);
+    const gate_unless bad{refuse_bad(c, a.h.bad, f.epoch, EPX_CUDA_WAIT_BAD_MAP)};
     const int &ok = wait_peers(
-        c, [&](int r) { return &f.own->disp_ack[r]; }, prev, f.epoch, EPX_CUDA_WAIT_DISPATCH_ACK);
+        c, [&](int r) { return &f.own->disp_ack[r]; }, prev, f.epoch, EPX_CUDA_WAIT_DISPATCH_ACK, no_arrival(),
+        bad);
     const int ns = a.scales ? a.num_scales : 0;
     if (ok) {
         for (int64_t t = (int64_t)blockIdx.x * kBlockWarps + warp; t < a.num_tokens;
@@ -260,6 +266,7 @@ __global__ void __launch_bounds__(kBlockThreads) rm_recv_kernel(const __grid_con
     __shared__ uint8_t *dst_ptr[kBlockWarps][EPX_MAX_TOPK];
     __shared__ int64_t dst_row[kBlockWarps][EPX_MAX_TOPK];
     __shared__ float dst_w[kBlockWarps][EPX_MAX_TOPK];
+    const bool bad = *(const volatile int64_t *)a.h.bad != 0; /* our routing map: the sender refused */
     /* Source s's rows are usable when its call (dtype, permute, probs) matches ours (the wait
      * compares the call words). */
     const int &ok = wait_peers(
@@ -294,9 +301,12 @@ __global__ void __launch_bounds__(kBlockThreads) rm_recv_kernel(const __grid_con
     __syncthreads();
     const int64_t total = prefix[R];
     const int64_t real = a.permute ? gb[L] : total;
-    /* Without a bound the outputs must hold every row, else nothing is written (the host
-     * reports it); with one, rows past it are dropped. */
-    const bool writable = ok && (a.bounded || real <= a.limit);
+    /* Without a bound the outputs must hold every row, else we refuse the call and write nothing
+     * (the host reports it; the peers fail with EPX_ERR_REMOTE before writing: accept_counts); with
+     * one, rows past it are dropped. */
+    const bool fits = a.bounded || real <= a.limit;
+    const bool writable = accept_counts(c, f.epoch, ok, fits, !a.bounded);
+    const bool counted = ok && (writable || !fits); /* N_r is ours to report */
     const int64_t lim = writable ? a.limit : 0;
     const int ns = a.out_scales ? a.num_scales : 0;
     const uint8_t *dx = f.region + c->lay.disp_x;
@@ -305,7 +315,7 @@ __global__ void __launch_bounds__(kBlockThreads) rm_recv_kernel(const __grid_con
     const float *dw = (const float *)(f.region + c->lay.disp_w);
     const int32_t *dwithin = (const int32_t *)(f.region + c->lay.rm_within);
     const int32_t *dsrc = (const int32_t *)(f.region + c->lay.disp_src);
-    const int64_t nrows = ok ? total : 0;
+    const int64_t nrows = writable ? total : 0;
     for (int64_t i = (int64_t)blockIdx.x * kBlockWarps + warp; i < nrows;
          i += (int64_t)gridDim.x * kBlockWarps) {
         const int s = source_of_row(prefix, R, i);
@@ -393,15 +403,25 @@ __global__ void __launch_bounds__(kBlockThreads) rm_recv_kernel(const __grid_con
                 for (int j = lane; j < pw; j += 32) a.out_probs[row * pw + j] = 0.0f;
         }
     }
+    if (bad) {
+        /* The outputs never look like data: every row they hold, every count. */
+        const int64_t rows = a.limit;
+        poison_rows(a.tokens, rows, a.row_bytes, nan_pattern((int)(a.row_bytes / c->hidden)));
+        poison_rows(a.out_scales, ns ? rows : 0, ns * 4, nan_pattern(4));
+        poison_rows(a.out_probs, rows, (a.permute ? 1 : L) * 4, nan_pattern(4));
+        poison_counts(a.tokens_per_expert, L);
+        poison_counts(a.num_tokens_out, 1);
+    }
     if (last_block_arrive(&f.own->done_counter[EPX_CUDA_RM_DONE_RECV])) {
         if (threadIdx.x == 0) {
-            c->host->num_recv = ok ? real : -1;
-            if (ok && a.bounded && real > a.limit) c->host->overflow = 1;
+            a.h.bad[0] = 0; /* every block read it at its start */
+            c->host->num_recv = counted ? real : -1;
+            if (counted && a.bounded && real > a.limit) c->host->overflow = 1;
             if (writable && a.num_tokens_out) *a.num_tokens_out = (int32_t)real;
             a.h.meta[0] = (int32_t)nrows;
             a.h.meta[1] = (int32_t)(nrows < lim ? nrows : lim);
         }
-        for (int r = threadIdx.x; r <= R; r += blockDim.x) a.h.recv_prefix[r] = ok ? prefix[r] : 0;
+        for (int r = threadIdx.x; r <= R; r += blockDim.x) a.h.recv_prefix[r] = writable ? prefix[r] : 0;
         if (writable && a.permute && a.tokens_per_expert)
             for (int j = threadIdx.x; j < L; j += blockDim.x) a.tokens_per_expert[j] = gb[j + 1] - gb[j];
         finish_dispatch_recv(c, f.epoch);
