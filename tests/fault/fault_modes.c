@@ -235,6 +235,16 @@ static int call_end(rank_state_t *st, int k, int needs, epx_result_t res, const 
     return 0;
 }
 
+/* Runs one dispatch as call number k_, keeping the handle it made (*handle_ = out_.handle) even
+ * when the device fails the call after it returned (static mode on cuda): teardown frees it. */
+#define RUN_DISPATCH(st, what, expr, out_, handle_, k_)                         \
+    do {                                                                        \
+        k_ = call_begin(st);                                                    \
+        const epx_result_t run_res_ = (expr);                                   \
+        if (run_res_ == EPX_SUCCESS) *(handle_) = (out_).handle;                \
+        if (call_end(st, k_, NEEDS_SELF, run_res_, what)) return FAULT_LOOP_ENDED; \
+    } while (0)
+
 /* Runs one epx call as call number k_ (set to its number). */
 #define RUN(st, needs, what, expr, k_)                                      \
     do {                                                                    \
@@ -368,9 +378,9 @@ static int ht_round(rank_state_t *st, uint64_t rtag, uint64_t xtag, int cached, 
     a.cached_handle = cached ? st->handle : NULL;
     epx_ht_dispatch_outputs_t o = EPX_HT_DISPATCH_OUTPUTS_INIT;
     o.recv_x = tensor(st, &st->recv, EPX_DTYPE_BF16, 2, cap, H, 0);
-    RUN(st, NEEDS_SELF, cached ? "epx_ht_dispatch (cached)" : "epx_ht_dispatch",
-        epx_ht_dispatch(st->buf, &a, &o), k);
-    if (!cached) st->handle = o.handle;
+    epx_handle_t unused = NULL;
+    RUN_DISPATCH(st, cached ? "epx_ht_dispatch (cached)" : "epx_ht_dispatch", epx_ht_dispatch(st->buf, &a, &o),
+                 o, cached ? &unused : &st->handle, k);
     const int64_t n = expected_rows(st, rtag, -1, NULL, NULL);
     if (!is_static && !cached && o.num_recv_tokens_host != n)
         return bad(st, "ht dispatch: N_r %lld, expected %lld", (long long)o.num_recv_tokens_host,
@@ -473,9 +483,8 @@ static int rm_loop(rank_state_t *st, int permute)
         epx_rm_dispatch_outputs_t o = EPX_RM_DISPATCH_OUTPUTS_INIT;
         o.tokens = tensor(st, &st->recv, EPX_DTYPE_BF16, 2, cap, H, 0);
         if (permute) o.tokens_per_expert = tensor(st, &st->tpe, EPX_DTYPE_INT32, 1, L, 0, 0);
-        RUN(st, NEEDS_SELF, permute ? "epx_rm_dispatch (permute)" : "epx_rm_dispatch",
-            epx_rm_dispatch(st->buf, &a, &o), k);
-        st->handle = o.handle;
+        RUN_DISPATCH(st, permute ? "epx_rm_dispatch (permute)" : "epx_rm_dispatch",
+                     epx_rm_dispatch(st->buf, &a, &o), o, &st->handle, k);
         mem_down(st, &st->recv);
         mem_down(st, &st->tpe);
         int64_t rows = 0;
