@@ -121,7 +121,7 @@ class HybridEPBuffer:
         if routing_map is None and topk_idx is None and handle is not None:
             routing_map = handle[0].routing_map
         if routing_map is not None:
-            if routing_map.dtype != torch.bool:
+            if isinstance(routing_map, torch.Tensor) and routing_map.dtype != torch.bool:
                 raise ValueError("routing_map must be torch.bool, got %s" % routing_map.dtype)
             return routing_map, probs
         if topk_idx is None:
@@ -172,7 +172,7 @@ class HybridEPBuffer:
             raise ValueError("%d tokens per rank exceed the buffer's max_num_of_tokens_per_rank = %d (epx "
                              "buffers do not grow)" % (max(T, num_of_tokens_per_rank or 0),
                                                       self.max_num_of_tokens_per_rank))
-        if probs is not None and probs.dtype != torch.float32:
+        if isinstance(probs, torch.Tensor) and probs.dtype != torch.float32:
             probs = probs.float()
         x, sf = self._hidden(hidden, scaling_factor)
         kw = {"num_permuted_tokens": bound} if permute else {"num_dispatched_tokens": bound}
