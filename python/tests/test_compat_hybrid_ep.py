@@ -137,7 +137,9 @@ def _dispatch_combine(rank, nranks, dist, ragged):
     assert tokens.shape[0] == bound and int(handle[3].item()) == n
     same(tokens[:n].contiguous(), ref.tokens, "bounded tokens", rank)
     y = tokens.clone()
-    y[:n] = (tokens[:n].float() * handle[4].sum(dim=1, keepdim=True)).to(torch.bfloat16)
+    assert handle[4].shape == (nranks * buf.max_num_of_tokens_per_rank, L) and not handle[4][n:].any()
+    same(handle[4][:n], ref.local_map, "bounded local_expert_routing_map", rank)
+    y[:n] = (tokens[:n].float() * handle[4][:n].sum(dim=1, keepdim=True)).to(torch.bfloat16)
     combined, _ = buf.combine(y, handle=handle)
     expect_combined(combined, hidden, rmap, rank)
     # A dispatch with the handle repeats the routing it was made with.
@@ -191,6 +193,7 @@ def _permute(rank, nranks, dist, ragged):
     P = ref.p_tokens.shape[0]
     assert tokens.shape[0] == bound and not tokens[P:].any() and not p_probs[P:].any()
     same(tokens[:P].contiguous(), ref.p_tokens, "bounded permuted tokens", rank)
+    same(handle[4][:ref.tokens.shape[0]], ref.local_map, "bounded local_expert_routing_map", rank)
     combined, c_probs = buf.combine_with_unpermute(hidden=tokens, probs=p_probs, handle=handle, pad_multiple=PAD)
     expect_combined(combined, hidden, rmap, rank)
     same(c_probs, probs, "bounded combined probs", rank)

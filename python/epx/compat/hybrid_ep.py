@@ -181,10 +181,11 @@ class HybridEPBuffer:
         tokens = out.tokens.view(torch.uint8) if hidden.dtype == torch.uint8 else out.tokens
         return out, tokens
 
-    def _local_map(self, routing_map, out):
+    def _local_map(self, routing_map, out, bounded):
         """(num_dispatched_tokens_tensor [1] int32, local_expert_routing_map [N_r, L] bool) of this rank,
         from every rank's routing map (gathered over the group, as HybridEP's preprocessing does). Runs
-        after the dispatch succeeded on every rank, so all ranks reach the gather."""
+        after the dispatch succeeded on every rank, so all ranks reach the gather. [N_r, L] without a
+        bound, [R * T_max, L] (rows past N_r select nothing) with one."""
         torch = _torch()
         import torch.distributed as dist
 
@@ -198,7 +199,12 @@ class HybridEPBuffer:
         dist.all_gather(parts, mine, group=self.group)
         cols = torch.cat(parts)[:, self.rank * L:(self.rank + 1) * L].bool()
         rows = cols.any(dim=1)
-        return rows.sum().to(torch.int32).reshape(1), cols[rows]
+        count = rows.sum().to(torch.int32).reshape(1)
+        if not bounded:
+            return count, cols[rows]
+        # With a bound nothing may wait on the device (the call may be captured): [R * T_max, L], the
+        # received rows first in order, then rows that select nothing.
+        return count, cols[torch.argsort((~rows).to(torch.uint8), stable=True)]
 
     def _wide_probs(self, probs):
         """epx's [N, L] probs -> HybridEP's [N, L * ranks_per_domain], this rank's experts at
@@ -281,7 +287,7 @@ class HybridEPBuffer:
         if handle is not None:
             count, local_map = handle[3], handle[4]
         else:
-            count, local_map = self._local_map(routing_map, out)
+            count, local_map = self._local_map(routing_map, out, num_dispatched_tokens is not None)
         if count is None:
             count = _torch().tensor([out.num_tokens], dtype=_torch().int32)
         state = _State(out.handle, False, 1, routing_map, out.num_tokens, None)
@@ -327,7 +333,7 @@ class HybridEPBuffer:
         if handle is not None:
             count, local_map = handle[3], handle[4]
         else:
-            count, local_map = self._local_map(routing_map, out)
+            count, local_map = self._local_map(routing_map, out, num_permuted_tokens is not None)
         state = _State(out.handle, True, pad, routing_map, out.num_tokens, out.tokens_per_expert)
         unpadded = local_map.sum(dim=0, dtype=_torch().int32) if local_map is not None else None
         new_handle = (state, None, None, count, local_map, None, None, unpadded, hidden.shape[0], None, None)
