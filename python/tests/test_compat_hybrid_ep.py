@@ -91,8 +91,9 @@ def expect_combined(combined, hidden, routing_map, rank):
 
 
 def _buffer(dist, **kw):
-    return HybridEPBuffer(dist.group.WORLD, hidden_dim=H, max_num_of_tokens_per_rank=T_MAX, num_local_experts=L,
-                          max_pad_multiple=PAD, comm=epx.Comm.from_torch(dist.group.WORLD, backend="host"), **kw)
+    comm = epx.Comm.from_torch(dist.group.WORLD, backend="host")
+    return HybridEPBuffer(dist.group.WORLD, hidden_dim=H, max_num_of_tokens_per_rank=T_MAX,
+                          num_local_experts=L, max_pad_multiple=PAD, comm=comm, **kw)
 
 
 def _tokens(rank, ragged):
@@ -132,7 +133,8 @@ def _dispatch_combine(rank, nranks, dist, ragged):
                 assert c_probs is None
     # A bound: the rows are the bound's, the real count is in handle[3]; a combine takes those rows.
     bound = nranks * T_MAX
-    tokens, _, _, handle = buf.dispatch(hidden, sf, routing_map=rmap, probs=probs, num_dispatched_tokens=bound)
+    tokens, _, _, handle = buf.dispatch(hidden, sf, routing_map=rmap, probs=probs,
+                                        num_dispatched_tokens=bound)
     n = ref.tokens.shape[0]
     assert tokens.shape[0] == bound and int(handle[3].item()) == n
     same(tokens[:n].contiguous(), ref.tokens, "bounded tokens", rank)
@@ -194,7 +196,8 @@ def _permute(rank, nranks, dist, ragged):
     assert tokens.shape[0] == bound and not tokens[P:].any() and not p_probs[P:].any()
     same(tokens[:P].contiguous(), ref.p_tokens, "bounded permuted tokens", rank)
     same(handle[4][:ref.tokens.shape[0]], ref.local_map, "bounded local_expert_routing_map", rank)
-    combined, c_probs = buf.combine_with_unpermute(hidden=tokens, probs=p_probs, handle=handle, pad_multiple=PAD)
+    combined, c_probs = buf.combine_with_unpermute(hidden=tokens, probs=p_probs, handle=handle,
+                                                   pad_multiple=PAD)
     expect_combined(combined, hidden, rmap, rank)
     same(c_probs, probs, "bounded combined probs", rank)
     with pytest.raises(ValueError, match="num_permuted_tokens"):
@@ -212,8 +215,8 @@ def _fp8(rank, nranks, dist):
     E = buf.num_of_experts
     hidden, sf, idx, w, rmap, probs = inputs(rank, _tokens(rank, True), E, fp8=True)
     ref = Ref(dist, rank, nranks, hidden, sf, rmap, probs)
-    tokens, d_probs, d_sf, handle = buf.dispatch(hidden=hidden, scaling_factor=sf, topk_idx=idx, topk_weights=w,
-                                                 num_of_experts=E)
+    tokens, d_probs, d_sf, handle = buf.dispatch(hidden=hidden, scaling_factor=sf, topk_idx=idx,
+                                                 topk_weights=w, num_of_experts=E)
     same(tokens, ref.tokens, "fp8 tokens (uint8)", rank)
     same(d_sf, ref.sf, "fp8 scaling factor", rank)
     tokens, p_probs, p_sf, _, handle = buf.dispatch_with_permute(
@@ -222,7 +225,8 @@ def _fp8(rank, nranks, dist):
     same(p_sf, ref.p_sf, "fp8 permuted scaling factor", rank)
     same(p_probs, ref.p_probs, "fp8 permuted probs", rank)
     rows = tokens.view(torch.float8_e4m3fn).float().to(torch.bfloat16)
-    combined, c_probs = buf.combine_with_unpermute(hidden=rows, probs=p_probs, handle=handle, pad_multiple=PAD)
+    combined, c_probs = buf.combine_with_unpermute(hidden=rows, probs=p_probs, handle=handle,
+                                                   pad_multiple=PAD)
     want = hidden.view(torch.float8_e4m3fn).float().to(torch.bfloat16)
     expect_combined(combined, want, rmap, rank)
     same(c_probs, probs, "fp8 combined probs", rank)

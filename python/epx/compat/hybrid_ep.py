@@ -282,8 +282,8 @@ class HybridEPBuffer:
             _unsupported(async_mode=(async_mode, False))
             routing_map, probs = self._routing(hidden, routing_map, probs, topk_idx, topk_weights,
                                                num_of_experts, handle)
-            out, tokens = self._dispatch("dispatch", hidden, scaling_factor, routing_map, probs, handle, False,
-                                         1, num_dispatched_tokens, num_of_tokens_per_rank)
+            out, tokens = self._dispatch("dispatch", hidden, scaling_factor, routing_map, probs, handle,
+                                         False, 1, num_dispatched_tokens, num_of_tokens_per_rank)
         if handle is not None:
             count, local_map = handle[3], handle[4]
         else:
@@ -301,9 +301,10 @@ class HybridEPBuffer:
             state = self._state(handle, False, "dispatch")
         return self._combine(state, hidden, probs, False)
 
-    def dispatch_with_permute(self, hidden=None, *, topk_idx=None, topk_weights=None, num_of_experts_per_rank=None,
-                              num_of_experts=None, use_fp8=None, routing_map=None, probs=None, scaling_factor=None,
-                              num_permuted_tokens=None, pad_multiple=None, handle=None, non_blocking=False,
+    def dispatch_with_permute(self, hidden=None, *, topk_idx=None, topk_weights=None,
+                              num_of_experts_per_rank=None, num_of_experts=None, use_fp8=None,
+                              routing_map=None, probs=None, scaling_factor=None, num_permuted_tokens=None,
+                              pad_multiple=None, handle=None, non_blocking=False,
                               fuse_permute_dispatch=False, num_dispatched_tokens=None, use_host_meta=None,
                               num_of_tokens_per_rank=None):
         """hidden [T, H] -> (dispatched_token [P, H], dispatched_probs [P] or None, dispatched_scaling_factor
@@ -327,7 +328,8 @@ class HybridEPBuffer:
                                                num_of_experts, handle)
             pad = pad_multiple if pad_multiple and pad_multiple > 0 else 1
             if handle is not None and handle[0].pad_multiple != pad:
-                raise ValueError("pad_multiple = %d, the handle's dispatch used %d" % (pad, handle[0].pad_multiple))
+                raise ValueError("pad_multiple = %d, the handle's dispatch used %d"
+                                 % (pad, handle[0].pad_multiple))
             out, tokens = self._dispatch("dispatch_with_permute", hidden, scaling_factor, routing_map, probs,
                                          handle, True, pad, num_permuted_tokens, num_of_tokens_per_rank)
         if handle is not None:
