@@ -192,7 +192,7 @@ def _compat(rank, nranks, uid):
     took = time.monotonic() - start
     tokens, _, _, handle = hep.dispatch(x, routing_map=rmap)
     if rank == 0:
-        with pytest.raises(NotImplementedError, match="probs"):
+        with pytest.raises(ValueError, match="probs"):
             hep.combine(tokens, probs=tokens, handle=handle)
     else:
         with pytest.raises(epx.RemoteError):

@@ -1,109 +1,366 @@
 """HybridEP-compatible front over epx's routing-map operations: `HybridEPBuffer` with dispatch, combine,
-dispatch_with_permute and combine_with_unpermute. Arguments epx cannot honour raise NotImplementedError
-naming them. Needs torch.
+dispatch_with_permute and combine_with_unpermute, called as HybridEP's (DeepEP's hybrid-ep branch) are.
+Needs torch. Every difference from HybridEP is listed in docs/compat-hybrid-ep.md; the main ones:
 
-Routing comes as routing_map [T, E] bool (+ probs [T, E] fp32) or as topk_idx [T, K] (+ topk_weights
-[T, K]), converted here. Every call runs on the current stream; without an upper bound
-(num_dispatched_tokens / num_permuted_tokens) the host waits for the received count, as HybridEP's
-blocking mode does.
+- Handles are tuples laid out as HybridEP's (7 elements from dispatch, 11 from dispatch_with_permute)
+  with the fields callers read filled the same way: [3] num_dispatched_tokens_tensor (int32 [1]) and
+  [4] local_expert_routing_map ([N_r, L] bool, HT order). The other fields are epx's own state.
+- A dispatch with a handle dispatches again with the routing the handle kept (same outputs; the
+  routing exchange is not skipped).
+- combine(probs=) / combine_with_unpermute(probs=) return the probs in [T, E] as HybridEP does; epx
+  carries them in a second combine call (exact bytes).
+- Every call runs on the current stream. Without an upper bound (num_dispatched_tokens /
+  num_permuted_tokens) the host waits for the received count, as HybridEP's blocking mode does.
 """
 
+import os
+
 import epx
-from epx.compat.deep_ep import _torch, _unsupported
+
+_NUM_TOPK_FLOOR = 8  # experts per token a default buffer takes (see HybridEPBuffer)
+
+
+def _torch():
+    import torch
+
+    epx._epx._refresh_torch()
+    return torch
+
+
+def _unsupported(**kwargs):
+    bad = [name for name, (value, default) in kwargs.items() if value != default]
+    if bad:
+        raise NotImplementedError("epx.compat.hybrid_ep does not support: %s" % ", ".join(bad))
+
+
+class _State:
+    """epx's part of a handle: the epx handle, the routing it was made from (for a dispatch with the
+    handle) and the layout a combine needs."""
+
+    def __init__(self, handle, permute, pad_multiple, routing_map, rows, tokens_per_expert):
+        self.handle = handle
+        self.permute = permute
+        self.pad_multiple = pad_multiple
+        self.routing_map = routing_map
+        self.rows = rows
+        self.tokens_per_expert = tokens_per_expert
+
+    def __repr__(self):
+        return "epx.compat.hybrid_ep handle state (permute=%s, rows=%d)" % (self.permute, self.rows)
 
 
 class HybridEPBuffer:
     """HybridEP's buffer over an epx communicator made from `group` (torch.distributed).
 
-    num_topk (epx's own argument) bounds the experts a token may select; it defaults to
-    min(E, 64) (larger costs buffer memory, never correctness)."""
+    Accepted as HybridEP accepts them and without effect in epx: num_sms_preprocessing_api,
+    num_blocks_permute, num_blocks_unpermute, load_cached_kernels, use_shared_buffer,
+    enable_custom_allgather, use_mnnvl. num_sms_dispatch_api / num_sms_combine_api (None = epx's
+    default) give the buffer's num_sms, their maximum.
+
+    epx's own keywords: num_topk, the most experts one token may select (default max(8,
+    group size), at most E; a routing map selecting more is refused, naming num_topk); max_pad_multiple
+    (largest pad_multiple, default 128); comm (an epx.Comm to use instead of creating one from group).
+
+    Topology: num_of_hybrid_ep_ranks_per_nvlink_domain, else NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN,
+    else the domain epx detected. It sets the width L * ranks_per_domain of dispatched probs (as in
+    HybridEP) and the attributes local_rank, node_rank, num_of_nodes; epx's transport uses its own
+    detection (EPX_RANKS_PER_NVLINK_DOMAIN)."""
 
     def __init__(self, group=None, hidden_dim=None, max_num_of_tokens_per_rank=None, num_local_experts=None,
-                 use_fp8=False, num_sms_dispatch_api=0, num_sms_combine_api=0, num_sms_preprocessing_api=0,
-                 num_of_hybrid_ep_ranks_per_nvlink_domain=None, use_mnnvl=None, num_topk=None,
+                 use_fp8=False, num_sms_dispatch_api=None, num_sms_combine_api=None,
+                 num_sms_preprocessing_api=None, num_blocks_permute=None, num_blocks_unpermute=None,
+                 load_cached_kernels=False, use_shared_buffer=True, enable_custom_allgather=False,
+                 num_of_hybrid_ep_ranks_per_nvlink_domain=None, use_mnnvl=None, *, num_topk=None,
                  max_pad_multiple=128, comm=None):
-        _unsupported(use_mnnvl=(use_mnnvl, None))
         if hidden_dim is None or max_num_of_tokens_per_rank is None or num_local_experts is None:
             raise ValueError(
                 "HybridEPBuffer needs hidden_dim, max_num_of_tokens_per_rank and num_local_experts")
+        self.group = group
         self.comm = comm if comm is not None else epx.Comm.from_torch(group)
-        if num_of_hybrid_ep_ranks_per_nvlink_domain not in (None, self.comm.ranks_per_nvlink_domain):
-            raise NotImplementedError(
-                "epx.compat.hybrid_ep does not support: num_of_hybrid_ep_ranks_per_nvlink_domain = %d (epx "
-                "detects %d; set EPX_RANKS_PER_NVLINK_DOMAIN)" % (num_of_hybrid_ep_ranks_per_nvlink_domain,
-                                                                  self.comm.ranks_per_nvlink_domain))
-        self.num_experts = num_local_experts * self.comm.nranks
+        self.rank, self.group_size = self.comm.rank, self.comm.nranks
+        per_domain = num_of_hybrid_ep_ranks_per_nvlink_domain
+        if per_domain is None and os.getenv("NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"):
+            per_domain = int(os.environ["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"])
+        if per_domain is None:
+            per_domain = self.comm.ranks_per_nvlink_domain
+            if per_domain < 1 or self.group_size % per_domain:
+                per_domain = self.group_size
+        if per_domain < 1 or self.group_size % per_domain:
+            raise ValueError("num_of_hybrid_ep_ranks_per_nvlink_domain = %d does not divide the group size %d"
+                             % (per_domain, self.group_size))
+        self.num_of_hybrid_ep_ranks_per_nvlink_domain = per_domain
+        self.local_rank = self.rank % per_domain
+        self.node_rank = self.rank // per_domain
+        self.num_of_nodes = self.group_size // per_domain
         self.num_local_experts = num_local_experts
+        self.num_of_experts = self.num_experts = num_local_experts * self.group_size
         self.hidden_dim = hidden_dim
-        K = num_topk or min(self.num_experts, 64)
-        dtypes = ["bf16", "fp8"] if use_fp8 else ["bf16"]
-        self.buffer = epx.Buffer(self.comm, max_num_of_tokens_per_rank, hidden_dim, K, self.num_experts,
-                                 modes="permute", dispatch_dtypes=dtypes, max_pad_multiple=max_pad_multiple,
-                                 num_sms=max(num_sms_dispatch_api, num_sms_combine_api))
+        self.use_fp8 = use_fp8
+        # HybridEP sizes its buffer for at least 512 tokens per rank whatever was asked.
+        self.max_num_of_tokens_per_rank = max(max_num_of_tokens_per_rank, 512)
+        E = self.num_experts
+        self.num_topk = min(E, num_topk or max(_NUM_TOPK_FLOOR, self.group_size))
+        sms = [n for n in (num_sms_dispatch_api, num_sms_combine_api) if n is not None]
+        self.buffer = epx.Buffer(self.comm, self.max_num_of_tokens_per_rank, hidden_dim, self.num_topk, E,
+                                 modes="permute", dispatch_dtypes=["bf16", "fp8"] if use_fp8 else ["bf16"],
+                                 max_pad_multiple=max_pad_multiple, num_sms=max(sms) if sms else 0)
 
-    def _routing(self, routing_map, probs, topk_idx, topk_weights, num_of_experts):
-        if num_of_experts not in (None, self.num_experts):
-            raise ValueError("num_of_experts = %d, the buffer has %d" % (num_of_experts, self.num_experts))
+    def empty_jit_cache(self):
+        """HybridEP's JIT cache; epx compiles nothing at run time."""
+
+    def destroy(self):
+        """Frees the epx buffer now (handles must be gone). Not collective."""
+        self.buffer.destroy()
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def _routing(self, hidden, routing_map, probs, topk_idx, topk_weights, num_of_experts, handle):
+        """(routing_map [T, E] bool, probs [T, E] float32 or None) from either form, or from the handle."""
+        torch = _torch()
+        T = hidden.shape[0]
+        if routing_map is None and topk_idx is None and handle is not None:
+            routing_map = handle[0].routing_map
         if routing_map is not None:
+            if isinstance(routing_map, torch.Tensor) and routing_map.dtype != torch.bool:
+                raise ValueError("routing_map must be torch.bool, got %s" % routing_map.dtype)
             return routing_map, probs
         if topk_idx is None:
-            raise ValueError("pass routing_map (and probs) or topk_idx (and topk_weights)")
-        torch = _torch()
-        T, E = topk_idx.shape[0], self.num_experts
-        # Unused slots (-1) go to a spare column E, dropped after: scattering them onto a real expert
-        # would race with (and could overwrite) a slot that selected it.
-        valid = topk_idx >= 0
+            raise ValueError("pass routing_map (and probs), topk_idx (and topk_weights) or a handle")
+        if num_of_experts is None:
+            raise ValueError("num_of_experts is required with topk_idx")
+        E = self.num_experts
+        if num_of_experts != E:
+            raise ValueError("num_of_experts = %d, the buffer has %d (num_local_experts * group size)"
+                             % (num_of_experts, E))
+        # Slots outside [0, E) (-1: no expert) go to a spare column E, dropped after: scattering them
+        # onto a real expert would race with (and could overwrite) a slot that selected it.
+        valid = (topk_idx >= 0) & (topk_idx < E)
         col = torch.where(valid, topk_idx, torch.full_like(topk_idx, E)).long()
         routing_map = torch.zeros((T, E + 1), dtype=torch.bool, device=topk_idx.device)
         routing_map.scatter_(1, col, torch.ones_like(valid))
         routing_map = routing_map[:, :E].contiguous()
-        if topk_weights is not None:
+        if probs is None and topk_weights is not None:
             probs = torch.zeros((T, E + 1), dtype=torch.float32, device=topk_idx.device)
             probs.scatter_(1, col, topk_weights.float())
             probs = probs[:, :E].contiguous()
         return routing_map, probs
 
+    def _hidden(self, hidden, scaling_factor):
+        """HybridEP's fp8 rows are uint8 bit patterns: epx takes them as float8_e4m3fn. bf16 rows carry no
+        scaling factor (HybridEP ignores one)."""
+        torch = _torch()
+        if hidden.dtype == torch.uint8:
+            if not self.use_fp8:
+                raise ValueError("uint8 (fp8) hidden needs a buffer made with use_fp8=True")
+            hidden = hidden.view(torch.float8_e4m3fn)
+        if hidden.dtype != getattr(torch, "float8_e4m3fn", None):
+            scaling_factor = None
+        return hidden, scaling_factor
+
+    def _dispatch(self, kind, hidden, scaling_factor, routing_map, probs, handle, permute, pad_multiple,
+                  bound, num_of_tokens_per_rank):
+        """The common part of both dispatches, inside the refusal block."""
+        torch = _torch()
+        if handle is not None and (not isinstance(handle, tuple) or not isinstance(handle[0], _State)
+                                   or handle[0].permute != permute):
+            raise ValueError("handle is not one from %s of this front" % kind)
+        T = hidden.shape[0]
+        if num_of_tokens_per_rank is not None and num_of_tokens_per_rank < T:
+            raise ValueError("num_of_tokens_per_rank = %d is below this rank's %d tokens"
+                             % (num_of_tokens_per_rank, T))
+        if max(T, num_of_tokens_per_rank or 0) > self.max_num_of_tokens_per_rank:
+            raise ValueError("%d tokens per rank exceed the buffer's max_num_of_tokens_per_rank = %d (epx "
+                             "buffers do not grow)" % (max(T, num_of_tokens_per_rank or 0),
+                                                      self.max_num_of_tokens_per_rank))
+        if isinstance(probs, torch.Tensor) and probs.dtype != torch.float32:
+            probs = probs.float()
+        x, sf = self._hidden(hidden, scaling_factor)
+        kw = {"num_permuted_tokens": bound} if permute else {"num_dispatched_tokens": bound}
+        out = self.buffer.rm_dispatch(x, routing_map, probs, sf, permute=permute, pad_multiple=pad_multiple,
+                                      **kw)
+        tokens = out.tokens.view(torch.uint8) if hidden.dtype == torch.uint8 else out.tokens
+        return out, tokens
+
+    def _local_map(self, routing_map, out, bounded):
+        """(num_dispatched_tokens_tensor [1] int32, local_expert_routing_map [N_r, L] bool) of this rank,
+        from every rank's routing map (gathered over the group, as HybridEP's preprocessing does). Runs
+        after the dispatch succeeded on every rank, so all ranks reach the gather. [N_r, L] without a
+        bound, [R * T_max, L] (rows past N_r select nothing) with one."""
+        torch = _torch()
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            count = out.num_tokens_tensor if out.num_tokens_tensor is not None else None
+            return count, None
+        Tm, E, L = self.max_num_of_tokens_per_rank, self.num_experts, self.num_local_experts
+        mine = torch.zeros((Tm, E), dtype=torch.uint8, device=routing_map.device)
+        mine[:routing_map.shape[0]] = routing_map.to(torch.uint8)
+        parts = [torch.empty_like(mine) for _ in range(self.group_size)]
+        dist.all_gather(parts, mine, group=self.group)
+        cols = torch.cat(parts)[:, self.rank * L:(self.rank + 1) * L].bool()
+        rows = cols.any(dim=1)
+        count = rows.sum().to(torch.int32).reshape(1)
+        if not bounded:
+            return count, cols[rows]
+        # With a bound nothing may wait on the device (the call may be captured): [R * T_max, L], the
+        # received rows first in order, then rows that select nothing.
+        return count, cols[torch.argsort((~rows).to(torch.uint8), stable=True)]
+
+    def _wide_probs(self, probs):
+        """epx's [N, L] probs -> HybridEP's [N, L * ranks_per_domain], this rank's experts at
+        [local_rank * L, (local_rank + 1) * L), zero elsewhere."""
+        if probs is None:
+            return None
+        L, lr = self.num_local_experts, self.local_rank
+        wide = _torch().zeros((probs.shape[0], L * self.num_of_hybrid_ep_ranks_per_nvlink_domain),
+                              dtype=probs.dtype, device=probs.device)
+        wide[:, lr * L:(lr + 1) * L] = probs
+        return wide
+
+    def _pack_probs(self, state, probs):
+        """HybridEP's combined probs travel in a second routing-map combine: each float32 prob as its 4
+        bytes, each a bf16 integer in [0, 255], at columns 4 * e .. 4 * e + 3 of its expert e. Only the
+        rank owning e writes those columns, so the combine's sum is exact and the float32 bits come back
+        unchanged. Returns the [rows, 4 * E] uint8 payload (checked before any combine is made)."""
+        torch = _torch()
+        L, E, r = self.num_local_experts, self.num_experts, self.rank
+        if not isinstance(probs, torch.Tensor):
+            raise ValueError("probs must be a torch tensor")
+        n = probs.shape[0]
+        packed = torch.zeros((n, 4 * E), dtype=torch.uint8, device=probs.device)
+        if state.permute:
+            if probs.dim() != 1:
+                raise ValueError("probs must be [rows] float32 (the dispatch's permuted probs), got %s"
+                                 % (list(probs.shape),))
+            ends = torch.cumsum(state.tokens_per_expert.to(probs.device, torch.int64), 0)
+            j = torch.searchsorted(ends, torch.arange(n, device=probs.device), right=True).clamp_(max=L - 1)
+            cols = (r * L + j).unsqueeze(1) * 4 + torch.arange(4, device=probs.device)
+            packed.scatter_(1, cols, probs.float().contiguous().view(torch.uint8).reshape(n, 4))
+        else:
+            width = L * self.num_of_hybrid_ep_ranks_per_nvlink_domain
+            if probs.dim() != 2 or probs.shape[1] != width:
+                raise ValueError("probs must be [rows, %d] float32 (the dispatch's probs), got %s"
+                                 % (width, list(probs.shape)))
+            own = probs[:, self.local_rank * L:(self.local_rank + 1) * L].float().contiguous()
+            packed[:, 4 * r * L:4 * (r + 1) * L] = own.view(torch.uint8).reshape(n, 4 * L)
+        return packed
+
+    def _combine_packed(self, state, packed):
+        """[T, E] float32 from _pack_probs' payload, in ceil(4E / H) combines (one when 4E <= H)."""
+        torch = _torch()
+        n, width, H = packed.shape[0], packed.shape[1], self.hidden_dim
+        out = torch.empty((state.handle.num_tokens, width), dtype=torch.uint8, device=packed.device)
+        step = H // 4 * 4
+        for c in range(0, width, step):
+            w = min(step, width - c)
+            x = torch.zeros((n, H), dtype=torch.bfloat16, device=packed.device)
+            x[:, :w] = packed[:, c:c + w].to(torch.bfloat16)
+            y = self.buffer.rm_combine(x, state.handle)
+            out[:, c:c + w] = y[:, :w].float().round().to(torch.uint8)
+        return out.view(torch.float32)
+
+    def _combine(self, state, hidden, probs, weighted):
+        """The combine of the hidden rows, then (with probs) of the probs; both collective."""
+        with epx.collective(self.buffer, epx.RM_COMBINE):
+            packed = self._pack_probs(state, probs) if probs is not None else None
+            combined = self.buffer.rm_combine(hidden, state.handle, weighted=weighted)
+        if packed is None:
+            return combined, None
+        with epx.collective(self.buffer, epx.RM_COMBINE):
+            return combined, self._combine_packed(state, packed)
+
+    # -------------------------------------------------------------------------------- calls
+
     def dispatch(self, hidden, scaling_factor=None, topk_idx=None, topk_weights=None, num_of_experts=None,
                  probs=None, routing_map=None, num_dispatched_tokens_tensor=None, num_dispatched_tokens=None,
-                 handle=None, async_mode=False):
-        """hidden [T, H] -> (dispatched_token [N_r, H], dispatched_probs [N_r, L] or None,
-        dispatched_scaling_factor or None, handle)."""
+                 handle=None, num_of_tokens_per_rank=None, async_mode=False):
+        """hidden [T, H] bf16 (or uint8 fp8 bits with scaling_factor [T, H/128]) -> (dispatched_token
+        [N_r, H], dispatched_probs [N_r, L * ranks_per_domain] or None, dispatched_scaling_factor or None,
+        handle). num_dispatched_tokens bounds the rows (no host wait; capturable); the
+        num_dispatched_tokens_tensor argument is not read (as in HybridEP)."""
         with epx.collective(self.buffer, epx.RM_DISPATCH):
-            _unsupported(handle=(handle, None), async_mode=(async_mode, False),
-                         num_dispatched_tokens_tensor=(num_dispatched_tokens_tensor, None))
-            routing_map, probs = self._routing(routing_map, probs, topk_idx, topk_weights, num_of_experts)
-            out = self.buffer.rm_dispatch(hidden, routing_map, probs, scaling_factor,
-                                          num_dispatched_tokens=num_dispatched_tokens)
-        return out.tokens, out.probs, out.scaling_factor, out.handle
+            _unsupported(async_mode=(async_mode, False))
+            routing_map, probs = self._routing(hidden, routing_map, probs, topk_idx, topk_weights,
+                                               num_of_experts, handle)
+            out, tokens = self._dispatch("dispatch", hidden, scaling_factor, routing_map, probs, handle,
+                                         False, 1, num_dispatched_tokens, num_of_tokens_per_rank)
+        if handle is not None:
+            count, local_map = handle[3], handle[4]
+        else:
+            count, local_map = self._local_map(routing_map, out, num_dispatched_tokens is not None)
+        if count is None:
+            count = _torch().tensor([out.num_tokens], dtype=_torch().int32)
+        state = _State(out.handle, False, 1, routing_map, out.num_tokens, None)
+        new_handle = (state, None, None, count, local_map, hidden.shape[0], None)
+        return tokens, self._wide_probs(out.probs), out.scaling_factor, new_handle
 
     def combine(self, hidden, probs=None, handle=None):
-        """hidden [N_r, H] bf16 -> (combined_token [T, H] bf16, None): an unweighted sum over ranks."""
+        """hidden [N_r, H] bf16 -> (combined_token [T, H] bf16, combined_probs [T, E] float32 or None): an
+        unweighted sum over ranks. probs ([N_r, L * ranks_per_domain]): this rank's columns go back."""
         with epx.collective(self.buffer, epx.RM_COMBINE):
-            _unsupported(probs=(probs, None))
-            return self.buffer.rm_combine(hidden, handle), None
+            state = self._state(handle, False, "dispatch")
+        return self._combine(state, hidden, probs, False)
 
-    def dispatch_with_permute(self, hidden, routing_map=None, probs=None, scaling_factor=None, topk_idx=None,
-                              topk_weights=None, num_of_experts_per_rank=None, pad_multiple=None, handle=None,
-                              num_permuted_tokens=None, non_blocking=False, num_of_experts=None):
+    def dispatch_with_permute(self, hidden=None, *, topk_idx=None, topk_weights=None,
+                              num_of_experts_per_rank=None, num_of_experts=None, use_fp8=None,
+                              routing_map=None, probs=None, scaling_factor=None, num_permuted_tokens=None,
+                              pad_multiple=None, handle=None, non_blocking=False,
+                              fuse_permute_dispatch=False, num_dispatched_tokens=None, use_host_meta=None,
+                              num_of_tokens_per_rank=None):
         """hidden [T, H] -> (dispatched_token [P, H], dispatched_probs [P] or None, dispatched_scaling_factor
-        or None, tokens_per_expert [L] int32 (padded), handle). non_blocking needs num_permuted_tokens."""
+        or None, tokens_per_expert [L] int32 (padded), handle). Rows are grouped by local expert, each group
+        padded to pad_multiple with zero rows. num_permuted_tokens bounds the rows (no host wait;
+        capturable); non_blocking needs it. fuse_permute_dispatch and num_dispatched_tokens have no
+        effect (epx always permutes inside the dispatch)."""
         with epx.collective(self.buffer, epx.RM_DISPATCH):
-            _unsupported(handle=(handle, None))
+            if use_host_meta is not None:
+                non_blocking = not use_host_meta
             if num_of_experts_per_rank not in (None, self.num_local_experts):
-                raise ValueError("num_of_experts_per_rank = %d, the buffer has %d" % (
-                    num_of_experts_per_rank, self.num_local_experts))
-            if non_blocking and num_permuted_tokens is None:
+                raise ValueError("num_of_experts_per_rank = %d, the buffer has %d"
+                                 % (num_of_experts_per_rank, self.num_local_experts))
+            if non_blocking and (num_permuted_tokens is None or num_permuted_tokens < 0):
                 raise ValueError("non_blocking=True needs num_permuted_tokens (an upper bound on the rows)")
-            routing_map, probs = self._routing(routing_map, probs, topk_idx, topk_weights, num_of_experts)
-            out = self.buffer.rm_dispatch(hidden, routing_map, probs, scaling_factor, permute=True,
-                                          pad_multiple=pad_multiple or 1,
-                                          num_permuted_tokens=num_permuted_tokens)
-        return out.tokens, out.probs, out.scaling_factor, out.tokens_per_expert, out.handle
+            if hidden is None:
+                raise ValueError("dispatch_with_permute needs hidden")
+            if use_fp8 is not None and use_fp8 != (hidden.dtype == _torch().uint8):
+                raise ValueError("use_fp8=%s does not match hidden's dtype %s" % (use_fp8, hidden.dtype))
+            routing_map, probs = self._routing(hidden, routing_map, probs, topk_idx, topk_weights,
+                                               num_of_experts, handle)
+            pad = pad_multiple if pad_multiple and pad_multiple > 0 else 1
+            if handle is not None and handle[0].pad_multiple != pad:
+                raise ValueError("pad_multiple = %d, the handle's dispatch used %d"
+                                 % (pad, handle[0].pad_multiple))
+            out, tokens = self._dispatch("dispatch_with_permute", hidden, scaling_factor, routing_map, probs,
+                                         handle, True, pad, num_permuted_tokens, num_of_tokens_per_rank)
+        if handle is not None:
+            count, local_map = handle[3], handle[4]
+        else:
+            count, local_map = self._local_map(routing_map, out, num_permuted_tokens is not None)
+        state = _State(out.handle, True, pad, routing_map, out.num_tokens, out.tokens_per_expert)
+        unpadded = local_map.sum(dim=0, dtype=_torch().int32) if local_map is not None else None
+        new_handle = (state, None, None, count, local_map, None, None, unpadded, hidden.shape[0], None, None)
+        return tokens, out.probs, out.scaling_factor, out.tokens_per_expert, new_handle
 
-    def combine_with_unpermute(self, hidden, probs=None, handle=None, pad_multiple=None, weighted=False):
-        """hidden [P, H] bf16 in the permuted layout -> (combined_token [T, H] bf16, None). weighted=True
-        weights each row by the prob it was dispatched with (other probs cannot be passed). pad_multiple
-        is the dispatch's, which the handle already holds."""
+    def combine_with_unpermute(self, hidden=None, *, probs=None, handle=None, pad_multiple=None,
+                               fuse_unpermute_combine=False, num_dispatched_tokens=None, weighted=False):
+        """hidden [P, H] bf16 in the permuted layout -> (combined_token [T, H] bf16, combined_probs [T, E]
+        float32 or None): the sum over (rank, local expert) of the token's rows. weighted=True (epx's
+        own) weights each row by the prob it was dispatched with. pad_multiple, when given, must be the
+        dispatch's; fuse_unpermute_combine and num_dispatched_tokens have no effect."""
         with epx.collective(self.buffer, epx.RM_COMBINE):
-            _unsupported(probs=(probs, None))
-            return self.buffer.rm_combine(hidden, handle, weighted=weighted), None
+            state = self._state(handle, True, "dispatch_with_permute")
+            if pad_multiple and pad_multiple > 0 and pad_multiple != state.pad_multiple:
+                raise ValueError("pad_multiple = %d, the handle's dispatch used %d"
+                                 % (pad_multiple, state.pad_multiple))
+        return self._combine(state, hidden, probs, weighted)
+
+    @staticmethod
+    def _state(handle, permute, kind):
+        if handle is None:
+            raise ValueError("the handle is necessary for a combine")
+        if not isinstance(handle, tuple) or not handle or not isinstance(handle[0], _State):
+            raise ValueError("handle is not one from %s of this front" % kind)
+        if handle[0].permute != permute:
+            raise ValueError("handle comes from %s, not from %s" % (
+                "dispatch_with_permute" if handle[0].permute else "dispatch", kind))
+        return handle[0]

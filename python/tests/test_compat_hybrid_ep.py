@@ -1,0 +1,261 @@
+"""epx.compat.hybrid_ep against HybridEP's contract, with torch CPU tensors on the host backend (gloo group,
+forked ranks): the call sequences HybridEP's own tests make (dispatch by topk_idx and by routing map, with
+and without probs, scaling_factor given with bf16; combine with probs; dispatch_with_permute with a pad
+multiple, bounds and a handle; combine_with_unpermute with probs; fp8 as uint8; ragged and empty ranks),
+each checked against a reference computed here from every rank's inputs."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import epx  # noqa: E402
+from epx.compat.hybrid_ep import HybridEPBuffer  # noqa: E402
+from torchutil import run_in_group  # noqa: E402
+
+H, L, TOPK, PAD, T_MAX = 256, 2, 3, 4, 24
+
+
+def bits(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def same(a, b, what, rank):
+    assert a is not None and b is not None, "%s: missing (rank %d)" % (what, rank)
+    assert a.dtype == b.dtype and a.shape == b.shape, "%s: %s %s vs %s %s (rank %d)" % (
+        what, a.dtype, list(a.shape), b.dtype, list(b.shape), rank)
+    assert torch.equal(bits(a), bits(b)), "%s differs (rank %d)" % (what, rank)
+
+
+def inputs(rank, T, E, fp8=False):
+    """Rank-seeded tokens with TOPK distinct experts each (weights not 1, so columns cannot be confused)."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    if fp8:
+        hidden = torch.randint(0, 256, (T, H), dtype=torch.uint8, generator=g)
+        hidden[(hidden & 0x7F) == 0x7F] = 0  # no NaN patterns: rows are compared by value in combine
+    else:
+        hidden = torch.randn((T, H), generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(T)]) if T else \
+        torch.zeros((0, TOPK), dtype=torch.int64)
+    weights = torch.rand((T, TOPK), generator=g) + 0.5
+    routing_map = torch.zeros((T, E), dtype=torch.bool)
+    probs = torch.zeros((T, E))
+    routing_map.scatter_(1, idx, True)
+    probs.scatter_(1, idx, weights)
+    sf = torch.randn((T, H // 128), generator=g)
+    return hidden, sf, idx, weights, routing_map, probs
+
+
+class Ref:
+    """What rank `rank` must receive: every rank's rows that selected one of its experts, in source-rank
+    then token order (HybridEP's TorchRef order), and the permuted, padded layout of the same."""
+
+    def __init__(self, dist, rank, nranks, hidden, sf, routing_map, probs):
+        def gather(t):
+            n = torch.tensor([t.shape[0]])
+            counts = [torch.zeros_like(n) for _ in range(nranks)]
+            dist.all_gather(counts, n)
+            pad = torch.zeros((T_MAX,) + tuple(t.shape[1:]), dtype=t.dtype)
+            pad[:t.shape[0]] = t
+            raw = pad.view(torch.uint8) if t.dtype != torch.bool else pad.to(torch.uint8)
+            parts = [torch.empty_like(raw) for _ in range(nranks)]
+            dist.all_gather(parts, raw)
+            parts = [p.view(t.dtype) if t.dtype != torch.bool else p.bool() for p in parts]
+            return torch.cat([p[:int(c)] for p, c in zip(parts, counts)])
+
+        lo, hi = rank * L, (rank + 1) * L
+        g_map = gather(routing_map)
+        keep = g_map[:, lo:hi].any(dim=1)
+        self.tokens = gather(hidden)[keep]
+        self.sf = gather(sf)[keep]
+        self.probs = gather(probs)[keep][:, lo:hi]
+        self.local_map = g_map[keep][:, lo:hi]
+        rows, prows, srows, per_expert = [], [], [], []
+        for j in range(L):
+            sel = self.local_map[:, j]
+            n = int(sel.sum())
+            padded = -(-n // PAD) * PAD
+            per_expert.append(padded)
+            for src, dst in ((self.tokens, rows), (self.probs[:, j], prows), (self.sf, srows)):
+                block = src[sel]
+                dst.append(torch.cat([block, torch.zeros((padded - n,) + tuple(block.shape[1:]),
+                                                         dtype=block.dtype)]))
+        self.p_tokens, self.p_probs, self.p_sf = torch.cat(rows), torch.cat(prows), torch.cat(srows)
+        self.tokens_per_expert = torch.tensor(per_expert, dtype=torch.int32)
+
+
+def expect_combined(combined, hidden, routing_map, rank):
+    """Every selected expert sent the token back unchanged: the sum is hidden * (experts selected)."""
+    want = hidden.float() * routing_map.sum(dim=1, keepdim=True).float()
+    assert combined.shape == hidden.shape and combined.dtype == torch.bfloat16
+    assert torch.allclose(combined.float(), want, rtol=1e-2, atol=1e-2), "combined (rank %d)" % rank
+
+
+def _buffer(dist, **kw):
+    comm = epx.Comm.from_torch(dist.group.WORLD, backend="host")
+    return HybridEPBuffer(dist.group.WORLD, hidden_dim=H, max_num_of_tokens_per_rank=T_MAX,
+                          num_local_experts=L, max_pad_multiple=PAD, comm=comm, **kw)
+
+
+def _tokens(rank, ragged):
+    return (0, 7, 13)[rank % 3] if ragged else 16
+
+
+def _dispatch_combine(rank, nranks, dist, ragged):
+    buf = _buffer(dist)
+    E = buf.num_of_experts
+    assert (buf.num_of_hybrid_ep_ranks_per_nvlink_domain * buf.num_of_nodes, buf.local_rank) == \
+        (nranks, rank % buf.num_of_hybrid_ep_ranks_per_nvlink_domain)
+    hidden, sf, idx, w, rmap, probs = inputs(rank, _tokens(rank, ragged), E)
+    ref = Ref(dist, rank, nranks, hidden, sf, rmap, probs)
+    lo = buf.local_rank * L
+    for by_topk in (True, False):
+        for with_probs in (True, False):
+            route = dict(topk_idx=idx, topk_weights=w if with_probs else None, num_of_experts=E) if by_topk \
+                else dict(routing_map=rmap, probs=probs if with_probs else None)
+            tokens, d_probs, d_sf, handle = buf.dispatch(hidden=hidden, scaling_factor=sf, **route)
+            same(tokens, ref.tokens, "dispatched tokens", rank)
+            assert d_sf is None and len(handle) == 7
+            assert int(handle[3].cpu().item()) == ref.tokens.shape[0]
+            same(handle[4], ref.local_map, "local_expert_routing_map", rank)
+            if with_probs:
+                assert d_probs.shape == (tokens.shape[0], L * buf.num_of_hybrid_ep_ranks_per_nvlink_domain)
+                same(d_probs[:, lo:lo + L].contiguous(), ref.probs, "dispatched probs", rank)
+                assert not d_probs[:, :lo].any() and not d_probs[:, lo + L:].any()
+            else:
+                assert d_probs is None
+            copies = handle[4].sum(dim=1, keepdim=True)
+            y = (tokens.float() * copies).to(torch.bfloat16)
+            combined, c_probs = buf.combine(y, d_probs, handle)
+            expect_combined(combined, hidden, rmap, rank)
+            if with_probs:
+                same(c_probs, probs, "combined probs", rank)
+            else:
+                assert c_probs is None
+    # A bound: the rows are the bound's, the real count is in handle[3]; a combine takes those rows.
+    bound = nranks * T_MAX
+    tokens, _, _, handle = buf.dispatch(hidden, sf, routing_map=rmap, probs=probs,
+                                        num_dispatched_tokens=bound)
+    n = ref.tokens.shape[0]
+    assert tokens.shape[0] == bound and int(handle[3].item()) == n
+    same(tokens[:n].contiguous(), ref.tokens, "bounded tokens", rank)
+    y = tokens.clone()
+    assert handle[4].shape == (nranks * buf.max_num_of_tokens_per_rank, L) and not handle[4][n:].any()
+    same(handle[4][:n], ref.local_map, "bounded local_expert_routing_map", rank)
+    y[:n] = (tokens[:n].float() * handle[4][:n].sum(dim=1, keepdim=True)).to(torch.bfloat16)
+    combined, _ = buf.combine(y, handle=handle)
+    expect_combined(combined, hidden, rmap, rank)
+    # A dispatch with the handle repeats the routing it was made with.
+    again, _, _, _ = buf.dispatch(hidden, handle=handle, num_dispatched_tokens=bound)
+    same(again, tokens, "dispatch with a handle", rank)
+    return True
+
+
+@pytest.mark.parametrize("nranks,ragged", [(2, False), (3, False), (3, True)])
+def test_dispatch_combine(nranks, ragged):
+    assert run_in_group(nranks, _dispatch_combine, ragged=ragged) == [True] * nranks
+
+
+def _permute(rank, nranks, dist, ragged):
+    buf = _buffer(dist)
+    E = buf.num_of_experts
+    hidden, sf, idx, w, rmap, probs = inputs(rank, _tokens(rank, ragged), E)
+    ref = Ref(dist, rank, nranks, hidden, sf, rmap, probs)
+    for by_topk in (True, False):
+        for with_probs in (True, False):
+            route = dict(topk_idx=idx, topk_weights=w if with_probs else None, num_of_experts=E) if by_topk \
+                else dict(routing_map=rmap, probs=probs if with_probs else None)
+            tokens, p_probs, p_sf, per_expert, handle = buf.dispatch_with_permute(
+                hidden=hidden, scaling_factor=sf, pad_multiple=PAD, num_of_experts_per_rank=L, **route)
+            same(tokens, ref.p_tokens, "permuted tokens", rank)
+            same(per_expert, ref.tokens_per_expert, "tokens_per_expert", rank)
+            assert p_sf is None and len(handle) == 11
+            assert int(handle[3].item()) == ref.tokens.shape[0]
+            same(handle[4], ref.local_map, "local_expert_routing_map", rank)
+            if with_probs:
+                same(p_probs, ref.p_probs, "permuted probs", rank)
+            else:
+                assert p_probs is None
+            combined, c_probs = buf.combine_with_unpermute(hidden=tokens, probs=p_probs, handle=handle,
+                                                           pad_multiple=PAD)
+            expect_combined(combined, hidden, rmap, rank)
+            if with_probs:
+                same(c_probs, probs, "combined probs", rank)
+            # Replay with the handle and the real count as the bound (HybridEP's backward pattern).
+            replay, r_probs, _, _, _ = buf.dispatch_with_permute(
+                hidden=hidden, scaling_factor=sf, handle=handle, pad_multiple=PAD,
+                num_permuted_tokens=int(per_expert.sum()), **({"probs": probs} if with_probs else {}))
+            same(replay, tokens, "replayed tokens", rank)
+            if with_probs:
+                same(r_probs, p_probs, "replayed probs", rank)
+    # non_blocking with a worst-case bound: the real rows first, zeros after; the combine takes them all.
+    bound = nranks * T_MAX * TOPK
+    tokens, p_probs, _, per_expert, handle = buf.dispatch_with_permute(
+        hidden=hidden, routing_map=rmap, probs=probs, pad_multiple=PAD, num_permuted_tokens=bound,
+        non_blocking=True)
+    P = ref.p_tokens.shape[0]
+    assert tokens.shape[0] == bound and not tokens[P:].any() and not p_probs[P:].any()
+    same(tokens[:P].contiguous(), ref.p_tokens, "bounded permuted tokens", rank)
+    same(handle[4][:ref.tokens.shape[0]], ref.local_map, "bounded local_expert_routing_map", rank)
+    combined, c_probs = buf.combine_with_unpermute(hidden=tokens, probs=p_probs, handle=handle,
+                                                   pad_multiple=PAD)
+    expect_combined(combined, hidden, rmap, rank)
+    same(c_probs, probs, "bounded combined probs", rank)
+    with pytest.raises(ValueError, match="num_permuted_tokens"):
+        buf.dispatch_with_permute(hidden=hidden, routing_map=rmap, non_blocking=True)
+    return True
+
+
+@pytest.mark.parametrize("nranks,ragged", [(2, False), (3, True)])
+def test_dispatch_with_permute(nranks, ragged):
+    assert run_in_group(nranks, _permute, ragged=ragged) == [True] * nranks
+
+
+def _fp8(rank, nranks, dist):
+    buf = _buffer(dist, use_fp8=True, num_sms_dispatch_api=None, num_sms_combine_api=None)
+    E = buf.num_of_experts
+    hidden, sf, idx, w, rmap, probs = inputs(rank, _tokens(rank, True), E, fp8=True)
+    ref = Ref(dist, rank, nranks, hidden, sf, rmap, probs)
+    tokens, d_probs, d_sf, handle = buf.dispatch(hidden=hidden, scaling_factor=sf, topk_idx=idx,
+                                                 topk_weights=w, num_of_experts=E)
+    same(tokens, ref.tokens, "fp8 tokens (uint8)", rank)
+    same(d_sf, ref.sf, "fp8 scaling factor", rank)
+    tokens, p_probs, p_sf, _, handle = buf.dispatch_with_permute(
+        hidden=hidden, scaling_factor=sf, routing_map=rmap, probs=probs, pad_multiple=PAD)
+    same(tokens, ref.p_tokens, "fp8 permuted tokens", rank)
+    same(p_sf, ref.p_sf, "fp8 permuted scaling factor", rank)
+    same(p_probs, ref.p_probs, "fp8 permuted probs", rank)
+    rows = tokens.view(torch.float8_e4m3fn).float().to(torch.bfloat16)
+    combined, c_probs = buf.combine_with_unpermute(hidden=rows, probs=p_probs, handle=handle,
+                                                   pad_multiple=PAD)
+    want = hidden.view(torch.float8_e4m3fn).float().to(torch.bfloat16)
+    expect_combined(combined, want, rmap, rank)
+    same(c_probs, probs, "fp8 combined probs", rank)
+    return True
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_fp8_as_uint8(nranks):
+    assert run_in_group(nranks, _fp8) == [True] * nranks
+
+
+def _refusals(rank, nranks, dist):
+    """A rejection by the front on one rank reaches the peers as RemoteError; the next calls pair up."""
+    buf = _buffer(dist)
+    E = buf.num_of_experts
+    hidden, sf, idx, w, rmap, probs = inputs(rank, 8, E)
+    tokens, d_probs, _, handle = buf.dispatch(hidden, routing_map=rmap, probs=probs)
+    bad = d_probs[:, :1] if rank == 0 else d_probs
+    with pytest.raises(ValueError if rank == 0 else epx.RemoteError):
+        buf.combine(tokens, bad, handle)
+    with pytest.raises(ValueError if rank == nranks - 1 else epx.RemoteError):
+        buf.dispatch(hidden, topk_idx=idx, num_of_experts=E + (rank == nranks - 1))
+    with pytest.raises(ValueError, match="handle comes from dispatch"):
+        buf.combine_with_unpermute(hidden=tokens, handle=handle)
+    _, c_probs = buf.combine(tokens, d_probs, handle)
+    same(c_probs, probs, "combined probs after refusals", rank)
+    return True
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_refusals_reach_peers(nranks):
+    assert run_in_group(nranks, _refusals) == [True] * nranks
