@@ -485,47 +485,62 @@ static uint64_t slab_layout(epx_buffer_t b, epx_handle_kind_t kind, uint8_t *bas
     return c.off;
 }
 
-epx_result_t epx_cuda_handle_get(cuda_buffer_t *cb, epx_handle_kind_t kind, cuda_handle_t **out)
+/* A new handle of `kind` with its device slab. */
+static epx_result_t handle_new(cuda_buffer_t *cb, epx_handle_kind_t kind, cuda_handle_t **out)
 {
     epx_buffer_t b = cb->buffer;
+    const int rm = kind == EPX_HANDLE_RM;
+    cuda_handle_t *h = calloc(1, sizeof(*h));
+    if (!h) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: %shandle state", b->comm->rank, rm ? "routing-map " : "");
+    /* A static or bounded dispatch may be captured into a graph: cudaMalloc is refused (and the
+     * capture invalidated) in the capturing thread unless its capture mode is relaxed. The slab
+     * lives with the handle, outside the graph. */
+    enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    (void)cudaThreadExchangeStreamCaptureMode(&mode);
+    epx_result_t res = epx_cuda_check(cudaMalloc(&h->slab, slab_layout(b, kind, NULL, h)),
+                                      rm ? "cudaMalloc(routing-map handle)" : "cudaMalloc(handle)", b->comm->rank);
+    if (res == EPX_SUCCESS) {
+        h->kind = kind;
+        (void)slab_layout(b, kind, h->slab, h);
+        /* The bad word starts clear (the receive kernel clears it after each use); on the
+         * internal stream, which no capture or blocking stream waits on. */
+        void *bad = rm ? (void *)h->dev.rm.bad : (void *)h->dev.ht.bad;
+        res = epx_cuda_check(cudaMemsetAsync(bad, 0, 16, (cudaStream_t)cb->internal_stream),
+                             "cudaMemsetAsync(handle)", b->comm->rank);
+        if (res == EPX_SUCCESS)
+            res = epx_cuda_check(cudaStreamSynchronize((cudaStream_t)cb->internal_stream),
+                                 "cudaStreamSynchronize(handle)", b->comm->rank);
+        if (res != EPX_SUCCESS) (void)cudaFree(h->slab);
+    }
+    (void)cudaThreadExchangeStreamCaptureMode(&mode);
+    if (res != EPX_SUCCESS) {
+        free(h);
+        return res;
+    }
+    *out = h;
+    return EPX_SUCCESS;
+}
+
+epx_result_t epx_cuda_handle_get(cuda_buffer_t *cb, epx_handle_kind_t kind, int capturing, cuda_handle_t **out)
+{
     cuda_handle_t **pool = &cb->free_handles[pool_of(kind)];
     pthread_mutex_lock(&cb->lock);
     cuda_handle_t *h = *pool;
     if (h) *pool = h->next_free;
+    const int empty = *pool == NULL;
     pthread_mutex_unlock(&cb->lock);
-    if (!h) {
-        const int rm = kind == EPX_HANDLE_RM;
-        h = calloc(1, sizeof(*h));
-        if (!h)
-            return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: %shandle state", b->comm->rank,
-                             rm ? "routing-map " : "");
-        /* A static or bounded dispatch may be captured into a graph: cudaMalloc is refused (and
-         * the capture invalidated) in the capturing thread unless its capture mode is relaxed.
-         * The slab lives with the handle, outside the graph. */
-        enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-        (void)cudaThreadExchangeStreamCaptureMode(&mode);
-        epx_result_t res = epx_cuda_check(cudaMalloc(&h->slab, slab_layout(b, kind, NULL, h)),
-                                          rm ? "cudaMalloc(routing-map handle)" : "cudaMalloc(handle)",
-                                          b->comm->rank);
-        if (res == EPX_SUCCESS) {
-            h->kind = kind;
-            (void)slab_layout(b, kind, h->slab, h);
-            /* The bad word starts clear (the receive kernel clears it after each use); on the
-             * internal stream, which no capture or blocking stream waits on. */
-            void *bad = rm ? (void *)h->dev.rm.bad : (void *)h->dev.ht.bad;
-            res = epx_cuda_check(cudaMemsetAsync(bad, 0, 16, (cudaStream_t)cb->internal_stream),
-                                 "cudaMemsetAsync(handle)", b->comm->rank);
-            if (res == EPX_SUCCESS)
-                res = epx_cuda_check(cudaStreamSynchronize((cudaStream_t)cb->internal_stream),
-                                     "cudaStreamSynchronize(handle)", b->comm->rank);
-            if (res != EPX_SUCCESS) (void)cudaFree(h->slab);
-        }
-        (void)cudaThreadExchangeStreamCaptureMode(&mode);
-        if (res != EPX_SUCCESS) {
-            free(h);
-            return res;
-        }
+    if (!h) EPX_CHECK(handle_new(cb, kind, &h));
+    /* Outside capture, keep one spare in the pool, so that a captured dispatch while earlier
+     * handles are alive (a warm-up's, typically) takes it instead of allocating inside a capture
+     * that forbids it (strict capture modes of other threads). No spare is no error. */
+    cuda_handle_t *spare;
+    if (empty && !capturing && handle_new(cb, kind, &spare) == EPX_SUCCESS) {
+        pthread_mutex_lock(&cb->lock);
+        spare->next_free = *pool;
+        *pool = spare;
+        pthread_mutex_unlock(&cb->lock);
     }
+    epx_error_clear();
     h->next_free = NULL;
     *out = h;
     return EPX_SUCCESS;

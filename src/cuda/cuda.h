@@ -61,8 +61,9 @@ epx_result_t epx_cuda_check(int err, const char *what, int rank);
 epx_result_t epx_cuda_report_record(cuda_buffer_t *cb, uint64_t min_epoch, int set_thread_error);
 /* Fills the arguments every collective kernel shares. */
 void epx_cuda_fill_common(cuda_buffer_t *cb, epx_cuda_common_t *c);
-/* A handle slab of `kind` from the pool, or a new one (also while the caller captures). */
-epx_result_t epx_cuda_handle_get(cuda_buffer_t *cb, epx_handle_kind_t kind, cuda_handle_t **out);
+/* A handle slab of `kind` from the pool, or a new one (also while the caller captures); outside
+ * capture (`capturing` 0) the pool is topped up to one spare. */
+epx_result_t epx_cuda_handle_get(cuda_buffer_t *cb, epx_handle_kind_t kind, int capturing, cuda_handle_t **out);
 
 /* Operation runner (src/cuda/op.c). An operation is one backend call on the caller's stream: its
  * collective kernel takes the next epoch; after its last launch the buffer's event is recorded

@@ -141,7 +141,7 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
             return epx_cuda_op_refuse(
                 &op, epx_error(EPX_ERR_INVALID_ARG, "rank %d: args.cached_handle has no device state", me));
     } else {
-        res = epx_cuda_handle_get(cb, EPX_HANDLE_HT, &h);
+        res = epx_cuda_handle_get(cb, EPX_HANDLE_HT, op.capturing, &h);
         if (res != EPX_SUCCESS) return epx_cuda_op_refuse(&op, res);
         h->no_host_wait = is_static;
         h->seq = seq;

@@ -88,7 +88,7 @@ epx_result_t epx_cuda_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_r
         return epx_cuda_op_refuse(
             &op, epx_error(EPX_ERR_INTERNAL, "rank %d: the buffer's region has no routing-map areas", me));
     cuda_handle_t *h = NULL;
-    epx_result_t res = epx_cuda_handle_get(cb, EPX_HANDLE_RM, &h);
+    epx_result_t res = epx_cuda_handle_get(cb, EPX_HANDLE_RM, op.capturing, &h);
     if (res != EPX_SUCCESS) return epx_cuda_op_refuse(&op, res);
     h->no_host_wait = bounded;
     h->has_probs = args->probs.data != NULL;
