@@ -94,9 +94,9 @@ class NoCollectives:
             setattr(self.dist, name, fn)
 
 
-def make_buffer(dist, **kw):
+def make_buffer(dist, num_rdma_bytes=0, **kw):
     comm = epx.Comm.from_torch(dist.group.WORLD, backend="host")
-    return deep_ep.Buffer(dist.group.WORLD, int(1e8), 0, comm=comm, explicitly_destroy=True, **kw)
+    return deep_ep.Buffer(dist.group.WORLD, int(1e8), num_rdma_bytes, comm=comm, explicitly_destroy=True, **kw)
 
 
 # ------------------------------------------------------------------ HT, as test_intranode.py
@@ -133,7 +133,7 @@ def _intranode(rank, nranks, dist, K):
                         assert counts == want_counts, (counts, want_counts)
                         if isinstance(current, tuple):
                             assert recv_x[0].dtype == torch.float8_e4m3fn and recv_x[0].shape[0] == n_recv
-                            back = (recv_x[0].float().view(n_recv, -1, 128) * recv_x[1].unsqueeze(2)).view(n_recv, H)
+                            back = (recv_x[0].float().view(n_recv, H // 128, 128) * recv_x[1].unsqueeze(2)).view(n_recv, H)
                             assert torch.allclose(back, want_x.float(), rtol=0.07, atol=1e-3)
                             recv_x = back.to(torch.bfloat16)
                         else:
@@ -253,3 +253,122 @@ def test_front_surface():
     assert deep_ep.Config(24, 8, 256).get_nvl_buffer_size_hint(7168 * 2, 8) > 0
     with pytest.raises(AttributeError):
         deep_ep.no_such_name
+
+
+# ------------------------------------------------------------------ LL, as test_low_latency.py
+
+
+def ll_reference(rank, nranks, T, K, E, masked=()):
+    """Per local expert of rank: the rows it receives (source rank ascending, then token) and src_info."""
+    L = E // nranks
+    rows, srcs = [[] for _ in range(L)], [[] for _ in range(L)]
+    for s in range(nranks):
+        x, idx, _ = make_inputs(s, nranks, T, K, E)
+        for j in range(L):
+            e = rank * L + j
+            if rank in masked:
+                continue
+            hit = (idx == e).any(dim=1).nonzero().flatten()
+            rows[j].append(x[hit])
+            srcs[j].append(hit.to(torch.int32))
+    return [torch.cat(r) if r else torch.zeros((0, H), dtype=torch.bfloat16) for r in rows], \
+        [torch.cat(s) if s else torch.zeros(0, dtype=torch.int32) for s in srcs]
+
+
+def ll_combine_reference(x, idx, w, scale_of):
+    """sum over slots k ascending of w * y, y = x scaled per expert (the test's stand-in for the expert)."""
+    acc = torch.zeros(x.shape, dtype=torch.float32)
+    for k in range(idx.shape[1]):
+        valid = idx[:, k] >= 0
+        y = (x.float() * scale_of(idx[:, k].clamp(min=0)).view(-1, 1)).to(torch.bfloat16).float()
+        acc = torch.where(valid.view(-1, 1), acc + w[:, k:k + 1] * y, acc)
+    return acc.to(torch.bfloat16)
+
+
+def _low_latency(rank, nranks, dist):
+    T, K, E = 6, 3, 4 * nranks
+    L = E // nranks
+    buf = make_buffer(dist, low_latency_mode=True, enable_shrink=True,
+                      num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, nranks, E))
+    x, idx, w = make_inputs(rank, nranks, T, K, E)
+    buf.clean_low_latency_buffer(T, H, E, num_topk=K)
+    want_rows, want_src = ll_reference(rank, nranks, T, K, E)
+
+    def scale_of(e):
+        return (e % 3 + 1).float()
+
+    with NoCollectives(dist):
+        for hook_mode in (False, True):
+            for use_fp8 in (False, True):
+                stats = torch.zeros(L, dtype=torch.int32)
+                recv_x, recv_count, handle, event, hook = buf.low_latency_dispatch(
+                    x, idx, T, E, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
+                    async_finish=not hook_mode, return_recv_hook=hook_mode)
+                hook() if hook_mode else event.current_stream_wait()
+                assert len(handle) == 5 and handle[2:] == (T, H, E)
+                src_info, layout_range = handle[0], handle[1]
+                for j in range(L):
+                    n = want_rows[j].shape[0]
+                    assert int(recv_count[j]) == n and int(stats[j]) == n
+                    assert int((layout_range[j] & 0xFFFFFFFF).sum()) == n
+                    exact(src_info[j, :n], want_src[j], "src_info")
+                    if use_fp8:
+                        q, s = recv_x
+                        assert s.shape == (L, nranks * T, H // 128) and not s.is_contiguous()
+                        back = (q[j, :n].float().view(n, H // 128, 128) * s[j, :n].unsqueeze(2)).view(n, H)
+                        assert torch.allclose(back, want_rows[j].float(), rtol=0.07, atol=1e-3)
+                    else:
+                        exact(recv_x[j, :n], want_rows[j], "LL recv_x")
+                if use_fp8:
+                    continue
+                y = torch.stack([(recv_x[j].float() * scale_of(torch.tensor(rank * L + j))).to(torch.bfloat16)
+                                 for j in range(L)])
+                want = ll_combine_reference(x, idx, w, scale_of)
+                for zero_copy in (False, True):
+                    if zero_copy:
+                        buf.get_next_low_latency_combine_buffer(handle)[:, :, :] = y
+                    out = torch.empty((T, H), dtype=torch.bfloat16)
+                    combined, event, chook = buf.low_latency_combine(
+                        y, idx, w, handle, zero_copy=zero_copy, async_finish=not hook_mode,
+                        return_recv_hook=hook_mode, out=out)
+                    chook() if hook_mode else event.current_stream_wait()
+                    assert combined is out
+                    exact(out, want, "LL combined (zero_copy=%s, hook=%s)" % (zero_copy, hook_mode))
+        with pytest.raises(NotImplementedError, match="use_logfmt"):
+            buf.low_latency_combine(y, idx, w, handle, use_logfmt=True)
+        # The mask buffer: every rank masks the last rank, whose experts then receive nothing and whose
+        # slots combine as absent.
+        status = torch.zeros(nranks, dtype=torch.int32)
+        buf.low_latency_update_mask_buffer(nranks - 1, True)
+        buf.low_latency_query_mask_buffer(status)
+        assert status.tolist() == [0] * (nranks - 1) + [1]
+        recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+        masked_rows, _ = ll_reference(rank, nranks, T, K, E, masked=(nranks - 1,))
+        assert recv_count.tolist() == [r.shape[0] for r in masked_rows]
+        y = torch.stack([(recv_x[j].float() * scale_of(torch.tensor(rank * L + j))).to(torch.bfloat16)
+                         for j in range(L)])
+        combined, _, _ = buf.low_latency_combine(y, idx, w, handle)
+        live = idx.masked_fill(idx >= (nranks - 1) * L, -1)
+        exact(combined, ll_combine_reference(x, live, w, scale_of), "LL combined with a masked rank")
+        buf.low_latency_clean_mask_buffer()
+        buf.low_latency_query_mask_buffer(status)
+        assert status.tolist() == [0] * nranks
+    buf.destroy()
+    return True
+
+
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_low_latency_sequence(nranks):
+    run_in_group(nranks, _low_latency)
+
+
+def _no_shrink(rank, nranks, dist):
+    buf = make_buffer(dist)
+    with pytest.raises(RuntimeError, match="enable_shrink"):
+        buf.low_latency_update_mask_buffer(0, True)
+    buf.destroy()
+    return True
+
+
+def test_mask_buffer_needs_enable_shrink():
+    run_in_group(2, _no_shrink)
