@@ -42,7 +42,8 @@ def rank_sets(topk_idx, nranks, L):
 def ht_reference(rank, nranks, K, E):
     """What rank receives in HT order: rows (x, local topk_idx, weights), the prefix matrix, expert counts."""
     L = E // nranks
-    xs, idxs, ws, prefix, per_expert = [], [], [], torch.zeros((nranks, nranks), dtype=torch.int32), torch.zeros(L)
+    xs, idxs, ws = [], [], []
+    prefix, per_expert = torch.zeros((nranks, nranks), dtype=torch.int32), torch.zeros(L)
     running = torch.zeros(nranks, dtype=torch.int32)
     for s in range(nranks):
         x, idx, w = make_inputs(s, nranks, tokens(s, nranks), K, E)
@@ -50,7 +51,8 @@ def ht_reference(rank, nranks, K, E):
         running += in_rank.sum(dim=0).to(torch.int32)
         prefix[s] = running
         sel = in_rank[:, rank]
-        local = torch.where((idx >= rank * L) & (idx < (rank + 1) * L), idx - rank * L, torch.full_like(idx, -1))
+        mine = (idx >= rank * L) & (idx < (rank + 1) * L)
+        local = torch.where(mine, idx - rank * L, torch.full_like(idx, -1))
         xs.append(x[sel])
         idxs.append(local[sel])
         ws.append(torch.where(local[sel] >= 0, w[sel], torch.zeros_like(w[sel])))
@@ -96,7 +98,8 @@ class NoCollectives:
 
 def make_buffer(dist, num_rdma_bytes=0, **kw):
     comm = epx.Comm.from_torch(dist.group.WORLD, backend="host")
-    return deep_ep.Buffer(dist.group.WORLD, int(1e8), num_rdma_bytes, comm=comm, explicitly_destroy=True, **kw)
+    return deep_ep.Buffer(dist.group.WORLD, int(1e8), num_rdma_bytes, comm=comm, explicitly_destroy=True,
+                          **kw)
 
 
 # ------------------------------------------------------------------ HT, as test_intranode.py
@@ -121,7 +124,8 @@ def _intranode(rank, nranks, dist, K):
             for async_mode in (False, True):
                 for current in (x, x_fp8):
                     for with_topk in (False, True):
-                        args = dict(layout, x=current, config=deep_ep.Config(24, 8, 256), async_finish=async_mode)
+                        args = dict(layout, x=current, config=deep_ep.Config(24, 8, 256),
+                                    async_finish=async_mode)
                         if with_topk:
                             args.update(topk_idx=idx, topk_weights=w)
                         if previous:
@@ -133,7 +137,8 @@ def _intranode(rank, nranks, dist, K):
                         assert counts == want_counts, (counts, want_counts)
                         if isinstance(current, tuple):
                             assert recv_x[0].dtype == torch.float8_e4m3fn and recv_x[0].shape[0] == n_recv
-                            back = (recv_x[0].float().view(n_recv, H // 128, 128) * recv_x[1].unsqueeze(2)).view(n_recv, H)
+                            q, s = recv_x[0].float().view(n_recv, H // 128, 128), recv_x[1].unsqueeze(2)
+                            back = (q * s).view(n_recv, H)
                             assert torch.allclose(back, want_x.float(), rtol=0.07, atol=1e-3)
                             recv_x = back.to(torch.bfloat16)
                         else:
@@ -170,7 +175,8 @@ def _intranode(rank, nranks, dist, K):
                         if not isinstance(current, tuple):
                             exact(combined, (x.float() * times).to(torch.bfloat16), "combined_x")
                         if with_topk:
-                            exact(combined_w, torch.where(idx >= 0, w, torch.zeros_like(w)), "combined weights")
+                            want_cw = torch.where(idx >= 0, w, torch.zeros_like(w))
+                            exact(combined_w, want_cw, "combined weights")
                         else:
                             assert combined_w is None
     # A larger T later re-makes the data buffer (decided alike on every rank from the notify rows).

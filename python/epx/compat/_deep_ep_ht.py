@@ -98,8 +98,8 @@ class HTPath:
 
     # ------------------------------------------------------------------ dispatch
 
-    def dispatch(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-                 expert_alignment, num_worst_tokens, num_sms):
+    def dispatch(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                 topk_weights, expert_alignment, num_worst_tokens, num_sms):
         """DeepEP's dispatch without a handle. Returns (recv_x, recv_topk_idx, recv_topk_weights, counts,
         handle). A rejection before the notify exchange is refused on the notify buffer."""
         torch = _torch()
@@ -114,8 +114,8 @@ class HTPath:
                                  "(from get_dispatch_layout)")
             E = num_tokens_per_expert.numel()
             if E % R != 0 or E // R > MAX_LOCAL_EXPERTS:
-                raise ValueError("epx.compat.deep_ep: num_experts %d must be a multiple of the %d ranks with at "
-                                 "most %d local experts" % (E, R, MAX_LOCAL_EXPERTS))
+                raise ValueError("epx.compat.deep_ep: num_experts %d must be a multiple of the %d ranks with "
+                                 "at most %d local experts" % (E, R, MAX_LOCAL_EXPERTS))
             if topk_idx is None and is_token_in_rank is None:
                 raise ValueError("epx.compat.deep_ep: dispatch without a handle needs is_token_in_rank "
                                  "(or topk_idx)")
@@ -129,7 +129,8 @@ class HTPath:
             worst = num_worst_tokens > 0
             if num_tokens_per_rank is None:
                 num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
-            rows = self._notify_rows(num_tokens_per_rank, num_tokens_per_expert, (T, K_need, worst, E, H), x.device)
+            rows = self._notify_rows(num_tokens_per_rank, num_tokens_per_expert, (T, K_need, worst, E, H),
+                                     x.device)
             recv = self.notify.dispatch(rows, self._notify_topk(x.device), num_worst_tokens=R).recv_x
         counts_by_source = recv[:, :R]
         prefix = counts_by_source.cumsum(dim=0).to(torch.int32)
@@ -137,7 +138,8 @@ class HTPath:
         host = None
         if not (worst and fits):
             L = E // R
-            head = torch.cat([recv[:, :R + _NUM_FIELDS].flatten(), recv[:, R + _NUM_FIELDS:][:, :L].sum(dim=0)])
+            experts = recv[:, R + _NUM_FIELDS:R + _NUM_FIELDS + L]
+            head = torch.cat([recv[:, :R + _NUM_FIELDS].flatten(), experts.sum(dim=0)])
             host = [int(v) for v in head.tolist()]
         buf = self._choose(host, T, K_need, E, H, fits, num_sms)
         with epx.collective(buf, epx.HT_DISPATCH):
@@ -205,9 +207,10 @@ class HTPath:
             with epx.collective(self.data, epx.HT_DISPATCH):
                 if not fits:
                     raise ValueError(
-                        "epx.compat.deep_ep: this dispatch (T %d, top-k width %d, E %d, hidden %d) does not fit the "
-                        "buffer made by earlier calls, and a num_worst_tokens call cannot re-make it (that takes "
-                        "a host sync on every rank); make one call without num_worst_tokens first" % (T, K, E, H))
+                        "epx.compat.deep_ep: this dispatch (T %d, top-k width %d, E %d, hidden %d) does not "
+                        "fit the buffer made by earlier calls, and a num_worst_tokens call cannot re-make it "
+                        "(that takes a host sync on every rank); make one call without num_worst_tokens "
+                        "first" % (T, K, E, H))
             return self.data
         t_max = _pow2(max(max(f[_T] for f in fields), 1))
         if self.data is not None:

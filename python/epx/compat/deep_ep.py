@@ -188,8 +188,8 @@ class Buffer:
         return _torch().cuda.current_stream()
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
-        raise NotImplementedError("epx.compat.deep_ep does not support: get_local_buffer_tensor (epx buffers are "
-                                  "typed by shape, with no raw byte region to hand out)")
+        raise NotImplementedError("epx.compat.deep_ep does not support: get_local_buffer_tensor (epx buffers "
+                                  "are typed by shape, with no raw byte region to hand out)")
 
     def internode_dispatch(self, *args, **kwargs):
         raise NotImplementedError("epx.compat.deep_ep does not support: internode_dispatch (intranode only)")
@@ -234,9 +234,9 @@ class Buffer:
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                  expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
                  allocate_on_comm_stream=False):
-        """x [T, H] bf16/fp32, or (x_fp8 [T, H], scales [T, H/128] fp32, any strides). Returns (recv_x (a tuple
-        for fp8), recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, EventOverlap);
-        a cached dispatch (with handle) returns (recv_x, None, None, None, None, EventOverlap), as DeepEP.
+        """x [T, H] bf16/fp32, or (x_fp8 [T, H], scales [T, H/128] fp32, any strides). Returns (recv_x (a
+        tuple for fp8), recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
+        EventOverlap); a cached dispatch (with handle) returns (recv_x, None, None, None, None, EventOverlap), as DeepEP.
         Whatever this rank refuses, the others raise RemoteError (epx.collective)."""
         if handle is not None:
             with epx.collective(self._ht_buffer_of(handle), epx.HT_DISPATCH):
@@ -287,7 +287,7 @@ class Buffer:
         return buf
 
     def _masked(self, topk_idx, num_experts):
-        """enable_shrink: topk_idx with the experts of masked ranks set to -1 (topk_idx itself when none is)."""
+        """enable_shrink: topk_idx with the experts of masked ranks set to -1 (itself when none is masked)."""
         if not any(self._mask):
             return topk_idx
         torch = _torch()
