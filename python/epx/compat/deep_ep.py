@@ -12,6 +12,9 @@ import epx
 
 from . import _deep_ep_ht as _ht
 
+# topk_idx_t comes from __getattr__ (it needs torch); listing it lets `from ... import *` find it.
+__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
+
 
 def _torch():
     import torch
@@ -236,7 +239,8 @@ class Buffer:
                  allocate_on_comm_stream=False):
         """x [T, H] bf16/fp32, or (x_fp8 [T, H], scales [T, H/128] fp32, any strides). Returns (recv_x (a
         tuple for fp8), recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
-        EventOverlap); a cached dispatch (with handle) returns (recv_x, None, None, None, None, EventOverlap), as DeepEP.
+        EventOverlap); a cached dispatch (with handle) returns (recv_x, None, None, None, None, EventOverlap),
+        as DeepEP.
         Whatever this rank refuses, the others raise RemoteError (epx.collective)."""
         if handle is not None:
             with epx.collective(self._ht_buffer_of(handle), epx.HT_DISPATCH):
