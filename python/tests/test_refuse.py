@@ -223,8 +223,8 @@ def test_one_rank_goes_on():
 
 
 def _deep_ep(rank, nranks, dist):
-    """The DeepEP front: a refusal before the HT buffer is chosen rides on the ranks' agreement on it;
-    later ones (in the binding) are refused on the buffer. Needs torch."""
+    """The DeepEP front: a refusal before the count exchange is refused on the front's notify buffer;
+    later ones (in the binding) are refused on the data buffer. Needs torch."""
     import torch
 
     from epx.compat import deep_ep
@@ -241,7 +241,7 @@ def _deep_ep(rank, nranks, dist):
     refuser = nranks - 1
     if rank == refuser:
         with pytest.raises(ValueError, match="topk_idx"):
-            buf.dispatch(x, **layout)
+            buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert)
     else:
         with pytest.raises(epx.RemoteError):
             buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)

@@ -1,23 +1,19 @@
 """DeepEP-compatible front over epx: `from epx.compat.deep_ep import Buffer, Config, EventOverlap` in place
-of `from deep_ep import ...`. Method and argument names follow DeepEP for the supported subset; an argument
-epx cannot honour raises NotImplementedError naming it. Needs torch.
-
-Differences to know:
-- epx buffers are sized by shape, not bytes: num_nvl_bytes / num_rdma_bytes are accepted and unused; the
-  HT buffer is created on the first dispatch (collectively, with T_max = the largest T over the group,
-  rounded up to a power of two, re-created when a later call needs more) and the LL buffer on the first
-  low_latency_dispatch (or clean_low_latency_buffer) with the given num_max_dispatch_tokens_per_rank.
-- Every call runs on the current stream; there is no separate communication stream, so
-  allocate_on_comm_stream is accepted and has nothing to change, and async_finish returns an
-  EventOverlap whose event was recorded on the current stream.
-- Handles are epx objects (HT) or tuples whose first elements match DeepEP's (LL:
-  (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts, epx handle)).
-- Receive order is deterministic (docs/reference.md), not arrival order.
+of `from deep_ep import ...`. Calls, arguments and results follow DeepEP's intranode API (handles as DeepEP's
+tuples, dispatch with or without top-k, static num_worst_tokens, LL with hooks, out, zero-copy, fp8); what
+epx cannot honour raises NotImplementedError naming it. Needs torch. docs/compat.md lists every difference
+from DeepEP and why.
 """
 
+import os
 import weakref
 
 import epx
+
+from . import _deep_ep_ht as _ht
+
+# topk_idx_t comes from __getattr__ (it needs torch); listing it lets `from ... import *` find it.
+__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
 
 
 def _torch():
@@ -27,6 +23,12 @@ def _torch():
     return torch
 
 
+def __getattr__(name):  # torch is imported on first use, not with the module
+    if name == "topk_idx_t":
+        return _torch().int64
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))
+
+
 def _unsupported(**kwargs):
     bad = [name for name, (value, default) in kwargs.items()
            if (value is not None if default is None else value != default)]
@@ -34,8 +36,18 @@ def _unsupported(**kwargs):
         raise NotImplementedError("epx.compat.deep_ep does not support: %s" % ", ".join(bad))
 
 
+def _native_options():
+    """THE place where the front chooses options of the native epx.Buffer for its HT data buffer.
+    EPX_DEEPEP_VIEWS=1 asks for the single-pass view mode; until epx.Buffer offers it, asking fails here."""
+    if os.environ.get("EPX_DEEPEP_VIEWS", "0") not in ("", "0"):
+        raise NotImplementedError("epx.compat.deep_ep: EPX_DEEPEP_VIEWS=1 needs the view mode of epx.Buffer, "
+                                  "which this epx does not have yet")
+    return {}
+
+
 class Config:
-    """DeepEP's performance configuration. epx tunes chunking itself; num_sms is passed to the buffer."""
+    """DeepEP's performance configuration. epx chunks by itself; num_sms is passed to the data buffer
+    when the first dispatch makes it, the chunk sizes are kept and unused."""
 
     def __init__(self, num_sms=20, num_max_nvl_chunked_send_tokens=6, num_max_nvl_chunked_recv_tokens=256,
                  num_max_rdma_chunked_send_tokens=6, num_max_rdma_chunked_recv_tokens=256):
@@ -44,6 +56,17 @@ class Config:
         self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
         self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
         self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
+        """Bytes for num_nvl_bytes. epx sizes its buffers by shape and ignores the figure; this one is what
+        DeepEP's ring buffers of this config take, so code that sums hints still gets a sane value."""
+        channels = max(self.num_sms // 2, 1)
+        per_token = hidden_bytes + 4 * 128 + 64
+        return channels * num_ranks * self.num_max_nvl_chunked_recv_tokens * per_token + (1 << 20)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
+        """0: intranode only (epx.compat.deep_ep has no network path)."""
+        return 0
 
 
 class EventOverlap:
@@ -64,15 +87,15 @@ class EventOverlap:
         self.current_stream_wait()
 
 
-def _event(tensor, async_finish):
+def _event(tensor, async_finish, extra=None):
     if not async_finish:
         return EventOverlap()
     torch = _torch()
     if tensor is not None and tensor.is_cuda:
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream())
-        return EventOverlap(ev)
-    return EventOverlap()
+        return EventOverlap(ev, extra)
+    return EventOverlap(None, extra)
 
 
 def _wait(previous_event):
@@ -80,33 +103,68 @@ def _wait(previous_event):
         previous_event.current_stream_wait()
 
 
+def _first_tensor(x):
+    return x[0] if isinstance(x, tuple) else x
+
+
 class Buffer:
-    """DeepEP's Buffer over an epx communicator made from `group` (torch.distributed)."""
+    """DeepEP's Buffer over an epx communicator made from `group` (torch.distributed), or the given comm.
+    Collective to create, as DeepEP's."""
 
     num_sms = 20
 
     def __init__(self, group=None, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
-                 explicitly_destroy=False, comm=None):
-        _unsupported(allow_nvlink_for_low_latency_mode=(allow_nvlink_for_low_latency_mode, True))
-        import torch.distributed as dist
-
+                 use_fabric=False, explicitly_destroy=False, enable_shrink=False, comm=None):
         self.group = group
         self.comm = comm if comm is not None else epx.Comm.from_torch(group)
         self.rank = self.comm.rank
         self.group_size = self.comm.nranks
+        if self.comm.local_nranks < self.comm.nranks:
+            # Every rank sees the same topology: all raise here.
+            self.comm.destroy()
+            raise NotImplementedError(
+                "epx.compat.deep_ep is intranode only: the group spans %d machines (internode dispatch, "
+                "num_rdma_bytes=%d over the network) needs epx's network path"
+                % (self.comm.nranks // max(self.comm.local_nranks, 1), num_rdma_bytes))
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
-        self._dist = dist
-        self._ht = None  # (key, epx.Buffer)
-        self._ll = None
-        self._handles = weakref.WeakSet()  # HT handles given out: destroy() frees them with their buffers
+        self.enable_shrink = enable_shrink
+        self._states = weakref.WeakSet()  # HT handles' states: destroy() frees their epx handles
+        self._ht_path = _ht.HTPath(self.comm, _native_options())
+        self._ht_path.states = self._states
+        self._ll = None  # ((T_max, H, K, E), epx.Buffer)
+        self._mask = [0] * self.group_size  # enable_shrink: ranks this rank treats as absent in LL calls
 
     # ------------------------------------------------------------------ misc
+
+    @staticmethod
+    def is_sm90_compiled():
+        """True: epx moves fp8 e4m3 on every backend."""
+        return True
 
     @classmethod
     def set_num_sms(cls, new_num_sms):
         cls.num_sms = new_num_sms
+
+    @staticmethod
+    def capture():
+        """An EventOverlap of an event recorded on the current stream (no event without CUDA)."""
+        torch = _torch()
+        if not torch.cuda.is_available():
+            return EventOverlap()
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream())
+        return EventOverlap(ev)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts):
+        """Bytes of epx's LL buffer for these shapes (two slots of bf16 rows per local expert); epx sizes by
+        shape and does not need the figure as num_rdma_bytes."""
+        rows = num_max_dispatch_tokens_per_rank * num_ranks
+        per_rank_experts = max(num_experts // max(num_ranks, 1), 1)
+        return 2 * per_rank_experts * rows * (hidden * 2 + hidden // 128 * 4 + 16)
 
     @staticmethod
     def get_dispatch_config(num_ranks=None):
@@ -128,56 +186,34 @@ class Buffer:
     def get_local_device_id(self):
         return self.comm.cuda_device
 
+    def get_comm_stream(self):
+        """The current stream: epx runs every call on the caller's stream."""
+        return _torch().cuda.current_stream()
+
+    def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
+        raise NotImplementedError("epx.compat.deep_ep does not support: get_local_buffer_tensor (epx buffers "
+                                  "are typed by shape, with no raw byte region to hand out)")
+
+    def internode_dispatch(self, *args, **kwargs):
+        raise NotImplementedError("epx.compat.deep_ep does not support: internode_dispatch (intranode only)")
+
+    def internode_combine(self, *args, **kwargs):
+        raise NotImplementedError("epx.compat.deep_ep does not support: internode_combine (intranode only)")
+
     def destroy(self):
         """Frees the buffers and the communicator; handles given out before become unusable."""
-        for h in list(self._handles):
-            h.epx.destroy()
-        self._handles.clear()
-        for b in (self._ht, self._ll):
-            if b is not None:
-                b[1].destroy()
-        self._ht = self._ll = None
-        self.comm.destroy()
-
-    # ------------------------------------------------------------------ buffers
-
-    def _ht_agree(self, T):
-        """Collective: the largest T over the group. T None: this rank refuses its dispatch before any
-        buffer is chosen; every rank then raises (the others RemoteError), and no buffer sees a call."""
-        torch = _torch()
-        # The group's own device: gloo reduces CPU tensors, NCCL CUDA ones.
-        on_cuda = epx._group_on_cuda(self._dist, self.group)
-        device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else "cpu"
-        t = torch.tensor([T or 0, T is None], dtype=torch.int64, device=device)
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
-        if T is not None and int(t[1].item()):
-            err = epx.RemoteError("rank %d: a peer rank refused its dispatch" % self.rank)
-            err.message = err.args[0]
-            raise err
-        return max(int(t[0].item()), 1)
-
-    def _ht_buffer(self, T, H, K, E, config):
-        need = self._ht_agree(T)
-        if self._ht is not None:
-            (h, k, e), buf = self._ht
-            if (h, k, e) == (H, K, E) and buf.max_tokens >= need:
-                return buf
-        t_max = 1 << (need - 1).bit_length()
-        dtypes = None if H % 128 == 0 else ["bf16", "fp32"]
-        num_sms = config.num_sms if config is not None else Buffer.num_sms
-        buf = epx.Buffer(self.comm, t_max, H, K, E, modes="ht", dispatch_dtypes=dtypes, num_sms=num_sms)
-        self._ht = ((H, K, E), buf)
-        return buf
-
-    def _ll_buffer(self, t_max, H, K, E):
+        states = list(self._states)
+        for state in states:
+            state.epx.destroy()
+        for state in states:
+            if not state.buffer.destroyed:  # a data buffer a later, larger one replaced
+                state.buffer.destroy()
+        self._states.clear()
+        self._ht_path.destroy()
         if self._ll is not None:
-            key, buf = self._ll
-            if key == (t_max, H, K, E):
-                return buf
-            buf.destroy()
-        buf = epx.Buffer(self.comm, t_max, H, K, E, modes="ll", dispatch_dtypes="bf16")
-        self._ll = ((t_max, H, K, E), buf)
-        return buf
+            self._ll[1].destroy()
+        self._ll = None
+        self.comm.destroy()
 
     # ------------------------------------------------------------------ HT
 
@@ -201,63 +237,73 @@ class Buffer:
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                  expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
                  allocate_on_comm_stream=False):
-        """x [T, H] bf16/fp32, or (x_fp8 [T, H], scales [T, H/128] fp32). Returns (recv_x (a tuple for
-        fp8), recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, EventOverlap).
+        """x [T, H] bf16/fp32, or (x_fp8 [T, H], scales [T, H/128] fp32, any strides). Returns (recv_x (a
+        tuple for fp8), recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
+        EventOverlap); a cached dispatch (with handle) returns (recv_x, None, None, None, None, EventOverlap),
+        as DeepEP.
         Whatever this rank refuses, the others raise RemoteError (epx.collective)."""
         if handle is not None:
-            with epx.collective(self._ht_of(handle), epx.HT_DISPATCH):
-                _unsupported(num_tokens_per_rdma_rank=(num_tokens_per_rdma_rank, None))
+            with epx.collective(self._ht_buffer_of(handle), epx.HT_DISPATCH):
+                _ht.state_of(handle)
+                _unsupported(num_tokens_per_rdma_rank=(num_tokens_per_rdma_rank, None),
+                             topk_idx=(topk_idx, None), topk_weights=(topk_weights, None))
                 _wait(previous_event)
-                x, scales = (x if isinstance(x, tuple) else (x, None))
-                out = handle.buffer.dispatch(x, x_scales=scales, handle=handle.epx)
-                recv_x = (out.recv_x, out.recv_x_scales) if scales is not None else out.recv_x
-                return recv_x, None, None, None, handle, _event(x, async_finish)
-        # Without a handle the ranks first agree on the buffer: a refusal before that rides on the agreement.
-        try:
+            recv_x = self._ht_path.cached_dispatch(x, handle)
+            return recv_x, None, None, None, None, _event(_first_tensor(x), async_finish)
+        with epx.collective(self._ht_path.notify, epx.HT_DISPATCH):
             _unsupported(num_tokens_per_rdma_rank=(num_tokens_per_rdma_rank, None))
             _wait(previous_event)
-            x, scales = (x if isinstance(x, tuple) else (x, None))
-            if topk_idx is None or num_tokens_per_expert is None:
-                raise ValueError("dispatch without a handle needs topk_idx and num_tokens_per_expert "
-                                 "(from get_dispatch_layout)")
-            T, H = x.shape
-            K, E = topk_idx.shape[1], num_tokens_per_expert.numel()
-        except BaseException:
-            self._ht_agree(None)
-            raise
-        buf = self._ht_buffer(T, H, K, E, config)
-        with epx.collective(buf, epx.HT_DISPATCH):
-            out = buf.dispatch(x, topk_idx, topk_weights, x_scales=scales, expert_alignment=expert_alignment,
-                               num_worst_tokens=num_worst_tokens)
-        recv_x = (out.recv_x, out.recv_x_scales) if scales is not None else out.recv_x
-        counts = out.num_recv_tokens_per_expert.tolist()
-        handle = _HTHandle(buf, out.handle)
-        self._handles.add(handle)
-        return (recv_x, out.recv_topk_idx, out.recv_topk_weights, counts, handle, _event(x, async_finish))
+        num_sms = config.num_sms if config is not None else Buffer.num_sms
+        recv_x, recv_idx, recv_w, counts, handle = self._ht_path.dispatch(
+            x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+            expert_alignment, num_worst_tokens, num_sms)
+        return recv_x, recv_idx, recv_w, counts, handle, _event(_first_tensor(x), async_finish)
+
+    def _ht_buffer_of(self, handle):
+        """The data buffer a call with `handle` goes to: the handle's, else the current one (None if none)."""
+        if isinstance(handle, _ht.Handle):
+            return handle._state.buffer
+        return self._ht_path.data
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
-        """x [N_r, H] bf16 -> (combined_x [T, H] bf16, combined_topk_weights or None, EventOverlap)."""
-        with epx.collective(self._ht_of(handle), epx.HT_COMBINE):
+        """x [rows of the handle, H] bf16 -> (combined_x [T, H] bf16, combined_topk_weights or None,
+        EventOverlap)."""
+        with epx.collective(self._ht_buffer_of(handle), epx.HT_COMBINE):
+            _ht.state_of(handle)
             _wait(previous_event)
-            bias0, bias1 = (bias if isinstance(bias, tuple) else (bias, None))
-            out = handle.buffer.combine(x, handle.epx, topk_weights=topk_weights, bias0=bias0, bias1=bias1)
-            return out.combined_x, out.combined_topk_weights, _event(x, async_finish)
+        combined, combined_w = self._ht_path.combine(x, handle, topk_weights, bias)
+        return combined, combined_w, _event(x, async_finish)
 
-    def _ht_of(self, handle):
-        """The HT buffer a call with `handle` goes to: the handle's, else the current one (None if none)."""
-        if isinstance(handle, _HTHandle):
-            return handle.buffer
-        return self._ht[1] if self._ht is not None else None
+    # ------------------------------------------------------------------ LL
 
     def _ll_current(self):
         return self._ll[1] if self._ll is not None else None
 
-    # ------------------------------------------------------------------ LL
+    def _ll_buffer(self, t_max, H, K, E):
+        if self._ll is not None:
+            key, buf = self._ll
+            if key == (t_max, H, K, E):
+                return buf
+            buf.destroy()
+        buf = epx.Buffer(self.comm, t_max, H, K, E, modes="ll", dispatch_dtypes="bf16")
+        self._ll = ((t_max, H, K, E), buf)
+        return buf
+
+    def _masked(self, topk_idx, num_experts):
+        """enable_shrink: topk_idx with the experts of masked ranks set to -1 (itself when none is masked)."""
+        if not any(self._mask):
+            return topk_idx
+        torch = _torch()
+        L = num_experts // self.group_size
+        masked = torch.tensor(self._mask, dtype=torch.bool, device=topk_idx.device)
+        owner = torch.where(topk_idx >= 0, topk_idx // L, torch.zeros_like(topk_idx))
+        return topk_idx.masked_fill(masked[owner] & (topk_idx >= 0), -1)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk=None):
-        """Collective. epx LL buffers need no cleaning; this creates the LL buffer for these shapes now
-        (num_topk defaults to the one of the existing LL buffer, else 8)."""
+        """Collective. epx LL buffers need no cleaning; this makes the LL buffer for these shapes now
+        (num_topk, an epx extra, defaults to the existing LL buffer's, else 8; a dispatch with another
+        top-k width re-makes it)."""
         K = num_topk or (self._ll[0][2] if self._ll is not None else 8)
         self._ll_buffer(num_max_dispatch_tokens_per_rank, hidden, K, num_experts)
 
@@ -265,52 +311,94 @@ class Buffer:
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                              use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False,
                              return_recv_hook=False):
-        """Returns (recv_x or (recv_x_fp8, scales [L, R*T_max, H/128] view), recv_count, handle,
-        EventOverlap, hook or None). What this rank refuses is refused on the current LL buffer (the
-        others raise RemoteError when their call goes to it too)."""
+        """Returns (recv_x or (recv_x_fp8, scales [L, R*T_max, H/128] column-major view), recv_count, handle
+        (DeepEP's 5-tuple), EventOverlap, hook or None). What this rank refuses is refused on the current LL
+        buffer (the others raise RemoteError when their call goes to it too)."""
         with epx.collective(self._ll_current(), epx.LL_DISPATCH):
             _unsupported(dispatch_wait_recv_cost_stats=(dispatch_wait_recv_cost_stats, None))
             H = x.shape[1]
             buf = self._ll_buffer(num_max_dispatch_tokens_per_rank, H, topk_idx.shape[1], num_experts)
-            out = buf.ll_dispatch(x, topk_idx, cumulative_local_expert_recv_stats, use_fp8=use_fp8,
-                                  round_scale=round_scale, use_ue8m0=use_ue8m0,
+            out = buf.ll_dispatch(x, self._masked(topk_idx, num_experts), cumulative_local_expert_recv_stats,
+                                  use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                                   return_recv_hook=return_recv_hook)
         recv_x = (out.recv_x, out.recv_scales.transpose(1, 2)) if use_fp8 else out.recv_x
-        handle = (out.src_info, out.layout_range, num_max_dispatch_tokens_per_rank, H, num_experts,
-                  out.handle)
-        return recv_x, out.recv_count, handle, _event(x, async_finish), out.hook
+        handle = LLHandle(out, num_max_dispatch_tokens_per_rank, H, num_experts, buf)
+        keep = (x, topk_idx, recv_x, out.recv_count, cumulative_local_expert_recv_stats)
+        return recv_x, out.recv_count, handle, _event(x, async_finish, keep), out.hook
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
                             async_finish=False, return_recv_hook=False, out=None,
                             combine_wait_recv_cost_stats=None):
-        """x [L, R*T_max, H] bf16 -> (combined_x [T, H] bf16, EventOverlap, hook or None)."""
+        """x [L, R*T_max, H] bf16 -> (combined_x [T, H] bf16 (out when given), EventOverlap, hook or None).
+        With return_recv_hook, combined_x (and out) hold the result once the hook ran."""
         buf = self._ll_current()
         with epx.collective(buf, epx.LL_COMBINE):
-            _unsupported(use_logfmt=(use_logfmt, False),
-                         combine_wait_recv_cost_stats=(combine_wait_recv_cost_stats, None))
-            if out is not None and return_recv_hook:
-                raise NotImplementedError(
-                    "epx.compat.deep_ep does not support: out together with return_recv_hook")
+            if use_logfmt:
+                raise NotImplementedError("epx.compat.deep_ep does not support: use_logfmt (epx's LL combine "
+                                          "carries bf16; there is no LogFMT encoding)")
+            _unsupported(combine_wait_recv_cost_stats=(combine_wait_recv_cost_stats, None))
             if buf is None:
-                raise RuntimeError("low_latency_combine before any low_latency_dispatch")
-            res = buf.ll_combine(None if zero_copy else x, topk_idx, topk_weights, handle[-1],
-                                 zero_copy=zero_copy, return_recv_hook=return_recv_hook)
-        combined = res.combined_x
+                raise RuntimeError("epx.compat.deep_ep: low_latency_combine before any low_latency_dispatch")
+            if not isinstance(handle, LLHandle) or handle.buffer is not buf:
+                raise ValueError("epx.compat.deep_ep: handle must come from a low_latency_dispatch on the "
+                                 "current LL buffer")
+            res = buf.ll_combine(None if zero_copy else x, self._masked(topk_idx, handle[4]), topk_weights,
+                                 handle.epx, zero_copy=zero_copy, return_recv_hook=return_recv_hook)
+        combined, hook = res.combined_x, res.hook
         if out is not None:
-            out.copy_(combined)
+            if hook is None:
+                out.copy_(combined)
+            else:
+                hook = _CopyAfterHook(hook, combined, out)
             combined = out
-        return combined, _event(topk_idx, async_finish), res.hook
+        keep = (x, topk_idx, topk_weights, combined)
+        return combined, _event(topk_idx, async_finish, keep), hook
 
     def get_next_low_latency_combine_buffer(self, handle):
         """The [L, R*T_max, H] bf16 region that low_latency_combine(..., zero_copy=True) reads."""
-        return self._ll[1].get_combine_buffer(handle[-1])
+        return handle.buffer.get_combine_buffer(handle.epx)
+
+    # ------------------------------------------------------------------ mask buffer (enable_shrink)
+
+    def _check_shrink(self, what):
+        if not self.enable_shrink:
+            raise RuntimeError("epx.compat.deep_ep: %s needs Buffer(..., enable_shrink=True)" % what)
+
+    def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
+        """Local: this rank's LL calls treat rank_to_mask's experts as absent (mask) or present again."""
+        self._check_shrink("low_latency_update_mask_buffer")
+        if not 0 <= rank_to_mask < self.group_size:
+            raise ValueError("epx.compat.deep_ep: rank_to_mask %d is not a rank of %d" % (rank_to_mask,
+                                                                                      self.group_size))
+        self._mask[rank_to_mask] = 1 if mask else 0
+
+    def low_latency_query_mask_buffer(self, mask_status):
+        """Writes this rank's mask into mask_status [R] int32 (1 = masked)."""
+        self._check_shrink("low_latency_query_mask_buffer")
+        torch = _torch()
+        mask_status.copy_(torch.tensor(self._mask, dtype=mask_status.dtype))
+
+    def low_latency_clean_mask_buffer(self):
+        self._check_shrink("low_latency_clean_mask_buffer")
+        self._mask = [0] * self.group_size
 
 
-class _HTHandle:
-    """An HT dispatch's handle with the epx buffer it belongs to."""
+class LLHandle(tuple):
+    """DeepEP's LL handle: (src_info [L, R*T_max] int32, layout_range [L, R] int64,
+    num_max_dispatch_tokens_per_rank, hidden, num_experts), with the epx handle and buffer beside it."""
 
-    __slots__ = ("buffer", "epx", "__weakref__")
+    def __new__(cls, out, t_max, hidden, num_experts, buffer):
+        obj = super().__new__(cls, (out.src_info, out.layout_range, t_max, hidden, num_experts))
+        obj.epx, obj.buffer = out.handle, buffer
+        return obj
 
-    def __init__(self, buffer, handle):
-        self.buffer = buffer
-        self.epx = handle
+
+class _CopyAfterHook:
+    """The hook of an LL combine given `out`: runs the receive half, then fills out."""
+
+    def __init__(self, hook, combined, out):
+        self.hook, self.combined, self.out = hook, combined, out
+
+    def __call__(self, *args, **kwargs):
+        self.hook(*args, **kwargs)
+        self.out.copy_(self.combined)
