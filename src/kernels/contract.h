@@ -306,6 +306,9 @@ typedef struct epx_cuda_ll_ctrl {
     uint64_t comb_epoch[2];                    /* owner: epoch of the slot's last combine */
     uint32_t done_counter[2][4];               /* owner: [slot][kernel] last-block detection (hooks of
                                                   both slots may run at once on two streams) */
+    uint64_t refused[2][2];                    /* owner: [slot][0 dispatch, 1 combine] epoch of the
+                                                  slot's call that this rank refused (a bad id in its
+                                                  topk_idx): its receive half poisons, waits for nothing */
 } epx_cuda_ll_ctrl_t;
 
 /* Absolute byte offsets of the LL areas inside a region (the same on every rank). */
