@@ -77,6 +77,8 @@ typedef struct epx_cuda_host_block {
     int64_t bad_where;  /* 1 + token * EPX_MAX_TOPK + slot of an invalid device topk_idx entry, 0 = none */
     int64_t bad_value;
     uint64_t gone;      /* ~0: the word a destroyed buffer copies into every peer's fail[rank] */
+    uint64_t dead;      /* ~0: the word the watcher copies into our own fail[peer] when peer's
+                           process exited */
 } epx_cuda_host_block_t;
 
 /* Start of every rank's registered region. Words indexed [peer] are written by that peer
