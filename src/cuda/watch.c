@@ -41,9 +41,12 @@ static void *watch_main(void *arg)
         char msg[256];
         if (epx_cuda_bad_topk(cb, msg, sizeof(msg), 1))
             epx_comm_set_async_error(cb->buffer->comm, EPX_ERR_INVALID_ARG, msg);
+        /* Only peers with a pidfd: without one, a pid that names no process of our pid namespace
+         * would read as an exit (the device deadline still covers them). */
         const uint64_t dead = atomic_load(&cb->dead_mask);
         for (int r = 0; r < R; r++)
-            if (r != me && !(dead >> r & 1) && epx_peer_exited(&cb->procs, r)) peer_exited(cb, r);
+            if (r != me && cb->procs.pidfd[r] >= 0 && !(dead >> r & 1) && epx_peer_exited(&cb->procs, r))
+                peer_exited(cb, r);
     }
     return NULL;
 }
