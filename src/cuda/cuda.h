@@ -113,7 +113,7 @@ void epx_cuda_tell_peers(cuda_buffer_t *cb, uint64_t seq, epx_result_t res, int 
 /* Whether `stream` is being captured into a CUDA graph; `if_unknown` when the query fails (a
  * stream that cannot be queried, e.g. the legacy stream during another stream's global capture). */
 int epx_cuda_stream_capturing(void *stream, int if_unknown);
-/* When the device found an invalid topk_idx entry (layout or LL kernels), formats "rank r:
+/* When the device found an invalid topk_idx entry (a standalone layout), formats "rank r:
  * topk_idx[t][k] = v is out of range ..." into msg, clears the record if `clear`, returns 1. */
 int epx_cuda_bad_topk(cuda_buffer_t *cb, char *msg, size_t cap, int clear);
 

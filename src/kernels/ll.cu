@@ -196,9 +196,10 @@ __device__ __forceinline__ void ll_dispatch_floor(const epx_cuda_ll_args_t &a)
     }
 }
 
-/* Refuses an LL call whose topk_idx holds a bad id (every block checks every row, ll_refused):
- * the call's error record (EPX_ERR_INVALID_ARG naming the slot), our fail word to every peer, and
- * the slot's refused word for our receive half. Returns the gate of the call's waits. */
+/* Refuses an LL call whose topk_idx holds a bad id (block_first_bad: every block checks every row,
+ * so all agree): the call's error record (EPX_ERR_INVALID_ARG naming the slot), our fail word to
+ * every peer, and the slot's refused word that our receive half reads (ll_refused). Returns the
+ * gate of the call's waits, shut on a refusal. */
 __device__ __forceinline__ gate_unless ll_refuse(const epx_cuda_ll_args_t &a, uint64_t epoch, int half)
 {
     int64_t value = 0;
