@@ -190,6 +190,17 @@ void epx_comm_free(epx_comm_t comm);
 /* Collectives over the comm's bootstrap (bounded). */
 epx_result_t epx_comm_allgather(epx_comm_t comm, const void *send, void *recv, size_t bytes);
 epx_result_t epx_comm_barrier(epx_comm_t comm);
+/* The peer processes of a buffer, watched for exit (src/core/peers.c). */
+typedef struct epx_peers {
+    int nranks;
+    int *pidfd;   /* [nranks] pidfd of each peer, -1 for ourselves or where pidfds are missing */
+    int32_t *pid; /* [nranks] */
+} epx_peers_t;
+/* Opens a pidfd for every peer of `comm` (once per buffer); epx_peers_close closes them. */
+epx_result_t epx_peers_open(epx_peers_t *peers, epx_comm_t comm);
+void epx_peers_close(epx_peers_t *peers);
+/* 1 when `peer`'s process has exited, reaped or not (a zombie counts as dead); else 0. */
+int epx_peer_exited(const epx_peers_t *peers, int peer);
 /* Records the first async error of the comm (later ones are dropped); returns `res`. */
 epx_result_t epx_comm_set_async_error(epx_comm_t comm, epx_result_t res, const char *message);
 /* The first async error (EPX_SUCCESS when none), its message made the thread's last one. */

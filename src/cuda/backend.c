@@ -189,6 +189,11 @@ epx_result_t epx_cuda_report_record(cuda_buffer_t *cb, uint64_t min_epoch, int s
     else if (code == EPX_ERR_MISMATCH)
         describe_mismatch(msg, sizeof(msg), hb->err.rank, hb->err.peer, (uint32_t)hb->err.seen,
                           (uint32_t)hb->err.expected, epoch);
+    else if (code == EPX_ERR_REMOTE && hb->err.peer >= 0 && hb->err.peer < comm->nranks &&
+             (atomic_load(&cb->dead_mask) >> hb->err.peer & 1))
+        snprintf(msg, sizeof(msg), "rank %d: peer %d (pid %d) exited; collective epoch %llu failed while this rank "
+                 "waited for its %s (channel %d)", hb->err.rank, hb->err.peer, (int)cb->procs.pid[hb->err.peer],
+                 (unsigned long long)epoch, what_names[what], hb->err.channel);
     else if (code == EPX_ERR_REMOTE)
         snprintf(msg, sizeof(msg), "rank %d: peer %d failed collective epoch %llu while this rank waited for its %s "
                  "(channel %d)", hb->err.rank, hb->err.peer, (unsigned long long)epoch, what_names[what],
@@ -209,22 +214,6 @@ epx_result_t epx_cuda_report_record(cuda_buffer_t *cb, uint64_t min_epoch, int s
     if (fresh) epx_comm_set_async_error(comm, (epx_result_t)code, msg);
     if (set_thread_error) return epx_error((epx_result_t)code, "%s", msg);
     return (epx_result_t)code;
-}
-
-/* Turns device errors into the comm's async error even when nobody synchronises (static mode,
- * graphs). */
-static void *poller_main(void *arg)
-{
-    cuda_buffer_t *cb = arg;
-    while (!atomic_load(&cb->poller_stop)) {
-        struct timespec ts = {0, 2 * 1000 * 1000};
-        nanosleep(&ts, NULL);
-        (void)epx_cuda_report_record(cb, cb->reported_epoch + 1, 0);
-        char msg[256];
-        if (epx_cuda_bad_topk(cb, msg, sizeof(msg), 1))
-            epx_comm_set_async_error(cb->buffer->comm, EPX_ERR_INVALID_ARG, msg);
-    }
-    return NULL;
 }
 
 /* The process's live buffers, for epx_get_async_error (cuda_poll_async): a caller who synchronised
@@ -398,17 +387,11 @@ static epx_result_t cuda_buffer_create(epx_buffer_t buffer)
     /* Nobody writes into a peer's region before every rank has mapped every region. */
     EPX_CHECK_GOTO(epx_comm_barrier(comm), res, err_close_peers);
 
-    if (pthread_create(&cb->poller, NULL, poller_main, cb) != 0) {
-        res = epx_error(EPX_ERR_SYSTEM, "rank %d: could not start the cuda error poller", me);
-        goto err_close_peers;
-    }
-    cb->poller_running = 1;
+    EPX_CHECK_GOTO(epx_cuda_watch_start(cb), res, err_close_peers);
     if (buffer->config.modes & EPX_MODE_LL) {
         res = epx_cuda_ll_init(cb);
         if (res != EPX_SUCCESS) {
-            atomic_store(&cb->poller_stop, 1);
-            pthread_join(cb->poller, NULL);
-            cb->poller_running = 0;
+            epx_cuda_watch_stop(cb);
             goto err_close_peers;
         }
     }
@@ -632,10 +615,7 @@ static void cuda_buffer_destroy(epx_buffer_t buffer)
     ((volatile epx_cuda_host_block_t *)cb->host)->abort_flag = 1;
     tell_peers_gone(cb);
     (void)cudaDeviceSynchronize();
-    if (cb->poller_running) {
-        atomic_store(&cb->poller_stop, 1);
-        pthread_join(cb->poller, NULL);
-    }
+    epx_cuda_watch_stop(cb);
     epx_cuda_ll_fini(cb);
     handle_pool_fini(cb);
     for (int r = 0; r < buffer->comm->nranks; r++)

@@ -46,9 +46,13 @@ typedef struct cuda_buffer {
     pthread_mutex_t lock;                  /* handle pool, reported_epoch */
     cuda_handle_t *free_handles[2];        /* handle pool: HT slabs, routing-map slabs */
     uint64_t reported_epoch;               /* last device error reported to the comm */
-    pthread_t poller;
+    pthread_t poller;                      /* the watcher (src/cuda/watch.c) */
     int32_t poller_running;
     atomic_int poller_stop;
+    epx_peers_t procs;                     /* the peers' processes, watched by the poller */
+    void *watch_stream;                    /* cudaStream_t of the poller's fail-word copies */
+    _Atomic uint64_t dead_mask;            /* bit r: peer r's process exited */
+    _Atomic uint64_t dead_at_ns;           /* when the poller first saw a peer gone (0: never) */
     void *ll;                              /* LL state (src/cuda/ll.c), NULL without EPX_MODE_LL */
     struct cuda_buffer *next_live;         /* the process's live buffers (src/cuda/backend.c) */
 } cuda_buffer_t;
@@ -64,6 +68,13 @@ void epx_cuda_fill_common(cuda_buffer_t *cb, epx_cuda_common_t *c);
 /* A handle slab of `kind` from the pool, or a new one (also while the caller captures); outside
  * capture (`capturing` 0) the pool is topped up to one spare. */
 epx_result_t epx_cuda_handle_get(cuda_buffer_t *cb, epx_handle_kind_t kind, int capturing, cuda_handle_t **out);
+
+/* Watcher thread (src/cuda/watch.c): device error records to the comm's async error, and peers
+ * whose process exited (fail word ~0 in our own ctrl, EPX_ERR_REMOTE "peer N (pid P) exited"). */
+epx_result_t epx_cuda_watch_start(cuda_buffer_t *cb);
+void epx_cuda_watch_stop(cuda_buffer_t *cb);
+/* The lowest peer whose process the watcher saw exit, or -1. */
+int epx_cuda_dead_peer(cuda_buffer_t *cb);
 
 /* Operation runner (src/cuda/op.c). An operation is one backend call on the caller's stream: its
  * collective kernel takes the next epoch; after its last launch the buffer's event is recorded
@@ -103,7 +114,7 @@ void epx_cuda_tell_peers(cuda_buffer_t *cb, uint64_t seq, epx_result_t res, int 
 /* Whether `stream` is being captured into a CUDA graph; `if_unknown` when the query fails (a
  * stream that cannot be queried, e.g. the legacy stream during another stream's global capture). */
 int epx_cuda_stream_capturing(void *stream, int if_unknown);
-/* When the device found an invalid topk_idx entry (layout or LL kernels), formats "rank r:
+/* When the device found an invalid topk_idx entry (a standalone layout), formats "rank r:
  * topk_idx[t][k] = v is out of range ..." into msg, clears the record if `clear`, returns 1. */
 int epx_cuda_bad_topk(cuda_buffer_t *cb, char *msg, size_t cap, int clear);
 

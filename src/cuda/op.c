@@ -20,6 +20,10 @@ int epx_cuda_stream_capturing(void *stream, int if_unknown)
     return st != cudaStreamCaptureStatusNone;
 }
 
+/* After a peer's process exited, the device's waits on it end within a few ms (the watcher's fail
+ * word): a host wait gives the device this long past the watcher's notice, then gives up. */
+#define DEAD_PEER_GRACE_MS 500
+
 epx_result_t epx_cuda_wait_event(cuda_buffer_t *cb, const char *what)
 {
     epx_comm_t comm = cb->buffer->comm;
@@ -29,7 +33,14 @@ epx_result_t epx_cuda_wait_event(cuda_buffer_t *cb, const char *what)
         cudaError_t err = cudaEventQuery((cudaEvent_t)cb->event);
         if (err == cudaSuccess) return EPX_SUCCESS;
         if (err != cudaErrorNotReady) return epx_cuda_check(err, what, comm->rank);
-        if (epx_time_ns() > deadline)
+        const uint64_t now = epx_time_ns(), dead_at = atomic_load(&cb->dead_at_ns);
+        if (dead_at != 0 && now > dead_at + DEAD_PEER_GRACE_MS * 1000000ull) {
+            const int peer = epx_cuda_dead_peer(cb);
+            return epx_error(EPX_ERR_REMOTE, "rank %d: %s: peer %d (pid %d) exited and the device did not "
+                             "finish within %d ms of it", comm->rank, what, peer, (int)cb->procs.pid[peer],
+                             DEAD_PEER_GRACE_MS);
+        }
+        if (now > deadline)
             return epx_error(EPX_ERR_TIMEOUT, "rank %d: %s: the device did not finish within %lld ms",
                              comm->rank, what, (long long)comm->timeout_ms + 10000);
         if (it < 20000) {

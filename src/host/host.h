@@ -66,12 +66,8 @@ typedef struct host_region_hdr {
     host_area_ctrl_t areas[HOST_AREA_COUNT];
 } host_region_hdr_t;
 
-/* The peer processes of a buffer, watched for exit (src/host/peers.c). */
-typedef struct host_peers {
-    int nranks;
-    int *pidfd;   /* [nranks] pidfd of each peer, -1 for ourselves or where pidfds are missing */
-    int32_t *pid; /* [nranks] */
-} host_peers_t;
+/* The peer processes of a buffer, watched for exit (src/core/peers.c, shared with the cuda backend). */
+typedef epx_peers_t host_peers_t;
 
 /* Per-buffer state of the host backend. */
 typedef struct host_buffer {
@@ -115,11 +111,19 @@ epx_result_t host_share_fds(host_buffer_t *hb, int own_fd, int *fds);
  * Called at buffer creation only. */
 void host_fault_point(const host_buffer_t *hb, int step);
 
-/* Opens a pidfd for every peer of `comm` (once per buffer); host_peers_close closes them. */
-epx_result_t host_peers_open(host_peers_t *peers, epx_comm_t comm);
-void host_peers_close(host_peers_t *peers);
-/* 1 when `peer`'s process has exited, reaped or not (a zombie counts as dead); else 0. */
-int host_peer_exited(const host_peers_t *peers, int peer);
+/* The buffer's peer watcher (src/core/peers.c) under the host backend's names. */
+static inline epx_result_t host_peers_open(host_peers_t *peers, epx_comm_t comm)
+{
+    return epx_peers_open(peers, comm);
+}
+static inline void host_peers_close(host_peers_t *peers)
+{
+    epx_peers_close(peers);
+}
+static inline int host_peer_exited(const host_peers_t *peers, int peer)
+{
+    return epx_peer_exited(peers, peer);
+}
 
 /* Area sizes for a normalized buffer config (0 for areas of modes not enabled). Every rank
  * computes the same numbers. */

@@ -325,13 +325,19 @@ __device__ __forceinline__ bool expert_ok(int64_t e, int E)
 /* Slot k of token t of a device topk_idx [T][K], checked: an id outside [-1, E) or a repeat of an
  * earlier slot's id is recorded for the host (which cannot read device ids; `host` may be NULL)
  * and reads as -1. */
+/* True when id `e` of slot k of token t is outside [-1, E) or repeats an earlier slot's id. */
+__device__ __forceinline__ bool topk_bad(const void *idx, int is64, int64_t t, int K, int k, int E, int64_t e)
+{
+    bool bad = e < -1 || e >= E;
+    for (int j = 0; j < k && !bad && e >= 0; j++) bad = topk_at(idx, is64, t * K + j) == e;
+    return bad;
+}
+
 __device__ __forceinline__ int64_t topk_checked(const void *idx, int is64, int64_t t, int K, int k, int E,
                                                 epx_cuda_host_block_t *host, int64_t *bad_word = nullptr)
 {
     const int64_t e = topk_at(idx, is64, t * K + k);
-    bool bad = e < -1 || e >= E;
-    for (int j = 0; j < k && !bad && e >= 0; j++) bad = topk_at(idx, is64, t * K + j) == e;
-    if (!bad) return e;
+    if (!topk_bad(idx, is64, t, K, k, E, e)) return e;
     const int64_t where = 1 + t * EPX_MAX_TOPK + k;
     if (host) {
         host->bad_value = e;
@@ -342,23 +348,53 @@ __device__ __forceinline__ int64_t topk_checked(const void *idx, int is64, int64
     return -1;
 }
 
-/* A rank whose own device input held a bad value (bad[0] != 0, written by an earlier kernel of the
- * call; NULL: none checked) fails the call on the device (all threads get the same answer): block
- * 0 records EPX_ERR_INVALID_ARG (`what`, bad[1] as `seen`, bad[0] as `expected`) and posts its fail
- * word for `epoch` to every peer, whose waits on us then return EPX_ERR_REMOTE. */
+/* A rank whose own device input held a bad value (`where` != 0, the same in all threads) fails the
+ * call on the device: block 0 records EPX_ERR_INVALID_ARG (`what`, `value` as `seen`, `where` as
+ * `expected`) and posts its fail word for `epoch` to every peer, whose waits on us then return
+ * EPX_ERR_REMOTE. refuse_bad: the same from a bad word [where, value] written by an earlier kernel
+ * of the call (NULL: none checked). */
+__device__ __forceinline__ bool refuse_at(const epx_cuda_common_t *c, int64_t where, int64_t value,
+                                          uint64_t epoch, int what)
+{
+    if (where == 0) return false;
+    if (blockIdx.x == 0) {
+        if (threadIdx.x == 0)
+            record_error(c, epoch, EPX_ERR_INVALID_ARG, c->rank, what, (uint64_t)value, (uint64_t)where);
+        if ((int)threadIdx.x < c->nranks && (int)threadIdx.x != c->rank)
+            st_release_sys(&peer_ctrl(c, threadIdx.x)->fail[c->rank], epoch);
+    }
+    return true;
+}
+
 __device__ __forceinline__ bool refuse_bad(const epx_cuda_common_t *c, const int64_t *bad, uint64_t epoch,
                                            int what)
 {
     if (!bad) return false;
     const int64_t where = *(const volatile int64_t *)bad;
-    if (where == 0) return false;
-    if (blockIdx.x == 0) {
-        if (threadIdx.x == 0)
-            record_error(c, epoch, EPX_ERR_INVALID_ARG, c->rank, what, (uint64_t)bad[1], (uint64_t)where);
-        if ((int)threadIdx.x < c->nranks && (int)threadIdx.x != c->rank)
-            st_release_sys(&peer_ctrl(c, threadIdx.x)->fail[c->rank], epoch);
-    }
-    return true;
+    return refuse_at(c, where, where ? bad[1] : 0, epoch, what);
+}
+
+/* The first bad slot of a device topk_idx [T][K] in row-major order (1 + t * EPX_MAX_TOPK + k, 0 =
+ * none) and its id in *value, the same answer in every thread of every block: each block checks
+ * every row itself, so blocks agree without a grid-wide step (LL calls: T is small, a thread or two
+ * per row). Call once per kernel, all threads. */
+__device__ inline int64_t block_first_bad(const void *idx, int is64, int64_t T, int K, int E, int64_t *value)
+{
+    __shared__ unsigned long long first;
+    if (threadIdx.x == 0) first = ~0ull;
+    __syncthreads();
+    for (int64_t t = threadIdx.x; t < T; t += blockDim.x)
+        for (int k = 0; k < K; k++)
+            if (topk_bad(idx, is64, t, K, k, E, topk_at(idx, is64, t * K + k))) {
+                atomicMin(&first, (unsigned long long)(1 + t * EPX_MAX_TOPK + k));
+                break;
+            }
+    __syncthreads();
+    const unsigned long long w = first;
+    if (w == ~0ull) return 0;
+    const int64_t at = (int64_t)w - 1;
+    *value = topk_at(idx, is64, at / EPX_MAX_TOPK * K + at % EPX_MAX_TOPK);
+    return (int64_t)w;
 }
 
 /* Gates of wait_peers: true lets the waits run. */

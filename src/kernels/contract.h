@@ -77,6 +77,8 @@ typedef struct epx_cuda_host_block {
     int64_t bad_where;  /* 1 + token * EPX_MAX_TOPK + slot of an invalid device topk_idx entry, 0 = none */
     int64_t bad_value;
     uint64_t gone;      /* ~0: the word a destroyed buffer copies into every peer's fail[rank] */
+    uint64_t dead;      /* ~0: the word the watcher copies into our own fail[peer] when peer's
+                           process exited */
 } epx_cuda_host_block_t;
 
 /* Start of every rank's registered region. Words indexed [peer] are written by that peer
@@ -306,6 +308,9 @@ typedef struct epx_cuda_ll_ctrl {
     uint64_t comb_epoch[2];                    /* owner: epoch of the slot's last combine */
     uint32_t done_counter[2][4];               /* owner: [slot][kernel] last-block detection (hooks of
                                                   both slots may run at once on two streams) */
+    uint64_t refused[2][2];                    /* owner: [slot][0 dispatch, 1 combine] epoch of the
+                                                  slot's call that this rank refused (a bad id in its
+                                                  topk_idx): its receive half poisons, waits for nothing */
 } epx_cuda_ll_ctrl_t;
 
 /* Absolute byte offsets of the LL areas inside a region (the same on every rank). */

@@ -196,13 +196,33 @@ __device__ __forceinline__ void ll_dispatch_floor(const epx_cuda_ll_args_t &a)
     }
 }
 
-/* Sender: threads r < R wait until rank r read the slot's previous rows, and every thread checks
- * the ids of its tokens (thread = token, grid-strided). Then (1) one warp per expert counts the
- * tokens that select it and writes the count to the expert's rank; (2) one warp per token (or per
- * part of its channels) finds, for each expert it selects, how many earlier tokens select that
- * expert (its row in the slice), casts the token once and writes it to every destination. The
- * last block publishes the epoch to every rank. A token that repeats an expert is sent once (the
- * repeat is an error reported through the poller). */
+/* Refuses an LL call whose topk_idx holds a bad id (block_first_bad: every block checks every row,
+ * so all agree): the call's error record (EPX_ERR_INVALID_ARG naming the slot), our fail word to
+ * every peer, and the slot's refused word that our receive half reads (ll_refused). Returns the
+ * gate of the call's waits, shut on a refusal. */
+__device__ __forceinline__ gate_unless ll_refuse(const epx_cuda_ll_args_t &a, uint64_t epoch, int half)
+{
+    int64_t value = 0;
+    const int64_t where = block_first_bad(a.topk_idx, a.idx_is_64, a.num_tokens, a.c.num_topk, a.num_experts, &value);
+    const bool refused = refuse_at(&a.c, where, value, epoch, EPX_CUDA_WAIT_BAD_EXPERT);
+    if (refused && blockIdx.x == 0 && threadIdx.x == 0)
+        st_volatile_u64(&ll_ctrl(a, a.c.rank)->refused[a.slot][half], epoch);
+    return gate_unless{refused};
+}
+
+/* True in a receive half whose send half refused the call (`epoch`: the slot's call). */
+__device__ __forceinline__ bool ll_refused(const epx_cuda_ll_args_t &a, uint64_t epoch, int half)
+{
+    return ld_volatile_u64(&ll_ctrl(a, a.c.rank)->refused[a.slot][half]) == epoch;
+}
+
+/* Sender: every block checks every token's ids first; a bad one refuses the call (nothing is sent,
+ * the peers' receive halves fail on our fail word). Else threads r < R wait until rank r read the
+ * slot's previous rows. Then (1) one warp per expert counts the tokens that select it and writes
+ * the count to the expert's rank; (2) one warp per token (or per part of its channels) finds, for
+ * each expert it selects, how many earlier tokens select that expert (its row in the slice), casts
+ * the token once and writes it to every destination. The last block publishes the epoch to every
+ * rank. */
 __global__ void __launch_bounds__(kBlockThreads)
     ll_dispatch_send_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
@@ -223,13 +243,10 @@ __global__ void __launch_bounds__(kBlockThreads)
     __shared__ uint8_t *rows[kBlockWarps][EPX_MAX_TOPK];
     post_call(c, f.epoch);
     ll_drops(a);
+    const gate_unless gate = ll_refuse(a, f.epoch, 0);
     const int &ok = wait_peers(
-        c, [&](int r) { return &lown->disp_ack[a.slot][r]; }, prev, f.epoch, EPX_CUDA_WAIT_DISPATCH_ACK);
-    /* The host cannot read device topk_idx: an id out of range or repeated goes to the poller as
-     * the call's async error (a repeated id would otherwise make the combine sum a stale row). */
-    for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < T;
-         t += (int64_t)gridDim.x * blockDim.x)
-        for (int k = 0; k < K; k++) topk_checked(a.topk_idx, a.idx_is_64, t, K, k, E, c->host);
+        c, [&](int r) { return &lown->disp_ack[a.slot][r]; }, prev, f.epoch, EPX_CUDA_WAIT_DISPATCH_ACK,
+        no_arrival(), gate);
     if (ok) {
         /* (1) Counts: tokens selecting e (each token once). */
         for (int64_t e = gwarp; e < E; e += nwarps) {
@@ -298,11 +315,23 @@ __global__ void __launch_bounds__(kBlockThreads)
         [&](int r) { return &ll_ctrl(a, r)->disp_flag[a.slot][me]; }, &lown->disp_epoch[a.slot]);
 }
 
+/* The receive outputs of a dispatch this rank refused never look like data: rows and scales NaN,
+ * src_info -1 (recv_count is -1 like after every failed receive). */
+__device__ __forceinline__ void ll_poison_recv(const epx_cuda_ll_args_t &a)
+{
+    const int64_t L = a.c.num_local_experts, RT = (int64_t)a.c.nranks * a.c.max_tokens, H = a.c.hidden;
+    poison_rows(a.recv_x, L * RT, a.use_fp8 ? H : 2 * H, nan_pattern(a.use_fp8 ? 1 : 2));
+    if (a.use_fp8)
+        poison_rows(a.recv_scales, L * RT, a.use_ue8m0 ? H / 512 * 4 : H / 128 * 4,
+                    a.use_ue8m0 ? 0xffffffffu : nan_pattern(4)); /* ue8m0 NaN: 0xff */
+    poison_rows(a.src_info, a.src_info ? L * RT : 0, 4, kPoisonIndex);
+}
+
 /* Receiver: block b serves local experts b, b + gridDim.x, ... After its threads s < R saw source
  * s's epoch, thread 0 turns the counts into each source's first row and the block's warps copy the
  * slice rows out packed (warp w: rows w, w + 16, ...), with scales in the grouped-GEMM layout,
  * src_info and the private (t, s, k) map for the combine. The last block releases the slot to
- * every source. */
+ * every source. After our own refusal nothing is waited for and the outputs are poisoned. */
 __global__ void __launch_bounds__(kBlockThreads)
     ll_dispatch_recv_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
@@ -317,9 +346,10 @@ __global__ void __launch_bounds__(kBlockThreads)
     __shared__ int prefix[EPX_CUDA_MAX_RANKS + 1];
     __shared__ int cnt[EPX_CUDA_MAX_RANKS];
     const int first_expert = (int)blockIdx.x < L ? me * L + (int)blockIdx.x : -1;
+    const bool refused = ll_refused(a, epoch, 0);
     const int &ok = wait_peers(
         c, [&](int r) { return &lown->disp_flag[a.slot][r]; }, epoch, epoch, EPX_CUDA_WAIT_DISPATCH_DATA,
-        no_arrival(), open_gate(), first_expert);
+        no_arrival(), gate_unless{refused}, first_expert);
     const int32_t *counts = (const int32_t *)(region + a.ll.cnt) + (int64_t)a.slot * R * L;
     int32_t *rcount = (int32_t *)(region + a.ll.rcount) + (int64_t)a.slot * L;
     int2 *meta = (int2 *)(region + a.ll.meta) + (int64_t)a.slot * L * RT;
@@ -370,6 +400,7 @@ __global__ void __launch_bounds__(kBlockThreads)
         }
         __syncthreads();
     }
+    if (refused) ll_poison_recv(a);
     if (last_block_arrive(&lown->done_counter[a.slot][LL_DONE_DISP_RECV])) {
         release_if_failed(c, epoch); /* also when only this half saw the failure */
         release_peers(
@@ -382,10 +413,11 @@ EPX_DEFINE_LAUNCHER(ll_dispatch_recv, epx_cuda_ll_args_t)
 
 /* ----------------------------------------------------------------------------- combine ---- */
 
-/* Expert side: after threads r < R saw rank r read the slot's previous combine rows, block b's
- * warps send the rows of local experts b, b + gridDim.x, ... (warp w: rows w, w + 16, ...) to
- * their sources' (slot, t, k) places. The last block publishes the epoch to every rank (a source
- * may get no row from us). */
+/* Expert side: every block checks this rank's topk_idx of the call (its receive half reads it); a
+ * bad id refuses the call (nothing sent). Else after threads r < R saw rank r read the slot's
+ * previous combine rows, block b's warps send the rows of local experts b, b + gridDim.x, ... (warp
+ * w: rows w, w + 16, ...) to their sources' (slot, t, k) places. The last block publishes the epoch
+ * to every rank (a source may get no row from us). */
 __global__ void __launch_bounds__(kBlockThreads)
     ll_combine_send_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
@@ -396,14 +428,16 @@ __global__ void __launch_bounds__(kBlockThreads)
     const kernel_frame f(c);
     epx_cuda_ll_ctrl_t *lown = ll_ctrl(a, me);
     const uint64_t prev = ld_volatile_u64(&lown->comb_epoch[a.slot]);
+    gate_unless gate{false}; /* the benchmark floor checks nothing */
     if (!a.floor_only) {
         post_call(c, f.epoch);
         ll_drops(a);
+        gate = ll_refuse(a, f.epoch, 1);
     }
     /* The benchmark floor neither waits nor publishes: its gate stays shut, its rows go anyway. */
     const int &ok = wait_peers(
         c, [&](int r) { return &lown->comb_ack[a.slot][r]; }, prev, f.epoch, EPX_CUDA_WAIT_COMBINE_ACK,
-        no_arrival(), [&] { return !a.floor_only; });
+        no_arrival(), [&] { return !a.floor_only && gate(); });
     const int32_t *rcount = (const int32_t *)(f.region + a.ll.rcount) + (int64_t)a.slot * L;
     const int2 *meta = (const int2 *)(f.region + a.ll.meta) + (int64_t)a.slot * L * RT;
     if (ok || a.floor_only) {
@@ -442,10 +476,11 @@ __global__ void __launch_bounds__(kBlockThreads)
     const uint64_t disp_epoch = ld_volatile_u64(&lown->disp_epoch[a.slot]);
     __shared__ float wsel[kBlockWarps][EPX_MAX_TOPK];
     __shared__ int ksel[kBlockWarps][EPX_MAX_TOPK];
-    /* A dispatch that failed on this rank left nothing to combine: no waits. */
+    /* A dispatch that failed on this rank left nothing to combine, a combine it refused gets
+     * nothing: no waits. */
     const int &ok = wait_peers(
         c, [&](int r) { return &lown->comb_flag[a.slot][r]; }, epoch, epoch, EPX_CUDA_WAIT_COMBINE_DATA,
-        no_arrival(), [&] { return !epoch_failed(c, disp_epoch); });
+        no_arrival(), [&] { return !epoch_failed(c, disp_epoch) && !ll_refused(a, epoch, 1); });
     const uint16_t *area = (const uint16_t *)(region + a.ll.comb) + (int64_t)a.slot * c->max_tokens * K * H;
     const bool vec = (H & 7) == 0 && ((uintptr_t)a.combined_x & 15) == 0;
     const int64_t chunk = vec ? 1024 : 32, nch = (H + chunk - 1) / chunk;

@@ -1,6 +1,6 @@
 /*
- * Peer processes of a host buffer: one pidfd per peer, opened at buffer creation, tells that a
- * peer exited even while nobody has reaped it (kill(pid, 0) still succeeds on a zombie).
+ * Peer processes of a buffer (either backend): one pidfd per peer, opened at buffer creation, tells
+ * that a peer exited even while nobody has reaped it (kill(pid, 0) still succeeds on a zombie).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -11,26 +11,26 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "host/host.h"
+#include "core/internal.h"
 
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
 #endif
 
-epx_result_t host_peers_open(host_peers_t *peers, epx_comm_t comm)
+epx_result_t epx_peers_open(epx_peers_t *peers, epx_comm_t comm)
 {
     peers->nranks = comm->nranks;
     peers->pidfd = malloc((size_t)comm->nranks * sizeof(int));
     peers->pid = malloc((size_t)comm->nranks * sizeof(int32_t));
     if (!peers->pidfd || !peers->pid) {
-        host_peers_close(peers);
+        epx_peers_close(peers);
         return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate %d peer pidfds", comm->rank,
                          comm->nranks);
     }
     for (int r = 0; r < comm->nranks; r++) {
         peers->pid[r] = comm->peers[r].pid;
         peers->pidfd[r] = -1;
-        /* pidfds are close-on-exec. Without them (old kernels, seccomp) host_peer_exited reads
+        /* pidfds are close-on-exec. Without them (old kernels, seccomp) epx_peer_exited reads
          * /proc instead; a peer already gone (ESRCH) is found dead there too. */
         if (r != comm->rank && peers->pid[r] > 0)
             peers->pidfd[r] = (int)syscall(SYS_pidfd_open, (pid_t)peers->pid[r], 0u);
@@ -38,7 +38,7 @@ epx_result_t host_peers_open(host_peers_t *peers, epx_comm_t comm)
     return EPX_SUCCESS;
 }
 
-void host_peers_close(host_peers_t *peers)
+void epx_peers_close(epx_peers_t *peers)
 {
     for (int r = 0; peers->pidfd && r < peers->nranks; r++)
         if (peers->pidfd[r] >= 0) close(peers->pidfd[r]);
@@ -65,7 +65,7 @@ static char proc_state(int32_t pid)
     return paren && paren[1] == ' ' ? paren[2] : 'R';
 }
 
-int host_peer_exited(const host_peers_t *peers, int peer)
+int epx_peer_exited(const epx_peers_t *peers, int peer)
 {
     if (!peers->pidfd || peer < 0 || peer >= peers->nranks) return 0;
     if (peers->pidfd[peer] >= 0) {
