@@ -182,8 +182,8 @@ static int dispatch_export_views(BufferObject *self, call_t *c, const epx_ht_dis
     py_area_returned(self, VIEW_RECV, views, COUNT(views));
     const size_t elem = epx_dtype_size(o->recv_x.dtype);
     if (elem > self->view_elem_max) self->view_elem_max = elem;
-    /* A static cached dispatch reports its bound, as the caller-owned path does. */
-    const int64_t n = cached && o->num_recv_tokens_host < 0 ? o->recv_x.shape[0] : o->num_recv_tokens_host;
+    /* A cached dispatch reports its rows (N_r, or the bound), as the caller-owned path does. */
+    const int64_t n = cached ? o->recv_x.shape[0] : o->num_recv_tokens_host;
     c->items[6] = PyLong_FromLongLong(n);
     return c->items[6] ? 0 : -1;
 }
@@ -333,8 +333,9 @@ static int combine_source(BufferObject *self, HandleObject *h, const tensor_in_t
                              "combine_input(handle)");
             return -1;
         }
+        const int64_t H = self->cfg.hidden;
         if ((const char *)a->x.data != self->cin.lo || a->x.ndim != 2 || a->x.shape[0] != self->cin.rows ||
-            a->x.dtype != EPX_DTYPE_BF16) {
+            a->x.shape[1] != H || a->x.strides[0] || a->x.strides[1] || a->x.dtype != EPX_DTYPE_BF16) {
             py_raise_invalid("x is part of the handle's combine input; pass combine_input(handle) whole");
             return -1;
         }
