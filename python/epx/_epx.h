@@ -58,7 +58,7 @@ enum {
 };
 
 typedef struct {
-    PyObject *error_base;                          /* epx.EpxError */
+    PyObject *error_base;                    /* epx.EpxError */
     PyObject *error_classes[PY_NUM_RESULTS]; /* by result code */
     PyObject *numpy_empty, *numpy_dtypes[EPX_DTYPE_COUNT_];
     PyTypeObject *numpy_ndarray;
@@ -114,19 +114,19 @@ typedef struct {
 
 /* ------------------------------------------------------------------ objects ---- */
 
-/* The kinds of library memory a View exports: untracked (the LL combine buffer, a copy's target), the HT dispatch
- * outputs (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights) and the HT combine input. */
+/* The kinds of library memory a View exports: untracked (the LL combine buffer, a copy's target), the HT
+ * dispatch outputs (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights) and the HT combine input. */
 enum { VIEW_PLAIN = 0, VIEW_RECV = 1, VIEW_CIN = 2 };
 
 /* One area of a buffer's memory that the binding returns views of. Every call that reuses the area
  * starts a new generation; views of earlier generations are stale. */
 typedef struct {
     uint64_t gen;
-    int live;             /* View objects of the current generation still referenced */
-    int stale;            /* View objects of earlier generations still referenced */
-    const char *lo, *hi;  /* bytes the views of the area cover (stale ones included) */
-    epx_handle_t handle;  /* VIEW_CIN: the handle the current rows belong to (compared, never used) */
-    int64_t rows;         /* VIEW_CIN: the rows of the current view */
+    int live;            /* View objects of the current generation still referenced */
+    int stale;           /* View objects of earlier generations still referenced */
+    const char *lo, *hi; /* bytes the views of the area cover (stale ones included) */
+    epx_handle_t handle; /* VIEW_CIN: the handle the current rows belong to (compared, never used) */
+    int64_t rows;        /* VIEW_CIN: the rows of the current view */
 } area_t;
 
 typedef struct {
@@ -291,6 +291,13 @@ int py_view_classify(BufferObject *buffer, PyObject *obj, const epx_tensor_t *t,
 int py_raise_stale(const char *name, const char *what);
 /* HT views of the buffer still referenced (its destroy waits for them). */
 int py_views_alive(const BufferObject *buffer);
+/* Whether an HT dispatch with `views_obj` (None: the buffer's setting) and this x returns views. */
+int py_dispatch_views(BufferObject *buffer, PyObject *views_obj, const epx_tensor_t *x, int64_t num_worst);
+/* Copies x's first rows into the combine input of `h` (the view combine reads them there). */
+int py_stage_combine_input(BufferObject *buffer, HandleObject *h, PyObject *x_obj, const epx_tensor_t *x,
+                           PyObject *stream_obj);
+/* Buffer.combine_input(handle). */
+PyObject *py_buffer_combine_input(BufferObject *self, PyObject *args, PyObject *kwargs);
 /* Frees the library buffer now (and the communicator when its destroy was waiting for it). */
 void py_buffer_free(BufferObject *buffer);
 

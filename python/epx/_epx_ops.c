@@ -156,24 +156,9 @@ static int check_views_in(BufferObject *self, const tensor_in_t *in, int n, int 
     return 0;
 }
 
-/* Whether this dispatch returns views: the call's views= else the buffer's, except for a bound above
- * R * T_max (no dispatch reaches it; such calls keep caller-owned outputs as before views), and on the
- * host backend a dtype wider than any earlier view dispatch while views are alive (the host's view
- * array grows, and may move, for it). */
-static int dispatch_views(BufferObject *self, PyObject *views_obj, const epx_tensor_t *x, int64_t num_worst)
-{
-    int views = self->views;
-    if (views_obj != Py_None && (views = PyObject_IsTrue(views_obj)) < 0) return -1;
-    if (!views || num_worst > (int64_t)self->R * self->cfg.max_tokens) return 0;
-    const size_t elem = epx_dtype_size(x->dtype);
-    if (self->comm->topo.backend == EPX_BACKEND_HOST && elem > self->view_elem_max &&
-        self->recv.live + self->recv.stale > 0)
-        return 0;
-    return 1;
-}
-
 /* The outputs of a view-mode dispatch as arrays over the buffer (slots 0-3), and N_r (slot 6). */
-static int dispatch_export_views(BufferObject *self, call_t *c, const epx_ht_dispatch_outputs_t *o, int cached)
+static int dispatch_export_views(BufferObject *self, call_t *c, const epx_ht_dispatch_outputs_t *o,
+                                 int cached)
 {
     const epx_tensor_t views[] = {o->recv_x, o->recv_x_scales, o->recv_topk_idx, o->recv_topk_weights};
     for (int i = 0; i < COUNT(views); i++)
@@ -190,8 +175,16 @@ static int dispatch_export_views(BufferObject *self, call_t *c, const epx_ht_dis
 
 COLLECTIVE_METHOD(buffer_dispatch, EPX_COLLECTIVE_HT_DISPATCH)
 {
-    static char *kw[] = {"x",      "topk_idx",         "topk_weights",     "x_scales", "handle",
-                         "expert_alignment", "num_worst_tokens", "stream", "views", NULL};
+    static char *kw[] = {"x",
+                         "topk_idx",
+                         "topk_weights",
+                         "x_scales",
+                         "handle",
+                         "expert_alignment",
+                         "num_worst_tokens",
+                         "stream",
+                         "views",
+                         NULL};
     PyObject *x_obj, *topk_obj = Py_None, *weights_obj = Py_None, *scales_obj = Py_None,
                      *handle_obj = Py_None;
     PyObject *stream_obj = Py_None, *views_obj = Py_None;
@@ -222,7 +215,7 @@ COLLECTIVE_METHOD(buffer_dispatch, EPX_COLLECTIVE_HT_DISPATCH)
     };
     if (call_open(&c, 8, x_obj, stream_obj, in, COUNT(in), &a.stream) != 0) return call_fail(&c);
     if (check_views_in(self, in, COUNT(in), 1) != 0) return call_fail(&c);
-    const int views = dispatch_views(self, views_obj, &a.x, num_worst);
+    const int views = py_dispatch_views(self, views_obj, &a.x, num_worst);
     if (views < 0) return call_fail(&c);
     a.cached_handle = cached ? cached->handle : NULL;
     a.expert_alignment = expert_alignment;
@@ -235,7 +228,12 @@ COLLECTIVE_METHOD(buffer_dispatch, EPX_COLLECTIVE_HT_DISPATCH)
     /* Slots 5 and 6 (handle, N_r) are filled after the call; with views, slots 0-3 too. */
     const tensor_out_t outs[] = {
         {!views, xd, 2, {cap, H}, "recv_x", &o.recv_x},
-        {!views && xd == EPX_DTYPE_FP8_E4M3, EPX_DTYPE_FP32, 2, {cap, H / 128}, "recv_x_scales", &o.recv_x_scales},
+        {!views && xd == EPX_DTYPE_FP8_E4M3,
+         EPX_DTYPE_FP32,
+         2,
+         {cap, H / 128},
+         "recv_x_scales",
+         &o.recv_x_scales},
         {!views && !cached && a.topk_idx.data, id, 2, {cap, K}, "recv_topk_idx", &o.recv_topk_idx},
         {!views && !cached && a.topk_weights.data,
          EPX_DTYPE_FP32,
@@ -272,51 +270,6 @@ COLLECTIVE_METHOD(buffer_dispatch, EPX_COLLECTIVE_HT_DISPATCH)
     return call_result(&c, py_ht_dispatch_type);
 }
 
-/* The handle's rows of x copied into its combine input, for the view combine to read from there.
- * Host memory is copied here; device memory through torch on the call's stream. */
-static int stage_combine_input(BufferObject *self, HandleObject *h, PyObject *x_obj, const epx_tensor_t *x,
-                               PyObject *stream_obj)
-{
-    epx_tensor_t in;
-    epx_result_t res;
-    WITHOUT_GIL(res = epx_ht_get_combine_input(self->buf, h->handle, &in));
-    if (res != EPX_SUCCESS) {
-        py_raise_epx(res);
-        return -1;
-    }
-    const int64_t rows = in.shape[0], H = self->cfg.hidden;
-    const int compact = !x->strides[0] && !x->strides[1];
-    if (x->dtype != EPX_DTYPE_BF16 || x->ndim != 2 || x->shape[1] != H || x->shape[0] < rows || !compact) {
-        py_raise_invalid("x must be a contiguous [>= %lld, %lld] bf16 tensor (N_r or num_worst_tokens rows); "
-                         "got %s with %d dimensions, shape[0] = %lld",
-                         (long long)rows, (long long)H, epx_dtype_name(x->dtype), (int)x->ndim,
-                         (long long)(x->ndim > 0 ? x->shape[0] : 0));
-        return -1;
-    }
-    if (x->device_type != in.device_type || (in.device_type == EPX_DEVICE_CUDA && x->device_id != in.device_id)) {
-        py_raise_invalid("x is in %s memory (device %d); the buffer's is %s memory (device %d)",
-                         x->device_type == EPX_DEVICE_CUDA ? "cuda" : "host", (int)x->device_id,
-                         in.device_type == EPX_DEVICE_CUDA ? "cuda" : "host", (int)in.device_id);
-        return -1;
-    }
-    py_area_reuse(self, VIEW_CIN); /* its earlier views see these rows now */
-    const size_t bytes = (size_t)rows * (size_t)H * 2;
-    if (!bytes) return 0;
-    if (in.device_type == EPX_DEVICE_HOST) {
-        WITHOUT_GIL(memcpy(in.data, x->data, bytes));
-        return 0;
-    }
-    if (!py_state.copy_rows) {
-        PyErr_SetString(PyExc_RuntimeError, "epx: the package did not register its device copy");
-        return -1;
-    }
-    PyObject *dst = py_view_export(self, &in, VIEW_PLAIN, NULL, FW_TORCH);
-    PyObject *done = dst ? PyObject_CallFunctionObjArgs(py_state.copy_rows, dst, x_obj, stream_obj, NULL) : NULL;
-    Py_XDECREF(dst);
-    Py_XDECREF(done);
-    return done ? 0 : -1;
-}
-
 /* How combine takes x: the handle's combine input as it is (x_in_buffer), x copied there first (buffers
  * with views), or x itself. Stale views are refused. */
 static int combine_source(BufferObject *self, HandleObject *h, const tensor_in_t *in, int n,
@@ -340,7 +293,7 @@ static int combine_source(BufferObject *self, HandleObject *h, const tensor_in_t
             return -1;
         }
     } else if (self->views) {
-        if (stage_combine_input(self, h, in[0].obj, &a->x, stream_obj) != 0) return -1;
+        if (py_stage_combine_input(self, h, in[0].obj, &a->x, stream_obj) != 0) return -1;
     } else {
         return 0;
     }
@@ -386,26 +339,6 @@ COLLECTIVE_METHOD(buffer_combine, EPX_COLLECTIVE_HT_COMBINE)
     py_area_reuse(self, VIEW_CIN);
     if (call_end(&c, res) != 0) return NULL;
     return call_result(&c, py_ht_combine_type);
-}
-
-static PyObject *buffer_combine_input(BufferObject *self, PyObject *args, PyObject *kwargs)
-{
-    static char *kw[] = {"handle", NULL};
-    HandleObject *h;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!", kw, &py_handle_type, &h)) return NULL;
-    if (py_buffer_check(self) != 0 || py_handle_check(h, HANDLE_HT) != 0) return NULL;
-    epx_tensor_t t;
-    epx_result_t res;
-    WITHOUT_GIL(res = epx_ht_get_combine_input(self->buf, h->handle, &t));
-    if (res != EPX_SUCCESS) return py_raise_epx(res);
-    /* The rows of another handle replace the ones its views show. */
-    if (self->cin.handle != h->handle) py_area_reuse(self, VIEW_CIN);
-    PyObject *out = py_view_export(self, &t, VIEW_CIN, h->handle, h->fw);
-    if (!out) return NULL;
-    self->cin.handle = h->handle;
-    self->cin.rows = t.shape[0];
-    py_area_returned(self, VIEW_CIN, &t, 1);
-    return out;
 }
 
 /* ------------------------------------------------------------------ LL ---- */
@@ -745,7 +678,7 @@ PyMethodDef py_buffer_methods[] = {
      "HT combine (collective). x [>= N_r, H] bf16; topk_weights [>= N_r, K] float32; bias0/bias1 [T, H]\n"
      "bf16. x = combine_input(handle) is read where it is; with views, any other x is first copied there.\n"
      "Returns CombineOutput(combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None)."},
-    {"combine_input", KWFN(buffer_combine_input), METH_VARARGS | METH_KEYWORDS,
+    {"combine_input", KWFN(py_buffer_combine_input), METH_VARARGS | METH_KEYWORDS,
      "combine_input(handle) -> tensor\n--\n\n"
      "The [N_r (or num_worst_tokens), H] bf16 rows in the buffer's memory that combine(x, handle) reads\n"
      "without a copy when x is this array: write the expert outputs into it. Valid until the next HT or\n"

@@ -136,9 +136,9 @@ int py_buffer_check(BufferObject *self)
 
 static int buffer_init(BufferObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *kw[] = {"comm",  "max_tokens",      "hidden",           "num_topk", "num_experts",
-                         "modes", "dispatch_dtypes", "max_pad_multiple", "num_sms",  "chunk_tokens",
-                         "views", NULL};
+    static char *kw[] = {"comm",        "max_tokens",   "hidden",          "num_topk",
+                         "num_experts", "modes",        "dispatch_dtypes", "max_pad_multiple",
+                         "num_sms",     "chunk_tokens", "views",           NULL};
     CommObject *comm;
     long long max_tokens, hidden;
     int views = 1;

@@ -102,9 +102,96 @@ int py_view_classify(BufferObject *b, PyObject *obj, const epx_tensor_t *t, epx_
 int py_raise_stale(const char *name, const char *what)
 {
     PyObject *cls = py_state.stale_view_error ? py_state.stale_view_error : PyExc_ValueError;
-    PyErr_Format(cls, "epx: %s is a view of %s that a later call on this buffer reused; keep a copy "
-                 "(.copy() / .clone()) of what must outlive it, or make the buffer with views=False", name, what);
+    PyErr_Format(cls,
+                 "epx: %s is a view of %s that a later call on this buffer reused; keep a copy "
+                 "(.copy() / .clone()) of what must outlive it, or make the buffer with views=False",
+                 name, what);
     return -1;
+}
+
+/* ------------------------------------------------------------------ HT calls ---- */
+
+/* Whether this dispatch returns views: the call's views= else the buffer's, except for a bound above
+ * R * T_max (no dispatch reaches it; such calls keep caller-owned outputs as before views), and on the
+ * host backend a dtype wider than any earlier view dispatch while views are alive (the host's view
+ * array grows, and may move, for it). */
+int py_dispatch_views(BufferObject *self, PyObject *views_obj, const epx_tensor_t *x, int64_t num_worst)
+{
+    int views = self->views;
+    if (views_obj != Py_None && (views = PyObject_IsTrue(views_obj)) < 0) return -1;
+    if (!views || num_worst > (int64_t)self->R * self->cfg.max_tokens) return 0;
+    const size_t elem = epx_dtype_size(x->dtype);
+    if (self->comm->topo.backend == EPX_BACKEND_HOST && elem > self->view_elem_max &&
+        self->recv.live + self->recv.stale > 0)
+        return 0;
+    return 1;
+}
+
+/* The handle's rows of x copied into its combine input, for the view combine to read from there.
+ * Host memory is copied here; device memory through torch on the call's stream. */
+int py_stage_combine_input(BufferObject *self, HandleObject *h, PyObject *x_obj, const epx_tensor_t *x,
+                           PyObject *stream_obj)
+{
+    epx_tensor_t in;
+    epx_result_t res;
+    WITHOUT_GIL(res = epx_ht_get_combine_input(self->buf, h->handle, &in));
+    if (res != EPX_SUCCESS) {
+        py_raise_epx(res);
+        return -1;
+    }
+    const int64_t rows = in.shape[0], H = self->cfg.hidden;
+    const int compact = !x->strides[0] && !x->strides[1];
+    if (x->dtype != EPX_DTYPE_BF16 || x->ndim != 2 || x->shape[1] != H || x->shape[0] < rows || !compact) {
+        py_raise_invalid("x must be a contiguous [>= %lld, %lld] bf16 tensor (N_r or num_worst_tokens rows); "
+                         "got %s with %d dimensions, shape[0] = %lld",
+                         (long long)rows, (long long)H, epx_dtype_name(x->dtype), (int)x->ndim,
+                         (long long)(x->ndim > 0 ? x->shape[0] : 0));
+        return -1;
+    }
+    if (x->device_type != in.device_type ||
+        (in.device_type == EPX_DEVICE_CUDA && x->device_id != in.device_id)) {
+        py_raise_invalid("x is in %s memory (device %d); the buffer's is %s memory (device %d)",
+                         x->device_type == EPX_DEVICE_CUDA ? "cuda" : "host", (int)x->device_id,
+                         in.device_type == EPX_DEVICE_CUDA ? "cuda" : "host", (int)in.device_id);
+        return -1;
+    }
+    py_area_reuse(self, VIEW_CIN); /* its earlier views see these rows now */
+    const size_t bytes = (size_t)rows * (size_t)H * 2;
+    if (!bytes) return 0;
+    if (in.device_type == EPX_DEVICE_HOST) {
+        WITHOUT_GIL(memcpy(in.data, x->data, bytes));
+        return 0;
+    }
+    if (!py_state.copy_rows) {
+        PyErr_SetString(PyExc_RuntimeError, "epx: the package did not register its device copy");
+        return -1;
+    }
+    PyObject *dst = py_view_export(self, &in, VIEW_PLAIN, NULL, FW_TORCH);
+    PyObject *done =
+        dst ? PyObject_CallFunctionObjArgs(py_state.copy_rows, dst, x_obj, stream_obj, NULL) : NULL;
+    Py_XDECREF(dst);
+    Py_XDECREF(done);
+    return done ? 0 : -1;
+}
+
+PyObject *py_buffer_combine_input(BufferObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kw[] = {"handle", NULL};
+    HandleObject *h;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!", kw, &py_handle_type, &h)) return NULL;
+    if (py_buffer_check(self) != 0 || py_handle_check(h, HANDLE_HT) != 0) return NULL;
+    epx_tensor_t t;
+    epx_result_t res;
+    WITHOUT_GIL(res = epx_ht_get_combine_input(self->buf, h->handle, &t));
+    if (res != EPX_SUCCESS) return py_raise_epx(res);
+    /* The rows of another handle replace the ones its views show. */
+    if (self->cin.handle != h->handle) py_area_reuse(self, VIEW_CIN);
+    PyObject *out = py_view_export(self, &t, VIEW_CIN, h->handle, h->fw);
+    if (!out) return NULL;
+    self->cin.handle = h->handle;
+    self->cin.rows = t.shape[0];
+    py_area_returned(self, VIEW_CIN, &t, 1);
+    return out;
 }
 
 /* ------------------------------------------------------------------ View ---- */
@@ -254,8 +341,8 @@ static PyObject *numpy_array_of(ViewObject *view)
     if (!shape) return NULL;
     for (int i = 0; i < view->t.ndim; i++) PyTuple_SET_ITEM(shape, i, PyLong_FromLongLong(view->t.shape[i]));
     PyObject *args = PyTuple_Pack(1, shape);
-    PyObject *kwargs = Py_BuildValue("{sOsO}", "dtype", py_state.numpy_dtypes[view->t.dtype], "buffer",
-                                     (PyObject *)view);
+    PyObject *kwargs =
+        Py_BuildValue("{sOsO}", "dtype", py_state.numpy_dtypes[view->t.dtype], "buffer", (PyObject *)view);
     PyObject *out = args && kwargs ? PyObject_Call((PyObject *)py_state.numpy_ndarray, args, kwargs) : NULL;
     Py_XDECREF(args);
     Py_XDECREF(kwargs);
