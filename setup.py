@@ -28,7 +28,7 @@ os.makedirs(os.path.join(ROOT, BUILD_BASE), exist_ok=True)
 
 # The extension's own files (relative paths under python/: the cuda build keeps only those of the list).
 EXT_SOURCES = ["python/epx/" + name for name in ("_epx.c", "_epx_dlpack.c", "_epx_comm.c", "_epx_types.c",
-                                                 "_epx_ops.c")]
+                                                 "_epx_ops.c", "_epx_views.c")]
 EXT_HEADERS = ["python/epx/_epx.h"]
 
 

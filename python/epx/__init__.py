@@ -11,6 +11,17 @@ bf16 bit patterns; fp8 e4m3 is ``torch.float8_e4m3fn`` or a ``uint8`` array wher
 Streams: for cuda tensors every call runs on torch's current stream unless ``stream=`` (a
 ``cudaStream_t`` as int) is given; the host backend runs synchronously.
 
+Views (``Buffer(views=True)``, the default): HT dispatch returns recv_x, recv_x_scales, recv_topk_idx
+(int32) and recv_topk_weights as views of the buffer's memory, written once by the dispatch, valid
+until the next HT or routing-map dispatch on the buffer (whatever its outcome). ``combine_input(handle)``
+is the buffer's combine input, valid until the next HT or routing-map combine or ``combine_input()`` of
+another handle; a combine given that array reads it where it is, and any other x is first copied into
+it. A view passed to a call after its validity raises ``StaleViewError`` (always for numpy arrays; for
+torch tensors when no view of the area's current generation is alive), and a dispatch refuses inputs
+that lie in its own outputs' memory. Keep a copy (``.clone()``, ``.copy()``) of outputs that must
+outlive the next dispatch, e.g. ones autograd saves, or make the buffer with ``views=False``: outputs
+are then new arrays of their own, as is every output of the other calls.
+
 Library failures raise ``EpxError`` subclasses carrying the library's message (``.message``), the
 result name (``.result``, e.g. ``"ERR_INVALID_ARG"``) and its code (``.code``). A collective call that
 the binding itself rejects before it reaches the library (a dtype epx lacks, an object without DLPack, a
@@ -37,7 +48,7 @@ from ._epx import (  # noqa: F401  (re-exported)
 __all__ = [
     "Buffer", "Comm", "EpxError", "get_unique_id", "version", "Handle", "LLHandle", "Hook", "Layout",
     "DispatchOutput", "CombineOutput", "LLDispatchOutput", "LLCombineOutput", "RoutingDispatchOutput",
-    "bf16_to_float32", "float32_to_bf16",
+    "bf16_to_float32", "float32_to_bf16", "StaleViewError",
 ]
 
 __version__ = _epx.version()
@@ -115,6 +126,11 @@ class InvalidUsageError(EpxError):
     """EPX_ERR_INVALID_USAGE: an object used after its destroy, or by two threads at once."""
 
 
+class StaleViewError(InvalidArgumentError):
+    """A view of a buffer's memory (dispatch outputs or a combine input) passed to a call after a later
+    call reused that memory."""
+
+
 _ERRORS = {
     "ERR_INVALID_ARG": InvalidArgumentError,
     "ERR_UNSUPPORTED": UnsupportedError,
@@ -133,6 +149,21 @@ _ERRORS = {
 for _code, (_name, _cls) in enumerate(_ERRORS.items(), start=1):  # the order of EPX_RESULT_MAP
     _cls.result, _cls.code = _name, _code
 _epx._set_error_classes(EpxError, _ERRORS)
+
+
+def _copy_rows(dst, src, stream):
+    """dst.copy_(src[:rows]) ordered on `stream` (None: torch's current one): a combine's device copy."""
+    import torch
+
+    src = src[:dst.shape[0]]
+    if stream is None:
+        dst.copy_(src)
+    else:
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=dst.device)):
+            dst.copy_(src)
+
+
+_epx._set_helpers(StaleViewError, _copy_rows)
 
 # ---------------------------------------------------------------------------------------- comm
 
@@ -231,19 +262,24 @@ class Buffer(_epx.Buffer):
     """A communication buffer, collective to create.
 
     Buffer(comm, max_tokens, hidden, num_topk, num_experts, modes="all", dispatch_dtypes=None,
-           max_pad_multiple=0, num_sms=0, chunk_tokens=0)
+           max_pad_multiple=0, num_sms=0, chunk_tokens=0, views=True)
 
     modes: "all" or any of "ht", "ll", "permute" (a string, a list of them, or EPX_MODE_* bits).
     dispatch_dtypes: dtypes of x allowed in dispatch, any of "bf16", "fp32", "fp8" (default all
     three; fp8 needs hidden % 128 == 0). Every rank must pass the same values.
+    views: HT dispatch outputs are views of the buffer's memory, and combine reads x from the buffer's
+    combine input (copying it there unless it is combine_input(handle)): one pass over the bytes each.
+    False: outputs of their own and combine reads x where it is (two passes). Lifetimes: see the
+    package docstring. destroy() with views still alive frees the buffer when the last one goes.
 
-    Methods (see each docstring): get_dispatch_layout, dispatch, combine, ll_dispatch, ll_combine,
-    get_combine_buffer, rm_dispatch, rm_combine, query_overflow, destroy."""
+    Methods (see each docstring): get_dispatch_layout, dispatch, combine, combine_input, ll_dispatch,
+    ll_combine, get_combine_buffer, rm_dispatch, rm_combine, query_overflow, destroy."""
 
     def __init__(self, comm, max_tokens, hidden, num_topk, num_experts, modes="all", dispatch_dtypes=None,
-                 max_pad_multiple=0, num_sms=0, chunk_tokens=0):
+                 max_pad_multiple=0, num_sms=0, chunk_tokens=0, views=True):
         super().__init__(comm, max_tokens, hidden, num_topk, num_experts, _mask(modes, _MODES, "mode"),
-                         _mask(dispatch_dtypes, _DTYPES, "dtype"), max_pad_multiple, num_sms, chunk_tokens)
+                         _mask(dispatch_dtypes, _DTYPES, "dtype"), max_pad_multiple, num_sms, chunk_tokens,
+                         views)
 
     def __enter__(self):
         return self

@@ -85,7 +85,7 @@ static epx_result_t refusal_code(PyObject *exc)
 
 int py_refuse(BufferObject *buffer, int kind, PyObject *exc)
 {
-    if (!buffer->buf) return 0; /* destroyed: no library object, no call to number */
+    if (!buffer->buf || buffer->destroy_pending) return 0; /* destroyed: no call to number */
     /* "TypeError: epx: x (list) does not support ...": the peers' logs and this rank's last
      * library message name the refusal. */
     char reason[1024];
@@ -148,6 +148,18 @@ static PyObject *mod_set_error_classes(PyObject *mod, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* _set_helpers(StaleViewError, copy_rows): what the package defines for the binding. */
+static PyObject *mod_set_helpers(PyObject *mod, PyObject *args)
+{
+    PyObject *stale, *copy_rows;
+    if (!PyArg_ParseTuple(args, "OO", &stale, &copy_rows)) return NULL;
+    Py_INCREF(stale);
+    Py_XSETREF(py_state.stale_view_error, stale);
+    Py_INCREF(copy_rows);
+    Py_XSETREF(py_state.copy_rows, copy_rows);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"get_unique_id", mod_get_unique_id, METH_NOARGS,
      "get_unique_id() -> bytes\n--\n\nA 128-byte rendezvous token (TCP, hosted by rank 0); send it to every "
@@ -158,6 +170,7 @@ static PyMethodDef module_methods[] = {
      "Internal: use Comm.from_callbacks or Comm.from_torch."},
     {"_refresh_torch", mod_refresh_torch, METH_NOARGS, "Internal: pick up torch once it is imported."},
     {"_set_error_classes", mod_set_error_classes, METH_VARARGS, "Internal: the EpxError hierarchy."},
+    {"_set_helpers", mod_set_helpers, METH_VARARGS, "Internal: StaleViewError and the device row copy."},
     {"_bench_ll_dispatch_c", py_bench_ll_dispatch_c, METH_VARARGS,
      "Internal: median microseconds of epx_ll_dispatch called from C."},
     {NULL},
@@ -190,6 +203,7 @@ PyMODINIT_FUNC PyInit__epx(void)
     py_state.str_view = PyUnicode_InternFromString("view");
     py_state.str_stream = PyUnicode_InternFromString("stream");
     py_state.str_cuda_stream = PyUnicode_InternFromString("cuda_stream");
+    py_state.str_base = PyUnicode_InternFromString("base");
     py_state.error_base = PyErr_NewException("epx._epx.EpxError", PyExc_RuntimeError, NULL);
     if (!py_state.error_base || add_type(m, &py_comm_type, "Comm") ||
         add_type(m, &py_buffer_type, "Buffer") || add_type(m, &py_handle_type, "Handle") ||

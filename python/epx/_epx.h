@@ -58,14 +58,17 @@ enum {
 };
 
 typedef struct {
-    PyObject *error_base;                          /* epx.EpxError */
+    PyObject *error_base;                    /* epx.EpxError */
     PyObject *error_classes[PY_NUM_RESULTS]; /* by result code */
     PyObject *numpy_empty, *numpy_dtypes[EPX_DTYPE_COUNT_];
     PyTypeObject *numpy_ndarray;
     PyObject *torch_empty, *torch_tensor_type, *torch_dtypes[EPX_DTYPE_COUNT_], *torch_fp8;
     PyObject *torch_uint8, *torch_current_stream;
     PyObject *str_dlpack, *str_dlpack_device, *str_device, *str_dtype, *str_view;
-    PyObject *str_stream, *str_cuda_stream;
+    PyObject *str_stream, *str_cuda_stream, *str_base;
+    PyObject *torch_from_dlpack; /* torch._C._from_dlpack, else torch.from_dlpack */
+    PyObject *stale_view_error;  /* epx.StaleViewError */
+    PyObject *copy_rows;         /* epx._copy_rows(dst, src, stream): device copies through torch */
 } py_state_t;
 
 extern py_state_t py_state;
@@ -111,6 +114,21 @@ typedef struct {
 
 /* ------------------------------------------------------------------ objects ---- */
 
+/* The kinds of library memory a View exports: untracked (the LL combine buffer, a copy's target), the HT
+ * dispatch outputs (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights) and the HT combine input. */
+enum { VIEW_PLAIN = 0, VIEW_RECV = 1, VIEW_CIN = 2 };
+
+/* One area of a buffer's memory that the binding returns views of. Every call that reuses the area
+ * starts a new generation; views of earlier generations are stale. */
+typedef struct {
+    uint64_t gen;
+    int live;            /* View objects of the current generation still referenced */
+    int stale;           /* View objects of earlier generations still referenced */
+    const char *lo, *hi; /* bytes the views of the area cover (stale ones included) */
+    epx_handle_t handle; /* VIEW_CIN: the handle the current rows belong to (compared, never used) */
+    int64_t rows;        /* VIEW_CIN: the rows of the current view */
+} area_t;
+
 typedef struct {
     PyObject_HEAD epx_comm_t comm;
     epx_topology_t topo;
@@ -118,6 +136,8 @@ typedef struct {
     PyObject *barrier;
     PyObject *callback_error; /* first exception raised by a callback */
     int live_buffers;
+    int pending_buffers; /* buffers whose destroy() waits for their views to go */
+    int destroy_pending; /* destroy() ran while pending buffers remained: freed with the last one */
     PyObject *weakrefs;
 } CommObject;
 
@@ -128,6 +148,10 @@ typedef struct {
     int32_t R, L;
     int live_handles;
     uint64_t collective_calls; /* collective calls (made or refused) this binding passed to the library */
+    int views;                 /* HT dispatch outputs are views by default (Buffer(views=True)) */
+    int destroy_pending;       /* destroy() ran while views were alive: freed with the last one */
+    size_t view_elem_max;      /* widest dtype dispatched in view mode (host: the view array's size) */
+    area_t recv, cin;          /* VIEW_RECV and VIEW_CIN */
     PyObject *weakrefs;
     PyObject *dict;
 } BufferObject;
@@ -137,6 +161,7 @@ typedef struct {
     BufferObject *buffer;
     int kind; /* HANDLE_HT or HANDLE_RM */
     int permute;
+    int fw; /* framework of the dispatch: its combine input view is one of that framework */
     int64_t num_tokens;
     int64_t hidden;
 } HandleObject;
@@ -153,10 +178,13 @@ typedef struct {
     int fw;
 } LLHandleObject;
 
-/* A DLPack producer over library memory (the zero-copy combine region); keeps the buffer alive. */
+/* A DLPack and buffer-protocol producer over library memory; keeps the buffer alive. */
 typedef struct {
     PyObject_HEAD epx_tensor_t t;
-    PyObject *owner;
+    BufferObject *owner;
+    int kind;            /* VIEW_* */
+    uint64_t gen;        /* generation of its area when made */
+    epx_handle_t handle; /* VIEW_CIN: the handle it was made for */
 } ViewObject;
 
 extern PyTypeObject py_comm_type, py_buffer_type, py_handle_type, py_llhandle_type, py_hook_type,
@@ -217,8 +245,6 @@ int py_alloc_tensor(call_ctx_t *ctx, keep_t *keep, epx_dtype_t dtype, int ndim, 
                     const char *name, PyObject **obj_out, epx_tensor_t *t);
 /* obj[:n] when n is below its first dimension (the default HT mode sizes outputs for the worst case). */
 int py_slice_rows(PyObject **obj, int64_t n, int64_t cap);
-/* The library memory of `view` as an array of framework `fw` (numpy uint16 or torch.bfloat16). */
-PyObject *py_view_array(ViewObject *view, int fw);
 int py_ensure_numpy(void);
 /* Picks up torch if the process imported it; the binding never imports torch itself. */
 void py_refresh_torch(void);
@@ -245,6 +271,35 @@ PyObject *py_hook_new(BufferObject *buffer, const epx_hook_t *h, PyObject *keep)
 PyObject *py_make_result(PyTypeObject *type, int n, PyObject **items);
 /* Creates the result struct-sequence types and adds them to the module. */
 int py_add_result_types(PyObject *m);
+
+/* ------------------------------------------------------------------ _epx_views.c ---- */
+
+/* Where a tensor passed in lies among a buffer's views (py_view_classify). */
+enum { AT_NONE = 0, AT_RECV, AT_RECV_STALE, AT_CIN, AT_CIN_STALE };
+
+/* Library memory `t` of `buffer` as an array of framework `fw` (numpy, or torch on t's device) over a
+ * new View of `kind`, counted in its area. */
+PyObject *py_view_export(BufferObject *buffer, const epx_tensor_t *t, int kind, epx_handle_t handle, int fw);
+/* A call is about to reuse the area of `kind`: its views so far become stale. */
+void py_area_reuse(BufferObject *buffer, int kind);
+/* The views just returned over the area of `kind`: the bytes they cover. */
+void py_area_returned(BufferObject *buffer, int kind, const epx_tensor_t *views, int n);
+/* Which of `buffer`'s views the tensor `t` (imported from `obj`) is; *handle_out: a VIEW_CIN view's
+ * handle. */
+int py_view_classify(BufferObject *buffer, PyObject *obj, const epx_tensor_t *t, epx_handle_t *handle_out);
+/* Raises epx.StaleViewError naming `name`; returns -1. */
+int py_raise_stale(const char *name, const char *what);
+/* HT views of the buffer still referenced (its destroy waits for them). */
+int py_views_alive(const BufferObject *buffer);
+/* Whether an HT dispatch with `views_obj` (None: the buffer's setting) and this x returns views. */
+int py_dispatch_views(BufferObject *buffer, PyObject *views_obj, const epx_tensor_t *x, int64_t num_worst);
+/* Copies x's first rows into the combine input of `h` (the view combine reads them there). */
+int py_stage_combine_input(BufferObject *buffer, HandleObject *h, PyObject *x_obj, const epx_tensor_t *x,
+                           PyObject *stream_obj);
+/* Buffer.combine_input(handle). */
+PyObject *py_buffer_combine_input(BufferObject *self, PyObject *args, PyObject *kwargs);
+/* Frees the library buffer now (and the communicator when its destroy was waiting for it). */
+void py_buffer_free(BufferObject *buffer);
 
 /* ------------------------------------------------------------------ _epx_ops.c ---- */
 

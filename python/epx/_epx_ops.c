@@ -137,18 +137,62 @@ static int ht_dispatch_rows(BufferObject *self, HandleObject *cached, int64_t nu
     return 0;
 }
 
+/* Refuses a tensor that is a stale view of the buffer, and (`rewritten`) one that lies in the dispatch
+ * outputs' memory, which the call is about to rewrite. */
+static int check_views_in(BufferObject *self, const tensor_in_t *in, int n, int rewritten)
+{
+    for (int i = 0; i < n; i++) {
+        epx_handle_t vh;
+        const int at = py_view_classify(self, in[i].obj, in[i].t, &vh);
+        if (at == AT_RECV_STALE || at == AT_CIN_STALE)
+            return py_raise_stale(in[i].name, at == AT_RECV_STALE ? "dispatch outputs" : "a combine input");
+        if (rewritten && at == AT_RECV) {
+            py_raise_invalid("%s is a view of this buffer's dispatch outputs, which this dispatch rewrites; "
+                             "pass a copy",
+                             in[i].name);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The outputs of a view-mode dispatch as arrays over the buffer (slots 0-3), and N_r (slot 6). */
+static int dispatch_export_views(BufferObject *self, call_t *c, const epx_ht_dispatch_outputs_t *o,
+                                 int cached)
+{
+    const epx_tensor_t views[] = {o->recv_x, o->recv_x_scales, o->recv_topk_idx, o->recv_topk_weights};
+    for (int i = 0; i < COUNT(views); i++)
+        if (views[i].data && !(c->items[i] = py_view_export(self, &views[i], VIEW_RECV, NULL, c->ctx.fw)))
+            return -1;
+    py_area_returned(self, VIEW_RECV, views, COUNT(views));
+    const size_t elem = epx_dtype_size(o->recv_x.dtype);
+    if (elem > self->view_elem_max) self->view_elem_max = elem;
+    /* A cached dispatch reports its rows (N_r, or the bound), as the caller-owned path does. */
+    const int64_t n = cached ? o->recv_x.shape[0] : o->num_recv_tokens_host;
+    c->items[6] = PyLong_FromLongLong(n);
+    return c->items[6] ? 0 : -1;
+}
+
 COLLECTIVE_METHOD(buffer_dispatch, EPX_COLLECTIVE_HT_DISPATCH)
 {
-    static char *kw[] = {"x",      "topk_idx",         "topk_weights",     "x_scales",
-                         "handle", "expert_alignment", "num_worst_tokens", "stream",
+    static char *kw[] = {"x",
+                         "topk_idx",
+                         "topk_weights",
+                         "x_scales",
+                         "handle",
+                         "expert_alignment",
+                         "num_worst_tokens",
+                         "stream",
+                         "views",
                          NULL};
     PyObject *x_obj, *topk_obj = Py_None, *weights_obj = Py_None, *scales_obj = Py_None,
                      *handle_obj = Py_None;
-    PyObject *stream_obj = Py_None;
+    PyObject *stream_obj = Py_None, *views_obj = Py_None;
     int expert_alignment = 1;
     long long num_worst = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OOOOiLO", kw, &x_obj, &topk_obj, &weights_obj,
-                                     &scales_obj, &handle_obj, &expert_alignment, &num_worst, &stream_obj))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OOOOiLOO", kw, &x_obj, &topk_obj, &weights_obj,
+                                     &scales_obj, &handle_obj, &expert_alignment, &num_worst, &stream_obj,
+                                     &views_obj))
         return NULL;
     if (py_buffer_check(self) != 0) return NULL;
     HandleObject *cached = NULL;
@@ -170,19 +214,28 @@ COLLECTIVE_METHOD(buffer_dispatch, EPX_COLLECTIVE_HT_DISPATCH)
         {weights_obj, "topk_weights", HINT_NONE, &a.topk_weights},
     };
     if (call_open(&c, 8, x_obj, stream_obj, in, COUNT(in), &a.stream) != 0) return call_fail(&c);
+    if (check_views_in(self, in, COUNT(in), 1) != 0) return call_fail(&c);
+    const int views = py_dispatch_views(self, views_obj, &a.x, num_worst);
+    if (views < 0) return call_fail(&c);
     a.cached_handle = cached ? cached->handle : NULL;
     a.expert_alignment = expert_alignment;
     a.num_worst_tokens = num_worst;
-    int64_t H = self->cfg.hidden, K = self->cfg.num_topk, L = self->L, cap;
-    if (ht_dispatch_rows(self, cached, num_worst, &cap) != 0) return call_fail(&c);
+    a.recv_in_buffer = views;
+    int64_t H = self->cfg.hidden, K = self->cfg.num_topk, L = self->L, cap = 0;
+    if (!views && ht_dispatch_rows(self, cached, num_worst, &cap) != 0) return call_fail(&c);
     epx_dtype_t xd = a.x.dtype == EPX_DTYPE_INVALID ? EPX_DTYPE_BF16 : a.x.dtype;
     epx_dtype_t id = a.topk_idx.dtype == EPX_DTYPE_INT64 ? EPX_DTYPE_INT64 : EPX_DTYPE_INT32;
-    /* Slots 5 and 6 (handle, N_r) are filled after the call. */
+    /* Slots 5 and 6 (handle, N_r) are filled after the call; with views, slots 0-3 too. */
     const tensor_out_t outs[] = {
-        {1, xd, 2, {cap, H}, "recv_x", &o.recv_x},
-        {xd == EPX_DTYPE_FP8_E4M3, EPX_DTYPE_FP32, 2, {cap, H / 128}, "recv_x_scales", &o.recv_x_scales},
-        {!cached && a.topk_idx.data, id, 2, {cap, K}, "recv_topk_idx", &o.recv_topk_idx},
-        {!cached && a.topk_weights.data,
+        {!views, xd, 2, {cap, H}, "recv_x", &o.recv_x},
+        {!views && xd == EPX_DTYPE_FP8_E4M3,
+         EPX_DTYPE_FP32,
+         2,
+         {cap, H / 128},
+         "recv_x_scales",
+         &o.recv_x_scales},
+        {!views && !cached && a.topk_idx.data, id, 2, {cap, K}, "recv_topk_idx", &o.recv_topk_idx},
+        {!views && !cached && a.topk_weights.data,
          EPX_DTYPE_FP32,
          2,
          {cap, K},
@@ -194,13 +247,20 @@ COLLECTIVE_METHOD(buffer_dispatch, EPX_COLLECTIVE_HT_DISPATCH)
     if (call_alloc(&c, outs, COUNT(outs)) != 0) return call_fail(&c);
     epx_result_t res;
     COLLECTIVE_CALL(self, res = epx_ht_dispatch(self->buf, &a, &o));
+    py_area_reuse(self, VIEW_RECV); /* whatever the outcome: the call may have written there */
     if (call_end(&c, res) != 0) return NULL;
     if (cached) {
         Py_INCREF(cached);
         c.items[5] = (PyObject *)cached;
     } else {
-        c.items[5] = (PyObject *)py_handle_new(self, o.handle, HANDLE_HT, 0, a.x.shape[0]);
-        if (!c.items[5]) return call_fail(&c);
+        HandleObject *h = py_handle_new(self, o.handle, HANDLE_HT, 0, a.x.shape[0]);
+        if (!h) return call_fail(&c);
+        h->fw = c.ctx.fw;
+        c.items[5] = (PyObject *)h;
+    }
+    if (views) {
+        if (dispatch_export_views(self, &c, &o, cached != NULL) != 0) return call_fail(&c);
+        return call_result(&c, py_ht_dispatch_type);
     }
     c.items[6] = PyLong_FromLongLong(cached ? cap : o.num_recv_tokens_host);
     if (!c.items[6]) return call_fail(&c);
@@ -208,6 +268,38 @@ COLLECTIVE_METHOD(buffer_dispatch, EPX_COLLECTIVE_HT_DISPATCH)
         for (int i = 0; i < 4; i++)
             if (py_slice_rows(&c.items[i], o.num_recv_tokens_host, cap) != 0) return call_fail(&c);
     return call_result(&c, py_ht_dispatch_type);
+}
+
+/* How combine takes x: the handle's combine input as it is (x_in_buffer), x copied there first (buffers
+ * with views), or x itself. Stale views are refused. */
+static int combine_source(BufferObject *self, HandleObject *h, const tensor_in_t *in, int n,
+                          epx_ht_combine_args_t *a, PyObject *stream_obj)
+{
+    if (check_views_in(self, in + 1, n - 1, 0) != 0) return -1;
+    epx_handle_t vh;
+    const int at = py_view_classify(self, in[0].obj, &a->x, &vh);
+    if (at == AT_RECV_STALE || at == AT_CIN_STALE)
+        return py_raise_stale("x", at == AT_RECV_STALE ? "dispatch outputs" : "a combine input");
+    if (at == AT_CIN) {
+        if (vh != h->handle) {
+            py_raise_invalid("x is the combine input of another handle; get this handle's with "
+                             "combine_input(handle)");
+            return -1;
+        }
+        const int64_t H = self->cfg.hidden;
+        if ((const char *)a->x.data != self->cin.lo || a->x.ndim != 2 || a->x.shape[0] != self->cin.rows ||
+            a->x.shape[1] != H || a->x.strides[0] || a->x.strides[1] || a->x.dtype != EPX_DTYPE_BF16) {
+            py_raise_invalid("x is part of the handle's combine input; pass combine_input(handle) whole");
+            return -1;
+        }
+    } else if (self->views) {
+        if (py_stage_combine_input(self, h, in[0].obj, &a->x, stream_obj) != 0) return -1;
+    } else {
+        return 0;
+    }
+    a->x_in_buffer = 1;
+    memset(&a->x, 0, sizeof(a->x));
+    return 0;
 }
 
 COLLECTIVE_METHOD(buffer_combine, EPX_COLLECTIVE_HT_COMBINE)
@@ -230,6 +322,7 @@ COLLECTIVE_METHOD(buffer_combine, EPX_COLLECTIVE_HT_COMBINE)
         {b1, "bias1", HINT_NONE, &a.bias1},
     };
     if (call_open(&c, 2, x_obj, stream_obj, in, COUNT(in), &a.stream) != 0) return call_fail(&c);
+    if (combine_source(self, h, in, COUNT(in), &a, stream_obj) != 0) return call_fail(&c);
     int64_t T = h->num_tokens, H = self->cfg.hidden, K = self->cfg.num_topk;
     const tensor_out_t outs[] = {
         {1, EPX_DTYPE_BF16, 2, {T, H}, "combined_x", &o.combined_x},
@@ -243,6 +336,7 @@ COLLECTIVE_METHOD(buffer_combine, EPX_COLLECTIVE_HT_COMBINE)
     if (call_alloc(&c, outs, COUNT(outs)) != 0) return call_fail(&c);
     epx_result_t res;
     COLLECTIVE_CALL(self, res = epx_ht_combine(self->buf, &a, &o));
+    py_area_reuse(self, VIEW_CIN);
     if (call_end(&c, res) != 0) return NULL;
     return call_result(&c, py_ht_combine_type);
 }
@@ -317,19 +411,11 @@ static PyObject *buffer_get_combine_buffer(BufferObject *self, PyObject *args, P
     LLHandleObject *h;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!", kw, &py_llhandle_type, &h)) return NULL;
     if (py_buffer_check(self) != 0) return NULL;
-    ViewObject *view = PyObject_New(ViewObject, &py_view_type);
-    if (!view) return NULL;
-    Py_INCREF(self);
-    view->owner = (PyObject *)self;
+    epx_tensor_t t;
     epx_result_t res;
-    WITHOUT_GIL(res = epx_ll_get_combine_buffer(self->buf, &h->h, &view->t));
-    if (res != EPX_SUCCESS) {
-        Py_DECREF(view);
-        return py_raise_epx(res);
-    }
-    PyObject *out = py_view_array(view, h->fw);
-    Py_DECREF(view);
-    return out;
+    WITHOUT_GIL(res = epx_ll_get_combine_buffer(self->buf, &h->h, &t));
+    if (res != EPX_SUCCESS) return py_raise_epx(res);
+    return py_view_export(self, &t, VIEW_PLAIN, NULL, h->fw);
 }
 
 COLLECTIVE_METHOD(buffer_ll_combine, EPX_COLLECTIVE_LL_COMBINE)
@@ -428,6 +514,7 @@ COLLECTIVE_METHOD(buffer_rm_dispatch, EPX_COLLECTIVE_RM_DISPATCH)
         {probs_obj, "probs", HINT_NONE, &a.probs},
     };
     if (call_open(&c, 7, x_obj, stream_obj, in, COUNT(in), &a.stream) != 0) return call_fail(&c);
+    if (check_views_in(self, in, COUNT(in), 1) != 0) return call_fail(&c);
     int64_t H = self->cfg.hidden, L = self->L;
     int64_t bound = permute ? a.num_permuted_tokens : a.num_dispatched_tokens;
     int64_t cap = rm_dispatch_rows(self, bound, permute, pad_multiple);
@@ -443,6 +530,7 @@ COLLECTIVE_METHOD(buffer_rm_dispatch, EPX_COLLECTIVE_RM_DISPATCH)
     if (call_alloc(&c, outs, COUNT(outs)) != 0) return call_fail(&c);
     epx_result_t res;
     COLLECTIVE_CALL(self, res = epx_rm_dispatch(self->buf, &a, &o));
+    py_area_reuse(self, VIEW_RECV);
     if (call_end(&c, res) != 0) return NULL;
     c.items[4] = (PyObject *)py_handle_new(self, o.handle, HANDLE_RM, permute, a.hidden.shape[0]);
     c.items[5] = PyLong_FromLongLong(o.num_tokens_host);
@@ -470,12 +558,14 @@ COLLECTIVE_METHOD(buffer_rm_combine, EPX_COLLECTIVE_RM_COMBINE)
     a.weighted = weighted;
     const tensor_in_t in[] = {{x_obj, "x", HINT_NONE, &a.x}};
     if (call_open(&c, 1, x_obj, stream_obj, in, COUNT(in), &a.stream) != 0) return call_fail(&c);
+    if (check_views_in(self, in, COUNT(in), 0) != 0) return call_fail(&c);
     const tensor_out_t outs[] = {
         {1, EPX_DTYPE_BF16, 2, {h->num_tokens, self->cfg.hidden}, "combined", &o.combined},
     };
     if (call_alloc(&c, outs, COUNT(outs)) != 0) return call_fail(&c);
     epx_result_t res;
     COLLECTIVE_CALL(self, res = epx_rm_combine(self->buf, &a, &o));
+    py_area_reuse(self, VIEW_CIN);
     if (call_end(&c, res) != 0) return NULL;
     return c.items[0];
 }
@@ -575,16 +665,24 @@ PyMethodDef py_buffer_methods[] = {
      "bool, num_tokens_per_domain [R/D] int32 or None)."},
     {"dispatch", KWFN(buffer_dispatch), METH_VARARGS | METH_KEYWORDS,
      "dispatch(x, topk_idx=None, topk_weights=None, *, x_scales=None, handle=None, expert_alignment=1,\n"
-     "         num_worst_tokens=0, stream=None) -> DispatchOutput\n--\n\n"
+     "         num_worst_tokens=0, stream=None, views=None) -> DispatchOutput\n--\n\n"
      "HT dispatch (collective). x [T, H] bf16 (torch.bfloat16 or numpy uint16 bit patterns), float32 or\n"
      "fp8 e4m3 (torch.float8_e4m3fn or numpy uint8) with x_scales [T, H/128] float32; topk_idx [T, K]\n"
      "int32/int64; topk_weights [T, K] float32. handle=: cached dispatch with that handle's routing.\n"
-     "num_worst_tokens > 0: static mode, outputs have that many rows. Otherwise outputs have N_r rows\n"
-     "(allocated for R*T_max and sliced)."},
+     "num_worst_tokens > 0: static mode, outputs have that many rows. Otherwise outputs have N_r rows.\n"
+     "views (None: the buffer's): recv_x, recv_x_scales, recv_topk_idx (int32) and recv_topk_weights are\n"
+     "views of the buffer's memory, valid until the next HT or routing-map dispatch on this buffer;\n"
+     "with views=False they are new arrays of their own (recv_topk_idx in topk_idx's dtype)."},
     {"combine", KWFN(buffer_combine), METH_VARARGS | METH_KEYWORDS,
      "combine(x, handle, topk_weights=None, bias0=None, bias1=None, *, stream=None) -> CombineOutput\n--\n\n"
      "HT combine (collective). x [>= N_r, H] bf16; topk_weights [>= N_r, K] float32; bias0/bias1 [T, H]\n"
-     "bf16. Returns CombineOutput(combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None)."},
+     "bf16. x = combine_input(handle) is read where it is; with views, any other x is first copied there.\n"
+     "Returns CombineOutput(combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None)."},
+    {"combine_input", KWFN(py_buffer_combine_input), METH_VARARGS | METH_KEYWORDS,
+     "combine_input(handle) -> tensor\n--\n\n"
+     "The [N_r (or num_worst_tokens), H] bf16 rows in the buffer's memory that combine(x, handle) reads\n"
+     "without a copy when x is this array: write the expert outputs into it. Valid until the next HT or\n"
+     "routing-map combine on this buffer, or combine_input() of another handle. Not collective."},
     {"ll_dispatch", KWFN(buffer_ll_dispatch), METH_VARARGS | METH_KEYWORDS,
      "ll_dispatch(x, topk_idx, cumulative_recv_stats=None, *, use_fp8=False, round_scale=False,\n"
      "            use_ue8m0=False, return_recv_hook=False, stream=None) -> LLDispatchOutput\n--\n\n"

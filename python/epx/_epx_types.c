@@ -28,12 +28,17 @@ static int refuse_live_children(int live, const char *child, const char *parent,
 
 int py_comm_check(CommObject *self)
 {
-    return check_alive(self->comm, "communicator");
+    return check_alive(self->destroy_pending ? NULL : self->comm, "communicator");
 }
 
 static PyObject *comm_destroy(CommObject *self, PyObject *unused)
 {
-    if (self->comm) {
+    if (self->comm && !self->destroy_pending) {
+        /* Buffers destroyed while their views live free it when the last one goes. */
+        if (self->live_buffers > 0 && self->live_buffers == self->pending_buffers) {
+            self->destroy_pending = 1;
+            Py_RETURN_NONE;
+        }
         if (refuse_live_children(self->live_buffers, "buffer", "communicator", "") != 0) return NULL;
         epx_result_t res = epx_comm_destroy(self->comm);
         if (res != EPX_SUCCESS) return py_raise_epx(res);
@@ -126,26 +131,27 @@ PyTypeObject py_comm_type = {
 
 int py_buffer_check(BufferObject *self)
 {
-    return check_alive(self->buf, "buffer");
+    return check_alive(self->destroy_pending ? NULL : self->buf, "buffer");
 }
 
 static int buffer_init(BufferObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *kw[] = {"comm",  "max_tokens",      "hidden",           "num_topk", "num_experts",
-                         "modes", "dispatch_dtypes", "max_pad_multiple", "num_sms",  "chunk_tokens",
-                         NULL};
+    static char *kw[] = {"comm",        "max_tokens",   "hidden",          "num_topk",
+                         "num_experts", "modes",        "dispatch_dtypes", "max_pad_multiple",
+                         "num_sms",     "chunk_tokens", "views",           NULL};
     CommObject *comm;
     long long max_tokens, hidden;
+    int views = 1;
     /* The 32-bit fields are parsed in place; those not given keep their zero (the library's default). */
     epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
     if (self->buf) {
         PyErr_SetString(PyExc_RuntimeError, "epx: Buffer.__init__ called twice");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!LLii|IIiii", kw, &py_comm_type, &comm, &max_tokens,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!LLii|IIiiip", kw, &py_comm_type, &comm, &max_tokens,
                                      &hidden, &cfg.num_topk, &cfg.num_experts, &cfg.modes,
                                      &cfg.dispatch_dtypes, &cfg.max_pad_multiple, &cfg.num_sms,
-                                     &cfg.chunk_tokens))
+                                     &cfg.chunk_tokens, &views))
         return -1;
     if (py_comm_check(comm) != 0) return -1;
     cfg.max_tokens = max_tokens;
@@ -162,16 +168,38 @@ static int buffer_init(BufferObject *self, PyObject *args, PyObject *kwargs)
     self->cfg = cfg;
     self->R = comm->topo.nranks;
     self->L = cfg.num_experts / comm->topo.nranks;
+    self->views = views;
     Py_INCREF(comm);
     self->comm = comm;
     comm->live_buffers++;
     return 0;
 }
 
+void py_buffer_free(BufferObject *self)
+{
+    if (!self->buf) return;
+    epx_buffer_destroy(self->buf);
+    self->buf = NULL;
+    CommObject *comm = self->comm;
+    comm->live_buffers--;
+    if (self->destroy_pending) comm->pending_buffers--;
+    self->destroy_pending = 0;
+    if (comm->destroy_pending && comm->live_buffers == 0 && comm->comm) {
+        epx_comm_destroy(comm->comm);
+        comm->comm = NULL;
+    }
+}
+
 PyObject *py_buffer_destroy(BufferObject *self, PyObject *unused)
 {
-    if (self->buf) {
+    if (self->buf && !self->destroy_pending) {
         if (refuse_live_children(self->live_handles, "handle", "buffer", " (or drop them)") != 0) return NULL;
+        /* Arrays over the buffer's memory may outlive this call: it is freed when the last one goes. */
+        if (py_views_alive(self) > 0) {
+            self->destroy_pending = 1;
+            self->comm->pending_buffers++;
+            Py_RETURN_NONE;
+        }
         epx_result_t res = epx_buffer_destroy(self->buf);
         if (res != EPX_SUCCESS) return py_raise_epx(res);
         self->buf = NULL;
@@ -184,11 +212,7 @@ static void buffer_dealloc(BufferObject *self)
 {
     PyObject_GC_UnTrack(self);
     if (self->weakrefs) PyObject_ClearWeakRefs((PyObject *)self);
-    if (self->buf) {
-        epx_buffer_destroy(self->buf);
-        self->buf = NULL;
-        self->comm->live_buffers--;
-    }
+    py_buffer_free(self);
     Py_CLEAR(self->comm);
     Py_CLEAR(self->dict);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -220,7 +244,8 @@ static PyObject *buffer_get(BufferObject *self, void *field)
     if (!strcmp(f, "num_experts")) return PyLong_FromLong(self->cfg.num_experts);
     if (!strcmp(f, "num_local_experts")) return PyLong_FromLong(self->L);
     if (!strcmp(f, "num_ranks")) return PyLong_FromLong(self->R);
-    if (!strcmp(f, "destroyed")) return PyBool_FromLong(self->buf == NULL);
+    if (!strcmp(f, "destroyed")) return PyBool_FromLong(self->buf == NULL || self->destroy_pending);
+    if (!strcmp(f, "views")) return PyBool_FromLong(self->views);
     if (!strcmp(f, "_collective_calls")) return PyLong_FromUnsignedLongLong(self->collective_calls);
     Py_RETURN_NONE;
 }
@@ -234,6 +259,8 @@ static PyGetSetDef buffer_getset[] = {
     {"num_local_experts", (getter)buffer_get, NULL, "L = E / R.", "num_local_experts"},
     {"num_ranks", (getter)buffer_get, NULL, "R.", "num_ranks"},
     {"destroyed", (getter)buffer_get, NULL, "Whether destroy() ran.", "destroyed"},
+    {"views", (getter)buffer_get, NULL, "Whether HT dispatch outputs are views of the buffer by default.",
+     "views"},
     {"_collective_calls", (getter)buffer_get, NULL,
      "Internal: collective calls this binding passed to the library (made or refused).", "_collective_calls"},
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
@@ -270,6 +297,7 @@ HandleObject *py_handle_new(BufferObject *buffer, epx_handle_t h, int kind, int 
     self->buffer = buffer;
     self->kind = kind;
     self->permute = permute;
+    self->fw = FW_NUMPY;
     self->num_tokens = num_tokens;
     self->hidden = buffer->cfg.hidden;
     buffer->live_handles++;
