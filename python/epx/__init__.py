@@ -11,7 +11,8 @@ bf16 bit patterns; fp8 e4m3 is ``torch.float8_e4m3fn`` or a ``uint8`` array wher
 Streams: for cuda tensors every call runs on torch's current stream unless ``stream=`` (a
 ``cudaStream_t`` as int) is given; the host backend runs synchronously.
 
-Views (``Buffer(views=True)``, the default): HT dispatch returns recv_x, recv_x_scales, recv_topk_idx
+Views (``Buffer(views=True)``, an opt-in for code that consumes outputs before the next call, as MoE
+layers do; the default keeps outputs of their own): HT dispatch returns recv_x, recv_x_scales, recv_topk_idx
 (int32) and recv_topk_weights as views of the buffer's memory, written once by the dispatch, valid
 until the next HT or routing-map dispatch on the buffer (whatever its outcome). ``combine_input(handle)``
 is the buffer's combine input, valid until the next HT or routing-map combine or ``combine_input()`` of
@@ -262,21 +263,21 @@ class Buffer(_epx.Buffer):
     """A communication buffer, collective to create.
 
     Buffer(comm, max_tokens, hidden, num_topk, num_experts, modes="all", dispatch_dtypes=None,
-           max_pad_multiple=0, num_sms=0, chunk_tokens=0, views=True)
+           max_pad_multiple=0, num_sms=0, chunk_tokens=0, views=False)
 
     modes: "all" or any of "ht", "ll", "permute" (a string, a list of them, or EPX_MODE_* bits).
     dispatch_dtypes: dtypes of x allowed in dispatch, any of "bf16", "fp32", "fp8" (default all
     three; fp8 needs hidden % 128 == 0). Every rank must pass the same values.
     views: HT dispatch outputs are views of the buffer's memory, and combine reads x from the buffer's
     combine input (copying it there unless it is combine_input(handle)): one pass over the bytes each.
-    False: outputs of their own and combine reads x where it is (two passes). Lifetimes: see the
+    False (the default): outputs of their own and combine reads x where it is (two passes). Lifetimes: see the
     package docstring. destroy() with views still alive frees the buffer when the last one goes.
 
     Methods (see each docstring): get_dispatch_layout, dispatch, combine, combine_input, ll_dispatch,
     ll_combine, get_combine_buffer, rm_dispatch, rm_combine, query_overflow, destroy."""
 
     def __init__(self, comm, max_tokens, hidden, num_topk, num_experts, modes="all", dispatch_dtypes=None,
-                 max_pad_multiple=0, num_sms=0, chunk_tokens=0, views=True):
+                 max_pad_multiple=0, num_sms=0, chunk_tokens=0, views=False):
         super().__init__(comm, max_tokens, hidden, num_topk, num_experts, _mask(modes, _MODES, "mode"),
                          _mask(dispatch_dtypes, _DTYPES, "dtype"), max_pad_multiple, num_sms, chunk_tokens,
                          views)

@@ -141,7 +141,7 @@ static int buffer_init(BufferObject *self, PyObject *args, PyObject *kwargs)
                          "num_sms",     "chunk_tokens", "views",           NULL};
     CommObject *comm;
     long long max_tokens, hidden;
-    int views = 1;
+    int views = 0;
     /* The 32-bit fields are parsed in place; those not given keep their zero (the library's default). */
     epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
     if (self->buf) {

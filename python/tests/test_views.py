@@ -1,4 +1,4 @@
-"""HT dispatch outputs and the combine input as views of the buffer (Buffer(views=True), the default) on
+"""HT dispatch outputs and the combine input as views of the buffer (Buffer(views=True), an opt-in) on
 the host backend with 1, 2 and 3 ranks: bit-exact against the caller-owned path (views=False) and the
 NumPy reference, every way combine takes x, the lifetime errors, static mode, fp8, cached dispatch,
 destroy with live views, and torch CPU tensors."""
@@ -46,7 +46,7 @@ def routed_to_all(p, nranks):
 
 def buffers(rank, nranks, uid, p, **kw):
     comm = host_comm(rank, nranks, uid)
-    views = epx.Buffer(comm, p.T_max, p.H, p.K, p.E, modes="ht", **kw)
+    views = epx.Buffer(comm, p.T_max, p.H, p.K, p.E, modes="ht", views=True, **kw)
     owned = epx.Buffer(comm, p.T_max, p.H, p.K, p.E, modes="ht", views=False, **kw)
     return comm, views, owned
 
@@ -163,7 +163,7 @@ def test_static_fp8(nranks):
 def _lifetime(rank, nranks, uid):
     p = problem(nranks)
     comm = host_comm(rank, nranks, uid)
-    buf = epx.Buffer(comm, p.T_max, p.H, p.K, p.E, modes="ht")
+    buf = epx.Buffer(comm, p.T_max, p.H, p.K, p.E, modes="ht", views=True)
     x, idx, w = p.x[rank], p.topk_idx[rank], p.weights[rank]
     want_comb = p.ht_combine(rank)
 
@@ -230,7 +230,7 @@ def test_views_false_and_destroy():
     uid = epx.get_unique_id()
     comm = epx.Comm.from_unique_id(uid, 0, 1, backend="host")
     p = problem(1, ragged=False)
-    buf = epx.Buffer(comm, p.T_max, p.H, p.K, p.E, dispatch_dtypes=["bf16", "fp8"])
+    buf = epx.Buffer(comm, p.T_max, p.H, p.K, p.E, dispatch_dtypes=["bf16", "fp8"], views=True)
     x, idx = p.x[0], p.topk_idx[0]
     # Host backend: an fp8 view held while a (wider) bf16 dispatch comes keeps its memory; once no
     # view is alive, views come back.
