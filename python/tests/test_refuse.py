@@ -204,6 +204,7 @@ def _compat(rank, nranks, uid):
 
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_compat_rejection_reaches_peers(nranks):
+    pytest.importorskip("torch")  # the HybridEP front works on torch tensors
     assert max(run_ranks(nranks, _compat)) < PROMPT_S
 
 
