@@ -6,6 +6,8 @@ import os
 import time
 import traceback
 
+import pytest
+
 import epx
 
 DEADLINE_S = 120
@@ -72,3 +74,15 @@ def run_ranks(nranks, fn, **kwargs):
 
 def host_comm(rank, nranks, uid, **kw):
     return epx.Comm.from_unique_id(uid, rank, nranks, backend="host", **kw)
+
+
+def refused_here_or_remote(refusing, refuse, peer, error=ValueError, match=None):
+    """On the refusing rank refuse() raises `error` (its message matching `match`); on every other rank
+    peer() raises epx.RemoteError. Returns the raised exception's pytest.ExceptionInfo."""
+    if refusing:
+        with pytest.raises(error, match=match) as e:
+            refuse()
+    else:
+        with pytest.raises(epx.RemoteError) as e:
+            peer()
+    return e

@@ -1,9 +1,25 @@
 """NumPy reference of the operations (docs/reference.md, pinned details) and deterministic inputs that
 every rank can regenerate for every other rank, so each rank checks its outputs on its own."""
 
+import os
+
 import numpy as np
 
 import epx
+
+
+# The seed of the seeded tests: EPX_TEST_SEED, else a random one that every failure message names.
+SEED = int(os.environ.get("EPX_TEST_SEED", "0")) or int.from_bytes(os.urandom(2), "little")
+
+
+def assert_equal(got, want, what, rank):
+    """got and want (arrays or what np.asarray takes) have one shape and equal elements."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, "rank %d: %s shape %s, expected %s (seed %d)" % (
+        rank, what, got.shape, want.shape, SEED)
+    bad = np.argwhere(got != want)
+    assert bad.size == 0, "rank %d: %s differs at %s: %s != %s (seed %d)" % (
+        rank, what, bad[0].tolist(), got[tuple(bad[0])], want[tuple(bad[0])], SEED)
 
 
 def bf16(a):

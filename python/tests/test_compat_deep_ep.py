@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch")
 
 import epx  # noqa: E402
 from epx.compat import deep_ep  # noqa: E402
+from mp import refused_here_or_remote  # noqa: E402
 from torchutil import run_in_group  # noqa: E402
 
 SEED = 20240611
@@ -206,40 +207,29 @@ def _refusals(rank, nranks, dist):
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
     refuser = nranks - 1
     # Before the notify exchange: no routing at all.
-    if rank == refuser:
-        with pytest.raises(ValueError, match="is_token_in_rank"):
-            buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert)
-    else:
-        with pytest.raises(epx.RemoteError):
-            buf.dispatch(x, **layout)
+    refused_here_or_remote(rank == refuser,
+                           lambda: buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert),
+                           lambda: buf.dispatch(x, **layout), match="is_token_in_rank")
     # Static mode without top-k (DeepEP asserts the same).
-    if rank == refuser:
-        with pytest.raises(ValueError, match="num_worst_tokens"):
-            buf.dispatch(x, num_worst_tokens=64, **layout)
-    else:
-        with pytest.raises(epx.RemoteError):
-            buf.dispatch(x, topk_idx=idx, topk_weights=w, num_worst_tokens=64, **layout)
+    refused_here_or_remote(rank == refuser, lambda: buf.dispatch(x, num_worst_tokens=64, **layout),
+                           lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_worst_tokens=64, **layout),
+                           match="num_worst_tokens")
     recv_x, _, _, counts, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
     want_x, _, _, _, want_counts = ht_reference(rank, nranks, K, E)
     exact(recv_x, want_x, "recv_x after refusals")
     assert counts == want_counts
     # Combine with something that is not a handle, on one rank.
-    if rank == 0:
-        with pytest.raises(TypeError, match="handle"):
-            buf.combine(recv_x, (1, 2, 3))
-    else:
-        with pytest.raises(epx.RemoteError):
-            buf.combine(recv_x, handle)
+    refused_here_or_remote(rank == 0, lambda: buf.combine(recv_x, (1, 2, 3)), lambda: buf.combine(recv_x, handle),
+                           error=TypeError, match="handle")
     # A static call with T past the buffer cannot grow it: the rank that does not fit refuses.
     big = make_inputs(rank, nranks, 100, K, E, seed=3) if rank == refuser else (x, idx, w)
     pr, _, pe, ir, _ = buf.get_dispatch_layout(big[1], E)
     big_layout = dict(num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe)
-    if rank == refuser:
-        with pytest.raises(ValueError, match="num_worst_tokens"):
-            buf.dispatch(big[0], topk_idx=big[1], topk_weights=big[2], num_worst_tokens=400, **big_layout)
-    else:
-        with pytest.raises(epx.RemoteError):
-            buf.dispatch(big[0], topk_idx=big[1], topk_weights=big[2], num_worst_tokens=400, **big_layout)
+
+    def too_many():
+        buf.dispatch(big[0], topk_idx=big[1], topk_weights=big[2], num_worst_tokens=400, **big_layout)
+
+    refused_here_or_remote(rank == refuser, too_many, too_many, match="num_worst_tokens")
     combined, _, _ = buf.combine(recv_x, handle)
     exact(combined, (x.float() * in_rank.sum(dim=1, keepdim=True).float()).to(torch.bfloat16), "combined")
     buf.destroy()

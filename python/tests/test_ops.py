@@ -1,17 +1,14 @@
 """Every operation through the Python binding with NumPy on the host backend, 1, 2 and 4 ranks,
 checked against the NumPy reference (npref.py) on every rank."""
 
-import os
-
 import numpy as np
 import pytest
 
 import epx
 from mp import host_comm, run_ranks
-from npref import Problem, bf16, f32
+from npref import SEED, Problem, assert_equal, bf16, f32
 
 RANKS = [1, 2, 4]
-SEED = int(os.environ.get("EPX_TEST_SEED", "0")) or int.from_bytes(os.urandom(2), "little")
 
 
 def problem(nranks, **kw):
@@ -19,14 +16,6 @@ def problem(nranks, **kw):
     args.update(kw)
     return Problem(**args)
 
-
-def assert_equal(got, want, what, rank):
-    got = np.asarray(got)
-    assert got.shape == want.shape, "rank %d: %s shape %s, expected %s (seed %d)" % (
-        rank, what, got.shape, want.shape, SEED)
-    bad = np.argwhere(got != want)
-    assert bad.size == 0, "rank %d: %s differs at %s: %s != %s (seed %d)" % (
-        rank, what, bad[0].tolist(), got[tuple(bad[0])], want[tuple(bad[0])], SEED)
 
 
 # ------------------------------------------------------------------------------------ topology

@@ -10,7 +10,7 @@ import pytest
 
 import epx
 from epx.compat.hybrid_ep import HybridEPBuffer
-from mp import host_comm, run_ranks
+from mp import host_comm, refused_here_or_remote, run_ranks
 from npref import bf16, f32
 
 T, H, K = 4, 128, 2
@@ -128,12 +128,9 @@ def _refused(rank, nranks, uid, case):
     refuser = case % nranks
     d = f.dispatch() if name in COMBINES else None
     start = time.monotonic()
-    if rank == refuser:
-        with pytest.raises(error):
-            bad(f, d)
-    else:
-        with pytest.raises(epx.RemoteError) as e:
-            f.combine(d) if d is not None else f.dispatch()
+    e = refused_here_or_remote(rank == refuser, lambda: bad(f, d),
+                               lambda: f.combine(d) if d is not None else f.dispatch(), error=error)
+    if rank != refuser:
         assert e.value.result == "ERR_REMOTE" and str(refuser) in e.value.message
     took = time.monotonic() - start
     if d is not None and name != "destroyed handle":
@@ -240,12 +237,9 @@ def _deep_ep(rank, nranks, dist):
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, p.E)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
     refuser = nranks - 1
-    if rank == refuser:
-        with pytest.raises(ValueError, match="topk_idx"):
-            buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert)
-    else:
-        with pytest.raises(epx.RemoteError):
-            buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
+    refused_here_or_remote(rank == refuser,
+                           lambda: buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert),
+                           lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout), match="topk_idx")
     recv_x, _, _, counts, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
     want_x, _, _, want_counts = p.ht_dispatch(rank)
     np.testing.assert_array_equal(bf16_bits(recv_x), want_x)
@@ -257,12 +251,8 @@ def _deep_ep(rank, nranks, dist):
         with pytest.raises(epx.RemoteError):
             buf.dispatch(x, handle=handle)
     y = (recv_x.float() * (rank + 1)).to(torch.bfloat16)
-    if rank == refuser:
-        with pytest.raises(TypeError):
-            buf.combine(y.tolist(), handle)
-    else:
-        with pytest.raises(epx.RemoteError):
-            buf.combine(y, handle)
+    refused_here_or_remote(rank == refuser, lambda: buf.combine(y.tolist(), handle), lambda: buf.combine(y, handle),
+                           error=TypeError)
     combined, _, _ = buf.combine(y, handle)
     np.testing.assert_array_equal(bf16_bits(combined), p.ht_combine(rank))
     buf.destroy()

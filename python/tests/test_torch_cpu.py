@@ -8,10 +8,9 @@ torch = pytest.importorskip("torch")
 import epx  # noqa: E402
 from epx.compat import deep_ep, hybrid_ep  # noqa: E402
 from mp import run_ranks  # noqa: E402
-from npref import Problem  # noqa: E402
+from npref import SEED, Problem, assert_equal  # noqa: E402
 from torchutil import bf16_bits, run_in_group, to_torch  # noqa: E402
 
-from test_ops import SEED, assert_equal  # noqa: E402
 
 
 def problem(nranks):

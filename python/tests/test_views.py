@@ -3,17 +3,14 @@ the host backend with 1, 2 and 3 ranks: bit-exact against the caller-owned path 
 NumPy reference, every way combine takes x, the lifetime errors, static mode, fp8, cached dispatch,
 destroy with live views, and torch CPU tensors."""
 
-import os
-
 import numpy as np
 import pytest
 
 import epx
 from mp import host_comm, run_ranks
-from npref import Problem, bf16, f32
+from npref import SEED, Problem, assert_equal, bf16, f32
 
 RANKS = [1, 2, 3]
-SEED = int(os.environ.get("EPX_TEST_SEED", "0")) or int.from_bytes(os.urandom(2), "little")
 
 
 def problem(nranks, **kw):
@@ -21,13 +18,6 @@ def problem(nranks, **kw):
     args.update(kw)
     return Problem(**args)
 
-
-def same(got, want, what, rank):
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape, "rank %d: %s shape %s, expected %s (seed %d)" % (
-        rank, what, got.shape, want.shape, SEED)
-    bad = np.argwhere(got != want)
-    assert bad.size == 0, "rank %d: %s differs at %s (seed %d)" % (rank, what, bad[0].tolist(), SEED)
 
 
 def is_view(a):
@@ -69,16 +59,16 @@ def _dispatch_combine(rank, nranks, uid):
     assert out.num_recv_tokens == own.num_recv_tokens == len(want_x) == out.handle.num_recv_tokens
     for name, want in (("recv_x", want_x), ("recv_topk_idx", want_idx), ("recv_topk_weights", want_w),
                        ("num_recv_tokens_per_expert", want_counts)):
-        same(getattr(out, name), getattr(own, name), name + " (views vs own)", rank)
-        same(getattr(out, name).astype(want.dtype), want, name, rank)
+        assert_equal(getattr(out, name), getattr(own, name), name + " (views vs own)", rank)
+        assert_equal(getattr(out, name).astype(want.dtype), want, name, rank)
 
     # combine, x = the recv_x view (copied into the combine input), with the weights' view.
     want_comb = p.ht_combine(rank)
     y_own = p.expert_fn(own.recv_x, 1)
     ref = ob.combine(y_own, own.handle, own.recv_topk_weights)
     got = vb.combine(out.recv_x, out.handle, out.recv_topk_weights)
-    same(got.combined_x, ref.combined_x, "combined_x (x = recv_x view)", rank)
-    same(got.combined_topk_weights, ref.combined_topk_weights, "combined_topk_weights", rank)
+    assert_equal(got.combined_x, ref.combined_x, "combined_x (x = recv_x view)", rank)
+    assert_equal(got.combined_topk_weights, ref.combined_topk_weights, "combined_topk_weights", rank)
 
     # x = the combine input, written by the "experts": read where it is.
     y = p.expert_fn(out.recv_x, rank + 1)
@@ -86,21 +76,21 @@ def _dispatch_combine(rank, nranks, uid):
     assert is_view(cin) and cin.shape == (len(want_x), p.H) and cin.dtype == np.uint16
     cin[:] = y
     got = vb.combine(cin, out.handle)
-    same(got.combined_x, want_comb, "combined_x (x = combine_input)", rank)
+    assert_equal(got.combined_x, want_comb, "combined_x (x = combine_input)", rank)
 
     # x = an independent array, with biases.
     bias = dict(bias0=x, bias1=bf16(f32(x) * 2))
     got = vb.combine(y.copy(), out.handle, **bias)
-    same(got.combined_x, p.ht_combine(rank, with_bias=True), "combined_x (x = own array, biases)", rank)
+    assert_equal(got.combined_x, p.ht_combine(rank, with_bias=True), "combined_x (x = own array, biases)", rank)
 
     # Cached dispatch: new data through the same routing, into the same views.
     x2 = bf16(f32(x) + 1)
     cached = vb.dispatch(x2, handle=out.handle)
     assert cached.handle is out.handle and cached.recv_topk_idx is None and is_view(cached.recv_x)
-    same(cached.recv_x, bf16(f32(want_x) + 1), "cached recv_x", rank)
-    same(cached.recv_x, ob.dispatch(x2, handle=own.handle).recv_x, "cached recv_x (views vs own)", rank)
+    assert_equal(cached.recv_x, bf16(f32(want_x) + 1), "cached recv_x", rank)
+    assert_equal(cached.recv_x, ob.dispatch(x2, handle=own.handle).recv_x, "cached recv_x (views vs own)", rank)
     got = vb.combine(cached.recv_x, out.handle)
-    same(got.combined_x, ob.combine(bf16(f32(want_x) + 1), own.handle).combined_x, "cached combine", rank)
+    assert_equal(got.combined_x, ob.combine(bf16(f32(want_x) + 1), own.handle).combined_x, "cached combine", rank)
     return True
 
 
@@ -120,17 +110,17 @@ def _static_fp8(rank, nranks, uid):
     assert is_view(st.recv_x) and st.recv_x.shape == (worst, p.H) and st.num_recv_tokens == -1
     assert int(st.num_recv_tokens_tensor[0]) == n == int(own.num_recv_tokens_tensor[0])
     for name in ("recv_x", "recv_topk_idx", "recv_topk_weights"):
-        same(getattr(st, name)[:n], getattr(own, name)[:n], "static " + name, rank)
+        assert_equal(getattr(st, name)[:n], getattr(own, name)[:n], "static " + name, rank)
     # Cached, static: the bound's rows, the first n of them real.
     x2 = bf16(f32(x) - 1)
     cst = vb.dispatch(x2, handle=st.handle, num_worst_tokens=worst)
     assert is_view(cst.recv_x) and cst.recv_x.shape == (worst, p.H) and cst.num_recv_tokens == worst
-    same(cst.recv_x[:n], ob.dispatch(x2, handle=own.handle, num_worst_tokens=worst).recv_x[:n],
+    assert_equal(cst.recv_x[:n], ob.dispatch(x2, handle=own.handle, num_worst_tokens=worst).recv_x[:n],
          "static cached recv_x", rank)
     cin = vb.combine_input(st.handle)
     assert cin.shape == (worst, p.H)
     cin[:n] = p.expert_fn(own.recv_x[:n], rank + 1)
-    same(vb.combine(cin, st.handle).combined_x, p.ht_combine(rank), "static combine", rank)
+    assert_equal(vb.combine(cin, st.handle).combined_x, p.ht_combine(rank), "static combine", rank)
     # A bound above R * T_max keeps outputs of their own.
     big = vb.dispatch(x, idx, num_worst_tokens=worst + 1)
     assert not is_view(big.recv_x) and big.recv_x.shape == (worst + 1, p.H)
@@ -142,13 +132,13 @@ def _static_fp8(rank, nranks, uid):
     own = ob.dispatch(x8, idx, x_scales=s8)
     out = vb.dispatch(x8, idx, x_scales=s8)
     assert is_view(out.recv_x) and out.recv_x.dtype == np.uint8 and is_view(out.recv_x_scales)
-    same(out.recv_x, own.recv_x, "fp8 recv_x", rank)
-    same(out.recv_x_scales, own.recv_x_scales, "fp8 recv_x_scales", rank)
+    assert_equal(out.recv_x, own.recv_x, "fp8 recv_x", rank)
+    assert_equal(out.recv_x_scales, own.recv_x_scales, "fp8 recv_x_scales", rank)
     cached = vb.dispatch(x8[::-1].copy(), x_scales=s8[::-1].copy(), handle=out.handle)
     ref = ob.dispatch(x8[::-1].copy(), x_scales=s8[::-1].copy(), handle=own.handle)
     assert is_view(cached.recv_x) and cached.num_recv_tokens == n == ref.num_recv_tokens
-    same(cached.recv_x, ref.recv_x, "fp8 cached recv_x", rank)
-    same(cached.recv_x_scales, ref.recv_x_scales, "fp8 cached scales", rank)
+    assert_equal(cached.recv_x, ref.recv_x, "fp8 cached recv_x", rank)
+    assert_equal(cached.recv_x_scales, ref.recv_x_scales, "fp8 cached scales", rank)
     return True
 
 
@@ -171,7 +161,7 @@ def _lifetime(rank, nranks, uid):
         out = buf.dispatch(x, idx, w)
         cin = buf.combine_input(out.handle)
         cin[:] = p.expert_fn(out.recv_x, rank + 1)
-        same(buf.combine(cin, out.handle).combined_x, want_comb, "combined_x after " + what, rank)
+        assert_equal(buf.combine(cin, out.handle).combined_x, want_comb, "combined_x after " + what, rank)
 
     old = buf.dispatch(x, idx, w)
     new = buf.dispatch(x, idx, w)
@@ -200,7 +190,7 @@ def _lifetime(rank, nranks, uid):
         buf.combine(cin[:, :p.H // 2], out.handle)
     cin = buf.combine_input(other.handle)
     cin[:] = p.expert_fn(other.recv_x, rank + 1)
-    same(buf.combine(cin, other.handle).combined_x, want_comb, "combined_x", rank)
+    assert_equal(buf.combine(cin, other.handle).combined_x, want_comb, "combined_x", rank)
     with pytest.raises(epx.StaleViewError, match="combine input"):
         buf.combine(cin, other.handle)
     cin_old = buf.combine_input(out.handle)
@@ -239,13 +229,13 @@ def test_views_false_and_destroy():
     held = f8.recv_x.copy()
     wide = buf.dispatch(x, idx)
     assert is_view(f8.recv_x) and not is_view(wide.recv_x)
-    same(f8.recv_x, held, "fp8 view kept through a wider dispatch", 0)
+    assert_equal(f8.recv_x, held, "fp8 view kept through a wider dispatch", 0)
     # views=False on one call: outputs of their own, which no later call touches.
     own = buf.dispatch(x, idx, views=False)
     keep = own.recv_x.copy()
     assert not is_view(own.recv_x)
     buf.dispatch(bf16(f32(x) + 3), idx)
-    same(own.recv_x, keep, "views=False recv_x after a later dispatch", 0)
+    assert_equal(own.recv_x, keep, "views=False recv_x after a later dispatch", 0)
     del f8
     f8 = buf.dispatch(x8, idx, x_scales=np.ones((p.T_max, p.H // 128), dtype=np.float32))
     assert is_view(f8.recv_x)
@@ -262,7 +252,7 @@ def test_views_false_and_destroy():
         buf.dispatch(x, idx)
     with pytest.raises(ValueError, match="communicator was destroyed"):
         comm.rank
-    same(out.recv_x, data, "recv_x after destroy", 0)
+    assert_equal(out.recv_x, data, "recv_x after destroy", 0)
     del out, f8, own, wide
     buf.destroy()
     comm.destroy()

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "epx_test.h"
 #include "reference.h"
 
 static uint64_t ref_seed_g;
@@ -114,12 +115,9 @@ void ref_arena_free(ref_arena_t *a)
 int ref_session_open(const epx_unique_id_t *id, int rank, int nranks, const epx_buffer_config_t *cfg,
                      ref_session_t *s)
 {
-    epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
-    cc.backend = EPX_BACKEND_HOST;
-    cc.timeout_ms = 30000;
     s->comm = NULL;
     s->buf = NULL;
-    epx_result_t res = epx_comm_init(id, rank, nranks, &cc, &s->comm);
+    epx_result_t res = epx_test_host_comm(id, rank, nranks, 30000, &s->comm);
     if (res == EPX_SUCCESS) res = epx_buffer_create(s->comm, cfg, &s->buf);
     if (res == EPX_SUCCESS) return 0;
     ref_fail(rank, "%s: %s (%s)", s->comm ? "epx_buffer_create" : "epx_comm_init", epx_result_name(res),

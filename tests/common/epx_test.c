@@ -29,6 +29,15 @@ epx_buffer_config_t epx_test_buffer_config(int64_t max_tokens, int64_t hidden, i
     return cfg;
 }
 
+epx_result_t epx_test_host_comm(const epx_unique_id_t *id, int rank, int nranks, int timeout_ms,
+                                epx_comm_t *comm_out)
+{
+    epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
+    cc.backend = EPX_BACKEND_HOST;
+    cc.timeout_ms = timeout_ms;
+    return epx_comm_init(id, rank, nranks, &cc, comm_out);
+}
+
 double epx_test_now_s(void)
 {
     return (double)epx_time_ns() * 1e-9;

@@ -112,6 +112,11 @@ int epx_test_set_env(const char *name, const char *value);
 epx_buffer_config_t epx_test_buffer_config(int64_t max_tokens, int64_t hidden, int num_topk, int num_experts,
                                            uint32_t modes);
 
+/* A host-backend communicator with the given timeout (ms); the library's result, *comm_out set only on
+ * success. */
+epx_result_t epx_test_host_comm(const epx_unique_id_t *id, int rank, int nranks, int timeout_ms,
+                                epx_comm_t *comm_out);
+
 /* CLOCK_MONOTONIC in seconds, for checks that a call returned in time. */
 double epx_test_now_s(void);
 

@@ -14,6 +14,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "boot_io.h"
 #include "core/bootstrap.h"
 #include "fault.h"
 
@@ -31,38 +32,11 @@ const char *fault_attack_name(fault_attack_t attack)
     return attack < FAULT_ATTACK_COUNT ? attack_names[attack] : "?";
 }
 
-static epx_boot_id_t id_fields(const epx_unique_id_t *id)
-{
-    epx_boot_id_t b;
-    memcpy(&b, id->internal, sizeof(b));
-    return b;
-}
-
-/* A connection to rank 0's rendezvous; -1 when refused. */
-static int connect_to(const epx_unique_id_t *id)
-{
-    const epx_boot_id_t b = id_fields(id);
-    struct sockaddr_in sa;
-    memset(&sa, 0, sizeof(sa));
-    sa.sin_family = AF_INET;
-    sa.sin_addr.s_addr = b.addr;
-    sa.sin_port = b.port;
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0) return fd;
-    if (fd >= 0) close(fd);
-    return -1;
-}
-
 /* Sends the attack's bytes on fd; 0 on success. */
 static int send_attack(fault_attack_t attack, const epx_unique_id_t *id, int nranks, int fd)
 {
     unsigned char bytes[sizeof(epx_boot_hello_t) + 1000];
-    epx_boot_hello_t h;
-    memset(&h, 0, sizeof(h));
-    h.magic = EPX_BOOT_HELLO_MAGIC;
-    h.rank = nranks - 1;
-    h.nranks = nranks;
-    memcpy(h.secret, id_fields(id).secret, sizeof(h.secret));
+    epx_boot_hello_t h = boot_hello(id, nranks - 1, nranks);
     size_t n = 0;
     switch (attack) {
     case FAULT_ATTACK_PARTIAL: n = sizeof(h) / 2; break;
@@ -130,7 +104,7 @@ int fault_boot_trial(fault_attack_t attack, int R, int timeout_ms, fault_rec_t *
     int rc = 0;
     const double t_attack = fault_now();
     for (int i = 0; i < nattack; i++) {
-        fds[i] = connect_to(&id);
+        fds[i] = boot_connect(&id);
         if (fds[i] < 0 || send_attack(attack, &id, R, fds[i])) {
             snprintf(why, why_len, "attacker %d could not connect or send: %s", i, strerror(errno));
             for (int j = 0; j <= i; j++)

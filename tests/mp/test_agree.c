@@ -93,22 +93,13 @@ static int agree_body(int rank, int nranks, const epx_unique_id_t *id, void *ctx
 {
     const int which = *(const int *)ctx;
     static calls_t c;
-    epx_comm_t comm = calls_comm(rank, nranks, id);
-    EXPECT_TRUE(comm != NULL);
-    const epx_buffer_config_t cfg = calls_config(nranks);
-    epx_buffer_t buf;
-    EXPECT_OK(epx_buffer_create(comm, &cfg, &buf));
-    calls_init(&c, rank, nranks, buf);
-    EXPECT_OK(calls_prepare(&c));
+    if (calls_open(&c, rank, nranks, id)) return 1;
     EXPECT_TRUE(c.ht_rows >= 2 && c.rm_rows >= 2);
     if (small_output_call(&c, which)) return 1;
     /* The ranks are in step: every kind of call still works. */
     for (int kind = 0; kind < CALL_KINDS; kind++) EXPECT_OK(calls_make(&c, kind));
-    EXPECT_OK(epx_buffer_query_overflow(buf));
-    calls_release(&c);
-    EXPECT_OK(epx_buffer_destroy(buf));
-    EXPECT_OK(epx_comm_destroy(comm));
-    return 0;
+    EXPECT_OK(epx_buffer_query_overflow(c.buf));
+    return calls_close(&c);
 }
 
 /* ------------------------------------------------------------------------- destroy ---- */
@@ -118,19 +109,13 @@ static int destroy_body(int rank, int nranks, const epx_unique_id_t *id, void *c
 {
     const int late = *(const int *)ctx, gone = nranks - 1;
     static calls_t c;
-    epx_comm_t comm = calls_comm(rank, nranks, id);
-    EXPECT_TRUE(comm != NULL);
-    const epx_buffer_config_t cfg = calls_config(nranks);
-    epx_buffer_t buf;
-    EXPECT_OK(epx_buffer_create(comm, &cfg, &buf));
-    calls_init(&c, rank, nranks, buf);
-    EXPECT_OK(calls_prepare(&c));
+    if (calls_open(&c, rank, nranks, id)) return 1;
     if (rank == gone) {
         if (!late) usleep(200000); /* the peers are waiting for our publication by now */
         calls_release(&c);
-        EXPECT_OK(epx_buffer_destroy(buf));
+        EXPECT_OK(epx_buffer_destroy(c.buf));
         usleep(400000);
-        EXPECT_OK(epx_comm_destroy(comm));
+        EXPECT_OK(epx_comm_destroy(c.comm));
         return 0;
     }
     if (late) usleep(200000);
@@ -142,11 +127,13 @@ static int destroy_body(int rank, int nranks, const epx_unique_id_t *id, void *c
     EXPECT_MSG_HAS(what);
     EXPECT_TRUE(waited < LIMIT_S);
     calls_release(&c);
-    EXPECT_OK(epx_buffer_destroy(buf));
+    EXPECT_OK(epx_buffer_destroy(c.buf));
 
     /* The peer's comm goes too: a collective on ours fails as soon as it is gone. */
+    const epx_buffer_config_t cfg = calls_config(nranks);
+    epx_buffer_t buf;
     t0 = epx_test_now_s();
-    epx_result_t res = epx_buffer_create(comm, &cfg, &buf);
+    epx_result_t res = epx_buffer_create(c.comm, &cfg, &buf);
     waited = epx_test_now_s() - t0;
     if (res == EPX_SUCCESS || waited > LIMIT_S) {
         fprintf(stderr, "rank %d: buffer creation without peer %d returned %s after %.3f s (%s)\n", rank,
@@ -154,7 +141,7 @@ static int destroy_body(int rank, int nranks, const epx_unique_id_t *id, void *c
         return 1;
     }
     EXPECT_MSG_HAS("closed");
-    EXPECT_OK(epx_comm_destroy(comm));
+    EXPECT_OK(epx_comm_destroy(c.comm));
     return 0;
 }
 

@@ -523,16 +523,6 @@ static epx_result_t make_buffer(epx_comm_t comm, uint32_t modes, uint32_t dtypes
     return epx_buffer_create(comm, &cfg, out);
 }
 
-static epx_result_t make_comm(int rank, int nranks, const epx_unique_id_t *id, epx_comm_t *comm)
-{
-    epx_comm_config_t cc = {.size = sizeof(cc),
-                            .version = EPX_VERSION_CODE,
-                            .backend = EPX_BACKEND_HOST,
-                            .cuda_device = -1,
-                            .timeout_ms = 20000};
-    return epx_comm_init(id, rank, nranks, &cc, comm);
-}
-
 /* aligned_alloc wants a size that is a multiple of the alignment. */
 static void *alloc64(size_t bytes)
 {
@@ -551,7 +541,7 @@ static int fixture_open(fixture_t *f, int rank, int nranks, const epx_unique_id_
     f->rmap = alloc64((TMAX + 2) * 2 * NEXP);
     f->out = alloc64(OUT_BYTES);
     EXPECT_TRUE(f->x && f->topk && f->weights && f->rmap && f->out);
-    EXPECT_OK(make_comm(rank, nranks, id, &f->comm));
+    EXPECT_OK(epx_test_host_comm(id, rank, nranks, 20000, &f->comm));
     EXPECT_OK(make_buffer(f->comm, 0, 0, TMAX, &f->buf));
     EXPECT_OK(make_buffer(f->comm, EPX_MODE_HT, EPX_DTYPE_BIT(EPX_DTYPE_BF16), TMAX, &f->buf_ht));
     EXPECT_OK(make_buffer(f->comm, EPX_MODE_LL | EPX_MODE_PERMUTE, 0, TMAX, &f->buf_llrm));
@@ -609,7 +599,7 @@ static int one_rank_body(int rank, int nranks, const epx_unique_id_t *id, void *
 static int config_mismatch_body(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
 {
     epx_comm_t comm;
-    EXPECT_OK(make_comm(rank, nranks, id, &comm));
+    EXPECT_OK(epx_test_host_comm(id, rank, nranks, 20000, &comm));
     epx_buffer_t b = SENTINEL_BUFFER;
     EXPECT_RES(make_buffer(comm, 0, 0, rank == 0 ? TMAX : 2 * TMAX, &b), EPX_ERR_MISMATCH);
     EXPECT_MSG_HAS("max_tokens differs: rank 0 has 8, rank 1 has 16");

@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "boot_io.h"
 #include "core/bootstrap.h"
 #include "core/internal.h"
 #include "core/socket.h"
@@ -111,39 +112,6 @@ static job_t plain_job(int nranks, double max_s)
     return j;
 }
 
-static epx_boot_id_t id_fields(const epx_unique_id_t *id)
-{
-    epx_boot_id_t b;
-    memcpy(&b, id->internal, sizeof(b));
-    return b;
-}
-
-/* A blocking connection to rank 0's rendezvous address; -1 when refused. */
-static int connect_to(const epx_unique_id_t *id)
-{
-    epx_boot_id_t b = id_fields(id);
-    struct sockaddr_in sa;
-    memset(&sa, 0, sizeof(sa));
-    sa.sin_family = AF_INET;
-    sa.sin_addr.s_addr = b.addr;
-    sa.sin_port = b.port;
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0) return fd;
-    if (fd >= 0) close(fd);
-    return -1;
-}
-
-static epx_boot_hello_t make_hello(const epx_unique_id_t *id, int rank, int nranks)
-{
-    epx_boot_hello_t h;
-    memset(&h, 0, sizeof(h));
-    h.magic = EPX_BOOT_HELLO_MAGIC;
-    h.rank = rank;
-    h.nranks = nranks;
-    memcpy(h.secret, id_fields(id).secret, sizeof(h.secret));
-    return h;
-}
-
 /* Waits until rank 0 closes `fd`: the seconds it took, or -1 when it sent a byte or stayed open. */
 static double seconds_to_eof(int fd, double limit_s)
 {
@@ -165,7 +133,7 @@ static int test_idle_connections(void)
     for (int c = 0; c < 2; c++) {
         epx_unique_id_t id;
         EXPECT_OK(epx_get_unique_id(&id));
-        for (int i = 0; i < counts[c]; i++) EXPECT_TRUE((idle[i] = connect_to(&id)) >= 0);
+        for (int i = 0; i < counts[c]; i++) EXPECT_TRUE((idle[i] = boot_connect(&id)) >= 0);
         job_t j = plain_job(nranks, 2.0);
         double t0 = epx_test_now_s();
         EXPECT_TRUE(run_job(&id, nranks, &j) == 0);
@@ -192,9 +160,9 @@ static int test_bad_hellos(void)
     pid_t pids[MAX_PROCS];
     if (start_procs(nranks, rank_body, &id, &j, pids)) return 1;
 
-    epx_boot_hello_t wrong = make_hello(&id, 1, nranks);
+    epx_boot_hello_t wrong = boot_hello(&id, 1, nranks);
     wrong.secret[5] ^= 1;
-    int fd_wrong = connect_to(&id);
+    int fd_wrong = boot_connect(&id);
     EXPECT_TRUE(fd_wrong >= 0);
     EXPECT_TRUE(send(fd_wrong, &wrong, sizeof(wrong), 0) == (ssize_t)sizeof(wrong));
     double t = seconds_to_eof(fd_wrong, 1.0);
@@ -202,15 +170,15 @@ static int test_bad_hellos(void)
 
     char big[sizeof(epx_boot_hello_t) + 1000];
     memset(big, 0x5a, sizeof(big));
-    epx_boot_hello_t good = make_hello(&id, 1, nranks);
+    epx_boot_hello_t good = boot_hello(&id, 1, nranks);
     memcpy(big, &good, sizeof(good));
-    int fd_big = connect_to(&id);
+    int fd_big = boot_connect(&id);
     EXPECT_TRUE(fd_big >= 0);
     EXPECT_TRUE(send(fd_big, big, sizeof(big), 0) == (ssize_t)sizeof(big));
     t = seconds_to_eof(fd_big, 1.0);
     EXPECT_TRUE(t >= 0 && t < 0.5);
 
-    int fd_part = connect_to(&id);
+    int fd_part = boot_connect(&id);
     EXPECT_TRUE(fd_part >= 0);
     EXPECT_TRUE(send(fd_part, &good, sizeof(good) / 2, 0) == (ssize_t)(sizeof(good) / 2));
     t = seconds_to_eof(fd_part, 3.0);
@@ -240,9 +208,9 @@ static int test_rank_out_of_range(void)
 {
     epx_unique_id_t id;
     EXPECT_OK(epx_get_unique_id(&id));
-    int fd = connect_to(&id);
+    int fd = boot_connect(&id);
     EXPECT_TRUE(fd >= 0);
-    epx_boot_hello_t h = make_hello(&id, 7, 2);
+    epx_boot_hello_t h = boot_hello(&id, 7, 2);
     EXPECT_TRUE(send(fd, &h, sizeof(h), 0) == (ssize_t)sizeof(h));
     job_t j = plain_job(2, 1.5);
     j.expect = EPX_ERR_BOOTSTRAP;
@@ -283,7 +251,7 @@ static int test_launcher_fds(void)
         EXPECT_OK(epx_get_unique_id(&id));
         job_t j = plain_job(2, 5.0);
         EXPECT_TRUE(run_job(&id, 2, &j) == 0);
-        int fd = connect_to(&id);
+        int fd = boot_connect(&id);
         if (fd >= 0) close(fd);
         EXPECT_TRUE(fd < 0);
         int n = count_fds();
@@ -327,14 +295,14 @@ static int test_interface_choice(void)
     if (epx_test_set_env("LOCAL_WORLD_SIZE", "4") || epx_test_set_env("WORLD_SIZE", "4")) return 1;
     epx_unique_id_t id;
     EXPECT_OK(epx_get_unique_id(&id));
-    int rc = id_fields(&id).addr != htonl(INADDR_LOOPBACK);
+    int rc = boot_id_fields(&id).addr != htonl(INADDR_LOOPBACK);
     if (!rc) {
         job_t j = plain_job(2, 5.0);
         rc = run_job(&id, 2, &j);
     }
     if (epx_test_set_env("WORLD_SIZE", "8") || epx_test_set_env("EPX_SOCKET_IFNAME", "lo")) return 1;
     EXPECT_OK(epx_get_unique_id(&id));
-    rc |= id_fields(&id).addr != htonl(INADDR_LOOPBACK);
+    rc |= boot_id_fields(&id).addr != htonl(INADDR_LOOPBACK);
     job_t j = plain_job(2, 5.0);
     rc |= run_job(&id, 2, &j);
     if (epx_test_set_env("LOCAL_WORLD_SIZE", NULL) || epx_test_set_env("WORLD_SIZE", NULL) ||

@@ -19,6 +19,7 @@
 
 typedef struct calls {
     int rank, nranks;
+    epx_comm_t comm;
     epx_buffer_t buf;
     _Alignas(16) uint16_t x[CT * CH];
     int32_t topk[CT * CK];
@@ -36,12 +37,11 @@ typedef struct calls {
 /* Routing: token t of rank r selects expert 0 of rank (r + t) % R and expert 1 of rank
  * (r + t + 1) % R, so every rank receives tokens from several sources; the routing map says the
  * same. */
-static inline void calls_init(calls_t *c, int rank, int nranks, epx_buffer_t buf)
+static inline void calls_init(calls_t *c, int rank, int nranks)
 {
     memset(c, 0, sizeof(*c));
     c->rank = rank;
     c->nranks = nranks;
-    c->buf = buf;
     const int E = CL * nranks;
     for (int t = 0; t < CT; t++) {
         for (int h = 0; h < CH; h++) c->x[t * CH + h] = epx_f32_to_bf16((float)(rank + t + h % 7));
@@ -182,14 +182,25 @@ static inline void calls_release(calls_t *c)
     c->ht = c->rm = NULL;
 }
 
-/* A host communicator with a 20 s timeout (NULL on failure). */
-static inline epx_comm_t calls_comm(int rank, int nranks, const epx_unique_id_t *id)
+/* A host communicator with a 20 s timeout, a buffer of calls_config over it, c's inputs and one
+ * dispatch of each family; 0 on success. */
+static inline int calls_open(calls_t *c, int rank, int nranks, const epx_unique_id_t *id)
 {
-    epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
-    cc.backend = EPX_BACKEND_HOST;
-    cc.timeout_ms = 20000;
-    epx_comm_t comm = NULL;
-    return epx_comm_init(id, rank, nranks, &cc, &comm) == EPX_SUCCESS ? comm : NULL;
+    calls_init(c, rank, nranks);
+    EXPECT_OK(epx_test_host_comm(id, rank, nranks, 20000, &c->comm));
+    const epx_buffer_config_t cfg = calls_config(nranks);
+    EXPECT_OK(epx_buffer_create(c->comm, &cfg, &c->buf));
+    EXPECT_OK(calls_prepare(c));
+    return 0;
+}
+
+/* Undoes calls_open; 0 on success. */
+static inline int calls_close(calls_t *c)
+{
+    calls_release(c);
+    EXPECT_OK(epx_buffer_destroy(c->buf));
+    EXPECT_OK(epx_comm_destroy(c->comm));
+    return 0;
 }
 
 #endif

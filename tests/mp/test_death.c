@@ -23,10 +23,8 @@ static int rank_body(int rank, const epx_unique_id_t *id)
 {
     epx_comm_t comm;
     epx_buffer_t buf;
-    epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
-    cc.backend = EPX_BACKEND_HOST;
-    cc.timeout_ms = 20000; /* far above LIMIT_S: only a noticed death passes */
-    EXPECT_OK(epx_comm_init(id, rank, NRANKS, &cc, &comm));
+    /* A timeout far above LIMIT_S: only a noticed death passes. */
+    EXPECT_OK(epx_test_host_comm(id, rank, NRANKS, 20000, &comm));
     const epx_buffer_config_t cfg = epx_test_buffer_config(TMAX, HID, TOPK, NEXP, EPX_MODE_LL);
     EXPECT_OK(epx_buffer_create(comm, &cfg, &buf));
     if (rank == DEAD) {

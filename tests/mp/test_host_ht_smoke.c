@@ -176,11 +176,8 @@ static int run_rank(int me, int R, const epx_unique_id_t *id, void *ctx)
     list_rows(w, me, rs);
     const int64_t T = w->T[me], N = rs->n, cap = R * TM;
 
-    epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
-    cc.backend = EPX_BACKEND_HOST;
-    cc.timeout_ms = 20000;
     epx_comm_t comm;
-    EXPECT_OK(epx_comm_init(id, me, R, &cc, &comm));
+    EXPECT_OK(epx_test_host_comm(id, me, R, 20000, &comm));
     epx_buffer_config_t bc = epx_test_buffer_config(TM, HID, TOPK, w->E, EPX_MODE_HT);
     epx_buffer_t buf;
     EXPECT_OK(epx_buffer_create(comm, &bc, &buf));

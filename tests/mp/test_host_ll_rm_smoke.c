@@ -81,10 +81,7 @@ static float expert_scale(int64_t e)
 static epx_result_t make_buffer(int rank, int nranks, const epx_unique_id_t *id, epx_comm_t *comm,
                                 epx_buffer_t *buf)
 {
-    epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
-    cc.backend = EPX_BACKEND_HOST;
-    cc.timeout_ms = 20000;
-    epx_result_t res = epx_comm_init(id, rank, nranks, &cc, comm);
+    epx_result_t res = epx_test_host_comm(id, rank, nranks, 20000, comm);
     if (res != EPX_SUCCESS) return res;
     epx_buffer_config_t bc = epx_test_buffer_config(T_MAX, HID, TOPK, NEXP, EPX_MODE_LL | EPX_MODE_PERMUTE);
     bc.max_pad_multiple = 16;

@@ -83,11 +83,8 @@ static int round_trip(int rank, epx_buffer_t buf, ll_state_t *s)
 static int body(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
 {
     (void)ctx;
-    epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
-    cc.backend = EPX_BACKEND_HOST;
-    cc.timeout_ms = 20000;
     epx_comm_t comm;
-    EXPECT_OK(epx_comm_init(id, rank, nranks, &cc, &comm));
+    EXPECT_OK(epx_test_host_comm(id, rank, nranks, 20000, &comm));
     ll_state_t *s = calloc(1, sizeof(*s));
     EXPECT_TRUE(s != NULL);
     const int L = NEXP / R_RANKS;

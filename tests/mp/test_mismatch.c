@@ -16,13 +16,7 @@ static int body(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
 {
     const pair_t *pair = ctx;
     static calls_t c;
-    epx_comm_t comm = calls_comm(rank, nranks, id);
-    EXPECT_TRUE(comm != NULL);
-    const epx_buffer_config_t cfg = calls_config(nranks);
-    epx_buffer_t buf;
-    EXPECT_OK(epx_buffer_create(comm, &cfg, &buf));
-    calls_init(&c, rank, nranks, buf);
-    EXPECT_OK(calls_prepare(&c));
+    if (calls_open(&c, rank, nranks, id)) return 1;
 
     const int mine = rank == 0 ? pair->first : pair->second;
     const int other = rank == 0 ? pair->second : pair->first;
@@ -40,11 +34,7 @@ static int body(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
     snprintf(there, sizeof(there), "but %s on peer", calls_names[other]);
     EXPECT_MSG_HAS(here);
     EXPECT_MSG_HAS(there);
-
-    calls_release(&c);
-    EXPECT_OK(epx_buffer_destroy(buf));
-    EXPECT_OK(epx_comm_destroy(comm));
-    return 0;
+    return calls_close(&c);
 }
 
 int main(void)

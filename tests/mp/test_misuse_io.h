@@ -56,11 +56,8 @@ static inline epx_result_t io_combine(epx_buffer_t b, io_t *io, epx_handle_t h, 
 /* A host communicator with a 20 s timeout (NULL on failure). */
 static inline epx_comm_t io_comm(int rank, int nranks, const epx_unique_id_t *id)
 {
-    epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
-    cc.backend = EPX_BACKEND_HOST;
-    cc.timeout_ms = 20000;
     epx_comm_t comm = NULL;
-    return epx_comm_init(id, rank, nranks, &cc, &comm) == EPX_SUCCESS ? comm : NULL;
+    return epx_test_host_comm(id, rank, nranks, 20000, &comm) == EPX_SUCCESS ? comm : NULL;
 }
 
 /* Runs `one` on one rank, then `two` on two ranks; prints "<name>: ok" or "<name>: FAILED". */

@@ -26,11 +26,8 @@
 
 static epx_comm_t pins_comm(int rank, int nranks, const epx_unique_id_t *id)
 {
-    epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
-    cc.backend = EPX_BACKEND_HOST;
-    cc.timeout_ms = 20000;
     epx_comm_t comm = NULL;
-    return epx_comm_init(id, rank, nranks, &cc, &comm) == EPX_SUCCESS ? comm : NULL;
+    return epx_test_host_comm(id, rank, nranks, 20000, &comm) == EPX_SUCCESS ? comm : NULL;
 }
 
 /* ------------------------------------------------------------------- unfused sums ---- */

@@ -245,11 +245,8 @@ static int body(int rank, int nranks, const epx_unique_id_t *id, void *arg)
     c.nranks = nranks;
     c.L = 2;
     fill(&c);
-    epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
-    cc.backend = EPX_BACKEND_HOST;
-    cc.timeout_ms = TIMEOUT_MS;
     epx_comm_t comm = NULL;
-    EXPECT_OK(epx_comm_init(id, rank, nranks, &cc, &comm));
+    EXPECT_OK(epx_test_host_comm(id, rank, nranks, TIMEOUT_MS, &comm));
     epx_buffer_config_t cfg = epx_test_buffer_config(TMAX, HID, 1, 2 * nranks, 0);
     EXPECT_OK(epx_buffer_create(comm, &cfg, &c.b));
     if (refuse_each_kind(&c) || ll_slots_in_step(&c) || misuse(&c)) return 1;

@@ -27,12 +27,9 @@ static int count_fds(void)
 static int create_body(int rank, int nranks, const epx_unique_id_t *id, void *ctx, void *result)
 {
     const int faulty = *(const int *)ctx;
-    epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
-    cc.backend = EPX_BACKEND_HOST;
-    cc.timeout_ms = 20000;
     epx_comm_t comm;
     epx_buffer_t buf = NULL;
-    EXPECT_OK(epx_comm_init(id, rank, nranks, &cc, &comm));
+    EXPECT_OK(epx_test_host_comm(id, rank, nranks, 20000, &comm));
     const epx_buffer_config_t cfg = epx_test_buffer_config(8, 256, 2, 6, 0);
     const int fds_before = count_fds();
     const double t0 = epx_test_now_s();
