@@ -46,6 +46,11 @@ EPX_API_CHECK_FN(ll_combine);
 EPX_API_CHECK_FN(rm_dispatch);
 EPX_API_CHECK_FN(rm_combine);
 
+/* Numbers a collective call of `kind` on `buffer` (held by the calling thread) and announces it
+ * to the peers (backend begin_call) before any check, so a refused call is announced too
+ * (api/collective.c). Returns the call's number. */
+uint64_t epx_api_collective_begin(epx_buffer_t buffer, epx_call_kind_t kind);
+
 /* A new handle for dispatch call `seq` of T tokens of `dtype`; when out of memory, the peers are
  * told (the call fails; `stream` is the call's). */
 epx_result_t epx_api_handle_new(epx_buffer_t buffer, uint64_t seq, epx_handle_kind_t kind, int64_t T,

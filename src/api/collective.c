@@ -8,8 +8,7 @@
 
 #include "api/api.h"
 
-/* Numbers the call of the thread that holds the buffer and announces its kind to the peers. */
-static uint64_t collective_begin(epx_buffer_t buffer, epx_call_kind_t kind)
+uint64_t epx_api_collective_begin(epx_buffer_t buffer, epx_call_kind_t kind)
 {
     const uint64_t seq = ++buffer->seq;
     if (buffer->ops->begin_call) buffer->ops->begin_call(buffer, seq, kind);
@@ -27,7 +26,7 @@ static epx_result_t collective_checked(epx_buffer_t buffer, uint64_t seq, epx_re
 /* The start of every entry point: number the call, then read and check the caller's structs into
  * the copies `a` and `o` (declared here with `seq`) over their defaults. */
 #define COLLECTIVE_ENTER(op, OP)                                  \
-    const uint64_t seq = collective_begin(buffer, EPX_CALL_##OP); \
+    const uint64_t seq = epx_api_collective_begin(buffer, EPX_CALL_##OP); \
     epx_##op##_args_t a = EPX_##OP##_ARGS_INIT;                   \
     epx_##op##_outputs_t o = EPX_##OP##_OUTPUTS_INIT;             \
     EPX_CHECK(                                                    \

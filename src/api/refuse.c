@@ -5,12 +5,14 @@
  */
 #include "api/api.h"
 
-/* The entry point of each kind, for messages. */
-static const char *const call_names[] = {
-    [EPX_COLLECTIVE_HT_DISPATCH] = "epx_ht_dispatch", [EPX_COLLECTIVE_HT_COMBINE] = "epx_ht_combine",
-    [EPX_COLLECTIVE_LL_DISPATCH] = "epx_ll_dispatch", [EPX_COLLECTIVE_LL_COMBINE] = "epx_ll_combine",
-    [EPX_COLLECTIVE_RM_DISPATCH] = "epx_rm_dispatch", [EPX_COLLECTIVE_RM_COMBINE] = "epx_rm_combine",
-};
+/* The public kinds are the library's call kinds, value for value. */
+_Static_assert((int)EPX_COLLECTIVE_HT_DISPATCH == (int)EPX_CALL_HT_DISPATCH &&
+                   (int)EPX_COLLECTIVE_HT_COMBINE == (int)EPX_CALL_HT_COMBINE &&
+                   (int)EPX_COLLECTIVE_LL_DISPATCH == (int)EPX_CALL_LL_DISPATCH &&
+                   (int)EPX_COLLECTIVE_LL_COMBINE == (int)EPX_CALL_LL_COMBINE &&
+                   (int)EPX_COLLECTIVE_RM_DISPATCH == (int)EPX_CALL_RM_DISPATCH &&
+                   (int)EPX_COLLECTIVE_RM_COMBINE == (int)EPX_CALL_RM_COMBINE,
+               "epx_collective_t and epx_call_kind_t differ");
 
 static bool is_failure(epx_result_t code)
 {
@@ -29,7 +31,7 @@ static epx_result_t refuse_collective(epx_buffer_t buffer, epx_collective_t kind
     if (kind < EPX_COLLECTIVE_HT_DISPATCH || kind > EPX_COLLECTIVE_RM_COMBINE)
         return EPX_API_ERR(buffer->comm, EPX_ERR_INVALID_ARG,
                            "epx_buffer_refuse_collective: kind = %d is not an epx_collective_t", (int)kind);
-    const uint64_t seq = ++buffer->seq; /* as api/collective.c numbers every call */
+    const uint64_t seq = epx_api_collective_begin(buffer, (epx_call_kind_t)kind);
     /* What a refused call counts besides its number: an LL dispatch its slot (api/ll.c counts it
      * before any check), so every rank keeps the same slot order. */
     if (kind == EPX_COLLECTIVE_LL_DISPATCH) buffer->ll_dispatches++;
@@ -37,7 +39,7 @@ static epx_result_t refuse_collective(epx_buffer_t buffer, epx_collective_t kind
     if (reason)
         epx_error(code, "%s", reason);
     else
-        epx_error(code, "rank %d: the caller refused its %s call", buffer->comm->rank, call_names[kind]);
+        epx_error(code, "rank %d: the caller refused its %s call", buffer->comm->rank, epx_call_name(kind));
     return epx_buffer_fail_collective(buffer, seq, code, stream);
 }
 
