@@ -37,8 +37,8 @@ static inline int fixture_x(int rank, int t, int c)
 
 /* Connects, creates the buffer for `modes` (and `dispatch_dtypes` unless 0) and allocates x, topk,
  * map, rx and out. Returns 0, or 1 after reporting. */
-static inline int fixture_begin(fixture_t *f, const gpu_ctx_t *ctx, const epx_unique_id_t *id, int rank, int R,
-                                uint32_t modes, uint32_t dispatch_dtypes)
+static inline int fixture_begin(fixture_t *f, const gpu_ctx_t *ctx, const epx_unique_id_t *id, int rank,
+                                int R, uint32_t modes, uint32_t dispatch_dtypes)
 {
     memset(f, 0, sizeof(*f));
     f->rank = rank;
@@ -81,8 +81,8 @@ static inline int fixture_check_combined(const fixture_t *f, int ll, const char 
         for (int c = 0; c < H; c++) {
             const uint16_t want = epx_f32_to_bf16((float)(copies * fixture_x(rank, t, c)));
             if (got[t * H + c] != want)
-                return ref_fail(rank, "%s after %s: %s[%d][%d] = 0x%04x, expected 0x%04x", what, after, name, t, c,
-                                got[t * H + c], want);
+                return ref_fail(rank, "%s after %s: %s[%d][%d] = 0x%04x, expected 0x%04x", what, after, name,
+                                t, c, got[t * H + c], want);
         }
     }
     return 0;
