@@ -34,13 +34,6 @@ int gpu_test_each_nranks(const char *name, const char *default_ranks, epx_test_r
     return epx_harness_each_nranks(name, "EPX_GPU_TEST_RANKS", default_ranks, REF_MAX_RANKS, run_each, &e);
 }
 
-int gpu_test_main(const char *name, const char *default_ranks, epx_test_rank_fn fn)
-{
-    gpu_ctx_t ctx;
-    if (gpu_test_init(&ctx)) return EPX_TEST_SKIP;
-    return gpu_test_each_nranks(name, default_ranks, fn, &ctx);
-}
-
 int gpu_test_comm(const gpu_ctx_t *ctx, const epx_unique_id_t *id, int rank, int nranks, int timeout_ms,
                   epx_comm_t *comm_out, int *device_out)
 {

@@ -33,10 +33,6 @@ int gpu_test_init(gpu_ctx_t *ctx);
  * at most 500 s each, stopping at the first failure. Returns 0 when every run passed. */
 int gpu_test_each_nranks(const char *name, const char *default_ranks, epx_test_rank_fn fn, gpu_ctx_t *ctx);
 
-/* A whole test's main: gpu_test_init, then gpu_test_each_nranks with a gpu_ctx_t as fn's context.
- * Returns EPX_TEST_SKIP without a GPU, else 0 when every run passed. */
-int gpu_test_main(const char *name, const char *default_ranks, epx_test_rank_fn fn);
-
 /* A cuda-backend communicator on this rank's GPU (*device_out); timeout_ms 0 keeps the default.
  * Sets the seed printed with failures. Returns 0, or 1 after reporting. */
 int gpu_test_comm(const gpu_ctx_t *ctx, const epx_unique_id_t *id, int rank, int nranks, int timeout_ms,

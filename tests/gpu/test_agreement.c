@@ -14,7 +14,23 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "small_fixture.h"
+#include "core/internal.h"
+#include "gpu_test.h"
+
+#define TIMEOUT_MS 30000
+#define H          256
+#define TM         32
+#define K          2
+#define E          8
+
+typedef struct fixture {
+    int rank, R, device;
+    epx_comm_t comm;
+    epx_buffer_t buf;
+    gpu_arena_t da;
+    void *x, *x8, *scales, *topk, *rx, *rx8, *rscales, *out;
+    void *map, *w, *lrx, *lcnt; /* routing map, LL combine weights, LL recv_x and recv_count */
+} fixture_t;
 
 /* An HT dispatch of x (bf16) or x8 (fp8): eager (worst 0) or static, routed or cached. */
 static epx_result_t dispatch(fixture_t *f, epx_dtype_t dtype, int64_t worst, epx_handle_t cached, int bad_k,
@@ -53,12 +69,25 @@ static epx_result_t combine(fixture_t *f, epx_handle_t handle, int64_t nrecv)
  * copies, x * (number of ranks it went to), exact for these small values. */
 static int round_trip(fixture_t *f, const char *after)
 {
+    const int rank = f->rank;
     epx_handle_t h;
     int64_t n;
     EXPECT_OK(dispatch(f, EPX_DTYPE_BF16, 0, NULL, 0, NULL, &h, &n));
     EXPECT_OK(combine(f, h, n));
     EXPECT_OK(epx_handle_destroy(h));
-    return fixture_check_combined(f, 0, "round trip", after, "combined_x");
+    uint16_t got[TM * H];
+    EXPECT_TRUE(cudaMemcpy(got, f->out, sizeof(got), cudaMemcpyDeviceToHost) == cudaSuccess);
+    const int L = E / f->R;
+    for (int t = 0; t < TM; t++) {
+        const int r0 = (t % E) / L, r1 = ((t + 1) % E) / L, copies = r0 == r1 ? 1 : 2;
+        for (int c = 0; c < H; c++) {
+            const uint16_t want = epx_f32_to_bf16((float)(copies * (1 + (rank * TM + t + c) % 16)));
+            if (got[t * H + c] != want)
+                return ref_fail(rank, "round trip after %s: combined_x[%d][%d] = 0x%04x, expected 0x%04x", after,
+                                t, c, got[t * H + c], want);
+        }
+    }
+    return 0;
 }
 
 /* An LL dispatch of x (bf16) into lrx and lcnt; `topk_cols` other than K is a bad argument. */
@@ -112,6 +141,7 @@ static int ll_counts_poisoned(fixture_t *f, const char *what)
 /* An LL dispatch and its combine with weight 1 on both slots: every token comes back as 2 * x. */
 static int ll_round_trip(fixture_t *f, const char *after)
 {
+    const int rank = f->rank;
     const int64_t L = E / f->R;
     epx_ll_handle_t h;
     EXPECT_OK(ll_dispatch(f, K, NULL, &h));
@@ -123,12 +153,22 @@ static int ll_round_trip(fixture_t *f, const char *after)
     epx_ll_combine_outputs_t co = EPX_LL_COMBINE_OUTPUTS_INIT;
     co.combined_x = gpu_tensor(f->out, EPX_DTYPE_BF16, 2, TM, H, 0, f->device);
     EXPECT_OK(epx_ll_combine(f->buf, &ca, &co));
-    return fixture_check_combined(f, 1, "LL round trip", after, "combined_x");
+    uint16_t got[TM * H];
+    EXPECT_TRUE(cudaMemcpy(got, f->out, sizeof(got), cudaMemcpyDeviceToHost) == cudaSuccess);
+    for (int t = 0; t < TM; t++)
+        for (int c = 0; c < H; c++) {
+            const uint16_t want = epx_f32_to_bf16((float)(2 * (1 + (rank * TM + t + c) % 16)));
+            if (got[t * H + c] != want)
+                return ref_fail(rank, "LL round trip after %s: combined_x[%d][%d] = 0x%04x, expected 0x%04x",
+                                after, t, c, got[t * H + c], want);
+        }
+    return 0;
 }
 
 /* Routing-map dispatch and combine: every token comes back as x * (number of ranks it went to). */
 static int rm_round_trip(fixture_t *f, const char *after)
 {
+    const int rank = f->rank, L = E / f->R;
     epx_handle_t h;
     int64_t n;
     EXPECT_OK(rm_dispatch(f, -1, E, NULL, &h, &n));
@@ -139,7 +179,18 @@ static int rm_round_trip(fixture_t *f, const char *after)
     co.combined = gpu_tensor(f->out, EPX_DTYPE_BF16, 2, TM, H, 0, f->device);
     EXPECT_OK(epx_rm_combine(f->buf, &ca, &co));
     EXPECT_OK(epx_handle_destroy(h));
-    return fixture_check_combined(f, 0, "routing-map round trip", after, "combined");
+    uint16_t got[TM * H];
+    EXPECT_TRUE(cudaMemcpy(got, f->out, sizeof(got), cudaMemcpyDeviceToHost) == cudaSuccess);
+    for (int t = 0; t < TM; t++) {
+        const int copies = (t % E) / L == ((t + 1) % E) / L ? 1 : 2;
+        for (int c = 0; c < H; c++) {
+            const uint16_t want = epx_f32_to_bf16((float)(copies * (1 + (rank * TM + t + c) % 16)));
+            if (got[t * H + c] != want)
+                return ref_fail(rank, "routing-map round trip after %s: combined[%d][%d] = 0x%04x, expected 0x%04x",
+                                after, t, c, got[t * H + c], want);
+        }
+    }
+    return 0;
 }
 
 /* Every kind of call works after `what`. */
@@ -150,26 +201,46 @@ static int all_round_trips(fixture_t *f, const char *what)
 
 static int fixture_open(fixture_t *f, const gpu_ctx_t *ctx, const epx_unique_id_t *id, int rank, int R)
 {
-    if (fixture_begin(f, ctx, id, rank, R, EPX_MODE_HT | EPX_MODE_LL | EPX_MODE_PERMUTE,
-                      EPX_DTYPE_BIT(EPX_DTYPE_BF16) | EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3)))
-        return 1;
+    memset(f, 0, sizeof(*f));
+    f->rank = rank;
+    f->R = R;
+    if (gpu_test_comm(ctx, id, rank, R, TIMEOUT_MS, &f->comm, &f->device)) return 1;
+    epx_buffer_config_t bc = epx_test_buffer_config(TM, H, K, E, EPX_MODE_HT | EPX_MODE_LL | EPX_MODE_PERMUTE);
+    bc.dispatch_dtypes = EPX_DTYPE_BIT(EPX_DTYPE_BF16) | EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3);
+    EXPECT_OK(epx_buffer_create(f->comm, &bc, &f->buf));
     const size_t rows = (size_t)R * TM;
+    uint16_t hx[TM * H];
     uint8_t hx8[TM * H];
     float hs[TM * (H / 128)];
+    int32_t topk[TM * K];
+    uint8_t map[TM * E];
     float w[TM * K];
+    memset(map, 0, sizeof(map));
     for (int i = 0; i < TM * K; i++) w[i] = 1.0f;
     for (int t = 0; t < TM; t++) {
-        for (int c = 0; c < H; c++) hx8[t * H + c] = epx_f32_to_fp8_e4m3((float)(1 + c % 8));
+        map[t * E + t % E] = 1;
+        map[t * E + (t + 1) % E] = 1;
+        for (int c = 0; c < H; c++) {
+            hx[t * H + c] = epx_f32_to_bf16((float)(1 + (rank * TM + t + c) % 16));
+            hx8[t * H + c] = epx_f32_to_fp8_e4m3((float)(1 + c % 8));
+        }
         for (int g = 0; g < H / 128; g++) hs[t * (H / 128) + g] = 1.0f;
+        topk[t * K] = t % E;
+        topk[t * K + 1] = (t + 1) % E;
     }
+    f->x = gpu_alloc(&f->da, sizeof(hx), hx);
     f->x8 = gpu_alloc(&f->da, sizeof(hx8), hx8);
     f->scales = gpu_alloc(&f->da, sizeof(hs), hs);
+    f->topk = gpu_alloc(&f->da, sizeof(topk), topk);
+    f->rx = gpu_alloc(&f->da, rows * H * 2, NULL);
     f->rx8 = gpu_alloc(&f->da, rows * H, NULL);
     f->rscales = gpu_alloc(&f->da, rows * (H / 128) * 4, NULL);
+    f->out = gpu_alloc(&f->da, (size_t)TM * H * 2, NULL);
+    f->map = gpu_alloc(&f->da, sizeof(map), map);
     f->w = gpu_alloc(&f->da, sizeof(w), w);
     f->lrx = gpu_alloc(&f->da, (size_t)E * TM * H * 2, NULL); /* L * R * TM rows */
     f->lcnt = gpu_alloc(&f->da, (size_t)E * 4, NULL);
-    EXPECT_TRUE(f->x8 && f->scales && f->rx8 && f->rscales && f->w && f->lrx && f->lcnt);
+    EXPECT_TRUE(f->out && f->map && f->w && f->lrx && f->lcnt);
     return all_round_trips(f, "creation");
 }
 
@@ -233,35 +304,6 @@ static int cached_overflow(fixture_t *f)
     return round_trip(f, "cached overflow");
 }
 
-/* Rank 0 captures its stream and makes the call with a bad argument: refused with
- * EPX_ERR_INVALID_ARG, the capture ends cleanly (a graph or a clean invalidation). */
-typedef epx_result_t (*captured_call_fn)(fixture_t *f, void *stream);
-
-static int refuse_in_capture(fixture_t *f, captured_call_fn call, const char *needle)
-{
-    const int rank = f->rank;
-    cudaStream_t st;
-    EXPECT_TRUE(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) == cudaSuccess);
-    EXPECT_TRUE(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal) == cudaSuccess);
-    EXPECT_RES(call(f, st), EPX_ERR_INVALID_ARG);
-    EXPECT_MSG_HAS(needle);
-    cudaGraph_t graph = NULL;
-    const cudaError_t end = cudaStreamEndCapture(st, &graph);
-    EXPECT_TRUE(end == cudaSuccess || end == cudaErrorStreamCaptureInvalidated);
-    (void)cudaGetLastError();
-    if (graph) cudaGraphDestroy(graph);
-    enum cudaStreamCaptureStatus cs;
-    EXPECT_TRUE(cudaStreamIsCapturing(st, &cs) == cudaSuccess && cs == cudaStreamCaptureStatusNone);
-    EXPECT_TRUE(cudaStreamDestroy(st) == cudaSuccess);
-    (void)rank;
-    return 0;
-}
-
-static epx_result_t bad_ht_call(fixture_t *f, void *stream)
-{
-    return dispatch(f, EPX_DTYPE_BF16, (int64_t)f->R * TM, NULL, 1, stream, NULL, NULL);
-}
-
 /* Rank 0 makes a static dispatch with a bad topk_idx while capturing its stream: refused, the
  * capture ends (a graph or a clean invalidation), the peers (not capturing) return EPX_ERR_REMOTE. */
 static int captured_refusal(fixture_t *f)
@@ -269,7 +311,20 @@ static int captured_refusal(fixture_t *f)
     const int rank = f->rank;
     const double t0 = epx_test_now_s();
     if (rank == 0) {
-        if (refuse_in_capture(f, bad_ht_call, "topk_idx")) return 1;
+        cudaStream_t st;
+        EXPECT_TRUE(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) == cudaSuccess);
+        EXPECT_TRUE(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal) == cudaSuccess);
+        EXPECT_RES(dispatch(f, EPX_DTYPE_BF16, (int64_t)f->R * TM, NULL, 1, st, NULL, NULL),
+                   EPX_ERR_INVALID_ARG);
+        EXPECT_MSG_HAS("topk_idx");
+        cudaGraph_t graph = NULL;
+        const cudaError_t end = cudaStreamEndCapture(st, &graph);
+        EXPECT_TRUE(end == cudaSuccess || end == cudaErrorStreamCaptureInvalidated);
+        (void)cudaGetLastError();
+        if (graph) cudaGraphDestroy(graph);
+        enum cudaStreamCaptureStatus cs;
+        EXPECT_TRUE(cudaStreamIsCapturing(st, &cs) == cudaSuccess && cs == cudaStreamCaptureStatusNone);
+        EXPECT_TRUE(cudaStreamDestroy(st) == cudaSuccess);
     } else {
         EXPECT_RES(dispatch(f, EPX_DTYPE_BF16, 0, NULL, 0, NULL, NULL, NULL), EPX_ERR_REMOTE);
     }
@@ -311,6 +366,30 @@ static int ll_vs_rm(fixture_t *f)
     }
     EXPECT_TRUE(epx_test_now_s() - t0 < TIMEOUT_MS / 3000.0);
     return all_round_trips(f, "an LL dispatch against a routing-map dispatch");
+}
+
+/* Rank 0 captures its stream and makes the call with a bad argument: refused with
+ * EPX_ERR_INVALID_ARG, the capture ends cleanly (a graph or a clean invalidation). */
+typedef epx_result_t (*captured_call_fn)(fixture_t *f, void *stream);
+
+static int refuse_in_capture(fixture_t *f, captured_call_fn call, const char *needle)
+{
+    const int rank = f->rank;
+    cudaStream_t st;
+    EXPECT_TRUE(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) == cudaSuccess);
+    EXPECT_TRUE(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal) == cudaSuccess);
+    EXPECT_RES(call(f, st), EPX_ERR_INVALID_ARG);
+    EXPECT_MSG_HAS(needle);
+    cudaGraph_t graph = NULL;
+    const cudaError_t end = cudaStreamEndCapture(st, &graph);
+    EXPECT_TRUE(end == cudaSuccess || end == cudaErrorStreamCaptureInvalidated);
+    (void)cudaGetLastError();
+    if (graph) cudaGraphDestroy(graph);
+    enum cudaStreamCaptureStatus cs;
+    EXPECT_TRUE(cudaStreamIsCapturing(st, &cs) == cudaSuccess && cs == cudaStreamCaptureStatusNone);
+    EXPECT_TRUE(cudaStreamDestroy(st) == cudaSuccess);
+    (void)rank;
+    return 0;
 }
 
 static epx_result_t bad_ll_call(fixture_t *f, void *stream)
@@ -389,5 +468,7 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
 
 int main(void)
 {
-    return gpu_test_main("agreement", "2,4", rank_main);
+    gpu_ctx_t ctx;
+    if (gpu_test_init(&ctx)) return EPX_TEST_SKIP;
+    return gpu_test_each_nranks("agreement", "2,4", rank_main, &ctx);
 }

@@ -629,5 +629,7 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
 
 int main(void)
 {
-    return gpu_test_main("ht ipc", "2,4,8", rank_main);
+    gpu_ctx_t ctx;
+    if (gpu_test_init(&ctx)) return EPX_TEST_SKIP;
+    return gpu_test_each_nranks("ht ipc", "2,4,8", rank_main, &ctx);
 }

@@ -13,11 +13,44 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "small_fixture.h"
+#include "core/internal.h"
+#include "gpu_test.h"
+
+#define TIMEOUT_MS 30000
+#define H          256
+#define TM         32
+#define K          2
+#define E          8
+
+typedef struct fixture {
+    int rank, R, device;
+    epx_comm_t comm;
+    epx_buffer_t buf;
+    gpu_arena_t da;
+    void *x, *topk, *map, *rx, *out, *small;
+} fixture_t;
 
 static int64_t rows_all(const fixture_t *f)
 {
     return (int64_t)f->R * TM;
+}
+
+/* Every token's copies come back summed: x * (number of ranks it went to), exact for these values. */
+static int check_combined(fixture_t *f, const char *what)
+{
+    const int rank = f->rank, L = E / f->R;
+    uint16_t got[TM * H];
+    EXPECT_TRUE(cudaMemcpy(got, f->out, sizeof(got), cudaMemcpyDeviceToHost) == cudaSuccess);
+    for (int t = 0; t < TM; t++) {
+        const int r0 = (t % E) / L, r1 = ((t + 1) % E) / L, copies = r0 == r1 ? 1 : 2;
+        for (int c = 0; c < H; c++) {
+            const uint16_t want = epx_f32_to_bf16((float)(copies * (1 + (rank * TM + t + c) % 16)));
+            if (got[t * H + c] != want)
+                return ref_fail(rank, "%s: combined[%d][%d] = 0x%04x, expected 0x%04x", what, t, c,
+                                got[t * H + c], want);
+        }
+    }
+    return 0;
 }
 
 /* An eager HT dispatch into recv_x of `rows` rows (and recv_topk_idx when given). */
@@ -35,6 +68,23 @@ static epx_result_t ht_dispatch(fixture_t *f, const void *topk, void *rx, int64_
         *n = o.num_recv_tokens_host;
     }
     return res;
+}
+
+static int ht_round_trip(fixture_t *f, const char *after)
+{
+    epx_handle_t h;
+    int64_t n;
+    EXPECT_OK(ht_dispatch(f, f->topk, f->rx, rows_all(f), &h, &n));
+    epx_ht_combine_args_t ca = EPX_HT_COMBINE_ARGS_INIT;
+    ca.handle = h;
+    ca.x = gpu_tensor(f->rx, EPX_DTYPE_BF16, 2, n, H, 0, f->device);
+    epx_ht_combine_outputs_t co = EPX_HT_COMBINE_OUTPUTS_INIT;
+    co.combined_x = gpu_tensor(f->out, EPX_DTYPE_BF16, 2, TM, H, 0, f->device);
+    EXPECT_OK(epx_ht_combine(f->buf, &ca, &co));
+    EXPECT_OK(epx_handle_destroy(h));
+    char what[96];
+    snprintf(what, sizeof(what), "HT round trip after %s", after);
+    return check_combined(f, what);
 }
 
 /* A routing-map dispatch without permute into `rows` rows, bounded at `bound` (-1: none). */
@@ -55,42 +105,21 @@ static epx_result_t rm_dispatch(fixture_t *f, const void *map, void *tokens, int
     return res;
 }
 
-/* An HT (rm 0) or routing-map dispatch of every row and the combine of what it received. */
-static int round_trip(fixture_t *f, int rm, const char *after)
+static int rm_round_trip(fixture_t *f, const char *after)
 {
     epx_handle_t h;
     int64_t n;
-    EXPECT_OK(rm ? rm_dispatch(f, f->map, f->rx, rows_all(f), -1, &h, &n)
-                 : ht_dispatch(f, f->topk, f->rx, rows_all(f), &h, &n));
-    const epx_tensor_t x = gpu_tensor(f->rx, EPX_DTYPE_BF16, 2, n, H, 0, f->device);
-    const epx_tensor_t out = gpu_tensor(f->out, EPX_DTYPE_BF16, 2, TM, H, 0, f->device);
-    if (rm) {
-        epx_rm_combine_args_t ca = EPX_RM_COMBINE_ARGS_INIT;
-        ca.handle = h;
-        ca.x = x;
-        epx_rm_combine_outputs_t co = EPX_RM_COMBINE_OUTPUTS_INIT;
-        co.combined = out;
-        EXPECT_OK(epx_rm_combine(f->buf, &ca, &co));
-    } else {
-        epx_ht_combine_args_t ca = EPX_HT_COMBINE_ARGS_INIT;
-        ca.handle = h;
-        ca.x = x;
-        epx_ht_combine_outputs_t co = EPX_HT_COMBINE_OUTPUTS_INIT;
-        co.combined_x = out;
-        EXPECT_OK(epx_ht_combine(f->buf, &ca, &co));
-    }
+    EXPECT_OK(rm_dispatch(f, f->map, f->rx, rows_all(f), -1, &h, &n));
+    epx_rm_combine_args_t ca = EPX_RM_COMBINE_ARGS_INIT;
+    ca.handle = h;
+    ca.x = gpu_tensor(f->rx, EPX_DTYPE_BF16, 2, n, H, 0, f->device);
+    epx_rm_combine_outputs_t co = EPX_RM_COMBINE_OUTPUTS_INIT;
+    co.combined = gpu_tensor(f->out, EPX_DTYPE_BF16, 2, TM, H, 0, f->device);
+    EXPECT_OK(epx_rm_combine(f->buf, &ca, &co));
     EXPECT_OK(epx_handle_destroy(h));
-    return fixture_check_combined(f, 0, rm ? "routing-map round trip" : "HT round trip", after, "combined");
-}
-
-static int ht_round_trip(fixture_t *f, const char *after)
-{
-    return round_trip(f, 0, after);
-}
-
-static int rm_round_trip(fixture_t *f, const char *after)
-{
-    return round_trip(f, 1, after);
+    char what[96];
+    snprintf(what, sizeof(what), "routing-map round trip after %s", after);
+    return check_combined(f, what);
 }
 
 /* `bytes` of device memory still hold the allocation's 0xa5 fill: nothing was written. */
@@ -109,7 +138,28 @@ static int untouched(fixture_t *f, const void *p, size_t bytes, const char *what
 
 static int fixture_open(fixture_t *f, const gpu_ctx_t *ctx, const epx_unique_id_t *id, int rank, int R)
 {
-    if (fixture_begin(f, ctx, id, rank, R, EPX_MODE_HT | EPX_MODE_PERMUTE, 0)) return 1;
+    memset(f, 0, sizeof(*f));
+    f->rank = rank;
+    f->R = R;
+    if (gpu_test_comm(ctx, id, rank, R, TIMEOUT_MS, &f->comm, &f->device)) return 1;
+    epx_buffer_config_t bc = epx_test_buffer_config(TM, H, K, E, EPX_MODE_HT | EPX_MODE_PERMUTE);
+    EXPECT_OK(epx_buffer_create(f->comm, &bc, &f->buf));
+    uint16_t hx[TM * H];
+    int32_t topk[TM * K];
+    uint8_t map[TM * E];
+    memset(map, 0, sizeof(map));
+    for (int t = 0; t < TM; t++) {
+        for (int c = 0; c < H; c++) hx[t * H + c] = epx_f32_to_bf16((float)(1 + (rank * TM + t + c) % 16));
+        topk[t * K] = t % E;
+        topk[t * K + 1] = (t + 1) % E;
+        map[t * E + t % E] = 1;
+        map[t * E + (t + 1) % E] = 1;
+    }
+    f->x = gpu_alloc(&f->da, sizeof(hx), hx);
+    f->topk = gpu_alloc(&f->da, sizeof(topk), topk);
+    f->map = gpu_alloc(&f->da, sizeof(map), map);
+    f->rx = gpu_alloc(&f->da, (size_t)rows_all(f) * H * 2, NULL);
+    f->out = gpu_alloc(&f->da, (size_t)TM * H * 2, NULL);
     f->small = gpu_alloc(&f->da, (size_t)H * 2, NULL);
     EXPECT_TRUE(f->small != NULL);
     return ht_round_trip(f, "creation") || rm_round_trip(f, "creation");
@@ -316,5 +366,7 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
 
 int main(void)
 {
-    return gpu_test_main("verdict", "2,4", rank_main);
+    gpu_ctx_t ctx;
+    if (gpu_test_init(&ctx)) return EPX_TEST_SKIP;
+    return gpu_test_each_nranks("verdict", "2,4", rank_main, &ctx);
 }
