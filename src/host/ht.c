@@ -525,6 +525,8 @@ static void cached_commit(host_buffer_t *hb, uint64_t seq, const epx_ht_dispatch
                      (size_t)H * epx_dtype_bytes(dtype),
                      0};
     host_parallel_for(hb, st->num_recv, 16, copy_rows, &xc);
+    /* As a routed dispatch reports it, and as the cuda backend does: -1 in static mode. */
+    outputs->num_recv_tokens_host = args->num_worst_tokens > 0 ? -1 : st->num_arriving;
     if (st->num_arriving > st->num_recv) {
         atomic_store_explicit(&hb->buffer->overflow, 1, memory_order_release);
         EPX_INFO(EPX_SUBSYS_HT, "rank %d: cached call %llu: %lld rows arrive, %lld kept: rows dropped",

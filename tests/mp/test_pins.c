@@ -234,6 +234,7 @@ static int static_body(int rank, int nranks, const epx_unique_id_t *id, void *ct
     epx_ht_dispatch_outputs_t cached_out = EPX_HT_DISPATCH_OUTPUTS_INIT;
     cached_out.recv_x = o.recv_x;
     EXPECT_OK(epx_ht_dispatch(buf, &cached, &cached_out));
+    EXPECT_EQ_INT(cached_out.num_recv_tokens_host, W > 0 ? -1 : N); /* as the routed dispatch */
     EXPECT_RES(epx_buffer_query_overflow(buf), overflow ? EPX_ERR_OVERFLOW : EPX_SUCCESS);
 
     /* num_tokens_per_domain with one rank per domain: tokens, not token-expert pairs. */
