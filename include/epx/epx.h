@@ -283,7 +283,13 @@ typedef struct epx_buffer_config {
     int32_t max_pad_multiple; /* largest pad_multiple used with permute; 0 = 128 */
     int32_t num_sms;          /* GPU: SMs a kernel may take; 0 = tuned default for nranks */
     int32_t chunk_tokens;     /* reserved: checked (>= 0) and compared across ranks, currently ignored */
+    /* Appended (read only when `size` covers it): view areas for HT view-mode dispatch outputs,
+     * 0 or 1 = one, at most EPX_MAX_VIEW_AREAS. Each area holds one dispatch's outputs
+     * (epx_ht_dispatch_args_t.view_area), so views of one area outlive dispatches into another. */
+    int32_t num_view_areas;
 } epx_buffer_config_t;
+
+#define EPX_MAX_VIEW_AREAS 8
 
 #define EPX_BUFFER_CONFIG_INIT EPX_STRUCT_INIT_(epx_buffer_config_t)
 
@@ -347,6 +353,10 @@ typedef struct epx_ht_dispatch_args {
      * int32; recv_topk_weights only when topk_weights is given), so each row is written once,
      * straight into its final place. Every rank must pass the same value. */
     int32_t recv_in_buffer;
+    /* Appended (read only when `size` covers it): with recv_in_buffer, the view area
+     * (0 .. num_view_areas - 1) this rank's outputs go to. Each rank picks its own: ranks may
+     * pass different values. */
+    int32_t view_area;
 } epx_ht_dispatch_args_t;
 
 #define EPX_HT_DISPATCH_ARGS_INIT EPX_STRUCT_INIT_(epx_ht_dispatch_args_t)
@@ -376,9 +386,9 @@ typedef struct epx_ht_dispatch_outputs {
  * N_r), EPX_ERR_MISMATCH (ranks disagree on the dtype), EPX_ERR_REMOTE, EPX_ERR_TIMEOUT.
  * In static mode, rows past num_worst_tokens are dropped and the buffer's overflow flag is set
  * (epx_buffer_query_overflow); the call itself succeeds.
- * View mode (args->recv_in_buffer): the output views stay valid until the next dispatch (HT or
- * routing-map) on this buffer; on cuda, work that reads them must be ordered before that
- * dispatch on its stream. num_worst_tokens must then be <= R * max_tokens. */
+ * View mode (args->recv_in_buffer): the output views stay valid until the next view-mode dispatch
+ * into the same area (args->view_area) on this rank; on cuda, work that reads them must be ordered
+ * before that dispatch on its stream. num_worst_tokens must then be <= R * max_tokens. */
 EPX_API epx_result_t epx_ht_dispatch(epx_buffer_t buffer, const epx_ht_dispatch_args_t *args,
                                      epx_ht_dispatch_outputs_t *outputs);
 
@@ -391,9 +401,12 @@ typedef struct epx_ht_combine_args {
     epx_tensor_t bias0;        /* optional [T, H] bf16 */
     epx_tensor_t bias1;        /* optional [T, H] bf16 */
     void *stream;
-    /* Since 0.1 (read only when `size` covers it): non-zero = the expert outputs were written
-     * into epx_ht_get_combine_input()'s view and `x` is ignored (zero-copy: source ranks read
-     * the rows straight from the peers' buffers). Every rank must pass the same value. */
+    /* Since 0.1 (read only when `size` covers it): non-zero = the rows are in the library's
+     * buffer and source ranks read them straight from there (zero-copy):
+     * 1 = the expert outputs were written into epx_ht_get_combine_input()'s view; `x` is ignored.
+     * 2 = `x` is the recv_x view returned by the latest view-mode dispatch into its
+     *     area, made with `handle` (cached or not), bf16, passed whole ([rows, H], contiguous).
+     * Every rank must pass a non-zero value when one does; ranks may mix 1 and 2. */
     int32_t x_in_buffer;
 } epx_ht_combine_args_t;
 
