@@ -19,6 +19,7 @@ typedef struct create_msg {
     int32_t max_pad_multiple;
     int32_t num_sms;
     int32_t chunk_tokens;
+    int32_t num_view_areas;
 } create_msg_t;
 
 static epx_result_t compare_configs(epx_comm_t comm, const create_msg_t *msgs)
@@ -37,6 +38,7 @@ static epx_result_t compare_configs(epx_comm_t comm, const create_msg_t *msgs)
         CMP_FIELD_(max_pad_multiple, "%d", int)
         CMP_FIELD_(num_sms, "%d", int)
         CMP_FIELD_(chunk_tokens, "%d", int)
+        CMP_FIELD_(num_view_areas, "%d", int)
 #undef CMP_FIELD_
     }
     return EPX_SUCCESS;
@@ -81,6 +83,7 @@ static epx_result_t create(epx_comm_t comm, const epx_buffer_config_t *config, e
         mine.max_pad_multiple = cfg.max_pad_multiple;
         mine.num_sms = cfg.num_sms;
         mine.chunk_tokens = cfg.chunk_tokens;
+        mine.num_view_areas = cfg.num_view_areas;
     }
     epx_result_t res;
     create_msg_t *msgs = calloc((size_t)comm->nranks, sizeof(*msgs));

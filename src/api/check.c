@@ -115,6 +115,10 @@ epx_result_t epx_api_buffer_config_normalize(epx_comm_t comm, const epx_buffer_c
     if (c.chunk_tokens < 0)
         return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "config.chunk_tokens = %d must be >= 0",
                            c.chunk_tokens);
+    if (c.num_view_areas == 0) c.num_view_areas = 1;
+    if (c.num_view_areas < 1 || c.num_view_areas > EPX_MAX_VIEW_AREAS)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "config.num_view_areas = %d is out of range [0, %d]",
+                           c.num_view_areas, EPX_MAX_VIEW_AREAS);
     *out = c;
     return EPX_SUCCESS;
 }

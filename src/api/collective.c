@@ -59,11 +59,17 @@ static epx_result_t ht_dispatch(epx_buffer_t buffer, const epx_ht_dispatch_args_
     if (!handle)
         EPX_CHECK(
             epx_api_handle_new(buffer, seq, EPX_HANDLE_HT, a.x.shape[0], a.x.dtype, 0, a.stream, &handle));
+    /* The call may rewrite its view area whatever its outcome. */
+    if (a.recv_in_buffer) buffer->view_areas[a.view_area].x = NULL;
     epx_result_t res = buffer->ops->ht_dispatch(buffer, seq, &a, &o, handle);
     if (!a.cached_handle) res = epx_api_handle_filled(handle, res);
     EPX_CHECK(res);
     if (!a.cached_handle) o.handle = handle;
     if (a.recv_in_buffer) {
+        buffer->view_areas[a.view_area].x = o.recv_x.data;
+        buffer->view_areas[a.view_area].handle_id = handle->id;
+        buffer->view_areas[a.view_area].rows = o.recv_x.shape[0];
+        buffer->view_areas[a.view_area].dtype = o.recv_x.dtype;
         WRITE_OUT(outputs, &o, epx_ht_dispatch_outputs_t, recv_x);
         WRITE_OUT(outputs, &o, epx_ht_dispatch_outputs_t, recv_x_scales);
         WRITE_OUT(outputs, &o, epx_ht_dispatch_outputs_t, recv_topk_idx);

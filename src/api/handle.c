@@ -30,6 +30,7 @@ epx_result_t epx_api_handle_new(epx_buffer_t buffer, uint64_t seq, epx_handle_ki
     h->num_recv = -1; /* unknown until the backend fills it */
     h->permute = permute;
     h->x_dtype = dtype;
+    h->id = seq;
     *handle_out = h;
     return EPX_SUCCESS;
 }

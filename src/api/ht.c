@@ -85,6 +85,9 @@ EPX_API_CHECK_FN(ht_dispatch)
                 return ARG_ERR("outputs.%s.data = %p must be NULL with args.recv_in_buffer (the library "
                                "sets it to a view of its buffer)",
                                names[i], views[i]->data);
+        if (a->view_area < 0 || a->view_area >= cfg->num_view_areas)
+            return ARG_ERR("args.view_area = %d is out of range [0, %d) (config.num_view_areas)", a->view_area,
+                           cfg->num_view_areas);
         const int64_t cap = (int64_t)comm->nranks * cfg->max_tokens;
         if (a->num_worst_tokens > cap)
             return ARG_ERR("args.num_worst_tokens = %lld is above the %lld rows (R * max_tokens) the buffer "
@@ -135,6 +138,30 @@ EPX_API_CHECK_FN(ht_dispatch)
     return EPX_SUCCESS;
 }
 
+/* x_in_buffer = 2: x must be, whole, the bf16 recv_x that the latest view-mode dispatch into one of
+ * the buffer's areas returned, and that dispatch must have used `handle`. */
+static epx_result_t check_x_view(epx_buffer_t buffer, epx_handle_t handle, const epx_tensor_t *x)
+{
+    epx_comm_t comm = buffer->comm;
+    const int64_t H = buffer->config.hidden;
+    for (int k = 0; k < buffer->config.num_view_areas; k++) {
+        if (!x->data || buffer->view_areas[k].x != x->data) continue;
+        if (buffer->view_areas[k].handle_id != handle->id)
+            return ARG_ERR("x is the dispatch view of view area %d, which holds the rows of another handle's "
+                           "dispatch (args.x_in_buffer = 2 needs this handle's)",
+                           k);
+        if (buffer->view_areas[k].dtype != EPX_DTYPE_BF16)
+            return ARG_ERR("x is the dispatch view of view area %d, which holds %s rows (combine takes bf16)", k,
+                           epx_dtype_name(buffer->view_areas[k].dtype));
+        const int64_t rows = buffer->view_areas[k].rows;
+        CHECK_TENSOR(x, "x", BIT(BF16), 2, {rows, H}, "rows,H", 0);
+        return EPX_SUCCESS;
+    }
+    return ARG_ERR("args.x_in_buffer = 2 but x (data %p) is not the recv_x of the latest view-mode dispatch "
+                   "into any view area of this buffer",
+                   x->data);
+}
+
 EPX_API_CHECK_FN(ht_combine)
 {
     epx_comm_t comm = buffer->comm;
@@ -142,9 +169,16 @@ EPX_API_CHECK_FN(ht_combine)
     READ_CALL(EPX_MODE_HT, "epx_ht_combine", ht_combine);
     EPX_CHECK(epx_api_check_handle(buffer, a->handle, EPX_HANDLE_HT, "args.handle"));
     const int64_t T = a->handle->num_tokens, N = a->handle->num_recv > 0 ? a->handle->num_recv : 0;
+    if (a->x_in_buffer < 0 || a->x_in_buffer > 2)
+        return ARG_ERR("args.x_in_buffer = %d must be 0, 1 (the combine input view) or 2 (x is the handle's "
+                       "dispatch view)",
+                       a->x_in_buffer);
     if (a->x_in_buffer) {
         if (!buffer->ops->ht_get_combine_input) return epx_api_unsupported(buffer, "args.x_in_buffer");
-        memset(&a->x, 0, sizeof(a->x)); /* ignored: the rows are in the buffer */
+        if (a->x_in_buffer == 2)
+            EPX_CHECK(check_x_view(buffer, a->handle, &a->x));
+        else
+            memset(&a->x, 0, sizeof(a->x)); /* ignored: the rows are in the buffer */
     } else {
         CHECK_TENSOR(&a->x, "x", BIT(BF16), 2, {N, H}, "N_r,H", EPX_TENSOR_MIN_ROWS | EPX_TENSOR_TOKENS);
     }

@@ -219,6 +219,14 @@ struct epx_buffer {
     atomic_int live_handles;
     atomic_int overflow;          /* set by a bounded call that dropped rows */
     atomic_int busy;              /* 1 while a thread is inside an entry point on it (src/api) */
+    /* What each HT view area holds after the last view-mode dispatch into it (src/api/collective.c),
+     * for a combine whose x is that dispatch's recv_x (x_in_buffer = 2); x NULL = nothing usable. */
+    struct {
+        const void *x;
+        uint64_t handle_id;
+        int64_t rows;
+        epx_dtype_t dtype;
+    } view_areas[EPX_MAX_VIEW_AREAS];
 };
 
 /* This rank failed collective call `seq` on `buffer` before its operation ran: tells the peers
@@ -240,6 +248,7 @@ struct epx_handle {
     int64_t num_recv;       /* N_r (HT, RM) or P (RM with permute); bound-capped for RM */
     int32_t permute;        /* RM only */
     epx_dtype_t x_dtype;    /* dtype dispatched */
+    uint64_t id;            /* the buffer's sequence number of the dispatch that made it */
     void *backend_state;    /* freed by ops->handle_free */
 };
 

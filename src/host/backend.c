@@ -43,7 +43,7 @@ static void host_buffer_destroy(epx_buffer_t buffer)
     if (buffer->config.modes & EPX_MODE_LL) host_ll_fini(hb);
     host_shm_fini(hb);
     host_peers_close(&hb->peers);
-    free(hb->ht_view);
+    for (int k = 0; k < EPX_MAX_VIEW_AREAS; k++) free(hb->ht_view[k]);
     free(hb);
     buffer->backend_state = NULL;
 }

@@ -81,8 +81,9 @@ typedef struct host_buffer {
     uint64_t call_seq;                 /* the latest collective call started (begin_call) */
     void *ll_state;                    /* owned by ll.c (slots, pending hooks) */
     void *pool;                        /* thread pool (host_parallel_for) */
-    uint8_t *ht_view;                  /* HT dispatch outputs of view mode (private, src/host/ht.c) */
-    size_t ht_view_bytes;
+    uint8_t *ht_view[EPX_MAX_VIEW_AREAS]; /* HT dispatch outputs of view mode per area (private,
+                                             src/host/ht.c) */
+    size_t ht_view_bytes[EPX_MAX_VIEW_AREAS];
     host_peers_t peers;                /* opened first, closed last */
 } host_buffer_t;
 

@@ -53,8 +53,8 @@ static in_layout_t in_layout_of(const epx_buffer_config_t *cfg)
     return l;
 }
 
-/* View mode: points the four row outputs at the buffer's private array (grown to R*T_max rows
- * of this dtype when needed), `rows` rows each. */
+/* View mode: points the four row outputs at the private array of the call's view area (grown to
+ * R*T_max rows of this dtype when needed), `rows` rows each. */
 static epx_result_t set_views(host_buffer_t *hb, const epx_ht_dispatch_args_t *args,
                               epx_ht_dispatch_outputs_t *o, int64_t rows, int routed)
 {
@@ -64,20 +64,21 @@ static epx_result_t set_views(host_buffer_t *hb, const epx_ht_dispatch_args_t *a
     const size_t ns = args->x.dtype == EPX_DTYPE_FP8_E4M3 ? H / 128 : 0;
     const size_t off_scales = (cap * H * elem + 15) / 16 * 16, off_idx = off_scales + cap * ns * 4;
     const size_t off_w = off_idx + cap * K * 4, bytes = off_w + cap * K * 4;
-    if (hb->ht_view_bytes < bytes) {
-        uint8_t *p = realloc(hb->ht_view, bytes);
+    const int k = args->view_area;
+    if (hb->ht_view_bytes[k] < bytes) {
+        uint8_t *p = realloc(hb->ht_view[k], bytes);
         if (!p)
             return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate %zu bytes of dispatch views",
                              hb->rank, bytes);
-        hb->ht_view = p;
-        hb->ht_view_bytes = bytes;
+        hb->ht_view[k] = p;
+        hb->ht_view_bytes[k] = bytes;
     }
-    o->recv_x = epx_tensor_2d(hb->ht_view, args->x.dtype, rows, (int64_t)H);
-    if (ns) o->recv_x_scales = epx_tensor_2d(hb->ht_view + off_scales, EPX_DTYPE_FP32, rows, (int64_t)ns);
+    o->recv_x = epx_tensor_2d(hb->ht_view[k], args->x.dtype, rows, (int64_t)H);
+    if (ns) o->recv_x_scales = epx_tensor_2d(hb->ht_view[k] + off_scales, EPX_DTYPE_FP32, rows, (int64_t)ns);
     if (!routed) return EPX_SUCCESS;
-    o->recv_topk_idx = epx_tensor_2d(hb->ht_view + off_idx, EPX_DTYPE_INT32, rows, (int64_t)K);
+    o->recv_topk_idx = epx_tensor_2d(hb->ht_view[k] + off_idx, EPX_DTYPE_INT32, rows, (int64_t)K);
     if (args->topk_weights.data)
-        o->recv_topk_weights = epx_tensor_2d(hb->ht_view + off_w, EPX_DTYPE_FP32, rows, (int64_t)K);
+        o->recv_topk_weights = epx_tensor_2d(hb->ht_view[k] + off_w, EPX_DTYPE_FP32, rows, (int64_t)K);
     return EPX_SUCCESS;
 }
 
@@ -652,7 +653,7 @@ static void stage_rows(void *vctx, int64_t begin, int64_t end)
 {
     stage_ctx_t *c = vctx;
     const size_t row = (size_t)c->H * 2;
-    if (!c->args->x_in_buffer) /* else the caller wrote the rows into the area already */
+    if (c->args->x_in_buffer != 1) /* 1: the caller wrote the rows into the area already */
         memcpy(c->area + (size_t)begin * row, (const uint8_t *)c->args->x.data + (size_t)begin * row,
                (size_t)(end - begin) * row);
     if (c->args->topk_weights.data)
