@@ -14,7 +14,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     ceiling_copy_kernel(const __grid_constant__ epx_cuda_dispatch_args_t a)
 {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    ht_send_rows<false, false>(a, nullptr, warp, lane);
+    ht_send_rows<false, false>(a, nullptr, nullptr, warp, lane);
 }
 
 extern "C" int epx_cuda_launch_ceiling_copy(const epx_cuda_dispatch_args_t *args, void *stream)

@@ -103,11 +103,14 @@ static void compute_layout(epx_buffer_t b, epx_cuda_layout_t *lay)
     }
     if (modes & EPX_MODE_HT) {
         /* HT only: combine weights, expert counts, and view mode's final layout (src/cuda/ht.c). */
-        uint64_t *const at[] = {&lay->comb_w,   &lay->expert_scratch, &lay->view_x,  &lay->view_scales,
-                                &lay->view_idx, &lay->view_w,         &lay->view_src};
+        uint64_t *const at[] = {&lay->comb_w, &lay->expert_scratch, &lay->view_x,  &lay->view_scales,
+                                &lay->view_idx, &lay->view_w, &lay->view_src};
         const uint64_t bytes[] = {
             RT * K * 4, (uint64_t)b->num_local_experts * 4, rows[0], rows[1], rows[2], rows[3], rows[4]};
         off = place_areas(off, at, bytes, 7);
+        /* The other view areas repeat area 0's five arrays. */
+        lay->view_stride = off - lay->view_x;
+        off += (uint64_t)(b->config.num_view_areas - 1) * lay->view_stride;
     }
     if (modes & EPX_MODE_LL) { /* src/cuda/ll.c */
         lay->ll = off;

@@ -66,13 +66,14 @@ static void set_views(const cuda_buffer_t *cb, const epx_ht_dispatch_args_t *arg
 {
     const epx_buffer_config_t *cfg = &cb->buffer->config;
     const int64_t H = cfg->hidden, K = cfg->num_topk;
-    o->recv_x = device_view(cb, cb->region + cb->lay.view_x, args->x.dtype, rows, H);
+    uint8_t *area = cb->region + (uint64_t)args->view_area * cb->lay.view_stride;
+    o->recv_x = device_view(cb, area + cb->lay.view_x, args->x.dtype, rows, H);
     if (args->x.dtype == EPX_DTYPE_FP8_E4M3)
-        o->recv_x_scales = device_view(cb, cb->region + cb->lay.view_scales, EPX_DTYPE_FP32, rows, H / 128);
+        o->recv_x_scales = device_view(cb, area + cb->lay.view_scales, EPX_DTYPE_FP32, rows, H / 128);
     if (args->cached_handle) return;
-    o->recv_topk_idx = device_view(cb, cb->region + cb->lay.view_idx, EPX_DTYPE_INT32, rows, K);
+    o->recv_topk_idx = device_view(cb, area + cb->lay.view_idx, EPX_DTYPE_INT32, rows, K);
     if (args->topk_weights.data)
-        o->recv_topk_weights = device_view(cb, cb->region + cb->lay.view_w, EPX_DTYPE_FP32, rows, K);
+        o->recv_topk_weights = device_view(cb, area + cb->lay.view_w, EPX_DTYPE_FP32, rows, K);
 }
 
 /* View mode (recv_in_buffer): one kernel pair writes every row once into its final place. */
@@ -86,6 +87,7 @@ static epx_result_t ht_dispatch_view(epx_cuda_op_t *op, const epx_ht_dispatch_ar
     const int is_static = args->num_worst_tokens > 0;
     const int64_t cap_rows = (int64_t)buffer->comm->nranks * buffer->config.max_tokens;
     a->view = 1;
+    a->view_area = args->view_area;
     if (!cached) {
         a->num_recv_tokens_per_expert = outputs->num_recv_tokens_per_expert.data;
         a->num_recv_tokens = outputs->num_recv_tokens.data;
@@ -244,6 +246,10 @@ epx_result_t epx_cuda_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht
     a.combined_x = outputs->combined_x.data;
     a.combined_topk_weights = outputs->combined_topk_weights.data;
     a.in_buffer = args->x_in_buffer != 0;
+    /* x_in_buffer 2: x is the recv_x of a view area (the API checked which and whose). */
+    a.x_off = cb->lay.comb_x;
+    if (args->x_in_buffer == 2)
+        a.x_off = (uint64_t)((const uint8_t *)args->x.data - cb->region);
     a.c.call_sig = epx_cuda_sig(EPX_CUDA_CALL_HT_COMBINE, 0, a.in_buffer ? EPX_CUDA_SIG_VIEW : 0, h->seq);
     if (a.in_buffer)
         EPX_CHECK(epx_cuda_op_launched(&op, epx_cuda_launch_combine_view(&a, args->stream),

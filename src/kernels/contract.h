@@ -112,6 +112,12 @@ typedef struct epx_cuda_ctrl {
      * receives. A receiver whose outputs are too small writes its fail word for that epoch instead,
      * so every rank's call fails (contract: common.cuh accept_counts). */
     uint64_t accept[EPX_CUDA_MAX_RANKS];
+    /* [dst] (epoch << 8) | the view area dst's outputs of its view dispatch `epoch` go to, written by
+     * dst when that dispatch starts (senders wait for it, then write there). */
+    uint64_t view_area[EPX_CUDA_MAX_RANKS];
+    /* [rank] offset in rank's region of its view-mode combine rows (comb_x, or its dispatch view's
+     * area), written before comb_flag. */
+    uint64_t comb_xoff[EPX_CUDA_MAX_RANKS];
 } epx_cuda_ctrl_t;
 
 /* Byte offsets inside a region (all ranks use the same numbers). */
@@ -139,6 +145,8 @@ typedef struct epx_cuda_layout {
     uint64_t view_idx;    /* [R*T_max][K] int32 remapped */
     uint64_t view_w;      /* [R*T_max][K] fp32 */
     uint64_t view_src;    /* [R*T_max] int32 */
+    uint64_t view_stride; /* bytes from one view area's five arrays to the next area's (view_x etc.
+                             are those of area 0) */
 } epx_cuda_layout_t;
 
 /* Per-handle device state (one slab). */
@@ -207,7 +215,8 @@ typedef struct epx_cuda_dispatch_args {
     int64_t capacity;
     int32_t static_mode;
     int32_t expert_alignment;
-    int32_t view; /* recv_in_buffer: rows go to their final place in the receiver's disp_* areas */
+    int32_t view; /* recv_in_buffer: rows go to their final place in the receiver's view area */
+    int32_t view_area; /* view mode: our outputs' area (each receiver posts its own) */
 } epx_cuda_dispatch_args_t;
 
 typedef struct epx_cuda_combine_args {
@@ -219,7 +228,8 @@ typedef struct epx_cuda_combine_args {
     const uint16_t *bias0, *bias1;
     uint16_t *combined_x;
     float *combined_topk_weights;
-    int32_t in_buffer;        /* x_in_buffer: x is our comb_x area; sources pull it */
+    int32_t in_buffer;        /* x_in_buffer: x is in our region at x_off; sources pull it */
+    uint64_t x_off;           /* in_buffer: comb_x, or the view_x of the dispatch view's area */
 } epx_cuda_combine_args_t;
 
 /* Launchers: each enqueues on `stream` and returns a cudaError_t value (0 = success). */
@@ -233,7 +243,9 @@ int epx_cuda_launch_fail(const epx_cuda_common_t *c, void *stream);
  * each destination to get its rows' final positions, and writes every row (scales, remapped ids,
  * weights, source index) there; the receiver waits and computes counts. A receiver's areas are
  * released at its next dispatch (the views live until then).
- * Combine: every rank posts its input rows (comb_x, written by the caller); each source pulls
+ * Each receiver posts the view area its outputs go to; senders write there.
+ * Combine: every rank posts where its input rows are (comb_x, written by the caller, or the
+ * handle's dispatch view); each source pulls
  * the rows of its tokens from the peers and reduces; the kernel ends when every source is done
  * with our rows. */
 int epx_cuda_launch_dispatch_view(const epx_cuda_dispatch_args_t *args, void *stream);

@@ -12,10 +12,10 @@
  * writes its remapped ids, weights and source index (unless cached) and its scales at its row
  * there (kMeta), and fans its bytes out to all of them, each 16-byte vector read once. The row is
  * the sender's slice [me][row] of the disp_* areas, or in view mode base[r] + row of the view_*
- * areas (rows past the areas are not sent). */
+ * arrays of the area at byte offset area_off[r] past area 0 (rows past the area are not sent). */
 template <bool kView, bool kMeta = true>
-__device__ __forceinline__ void ht_send_rows(const epx_cuda_dispatch_args_t &a, const int64_t *base, int warp,
-                                             int lane)
+__device__ __forceinline__ void ht_send_rows(const epx_cuda_dispatch_args_t &a, const int64_t *base,
+                                             const uint64_t *area_off, int warp, int lane)
 {
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, me = c->rank;
@@ -44,15 +44,15 @@ __device__ __forceinline__ void ht_send_rows(const epx_cuda_dispatch_args_t &a, 
                     dst_rank[warp][pos] = r;
                     dst_row[warp][pos] = at;
                 }
-                dst_ptr[warp][pos] =
-                    c->peers[r] + x_area + at * (kView ? a.row_bytes : (int64_t)c->lay.x_stride);
+                dst_ptr[warp][pos] = c->peers[r] + (kView ? area_off[r] : 0) + x_area +
+                                     at * (kView ? a.row_bytes : (int64_t)c->lay.x_stride);
             }
         }
         __syncwarp();
         for (int d = 0; d < n && kMeta; d++) {
             const int r = dst_rank[warp][d];
             const int64_t row = dst_row[warp][d];
-            uint8_t *peer = c->peers[r];
+            uint8_t *peer = c->peers[r] + (kView ? area_off[r] : 0);
             if (!a.cached) {
                 for (int k = lane; k < K; k += 32) {
                     const int64_t e = topk_at(a.topk_idx, a.idx_is_64, t * K + k);

@@ -105,9 +105,9 @@ extern "C" int epx_cuda_launch_combine(const epx_cuda_combine_args_t *args, void
 
 /* ---------------------------------------------------------------------------- view mode ---- */
 
-/* Expert side of a view-mode combine: the block's threads stage the weights (if any) next to the
- * rows the caller wrote into comb_x; the last block's threads r < R tell source r how many rows
- * we hold and where its tokens start. */
+/* Expert side of a view-mode combine: the block's threads stage the weights (if any) in comb_w;
+ * the last block's threads r < R tell source r how many rows we hold, where its tokens start and
+ * where our rows are (comb_x, written by the caller, or the handle's dispatch view). */
 __global__ void __launch_bounds__(kBlockThreads)
     combine_view_post_kernel(const __grid_constant__ epx_cuda_combine_args_t a)
 {
@@ -127,6 +127,7 @@ __global__ void __launch_bounds__(kBlockThreads)
             epx_cuda_ctrl_t *peer = peer_ctrl(c, threadIdx.x);
             st_relaxed_sys(&peer->comb_rows[me], (uint64_t)rows);
             st_relaxed_sys(&peer->comb_base[me], (uint64_t)a.h.recv_prefix[threadIdx.x]);
+            st_relaxed_sys(&peer->comb_xoff[me], a.x_off);
             st_release_sys(&peer->comb_flag[me], f.epoch);
         }
     }
@@ -148,6 +149,7 @@ __global__ void __launch_bounds__(kBlockThreads, 3)
     const int64_t H = c->hidden;
     __shared__ int64_t peer_rows[EPX_CUDA_MAX_RANKS];
     __shared__ int64_t peer_base[EPX_CUDA_MAX_RANKS];
+    __shared__ uint64_t peer_xoff[EPX_CUDA_MAX_RANKS];
     __shared__ const uint16_t *src_ptr[kBlockWarps][EPX_CUDA_MAX_RANKS];
     __shared__ const float *src_w[kBlockWarps][EPX_CUDA_MAX_RANKS];
     const int &ok = wait_peers(
@@ -155,6 +157,7 @@ __global__ void __launch_bounds__(kBlockThreads, 3)
         [&](int r) {
             peer_rows[r] = (int64_t)ld_volatile_u64(&f.own->comb_rows[r]);
             peer_base[r] = (int64_t)ld_volatile_u64(&f.own->comb_base[r]);
+            peer_xoff[r] = ld_volatile_u64(&f.own->comb_xoff[r]);
             return true;
         });
     const int64_t T = ok ? a.num_tokens : 0;
@@ -169,7 +172,7 @@ __global__ void __launch_bounds__(kBlockThreads, 3)
             const bool in = fin >= 0 && fin < peer_rows[r];
             const int pos = warp_slot(in, n);
             if (in) {
-                src_ptr[warp][pos] = (const uint16_t *)(c->peers[r] + c->lay.comb_x) + fin * H;
+                src_ptr[warp][pos] = (const uint16_t *)(c->peers[r] + peer_xoff[r]) + fin * H;
                 src_w[warp][pos] = (const float *)(c->peers[r] + c->lay.comb_w) + fin * K;
             }
         }

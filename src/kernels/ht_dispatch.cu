@@ -40,15 +40,16 @@ __global__ void __launch_bounds__(kBlockThreads)
     const int &ok = wait_peers(
         c, [&](int r) { return &f.own->disp_ack[r]; }, prev, f.epoch, EPX_CUDA_WAIT_DISPATCH_ACK, no_arrival(),
         bad);
-    if (ok) ht_send_rows<false>(a, nullptr, warp, lane);
+    if (ok) ht_send_rows<false>(a, nullptr, nullptr, warp, lane);
     ht_finish_send(a, &f.own->done_counter[DONE_HT_SEND], f.epoch);
 }
 
 /* View-mode sender. Block 0's threads r < R tell peer r that our views of its earlier rows are
- * dead (our consumers ran before this kernel on our stream); threads r < R wait until receiver r
- * said the same, block 0's post our per-destination counts, and each reads from destination r
- * the counts of the lower-ranked sources: their sum is where our rows start there. Then the
- * block's warps write every token's rows once, into their final rows. */
+ * dead (our consumers ran before this kernel on our stream) and which view area our outputs go
+ * to; threads r < R wait until receiver r said the same, block 0's post our per-destination
+ * counts, and each reads from destination r the counts of the lower-ranked sources: their sum is
+ * where our rows start in r's area. Then the block's warps write every token's rows once, into
+ * their final rows. */
 __global__ void __launch_bounds__(kBlockThreads)
     dispatch_view_send_kernel(const __grid_constant__ epx_cuda_dispatch_args_t a)
 {
@@ -60,10 +61,12 @@ __global__ void __launch_bounds__(kBlockThreads)
     const uint64_t prev = ld_volatile_u64(&f.own->view_last);
     __shared__ int counted;
     __shared__ int64_t base[EPX_CUDA_MAX_RANKS];
+    __shared__ uint64_t area_off[EPX_CUDA_MAX_RANKS];
     if (threadIdx.x == 0) counted = 1;
     post_call(c, f.epoch);
     if (blockIdx.x == 0 && threadIdx.x < R) {
         epx_cuda_ctrl_t *peer = peer_ctrl(c, threadIdx.x);
+        st_release_sys(&peer->view_area[me], f.epoch << 8 | (uint64_t)a.view_area);
         if (ld_volatile_u64(&peer->view_ack[me]) < closed) st_release_sys(&peer->view_ack[me], closed);
     }
     const gate_unless bad{refuse_bad(c, a.cached ? nullptr : a.h.bad, f.epoch, EPX_CUDA_WAIT_BAD_EXPERT)};
@@ -77,6 +80,11 @@ __global__ void __launch_bounds__(kBlockThreads)
     }
     if (acked && threadIdx.x < R) {
         epx_cuda_ctrl_t *peer = peer_ctrl(c, threadIdx.x);
+        const uint64_t *posted = &f.own->view_area[threadIdx.x];
+        if (wait_flag_geq(c, posted, f.epoch << 8, f.epoch, threadIdx.x, EPX_CUDA_WAIT_DISPATCH_ACK))
+            area_off[threadIdx.x] = (ld_volatile_u64(posted) & 0xff) * c->lay.view_stride;
+        else
+            counted = 0;
         int64_t sum = 0;
         for (int s = 0; s < me; s++) {
             if (!wait_flag_geq(c, &peer->cnt_flag[s], f.epoch, f.epoch, s, EPX_CUDA_WAIT_DISPATCH_DATA)) {
@@ -88,7 +96,7 @@ __global__ void __launch_bounds__(kBlockThreads)
         base[threadIdx.x] = sum;
     }
     __syncthreads();
-    if (acked && counted) ht_send_rows<true>(a, base, warp, lane);
+    if (acked && counted) ht_send_rows<true>(a, base, area_off, warp, lane);
     ht_finish_send(a, &f.own->view_done_counter[DONE_VIEW_SEND], f.epoch);
 }
 
@@ -259,10 +267,12 @@ __global__ void __launch_bounds__(kBlockThreads)
     const bool bad = !a.cached && *(const volatile int64_t *)a.h.bad != 0;
     const int &ok = ht_open_recv(a, expert_cnt, want_counts, prefix, f.epoch);
     const int64_t total = prefix[c->nranks];
-    if (bad) ht_poison(a, f.region, kView);
+    /* View mode: our outputs' area. */
+    uint8_t *area = f.region + (kView ? (uint64_t)a.view_area * c->lay.view_stride : 0);
+    if (bad) ht_poison(a, area, kView);
     if (kView) {
         const int64_t rows = total < a.capacity ? total : a.capacity;
-        ht_collect_view(a, f.region, total, expert_cnt, want_counts);
+        ht_collect_view(a, area, total, expert_cnt, want_counts);
         ht_finish_recv(a, &f.own->view_done_counter[DONE_VIEW_RECV], ok, ok, total, ok ? rows : 0, prefix,
                        expert_cnt, want_counts, f.epoch, &f.own->view_last);
     } else {

@@ -5,7 +5,9 @@
  * 2048, E 256, K 8, random and skewed routing with ragged and zero-token ranks, cached dispatch,
  * static mode captured in a CUDA graph and replayed with new inputs, static mode with rows dropped
  * past num_worst_tokens, 200 repeated iterations; view mode (outputs and combine input in the
- * library's buffer) for bf16 and fp8 with repeats.
+ * library's buffer) for bf16 and fp8 with repeats, each rank rotating over three view areas on its
+ * own, a view kept intact across a dispatch into another area, and a combine that reads the
+ * dispatch view in place (x_in_buffer 2) on even ranks while odd ranks use the combine input.
  * EPX_GPU_TEST_RANKS (default "2,4,8") and EPX_GPU_TEST_QUICK=1 (sanitizer runs) shrink it.
  */
 #include <stdio.h>
@@ -18,6 +20,7 @@
 #define E_EXPERTS 256
 #define TOPK      8
 #define ALIGNMENT 4
+#define VIEW_AREAS 3
 
 static epx_comm_t epx_test_current_comm; /* the rank's comm, for epx_get_async_error */
 
@@ -192,6 +195,8 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
         a.expert_alignment = ALIGNMENT;
         epx_ht_dispatch_outputs_t o = EPX_HT_DISPATCH_OUTPUTS_INIT;
         a.recv_in_buffer = cs->view;
+        /* Each rank rotates over the view areas on its own; the cached call takes the next one. */
+        a.view_area = cs->view ? (rank + it) % VIEW_AREAS : 0;
         if (!cs->view) {
             o.recv_x = gpu_tensor(drx, cs->dtype, 2, cap, H, 0, device);
             if (fp8) o.recv_x_scales = gpu_tensor(drs, EPX_DTYPE_FP32, 2, cap, S, 0, device);
@@ -251,27 +256,39 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
         ac.cached_handle = handle;
         epx_ht_dispatch_outputs_t oc = EPX_HT_DISPATCH_OUTPUTS_INIT;
         ac.recv_in_buffer = cs->view;
+        ac.view_area = cs->view ? (rank + it + 1) % VIEW_AREAS : 0;
         if (!cs->view) {
             oc.recv_x = o.recv_x;
             oc.recv_x_scales = o.recv_x_scales;
         }
         EXPECT_OK(epx_ht_dispatch(buf, &ac, &oc));
-        if (cs->view && (oc.recv_x.data != drx || (fp8 && oc.recv_x_scales.data != drs))) {
-            rc = ref_fail(rank, "cached view recv_x %p, expected %p", oc.recv_x.data, drx);
+        if (cs->view && (!oc.recv_x.data || oc.recv_x.data == drx || (fp8 && !oc.recv_x_scales.data))) {
+            rc = ref_fail(rank, "cached view recv_x %p, expected another area than %p", oc.recv_x.data, drx);
             goto out;
         }
-        cudaMemcpy(got, drx, (size_t)(n * H) * es, cudaMemcpyDeviceToHost);
+        cudaMemcpy(got, oc.recv_x.data, (size_t)(n * H) * es, cudaMemcpyDeviceToHost);
         if (ref_check_bits(rank, "cached recv_x", got, ex2, n * H, es, H)) goto out;
         if (fp8) {
-            cudaMemcpy(got, drs, (size_t)(n * S) * 4, cudaMemcpyDeviceToHost);
+            cudaMemcpy(got, oc.recv_x_scales.data, (size_t)(n * S) * 4, cudaMemcpyDeviceToHost);
             if (ref_check_bits(rank, "cached recv_x_scales", got, esc2, n * S, 4, S)) goto out;
+        }
+        if (cs->view) { /* the first call's views, in their own area, are untouched */
+            cudaMemcpy(got, drx, (size_t)(n * H) * es, cudaMemcpyDeviceToHost);
+            if (ref_check_bits(rank, "recv_x after a dispatch into another area", got, ex, n * H, es, H))
+                goto out;
         }
         cudaMemcpy(dx, in.x, (size_t)(Tm * H) * es, cudaMemcpyHostToDevice);
         if (fp8) cudaMemcpy(dscales, in.scales, (size_t)(Tm * S) * 4, cudaMemcpyHostToDevice);
 
         epx_ht_combine_args_t ca = EPX_HT_COMBINE_ARGS_INIT;
         ca.handle = handle;
-        if (cs->view) { /* zero-copy: the expert outputs go into the library's rows */
+        if (cs->view && !fp8 && rank % 2 == 0) {
+            /* Even ranks write the expert outputs over the cached call's recv_x and combine it in
+             * place (x_in_buffer 2); odd ranks use the combine input. */
+            cudaMemcpy(oc.recv_x.data, dy, (size_t)(n * H) * 2, cudaMemcpyDeviceToDevice);
+            ca.x = oc.recv_x;
+            ca.x_in_buffer = 2;
+        } else if (cs->view) { /* zero-copy: the expert outputs go into the library's rows */
             epx_tensor_t in_view;
             EXPECT_OK(epx_ht_get_combine_input(buf, handle, &in_view));
             if (!in_view.data || in_view.shape[0] != n || in_view.shape[1] != H) {
@@ -595,6 +612,7 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
         const int64_t H = Hs[hi], T_max = ctx->quick ? 64 : (H == 7168 ? 128 : 256);
         epx_buffer_config_t bc = epx_test_buffer_config(T_max, H, TOPK, E_EXPERTS, EPX_MODE_HT);
         bc.dispatch_dtypes = EPX_DTYPE_BIT(EPX_DTYPE_BF16) | EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3);
+        bc.num_view_areas = VIEW_AREAS;
         epx_buffer_t buf;
         EXPECT_OK(epx_buffer_create(comm, &bc, &buf));
         ht_case_t cases[] = {

@@ -105,6 +105,9 @@ static int64_t max_recv(const ref_problem_t *p)
     return most;
 }
 
+/* View areas of every buffer here: each rank's view dispatches rotate over them. */
+static const int k_areas = 3;
+
 static void fill_idx(const int64_t *src, int64_t n, epx_dtype_t dtype, void *dst)
 {
     for (int64_t i = 0; i < n; i++) {
@@ -128,7 +131,7 @@ static uint16_t *combine_input(ref_arena_t *a, const ref_ht_recv_t *rv, int64_t 
 
 static int run_combine(epx_buffer_t buf, const ref_problem_t *p, int rank, const ref_ht_recv_t *rv,
                        epx_handle_t h, int64_t cap_rows, bool with_weights, bool bias0, bool bias1,
-                       uint64_t yseed, bool in_buffer)
+                       uint64_t yseed, int in_buffer, const epx_tensor_t *x_view)
 {
     int rc = 0;
     ref_arena_t a = {0};
@@ -150,7 +153,12 @@ static int run_combine(epx_buffer_t buf, const ref_problem_t *p, int rank, const
 
     epx_ht_combine_args_t args = EPX_HT_COMBINE_ARGS_INIT;
     args.handle = h;
-    if (in_buffer) {
+    if (in_buffer == 2) {
+        /* The expert outputs overwrite the dispatch view (bf16 recv_x of this handle) in place. */
+        memcpy(x_view->data, cx, sizeof(uint16_t) * (size_t)(rv->n * H));
+        args.x = *x_view;
+        args.x_in_buffer = 2;
+    } else if (in_buffer) {
         /* Zero-copy: the expert outputs go straight into the library's rows. */
         epx_tensor_t view;
         CALL(epx_ht_get_combine_input(buf, h, &view));
@@ -272,7 +280,7 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
     }
 
     /* ---- combine (weights and biases as this iteration says) ---- */
-    rc |= run_combine(buf, &p, rank, &rv, handle, N, with_weights, bias0, bias1, seed ^ 0x636f6d62ull, false);
+    rc |= run_combine(buf, &p, rank, &rv, handle, N, with_weights, bias0, bias1, seed ^ 0x636f6d62ull, 0, NULL);
     if (rc & 2) goto out;
 
     /* ---- cached dispatch with new x: only recv_x (and scales) are written ---- */
@@ -331,7 +339,7 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
         rc |= ref_check_overflow(rank, buf, over ? EPX_ERR_OVERFLOW : EPX_SUCCESS);
         /* Combine after a static dispatch that kept every row (every rank must take part). */
         if (!want_overflow && shandle)
-            rc |= run_combine(buf, &p, rank, &rv, shandle, W, true, true, false, seed ^ 0x737461ull, false);
+            rc |= run_combine(buf, &p, rank, &rv, shandle, W, true, true, false, seed ^ 0x737461ull, 0, NULL);
     }
     epx_handle_destroy(shandle);
     shandle = NULL;
@@ -349,6 +357,9 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
         epx_ht_dispatch_args_t args = dispatch_args(&p, rank, &in, topk_t, with_weights, alignment);
         args.num_worst_tokens = is_static ? W : 0;
         args.recv_in_buffer = 1;
+        /* Each rank picks its own view area (k_areas of them), another one every iteration. */
+        const int area = (rank + it) % k_areas;
+        args.view_area = area;
         epx_ht_dispatch_outputs_t outs = EPX_HT_DISPATCH_OUTPUTS_INIT;
         outs.num_recv_tokens_per_expert = epx_tensor_1d(rpe, EPX_DTYPE_INT32, L);
         CALL(epx_ht_dispatch(buf, &args, &outs));
@@ -381,11 +392,11 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
                                  K);
         rc |= ref_check_bits(rank, "view num_recv_tokens_per_expert", rpe, rv.per_expert, L, 4, L);
 
-        rc |= run_combine(buf, &p, rank, &rv, handle, rows, with_weights, bias0, bias1, seed ^ 0x766965ull,
-                          true);
+        rc |= run_combine(buf, &p, rank, &rv, handle, rows, with_weights, bias0, bias1, seed ^ 0x766965ull, 1,
+                          NULL);
         if (rc & 2) goto out;
         /* A second zero-copy combine on the same rows' place: peers must have let go of the first. */
-        rc |= run_combine(buf, &p, rank, &rv, handle, rows, false, !bias0, false, seed ^ 0x766966ull, true);
+        rc |= run_combine(buf, &p, rank, &rv, handle, rows, false, !bias0, false, seed ^ 0x766966ull, 1, NULL);
         if (rc & 2) goto out;
 
         if (it % 3 == 0) {
@@ -396,16 +407,53 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
             cargs.cached_handle = handle;
             cargs.num_worst_tokens = is_static ? W : 0;
             cargs.recv_in_buffer = 1;
+            cargs.view_area = (area + 1) % k_areas; /* another area: the first call's views stay */
             epx_ht_dispatch_outputs_t couts = EPX_HT_DISPATCH_OUTPUTS_INIT;
             CALL(epx_ht_dispatch(buf, &cargs, &couts));
-            CHECK(couts.recv_x.data && couts.recv_x.shape[0] >= N && couts.recv_topk_idx.data == NULL,
-                  "cached view outputs: recv_x %p rows %lld, recv_topk_idx %p", couts.recv_x.data,
-                  (long long)couts.recv_x.shape[0], couts.recv_topk_idx.data);
+            CHECK(couts.recv_x.data && couts.recv_x.shape[0] >= N && couts.recv_topk_idx.data == NULL &&
+                      couts.recv_x.data != outs.recv_x.data,
+                  "cached view outputs: recv_x %p rows %lld (first call's %p), recv_topk_idx %p",
+                  couts.recv_x.data, (long long)couts.recv_x.shape[0], outs.recv_x.data,
+                  couts.recv_topk_idx.data);
             if (rc) goto out;
             rc |= ref_check_bits(rank, "cached view recv_x", couts.recv_x.data, in2.e_x, N * H, esz, H);
             if (fp8)
                 rc |= ref_check_bits(rank, "cached view recv_x_scales", couts.recv_x_scales.data, in2.e_xs,
                                      N * SG, 4, SG);
+            rc |= ref_check_bits(rank, "first view recv_x after a dispatch into another area", outs.recv_x.data,
+                                 in.e_x, N * H, esz, H);
+            /* Combine reading the cached call's recv_x in place (x_in_buffer 2) on even ranks, the
+             * combine input (1) on odd ones. */
+            if (!fp8 && dtype == EPX_DTYPE_BF16) {
+                const int mode = rank % 2 == 0 ? 2 : 1;
+                rc |= run_combine(buf, &p, rank, &rv, handle, rows, with_weights, bias0, false,
+                                  seed ^ 0x766967ull, mode, &couts.recv_x);
+                if (rc & 2) goto out;
+            }
+        }
+
+        /* Bad view areas and an x_in_buffer 2 whose x is no dispatch view: refused on every rank. */
+        if (it == 1) {
+            epx_ht_dispatch_args_t bad = args;
+            bad.view_area = k_areas;
+            epx_ht_dispatch_outputs_t bouts = EPX_HT_DISPATCH_OUTPUTS_INIT;
+            epx_result_t r = epx_ht_dispatch(buf, &bad, &bouts);
+            CHECK(r == EPX_ERR_INVALID_ARG && strstr(epx_last_error_message(), "view_area"),
+                  "view_area %d: %s (%s), expected ERR_INVALID_ARG naming view_area", k_areas,
+                  epx_result_name(r), epx_last_error_message());
+            CHECK(bouts.handle == NULL && bouts.recv_x.data == NULL, "a refused dispatch wrote outputs");
+            uint16_t row[8] = {0};
+            epx_ht_combine_args_t cb = EPX_HT_COMBINE_ARGS_INIT;
+            cb.handle = handle;
+            cb.x = epx_tensor_2d(row, EPX_DTYPE_BF16, 1, H);
+            cb.x_in_buffer = 2;
+            epx_ht_combine_outputs_t cbo = EPX_HT_COMBINE_OUTPUTS_INIT;
+            uint16_t *cout = ref_arena_garbage(&a, sizeof(uint16_t) * (size_t)(p.T[rank] * H));
+            cbo.combined_x = epx_tensor_2d(cout, EPX_DTYPE_BF16, p.T[rank], H);
+            r = epx_ht_combine(buf, &cb, &cbo);
+            CHECK(r == EPX_ERR_INVALID_ARG && strstr(epx_last_error_message(), "x_in_buffer"),
+                  "x_in_buffer 2 with caller memory: %s (%s), expected ERR_INVALID_ARG naming x_in_buffer",
+                  epx_result_name(r), epx_last_error_message());
         }
 
         /* Caller memory with recv_in_buffer is refused on every rank (each fails its own checks). */
@@ -445,7 +493,8 @@ static int ht_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
         unsetenv("EPX_RANKS_PER_NVLINK_DOMAIN");
     }
     CALL(epx_params_reload());
-    const epx_buffer_config_t cfg = epx_test_buffer_config(hc->T_max, hc->H, hc->K, hc->E, EPX_MODE_HT);
+    epx_buffer_config_t cfg = epx_test_buffer_config(hc->T_max, hc->H, hc->K, hc->E, EPX_MODE_HT);
+    cfg.num_view_areas = k_areas;
     if (ref_session_open(id, rank, nranks, &cfg, &s)) return 2;
     epx_topology_t topo;
     CALL(epx_comm_get_topology(s.comm, &topo));
