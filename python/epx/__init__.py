@@ -49,10 +49,11 @@ from ._epx import (  # noqa: F401  (re-exported)
 __all__ = [
     "Buffer", "Comm", "EpxError", "get_unique_id", "version", "Handle", "LLHandle", "Hook", "Layout",
     "DispatchOutput", "CombineOutput", "LLDispatchOutput", "LLCombineOutput", "RoutingDispatchOutput",
-    "bf16_to_float32", "float32_to_bf16", "StaleViewError",
+    "bf16_to_float32", "float32_to_bf16", "StaleViewError", "DEFAULT_VIEWS", "MAX_VIEW_AREAS",
 ]
 
 __version__ = _epx.version()
+MAX_VIEW_AREAS = _epx.MAX_VIEW_AREAS
 
 
 def version():
@@ -164,7 +165,20 @@ def _copy_rows(dst, src, stream):
             dst.copy_(src)
 
 
-_epx._set_helpers(StaleViewError, _copy_rows)
+def _own_copy(a, stream):
+    """A copy of ``a`` of its own (numpy's copy, torch's clone) ordered on ``stream`` (None: torch's current
+    one): the outputs of a pooled dispatch into the spare area."""
+    if not hasattr(a, "clone"):
+        return a.copy()
+    if stream is None or a.device.type != "cuda":
+        return a.clone()
+    import torch
+
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=a.device)):
+        return a.clone()
+
+
+_epx._set_helpers(StaleViewError, _copy_rows, _own_copy)
 
 # ---------------------------------------------------------------------------------------- comm
 
@@ -259,28 +273,39 @@ def _mask(value, table, what):
     return mask
 
 
+# What Buffer(views=None) gives: False, True or "pooled" (see the package docstring).
+DEFAULT_VIEWS = False
+
+
 class Buffer(_epx.Buffer):
     """A communication buffer, collective to create.
 
     Buffer(comm, max_tokens, hidden, num_topk, num_experts, modes="all", dispatch_dtypes=None,
-           max_pad_multiple=0, num_sms=0, chunk_tokens=0, views=False)
+           max_pad_multiple=0, num_sms=0, chunk_tokens=0, views=None, view_areas=0)
 
     modes: "all" or any of "ht", "ll", "permute" (a string, a list of them, or EPX_MODE_* bits).
     dispatch_dtypes: dtypes of x allowed in dispatch, any of "bf16", "fp32", "fp8" (default all
     three; fp8 needs hidden % 128 == 0). Every rank must pass the same values.
-    views: HT dispatch outputs are views of the buffer's memory, and combine reads x from the buffer's
-    combine input (copying it there unless it is combine_input(handle)): one pass over the bytes each.
-    False (the default): outputs of their own and combine reads x where it is (two passes). Lifetimes: see the
-    package docstring. destroy() with views still alive frees the buffer when the last one goes.
+    views: what HT dispatch returns (None: epx.DEFAULT_VIEWS, which is False). False: outputs of their
+    own, and combine reads x where it is (two passes over the bytes each). True: views of the buffer's
+    memory, valid until the next dispatch into their view area. "pooled": views that no dispatch reuses
+    while they are alive, so they behave as outputs of their own; when every other area is held, a
+    dispatch goes to a spare one and returns copies. With True and "pooled", combine reads x from the
+    buffer (one pass): where the dispatch put it when x is its recv_x, else from the combine input (x
+    copied there unless it is combine_input(handle)).
+    view_areas: areas for the views, 1 to MAX_VIEW_AREAS (8), each R * max_tokens rows of x, scales,
+    ids and weights; 0: 3 for "pooled", else 1. Every rank must pass the same values.
+    Lifetimes and costs: see the package docstring. destroy() with views still alive frees the buffer
+    when the last one goes.
 
     Methods (see each docstring): get_dispatch_layout, dispatch, combine, combine_input, ll_dispatch,
     ll_combine, get_combine_buffer, rm_dispatch, rm_combine, query_overflow, destroy."""
 
     def __init__(self, comm, max_tokens, hidden, num_topk, num_experts, modes="all", dispatch_dtypes=None,
-                 max_pad_multiple=0, num_sms=0, chunk_tokens=0, views=False):
+                 max_pad_multiple=0, num_sms=0, chunk_tokens=0, views=None, view_areas=0):
         super().__init__(comm, max_tokens, hidden, num_topk, num_experts, _mask(modes, _MODES, "mode"),
                          _mask(dispatch_dtypes, _DTYPES, "dtype"), max_pad_multiple, num_sms, chunk_tokens,
-                         views)
+                         DEFAULT_VIEWS if views is None else views, view_areas)
 
     def __enter__(self):
         return self
