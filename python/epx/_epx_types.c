@@ -259,6 +259,7 @@ static PyObject *buffer_get(BufferObject *self, void *field)
     if (!strcmp(f, "destroyed")) return PyBool_FromLong(self->buf == NULL || self->destroy_pending);
     if (!strcmp(f, "views")) return py_views_value(self->views);
     if (!strcmp(f, "view_areas")) return PyLong_FromLong(self->num_areas);
+    if (!strcmp(f, "_views_alive")) return PyLong_FromLong(py_views_alive(self));
     if (!strcmp(f, "_combines_by_source")) {
         const uint64_t *n = self->combines_by_source;
         return Py_BuildValue("(KKK)", (unsigned long long)n[0], (unsigned long long)n[1],
@@ -283,6 +284,8 @@ static PyGetSetDef buffer_getset[] = {
      "views"},
     {"view_areas", (getter)buffer_get, NULL, "View areas of the HT dispatch outputs, R * T_max rows each.",
      "view_areas"},
+    {"_views_alive", (getter)buffer_get, NULL, "Internal: views of the buffer's memory still referenced.",
+     "_views_alive"},
     {"_combines_by_source", (getter)buffer_get, NULL,
      "Internal: HT combines made, by how they took x (x_in_buffer 0, 1, 2).", "_combines_by_source"},
     {"_collective_calls", (getter)buffer_get, NULL,
