@@ -11,17 +11,43 @@ bf16 bit patterns; fp8 e4m3 is ``torch.float8_e4m3fn`` or a ``uint8`` array wher
 Streams: for cuda tensors every call runs on torch's current stream unless ``stream=`` (a
 ``cudaStream_t`` as int) is given; the host backend runs synchronously.
 
-Views (``Buffer(views=True)``, an opt-in for code that consumes outputs before the next call, as MoE
-layers do; the default keeps outputs of their own): HT dispatch returns recv_x, recv_x_scales, recv_topk_idx
-(int32) and recv_topk_weights as views of the buffer's memory, written once by the dispatch, valid
-until the next HT or routing-map dispatch on the buffer (whatever its outcome). ``combine_input(handle)``
-is the buffer's combine input, valid until the next HT or routing-map combine or ``combine_input()`` of
-another handle; a combine given that array reads it where it is, and any other x is first copied into
-it. A view passed to a call after its validity raises ``StaleViewError`` (always for numpy arrays; for
-torch tensors when no view of the area's current generation is alive), and a dispatch refuses inputs
-that lie in its own outputs' memory. Keep a copy (``.clone()``, ``.copy()``) of outputs that must
-outlive the next dispatch, e.g. ones autograd saves, or make the buffer with ``views=False``: outputs
-are then new arrays of their own, as is every output of the other calls.
+HT dispatch outputs (``Buffer(views=...)``; ``views=None`` takes ``epx.DEFAULT_VIEWS``, now ``False``):
+
+- ``views=False``: recv_x, recv_x_scales, recv_topk_idx (in topk_idx's dtype) and recv_topk_weights are
+  new arrays of their own, valid for as long as the caller holds them; combine reads x where it is. Two
+  passes over the bytes per call (the library's buffer, then the caller's arrays).
+- ``views="pooled"``: the outputs (recv_topk_idx int32) are views of one of the buffer's view areas, and
+  still behave as memory of the caller's: no dispatch reuses an area while any array over it is alive (a
+  torch tensor made through DLPack, a numpy array over the buffer protocol, or any slice or view of
+  them). A dispatch goes to the first of areas 0..N-2 that nothing points into; when every one is held,
+  it goes to the last area, the spare, and returns copies of its outputs (torch: ``clone()`` on the
+  call's stream; numpy: ``copy()``), so no view of the spare is ever handed out. One pass over the bytes
+  while areas are free, two when every area is held. On cuda, reuse is ordered on the dispatch's stream,
+  as with torch's caching allocator: work on another stream that reads an output must be ordered before
+  that stream (an event, ``wait_stream``) before the caller drops the output (``record_stream`` does not
+  protect these tensors).
+- ``views=True``: the outputs are views valid until a later dispatch reuses their area: a dispatch takes
+  an area without alive views (current or stale) if there is one, else the least recently used, whose
+  views become stale (with one area, the next view dispatch). For code that consumes the outputs before
+  its next call, as MoE layers do; keep a copy (``.clone()``, ``.copy()``) of what must outlive that, e.g.
+  outputs autograd saves.
+
+``view_areas``: N areas, 1 to ``MAX_VIEW_AREAS`` (8); 0 gives 3 for "pooled" (two pooled and the spare)
+and 1 otherwise. Each area holds R * max_tokens rows of x (in the widest of dispatch_dtypes), its fp8
+scales, K int32 ids and K float32 weights: about 450 MiB with R = 8, max_tokens = 4096, H = 7168, K = 8
+and bf16. On cuda the areas are allocated with the buffer; the host backend allocates an area when a
+dispatch first uses it. Routing-map dispatches, LL calls and dispatches without views leave the areas
+alone.
+
+Combine on a buffer with views (True or "pooled") reads x from the library's buffer in one pass: a live
+recv_x of a dispatch made with the handle, passed whole (bf16), is read where the dispatch put it;
+``combine_input(handle)`` (the buffer's combine input: write the expert outputs into it; valid until the
+next HT or routing-map combine or ``combine_input()`` of another handle) is read where it is, on any
+buffer; any other x is first copied into the combine input. Writing the expert outputs over recv_x and
+passing it back is the cheapest way. A view passed to a call after its area was reused raises
+``StaleViewError`` (always for numpy arrays; for torch tensors when no view of the area's current
+generation is alive), and a dispatch refuses inputs that lie in the area it is about to write.
+``destroy()`` with views alive frees the buffer when the last one goes.
 
 Library failures raise ``EpxError`` subclasses carrying the library's message (``.message``), the
 result name (``.result``, e.g. ``"ERR_INVALID_ARG"``) and its code (``.code``). A collective call that
@@ -49,10 +75,11 @@ from ._epx import (  # noqa: F401  (re-exported)
 __all__ = [
     "Buffer", "Comm", "EpxError", "get_unique_id", "version", "Handle", "LLHandle", "Hook", "Layout",
     "DispatchOutput", "CombineOutput", "LLDispatchOutput", "LLCombineOutput", "RoutingDispatchOutput",
-    "bf16_to_float32", "float32_to_bf16", "StaleViewError",
+    "bf16_to_float32", "float32_to_bf16", "StaleViewError", "DEFAULT_VIEWS", "MAX_VIEW_AREAS",
 ]
 
 __version__ = _epx.version()
+MAX_VIEW_AREAS = _epx.MAX_VIEW_AREAS
 
 
 def version():
@@ -164,7 +191,20 @@ def _copy_rows(dst, src, stream):
             dst.copy_(src)
 
 
-_epx._set_helpers(StaleViewError, _copy_rows)
+def _own_copy(a, stream):
+    """A copy of ``a`` of its own (numpy's copy, torch's clone) ordered on ``stream`` (None: torch's current
+    one): the outputs of a pooled dispatch into the spare area."""
+    if not hasattr(a, "clone"):
+        return a.copy()
+    if stream is None or a.device.type != "cuda":
+        return a.clone()
+    import torch
+
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=a.device)):
+        return a.clone()
+
+
+_epx._set_helpers(StaleViewError, _copy_rows, _own_copy)
 
 # ---------------------------------------------------------------------------------------- comm
 
@@ -259,28 +299,39 @@ def _mask(value, table, what):
     return mask
 
 
+# What Buffer(views=None) gives, read when a buffer is made: False, True or "pooled" (package docstring).
+DEFAULT_VIEWS = False
+
+
 class Buffer(_epx.Buffer):
     """A communication buffer, collective to create.
 
     Buffer(comm, max_tokens, hidden, num_topk, num_experts, modes="all", dispatch_dtypes=None,
-           max_pad_multiple=0, num_sms=0, chunk_tokens=0, views=False)
+           max_pad_multiple=0, num_sms=0, chunk_tokens=0, views=None, view_areas=0)
 
     modes: "all" or any of "ht", "ll", "permute" (a string, a list of them, or EPX_MODE_* bits).
     dispatch_dtypes: dtypes of x allowed in dispatch, any of "bf16", "fp32", "fp8" (default all
     three; fp8 needs hidden % 128 == 0). Every rank must pass the same values.
-    views: HT dispatch outputs are views of the buffer's memory, and combine reads x from the buffer's
-    combine input (copying it there unless it is combine_input(handle)): one pass over the bytes each.
-    False (the default): outputs of their own and combine reads x where it is (two passes). Lifetimes: see the
-    package docstring. destroy() with views still alive frees the buffer when the last one goes.
+    views: what HT dispatch returns (None: epx.DEFAULT_VIEWS, which is False). False: outputs of their
+    own, and combine reads x where it is (two passes over the bytes each). True: views of the buffer's
+    memory, valid until the next dispatch into their view area. "pooled": views that no dispatch reuses
+    while they are alive, so they behave as outputs of their own; when every other area is held, a
+    dispatch goes to a spare one and returns copies. With True and "pooled", combine reads x from the
+    buffer (one pass): where the dispatch put it when x is its recv_x, else from the combine input (x
+    copied there unless it is combine_input(handle)).
+    view_areas: areas for the views, 1 to MAX_VIEW_AREAS (8), each R * max_tokens rows of x, scales,
+    ids and weights; 0: 3 for "pooled", else 1. Every rank must pass the same values.
+    Lifetimes and costs: see the package docstring. destroy() with views still alive frees the buffer
+    when the last one goes.
 
     Methods (see each docstring): get_dispatch_layout, dispatch, combine, combine_input, ll_dispatch,
     ll_combine, get_combine_buffer, rm_dispatch, rm_combine, query_overflow, destroy."""
 
     def __init__(self, comm, max_tokens, hidden, num_topk, num_experts, modes="all", dispatch_dtypes=None,
-                 max_pad_multiple=0, num_sms=0, chunk_tokens=0, views=False):
+                 max_pad_multiple=0, num_sms=0, chunk_tokens=0, views=None, view_areas=0):
         super().__init__(comm, max_tokens, hidden, num_topk, num_experts, _mask(modes, _MODES, "mode"),
                          _mask(dispatch_dtypes, _DTYPES, "dtype"), max_pad_multiple, num_sms, chunk_tokens,
-                         views)
+                         DEFAULT_VIEWS if views is None else views, view_areas)
 
     def __enter__(self):
         return self

@@ -148,15 +148,17 @@ static PyObject *mod_set_error_classes(PyObject *mod, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* _set_helpers(StaleViewError, copy_rows): what the package defines for the binding. */
+/* _set_helpers(StaleViewError, copy_rows, own_copy): what the package defines for the binding. */
 static PyObject *mod_set_helpers(PyObject *mod, PyObject *args)
 {
-    PyObject *stale, *copy_rows;
-    if (!PyArg_ParseTuple(args, "OO", &stale, &copy_rows)) return NULL;
+    PyObject *stale, *copy_rows, *own_copy;
+    if (!PyArg_ParseTuple(args, "OOO", &stale, &copy_rows, &own_copy)) return NULL;
     Py_INCREF(stale);
     Py_XSETREF(py_state.stale_view_error, stale);
     Py_INCREF(copy_rows);
     Py_XSETREF(py_state.copy_rows, copy_rows);
+    Py_INCREF(own_copy);
+    Py_XSETREF(py_state.own_copy, own_copy);
     Py_RETURN_NONE;
 }
 
@@ -170,7 +172,7 @@ static PyMethodDef module_methods[] = {
      "Internal: use Comm.from_callbacks or Comm.from_torch."},
     {"_refresh_torch", mod_refresh_torch, METH_NOARGS, "Internal: pick up torch once it is imported."},
     {"_set_error_classes", mod_set_error_classes, METH_VARARGS, "Internal: the EpxError hierarchy."},
-    {"_set_helpers", mod_set_helpers, METH_VARARGS, "Internal: StaleViewError and the device row copy."},
+    {"_set_helpers", mod_set_helpers, METH_VARARGS, "Internal: StaleViewError and the copies through torch."},
     {"_bench_ll_dispatch_c", py_bench_ll_dispatch_c, METH_VARARGS,
      "Internal: median microseconds of epx_ll_dispatch called from C."},
     {NULL},
@@ -216,6 +218,7 @@ PyMODINIT_FUNC PyInit__epx(void)
         PyModule_AddIntConstant(m, "MODE_PERMUTE", EPX_MODE_PERMUTE) ||
         PyModule_AddIntConstant(m, "MODE_ALL", EPX_MODE_ALL) ||
         PyModule_AddIntConstant(m, "UNIQUE_ID_BYTES", EPX_UNIQUE_ID_BYTES) ||
+        PyModule_AddIntConstant(m, "MAX_VIEW_AREAS", EPX_MAX_VIEW_AREAS) ||
         PyModule_AddIntConstant(m, "COLLECTIVE_HT_DISPATCH", EPX_COLLECTIVE_HT_DISPATCH) ||
         PyModule_AddIntConstant(m, "COLLECTIVE_HT_COMBINE", EPX_COLLECTIVE_HT_COMBINE) ||
         PyModule_AddIntConstant(m, "COLLECTIVE_LL_DISPATCH", EPX_COLLECTIVE_LL_DISPATCH) ||

@@ -69,6 +69,7 @@ typedef struct {
     PyObject *torch_from_dlpack; /* torch._C._from_dlpack, else torch.from_dlpack */
     PyObject *stale_view_error;  /* epx.StaleViewError */
     PyObject *copy_rows;         /* epx._copy_rows(dst, src, stream): device copies through torch */
+    PyObject *own_copy;          /* epx._own_copy(a, stream): a copy of its own (numpy copy, torch clone) */
 } py_state_t;
 
 extern py_state_t py_state;
@@ -99,6 +100,14 @@ typedef struct {
     int count;
 } keep_t;
 
+/* A tensor argument: the object (None or NULL = absent), its name in errors, its dtype hint. */
+typedef struct {
+    PyObject *obj;
+    const char *name;
+    int hint;
+    epx_tensor_t *t;
+} tensor_in_t;
+
 /* What every tensor of one call shares: the framework and device of its reference tensor. */
 typedef struct {
     int fw;
@@ -118,15 +127,28 @@ typedef struct {
  * dispatch outputs (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights) and the HT combine input. */
 enum { VIEW_PLAIN = 0, VIEW_RECV = 1, VIEW_CIN = 2 };
 
-/* One area of a buffer's memory that the binding returns views of. Every call that reuses the area
- * starts a new generation; views of earlier generations are stale. */
+/* What a buffer's HT dispatch returns (Buffer(views=...)): outputs of their own, views valid until the
+ * next dispatch into their area, or views that no dispatch reuses while they are alive. */
+enum { VIEWS_OFF = 0, VIEWS_ON = 1, VIEWS_POOLED = 2 };
+
+/* One area of a buffer's memory that the binding returns views of: a view area of the dispatch outputs
+ * (epx_ht_dispatch_args_t.view_area) or the combine input. Every call that reuses the area starts a new
+ * generation; views of earlier generations are stale. */
 typedef struct {
     uint64_t gen;
     int live;            /* View objects of the current generation still referenced */
     int stale;           /* View objects of earlier generations still referenced */
     const char *lo, *hi; /* bytes the views of the area cover (stale ones included) */
     epx_handle_t handle; /* VIEW_CIN: the handle the current rows belong to (compared, never used) */
-    int64_t rows;        /* VIEW_CIN: the rows of the current view */
+    int64_t rows;        /* rows of the current combine input, or of the latest recv_x */
+    /* VIEW_RECV: the latest dispatch into the area (x NULL: none usable), for a combine that reads its
+     * recv_x there (x_in_buffer = 2); when the area was last used (least recently used goes first); the
+     * widest dtype dispatched into it (host: its array's size). */
+    const void *x;
+    epx_dtype_t dtype;
+    uint64_t handle_id;
+    uint64_t used;
+    size_t elem_max;
 } area_t;
 
 typedef struct {
@@ -148,10 +170,13 @@ typedef struct {
     int32_t R, L;
     int live_handles;
     uint64_t collective_calls; /* collective calls (made or refused) this binding passed to the library */
-    int views;                 /* HT dispatch outputs are views by default (Buffer(views=True)) */
+    int views;                 /* VIEWS_*: what HT dispatch returns unless a call says otherwise */
+    int num_areas;             /* view areas of the dispatch outputs (config.num_view_areas) */
     int destroy_pending;       /* destroy() ran while views were alive: freed with the last one */
-    size_t view_elem_max;      /* widest dtype dispatched in view mode (host: the view array's size) */
-    area_t recv, cin;          /* VIEW_RECV and VIEW_CIN */
+    uint64_t handles_made;     /* numbers the HT handles (HandleObject.id) */
+    uint64_t area_clock;       /* view-mode dispatches made (area_t.used) */
+    uint64_t combines_by_source[3];       /* HT combines made, by x_in_buffer (0, 1, 2) */
+    area_t recv[EPX_MAX_VIEW_AREAS], cin; /* VIEW_RECV areas and VIEW_CIN */
     PyObject *weakrefs;
     PyObject *dict;
 } BufferObject;
@@ -161,7 +186,8 @@ typedef struct {
     BufferObject *buffer;
     int kind; /* HANDLE_HT or HANDLE_RM */
     int permute;
-    int fw; /* framework of the dispatch: its combine input view is one of that framework */
+    int fw;      /* framework of the dispatch: its combine input view is one of that framework */
+    uint64_t id; /* the buffer's number for it (a freed handle's address may come back) */
     int64_t num_tokens;
     int64_t hidden;
 } HandleObject;
@@ -183,6 +209,7 @@ typedef struct {
     PyObject_HEAD epx_tensor_t t;
     BufferObject *owner;
     int kind;            /* VIEW_* */
+    area_t *area;        /* the owner's area it lies in (NULL: VIEW_PLAIN) */
     uint64_t gen;        /* generation of its area when made */
     epx_handle_t handle; /* VIEW_CIN: the handle it was made for */
 } ViewObject;
@@ -277,25 +304,39 @@ int py_add_result_types(PyObject *m);
 /* Where a tensor passed in lies among a buffer's views (py_view_classify). */
 enum { AT_NONE = 0, AT_RECV, AT_RECV_STALE, AT_CIN, AT_CIN_STALE };
 
+/* The VIEWS_* of `obj` (False, True or "pooled"). */
+int py_views_mode(PyObject *obj, int *mode_out);
+/* The value Buffer.views shows for a VIEWS_* mode. */
+PyObject *py_views_value(int mode);
 /* Library memory `t` of `buffer` as an array of framework `fw` (numpy, or torch on t's device) over a
- * new View of `kind`, counted in its area. */
-PyObject *py_view_export(BufferObject *buffer, const epx_tensor_t *t, int kind, epx_handle_t handle, int fw);
-/* A call is about to reuse the area of `kind`: its views so far become stale. */
-void py_area_reuse(BufferObject *buffer, int kind);
-/* The views just returned over the area of `kind`: the bytes they cover. */
-void py_area_returned(BufferObject *buffer, int kind, const epx_tensor_t *views, int n);
-/* Which of `buffer`'s views the tensor `t` (imported from `obj`) is; *handle_out: a VIEW_CIN view's
- * handle. */
-int py_view_classify(BufferObject *buffer, PyObject *obj, const epx_tensor_t *t, epx_handle_t *handle_out);
-/* Raises epx.StaleViewError naming `name`; returns -1. */
-int py_raise_stale(const char *name, const char *what);
+ * new View counted in `area` (NULL: untracked). */
+PyObject *py_view_export(BufferObject *buffer, const epx_tensor_t *t, area_t *area, epx_handle_t handle,
+                         int fw);
+/* A call is about to reuse `area`: its views so far become stale. */
+void py_area_reuse(area_t *area);
+/* The views just returned over `area`: the bytes they cover. */
+void py_area_returned(area_t *area, const epx_tensor_t *views, int n);
+/* Which of `buffer`'s views the tensor `t` (imported from `obj`) is; *area_out: the area it lies in;
+ * *handle_out: a VIEW_CIN view's handle. */
+int py_view_classify(BufferObject *buffer, PyObject *obj, const epx_tensor_t *t, area_t **area_out,
+                     epx_handle_t *handle_out);
 /* HT views of the buffer still referenced (its destroy waits for them). */
 int py_views_alive(const BufferObject *buffer);
-/* Whether an HT dispatch with `views_obj` (None: the buffer's setting) and this x returns views. */
-int py_dispatch_views(BufferObject *buffer, PyObject *views_obj, const epx_tensor_t *x, int64_t num_worst);
-/* Copies x's first rows into the combine input of `h` (the view combine reads them there). */
-int py_stage_combine_input(BufferObject *buffer, HandleObject *h, PyObject *x_obj, const epx_tensor_t *x,
-                           PyObject *stream_obj);
+/* The view area an HT dispatch with `views_obj` (None: the buffer's mode) and this x writes, or NULL
+ * for outputs of their own; *copy_out: the area is the pooled spare, whose outputs the call copies. */
+int py_dispatch_area(BufferObject *buffer, PyObject *views_obj, const epx_tensor_t *x, int64_t num_worst,
+                     area_t **area_out, int *copy_out);
+/* Refuses a tensor of `in` that is a stale view of the buffer, or one that lies in `rewritten` (the
+ * area the call is about to write; NULL: none). */
+int py_check_views_in(BufferObject *buffer, const tensor_in_t *in, int n, const area_t *rewritten);
+/* How an HT combine takes x (in[0]; in[1..n-1]: its other tensors): where it is (x_in_buffer 0), from
+ * the combine input (1: x is combine_input(handle), else copied there on buffers with views), or as the
+ * handle's dispatch view (2). Refuses stale views. */
+int py_combine_source(BufferObject *buffer, HandleObject *h, const tensor_in_t *in, int n,
+                      epx_ht_combine_args_t *a, PyObject *stream_obj);
+/* Replaces each of the `n` arrays in `items` (NULL: absent) by a copy of its own, ordered on the call's
+ * stream. */
+int py_own_copies(PyObject **items, int n, PyObject *stream_obj);
 /* Buffer.combine_input(handle). */
 PyObject *py_buffer_combine_input(BufferObject *self, PyObject *args, PyObject *kwargs);
 /* Frees the library buffer now (and the communicator when its destroy was waiting for it). */

@@ -25,14 +25,6 @@ typedef struct {
     PyObject *items[MAX_ITEMS];
 } call_t;
 
-/* A tensor argument: the object (None or NULL = absent), its name in errors, its dtype hint. */
-typedef struct {
-    PyObject *obj;
-    const char *name;
-    int hint;
-    epx_tensor_t *t;
-} tensor_in_t;
-
 /* An output, allocated when `when` holds, into the result slot of its index in the table. */
 typedef struct {
     int when;
@@ -137,40 +129,23 @@ static int ht_dispatch_rows(BufferObject *self, HandleObject *cached, int64_t nu
     return 0;
 }
 
-/* Refuses a tensor that is a stale view of the buffer, and (`rewritten`) one that lies in the dispatch
- * outputs' memory, which the call is about to rewrite. */
-static int check_views_in(BufferObject *self, const tensor_in_t *in, int n, int rewritten)
-{
-    for (int i = 0; i < n; i++) {
-        epx_handle_t vh;
-        const int at = py_view_classify(self, in[i].obj, in[i].t, &vh);
-        if (at == AT_RECV_STALE || at == AT_CIN_STALE)
-            return py_raise_stale(in[i].name, at == AT_RECV_STALE ? "dispatch outputs" : "a combine input");
-        if (rewritten && at == AT_RECV) {
-            py_raise_invalid("%s is a view of this buffer's dispatch outputs, which this dispatch rewrites; "
-                             "pass a copy",
-                             in[i].name);
-            return -1;
-        }
-    }
-    return 0;
-}
-
-/* The outputs of a view-mode dispatch as arrays over the buffer (slots 0-3), and N_r (slot 6). */
+/* The outputs of a view-mode dispatch into `area` as arrays over the buffer (slots 0-3), or copies of
+ * them (the pooled spare). */
 static int dispatch_export_views(BufferObject *self, call_t *c, const epx_ht_dispatch_outputs_t *o,
-                                 int cached)
+                                 HandleObject *h, area_t *area, int copy, PyObject *stream_obj)
 {
     const epx_tensor_t views[] = {o->recv_x, o->recv_x_scales, o->recv_topk_idx, o->recv_topk_weights};
-    for (int i = 0; i < COUNT(views); i++)
-        if (views[i].data && !(c->items[i] = py_view_export(self, &views[i], VIEW_RECV, NULL, c->ctx.fw)))
-            return -1;
-    py_area_returned(self, VIEW_RECV, views, COUNT(views));
+    area->x = o->recv_x.data;
+    area->dtype = o->recv_x.dtype;
+    area->rows = o->recv_x.shape[0];
+    area->handle_id = h->id;
     const size_t elem = epx_dtype_size(o->recv_x.dtype);
-    if (elem > self->view_elem_max) self->view_elem_max = elem;
-    /* A cached dispatch reports its rows (N_r, or the bound), as the caller-owned path does. */
-    const int64_t n = cached ? o->recv_x.shape[0] : o->num_recv_tokens_host;
-    c->items[6] = PyLong_FromLongLong(n);
-    return c->items[6] ? 0 : -1;
+    if (elem > area->elem_max) area->elem_max = elem;
+    for (int i = 0; i < COUNT(views); i++)
+        if (views[i].data && !(c->items[i] = py_view_export(self, &views[i], area, NULL, c->ctx.fw)))
+            return -1;
+    py_area_returned(area, views, COUNT(views));
+    return copy ? py_own_copies(c->items, COUNT(views), stream_obj) : 0;
 }
 
 COLLECTIVE_METHOD(buffer_dispatch, EPX_COLLECTIVE_HT_DISPATCH)
@@ -214,13 +189,17 @@ COLLECTIVE_METHOD(buffer_dispatch, EPX_COLLECTIVE_HT_DISPATCH)
         {weights_obj, "topk_weights", HINT_NONE, &a.topk_weights},
     };
     if (call_open(&c, 8, x_obj, stream_obj, in, COUNT(in), &a.stream) != 0) return call_fail(&c);
-    if (check_views_in(self, in, COUNT(in), 1) != 0) return call_fail(&c);
-    const int views = py_dispatch_views(self, views_obj, &a.x, num_worst);
-    if (views < 0) return call_fail(&c);
+    area_t *area;
+    int copy;
+    if (py_dispatch_area(self, views_obj, &a.x, num_worst, &area, &copy) != 0 ||
+        py_check_views_in(self, in, COUNT(in), area) != 0)
+        return call_fail(&c);
+    const int views = area != NULL;
     a.cached_handle = cached ? cached->handle : NULL;
     a.expert_alignment = expert_alignment;
     a.num_worst_tokens = num_worst;
     a.recv_in_buffer = views;
+    a.view_area = views ? (int32_t)(area - self->recv) : 0;
     int64_t H = self->cfg.hidden, K = self->cfg.num_topk, L = self->L, cap = 0;
     if (!views && ht_dispatch_rows(self, cached, num_worst, &cap) != 0) return call_fail(&c);
     epx_dtype_t xd = a.x.dtype == EPX_DTYPE_INVALID ? EPX_DTYPE_BF16 : a.x.dtype;
@@ -247,59 +226,31 @@ COLLECTIVE_METHOD(buffer_dispatch, EPX_COLLECTIVE_HT_DISPATCH)
     if (call_alloc(&c, outs, COUNT(outs)) != 0) return call_fail(&c);
     epx_result_t res;
     COLLECTIVE_CALL(self, res = epx_ht_dispatch(self->buf, &a, &o));
-    py_area_reuse(self, VIEW_RECV); /* whatever the outcome: the call may have written there */
+    if (views) {
+        py_area_reuse(area); /* whatever the outcome: the call may have written there */
+        area->used = ++self->area_clock;
+    }
     if (call_end(&c, res) != 0) return NULL;
+    HandleObject *h = cached;
     if (cached) {
         Py_INCREF(cached);
-        c.items[5] = (PyObject *)cached;
     } else {
-        HandleObject *h = py_handle_new(self, o.handle, HANDLE_HT, 0, a.x.shape[0]);
+        h = py_handle_new(self, o.handle, HANDLE_HT, 0, a.x.shape[0]);
         if (!h) return call_fail(&c);
         h->fw = c.ctx.fw;
-        c.items[5] = (PyObject *)h;
     }
+    c.items[5] = (PyObject *)h;
+    /* A cached dispatch reports its rows (N_r, or the bound). */
+    c.items[6] = PyLong_FromLongLong(!cached ? o.num_recv_tokens_host : views ? o.recv_x.shape[0] : cap);
+    if (!c.items[6]) return call_fail(&c);
     if (views) {
-        if (dispatch_export_views(self, &c, &o, cached != NULL) != 0) return call_fail(&c);
+        if (dispatch_export_views(self, &c, &o, h, area, copy, stream_obj) != 0) return call_fail(&c);
         return call_result(&c, py_ht_dispatch_type);
     }
-    c.items[6] = PyLong_FromLongLong(cached ? cap : o.num_recv_tokens_host);
-    if (!c.items[6]) return call_fail(&c);
     if (num_worst <= 0 && !cached)
         for (int i = 0; i < 4; i++)
             if (py_slice_rows(&c.items[i], o.num_recv_tokens_host, cap) != 0) return call_fail(&c);
     return call_result(&c, py_ht_dispatch_type);
-}
-
-/* How combine takes x: the handle's combine input as it is (x_in_buffer), x copied there first (buffers
- * with views), or x itself. Stale views are refused. */
-static int combine_source(BufferObject *self, HandleObject *h, const tensor_in_t *in, int n,
-                          epx_ht_combine_args_t *a, PyObject *stream_obj)
-{
-    if (check_views_in(self, in + 1, n - 1, 0) != 0) return -1;
-    epx_handle_t vh;
-    const int at = py_view_classify(self, in[0].obj, &a->x, &vh);
-    if (at == AT_RECV_STALE || at == AT_CIN_STALE)
-        return py_raise_stale("x", at == AT_RECV_STALE ? "dispatch outputs" : "a combine input");
-    if (at == AT_CIN) {
-        if (vh != h->handle) {
-            py_raise_invalid("x is the combine input of another handle; get this handle's with "
-                             "combine_input(handle)");
-            return -1;
-        }
-        const int64_t H = self->cfg.hidden;
-        if ((const char *)a->x.data != self->cin.lo || a->x.ndim != 2 || a->x.shape[0] != self->cin.rows ||
-            a->x.shape[1] != H || a->x.strides[0] || a->x.strides[1] || a->x.dtype != EPX_DTYPE_BF16) {
-            py_raise_invalid("x is part of the handle's combine input; pass combine_input(handle) whole");
-            return -1;
-        }
-    } else if (self->views) {
-        if (py_stage_combine_input(self, h, in[0].obj, &a->x, stream_obj) != 0) return -1;
-    } else {
-        return 0;
-    }
-    a->x_in_buffer = 1;
-    memset(&a->x, 0, sizeof(a->x));
-    return 0;
 }
 
 COLLECTIVE_METHOD(buffer_combine, EPX_COLLECTIVE_HT_COMBINE)
@@ -322,7 +273,7 @@ COLLECTIVE_METHOD(buffer_combine, EPX_COLLECTIVE_HT_COMBINE)
         {b1, "bias1", HINT_NONE, &a.bias1},
     };
     if (call_open(&c, 2, x_obj, stream_obj, in, COUNT(in), &a.stream) != 0) return call_fail(&c);
-    if (combine_source(self, h, in, COUNT(in), &a, stream_obj) != 0) return call_fail(&c);
+    if (py_combine_source(self, h, in, COUNT(in), &a, stream_obj) != 0) return call_fail(&c);
     int64_t T = h->num_tokens, H = self->cfg.hidden, K = self->cfg.num_topk;
     const tensor_out_t outs[] = {
         {1, EPX_DTYPE_BF16, 2, {T, H}, "combined_x", &o.combined_x},
@@ -336,8 +287,9 @@ COLLECTIVE_METHOD(buffer_combine, EPX_COLLECTIVE_HT_COMBINE)
     if (call_alloc(&c, outs, COUNT(outs)) != 0) return call_fail(&c);
     epx_result_t res;
     COLLECTIVE_CALL(self, res = epx_ht_combine(self->buf, &a, &o));
-    py_area_reuse(self, VIEW_CIN);
+    py_area_reuse(&self->cin);
     if (call_end(&c, res) != 0) return NULL;
+    self->combines_by_source[a.x_in_buffer]++;
     return call_result(&c, py_ht_combine_type);
 }
 
@@ -415,7 +367,7 @@ static PyObject *buffer_get_combine_buffer(BufferObject *self, PyObject *args, P
     epx_result_t res;
     WITHOUT_GIL(res = epx_ll_get_combine_buffer(self->buf, &h->h, &t));
     if (res != EPX_SUCCESS) return py_raise_epx(res);
-    return py_view_export(self, &t, VIEW_PLAIN, NULL, h->fw);
+    return py_view_export(self, &t, NULL, NULL, h->fw);
 }
 
 COLLECTIVE_METHOD(buffer_ll_combine, EPX_COLLECTIVE_LL_COMBINE)
@@ -514,7 +466,7 @@ COLLECTIVE_METHOD(buffer_rm_dispatch, EPX_COLLECTIVE_RM_DISPATCH)
         {probs_obj, "probs", HINT_NONE, &a.probs},
     };
     if (call_open(&c, 7, x_obj, stream_obj, in, COUNT(in), &a.stream) != 0) return call_fail(&c);
-    if (check_views_in(self, in, COUNT(in), 1) != 0) return call_fail(&c);
+    if (py_check_views_in(self, in, COUNT(in), NULL) != 0) return call_fail(&c);
     int64_t H = self->cfg.hidden, L = self->L;
     int64_t bound = permute ? a.num_permuted_tokens : a.num_dispatched_tokens;
     int64_t cap = rm_dispatch_rows(self, bound, permute, pad_multiple);
@@ -530,7 +482,6 @@ COLLECTIVE_METHOD(buffer_rm_dispatch, EPX_COLLECTIVE_RM_DISPATCH)
     if (call_alloc(&c, outs, COUNT(outs)) != 0) return call_fail(&c);
     epx_result_t res;
     COLLECTIVE_CALL(self, res = epx_rm_dispatch(self->buf, &a, &o));
-    py_area_reuse(self, VIEW_RECV);
     if (call_end(&c, res) != 0) return NULL;
     c.items[4] = (PyObject *)py_handle_new(self, o.handle, HANDLE_RM, permute, a.hidden.shape[0]);
     c.items[5] = PyLong_FromLongLong(o.num_tokens_host);
@@ -558,14 +509,14 @@ COLLECTIVE_METHOD(buffer_rm_combine, EPX_COLLECTIVE_RM_COMBINE)
     a.weighted = weighted;
     const tensor_in_t in[] = {{x_obj, "x", HINT_NONE, &a.x}};
     if (call_open(&c, 1, x_obj, stream_obj, in, COUNT(in), &a.stream) != 0) return call_fail(&c);
-    if (check_views_in(self, in, COUNT(in), 0) != 0) return call_fail(&c);
+    if (py_check_views_in(self, in, COUNT(in), NULL) != 0) return call_fail(&c);
     const tensor_out_t outs[] = {
         {1, EPX_DTYPE_BF16, 2, {h->num_tokens, self->cfg.hidden}, "combined", &o.combined},
     };
     if (call_alloc(&c, outs, COUNT(outs)) != 0) return call_fail(&c);
     epx_result_t res;
     COLLECTIVE_CALL(self, res = epx_rm_combine(self->buf, &a, &o));
-    py_area_reuse(self, VIEW_CIN);
+    py_area_reuse(&self->cin);
     if (call_end(&c, res) != 0) return NULL;
     return c.items[0];
 }
@@ -670,13 +621,17 @@ PyMethodDef py_buffer_methods[] = {
      "fp8 e4m3 (torch.float8_e4m3fn or numpy uint8) with x_scales [T, H/128] float32; topk_idx [T, K]\n"
      "int32/int64; topk_weights [T, K] float32. handle=: cached dispatch with that handle's routing.\n"
      "num_worst_tokens > 0: static mode, outputs have that many rows. Otherwise outputs have N_r rows.\n"
-     "views (None: the buffer's): recv_x, recv_x_scales, recv_topk_idx (int32) and recv_topk_weights are\n"
-     "views of the buffer's memory, valid until the next HT or routing-map dispatch on this buffer;\n"
-     "with views=False they are new arrays of their own (recv_topk_idx in topk_idx's dtype)."},
+     "views (None: the buffer's; False, True or \"pooled\", True staying pooled on a pooled buffer):\n"
+     "with True, recv_x, recv_x_scales, recv_topk_idx (int32) and recv_topk_weights are views of one of\n"
+     "the buffer's view areas, valid until a later dispatch reuses that area; with \"pooled\" no\n"
+     "dispatch reuses it while they are alive (or they are copies, when every area is held); with\n"
+     "False they are new arrays of their own (recv_topk_idx in topk_idx's dtype)."},
     {"combine", KWFN(buffer_combine), METH_VARARGS | METH_KEYWORDS,
      "combine(x, handle, topk_weights=None, bias0=None, bias1=None, *, stream=None) -> CombineOutput\n--\n\n"
      "HT combine (collective). x [>= N_r, H] bf16; topk_weights [>= N_r, K] float32; bias0/bias1 [T, H]\n"
-     "bf16. x = combine_input(handle) is read where it is; with views, any other x is first copied there.\n"
+     "bf16. x = combine_input(handle) is read where it is; so, on a buffer with views, is x = the live\n"
+     "recv_x of a dispatch made with this handle (whole, bf16), and any other x is first copied into the\n"
+     "combine input.\n"
      "Returns CombineOutput(combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None)."},
     {"combine_input", KWFN(py_buffer_combine_input), METH_VARARGS | METH_KEYWORDS,
      "combine_input(handle) -> tensor\n--\n\n"

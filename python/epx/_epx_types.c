@@ -138,24 +138,35 @@ static int buffer_init(BufferObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *kw[] = {"comm",        "max_tokens",   "hidden",          "num_topk",
                          "num_experts", "modes",        "dispatch_dtypes", "max_pad_multiple",
-                         "num_sms",     "chunk_tokens", "views",           NULL};
+                         "num_sms",     "chunk_tokens", "views",           "view_areas",
+                         NULL};
     CommObject *comm;
     long long max_tokens, hidden;
-    int views = 0;
+    PyObject *views_obj = Py_False;
+    int views, view_areas = 0;
     /* The 32-bit fields are parsed in place; those not given keep their zero (the library's default). */
     epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
     if (self->buf) {
         PyErr_SetString(PyExc_RuntimeError, "epx: Buffer.__init__ called twice");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!LLii|IIiiip", kw, &py_comm_type, &comm, &max_tokens,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!LLii|IIiiiOi", kw, &py_comm_type, &comm, &max_tokens,
                                      &hidden, &cfg.num_topk, &cfg.num_experts, &cfg.modes,
                                      &cfg.dispatch_dtypes, &cfg.max_pad_multiple, &cfg.num_sms,
-                                     &cfg.chunk_tokens, &views))
+                                     &cfg.chunk_tokens, &views_obj, &view_areas))
         return -1;
-    if (py_comm_check(comm) != 0) return -1;
+    if (py_comm_check(comm) != 0 || py_views_mode(views_obj, &views) != 0) return -1;
+    /* Pooled keeps a spare area besides those its views hold. */
+    if (!view_areas) view_areas = views == VIEWS_POOLED ? 3 : 1;
+    if (view_areas < 1 || view_areas > EPX_MAX_VIEW_AREAS) {
+        py_raise_invalid(
+            "view_areas = %d is out of range [1, %d] (0: the default, 3 with views=\"pooled\", else 1)",
+            view_areas, EPX_MAX_VIEW_AREAS);
+        return -1;
+    }
     cfg.max_tokens = max_tokens;
     cfg.hidden = hidden;
+    cfg.num_view_areas = view_areas;
     epx_result_t res;
     epx_buffer_t buf = NULL;
     WITHOUT_GIL(res = epx_buffer_create(comm->comm, &cfg, &buf));
@@ -169,6 +180,7 @@ static int buffer_init(BufferObject *self, PyObject *args, PyObject *kwargs)
     self->R = comm->topo.nranks;
     self->L = cfg.num_experts / comm->topo.nranks;
     self->views = views;
+    self->num_areas = view_areas;
     Py_INCREF(comm);
     self->comm = comm;
     comm->live_buffers++;
@@ -245,7 +257,14 @@ static PyObject *buffer_get(BufferObject *self, void *field)
     if (!strcmp(f, "num_local_experts")) return PyLong_FromLong(self->L);
     if (!strcmp(f, "num_ranks")) return PyLong_FromLong(self->R);
     if (!strcmp(f, "destroyed")) return PyBool_FromLong(self->buf == NULL || self->destroy_pending);
-    if (!strcmp(f, "views")) return PyBool_FromLong(self->views);
+    if (!strcmp(f, "views")) return py_views_value(self->views);
+    if (!strcmp(f, "view_areas")) return PyLong_FromLong(self->num_areas);
+    if (!strcmp(f, "_views_alive")) return PyLong_FromLong(py_views_alive(self));
+    if (!strcmp(f, "_combines_by_source")) {
+        const uint64_t *n = self->combines_by_source;
+        return Py_BuildValue("(KKK)", (unsigned long long)n[0], (unsigned long long)n[1],
+                             (unsigned long long)n[2]);
+    }
     if (!strcmp(f, "_collective_calls")) return PyLong_FromUnsignedLongLong(self->collective_calls);
     Py_RETURN_NONE;
 }
@@ -259,8 +278,16 @@ static PyGetSetDef buffer_getset[] = {
     {"num_local_experts", (getter)buffer_get, NULL, "L = E / R.", "num_local_experts"},
     {"num_ranks", (getter)buffer_get, NULL, "R.", "num_ranks"},
     {"destroyed", (getter)buffer_get, NULL, "Whether destroy() ran.", "destroyed"},
-    {"views", (getter)buffer_get, NULL, "Whether HT dispatch outputs are views of the buffer by default.",
+    {"views", (getter)buffer_get, NULL,
+     "What HT dispatch returns unless a call says otherwise: False (outputs of their own), True (views valid "
+     "until the next dispatch into their area) or \"pooled\" (views no dispatch reuses while they live).",
      "views"},
+    {"view_areas", (getter)buffer_get, NULL, "View areas of the HT dispatch outputs, R * T_max rows each.",
+     "view_areas"},
+    {"_views_alive", (getter)buffer_get, NULL, "Internal: views of the buffer's memory still referenced.",
+     "_views_alive"},
+    {"_combines_by_source", (getter)buffer_get, NULL,
+     "Internal: HT combines made, by how they took x (x_in_buffer 0, 1, 2).", "_combines_by_source"},
     {"_collective_calls", (getter)buffer_get, NULL,
      "Internal: collective calls this binding passed to the library (made or refused).", "_collective_calls"},
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
@@ -300,6 +327,7 @@ HandleObject *py_handle_new(BufferObject *buffer, epx_handle_t h, int kind, int 
     self->fw = FW_NUMPY;
     self->num_tokens = num_tokens;
     self->hidden = buffer->cfg.hidden;
+    self->id = ++buffer->handles_made;
     buffer->live_handles++;
     PyObject_GC_Track(self);
     return self;

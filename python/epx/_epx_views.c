@@ -1,38 +1,64 @@
 /*
  * Library memory handed to Python: the View type (DLPack and buffer-protocol export of part of a
- * buffer's memory), the generations of the two HT areas whose views the binding returns (dispatch
- * outputs, combine input), and how a tensor passed back in is recognised as one of those views.
+ * buffer's memory), the generations of the HT areas whose views the binding returns (the view areas of
+ * the dispatch outputs, the combine input), which area a dispatch writes, how a tensor passed back in is
+ * recognised as one of those views, and how a combine takes its x accordingly.
  */
 #include "_epx.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-/* ------------------------------------------------------------------ areas ---- */
+/* ------------------------------------------------------------------ modes and areas ---- */
 
-static area_t *area_of(BufferObject *b, int kind)
+int py_views_mode(PyObject *obj, int *mode_out)
 {
-    return kind == VIEW_RECV ? &b->recv : kind == VIEW_CIN ? &b->cin : NULL;
+    if (PyUnicode_Check(obj)) {
+        if (PyUnicode_CompareWithASCIIString(obj, "pooled") == 0) {
+            *mode_out = VIEWS_POOLED;
+            return 0;
+        }
+    } else if (PyBool_Check(obj) || PyLong_Check(obj)) {
+        const long v = PyLong_AsLong(obj);
+        if (v == 0 || v == 1) {
+            *mode_out = v ? VIEWS_ON : VIEWS_OFF;
+            return 0;
+        }
+        PyErr_Clear();
+    }
+    PyObject *repr = PyObject_Repr(obj);
+    const char *text = repr ? PyUnicode_AsUTF8(repr) : NULL;
+    if (!text) PyErr_Clear();
+    py_raise_invalid("views = %.100s is none of False, True and \"pooled\"", text ? text : "?");
+    Py_XDECREF(repr);
+    return -1;
+}
+
+PyObject *py_views_value(int mode)
+{
+    if (mode == VIEWS_POOLED) return PyUnicode_FromString("pooled");
+    return PyBool_FromLong(mode);
 }
 
 int py_views_alive(const BufferObject *b)
 {
-    return b->recv.live + b->recv.stale + b->cin.live + b->cin.stale;
+    int n = b->cin.live + b->cin.stale;
+    for (int k = 0; k < b->num_areas; k++) n += b->recv[k].live + b->recv[k].stale;
+    return n;
 }
 
-void py_area_reuse(BufferObject *b, int kind)
+void py_area_reuse(area_t *a)
 {
-    area_t *a = area_of(b, kind);
     a->gen++;
     a->stale += a->live;
     a->live = 0;
     a->handle = NULL;
     a->rows = 0;
+    a->x = NULL;
 }
 
-void py_area_returned(BufferObject *b, int kind, const epx_tensor_t *views, int n)
+void py_area_returned(area_t *a, const epx_tensor_t *views, int n)
 {
-    area_t *a = area_of(b, kind);
     /* Without stale views the old bytes matter no more (the host backend may have moved them). */
     if (!a->stale) a->lo = a->hi = NULL;
     for (int i = 0; i < n; i++) {
@@ -43,6 +69,55 @@ void py_area_returned(BufferObject *b, int kind, const epx_tensor_t *views, int 
         if (!a->lo || lo < a->lo) a->lo = lo;
         if (!a->hi || hi > a->hi) a->hi = hi;
     }
+}
+
+static int area_held(const area_t *a)
+{
+    return a->live + a->stale > 0;
+}
+
+/* The area a view-mode dispatch writes. Pooled: the first of areas 0..N-2 that no alive view points
+ * into, else the spare N-1, whose outputs go back as copies (*copy) so that none of its views is ever
+ * alive. Views: the first area without alive views, else the least recently used one. */
+static area_t *pick_area(BufferObject *b, int mode, int *copy)
+{
+    const int n = b->num_areas, pooled = mode == VIEWS_POOLED;
+    *copy = 0;
+    for (int k = 0; k < n - pooled; k++)
+        if (!area_held(&b->recv[k])) return &b->recv[k];
+    if (pooled) {
+        *copy = 1;
+        return &b->recv[n - 1];
+    }
+    area_t *lru = &b->recv[0];
+    for (int k = 1; k < n; k++)
+        if (b->recv[k].used < lru->used) lru = &b->recv[k];
+    return lru;
+}
+
+/* A call's views= overrides the buffer's mode; True on a pooled buffer stays pooled. Outputs are their
+ * own for a bound above R * T_max (no dispatch reaches it), and on the host backend for a dtype wider
+ * than any earlier one of the area while views of it are alive (the host's array of the area grows,
+ * and may move, for it). */
+int py_dispatch_area(BufferObject *self, PyObject *views_obj, const epx_tensor_t *x, int64_t num_worst,
+                     area_t **area_out, int *copy_out)
+{
+    *area_out = NULL;
+    *copy_out = 0;
+    int mode = self->views;
+    if (views_obj != Py_None) {
+        if (py_views_mode(views_obj, &mode) != 0) return -1;
+        if (mode == VIEWS_ON && self->views == VIEWS_POOLED) mode = VIEWS_POOLED;
+    }
+    if (mode == VIEWS_OFF || num_worst > (int64_t)self->R * self->cfg.max_tokens) return 0;
+    int copy;
+    area_t *a = pick_area(self, mode, &copy);
+    if (self->comm->topo.backend == EPX_BACKEND_HOST && epx_dtype_size(x->dtype) > a->elem_max &&
+        area_held(a))
+        return 0;
+    *area_out = a;
+    *copy_out = copy;
+    return 0;
 }
 
 /* The View a numpy array was made over (its base chain ends there), or NULL. */
@@ -72,65 +147,72 @@ static ViewObject *numpy_view_of(PyObject *obj)
     return NULL;
 }
 
-int py_view_classify(BufferObject *b, PyObject *obj, const epx_tensor_t *t, epx_handle_t *handle_out)
+int py_view_classify(BufferObject *b, PyObject *obj, const epx_tensor_t *t, area_t **area_out,
+                     epx_handle_t *handle_out)
 {
+    *area_out = NULL;
     *handle_out = NULL;
-    if (!t->data || (!b->recv.hi && !b->cin.hi)) return AT_NONE;
+    if (!t->data || !py_views_alive(b)) return AT_NONE;
     /* numpy arrays lead to their View: exact. */
     ViewObject *v = numpy_view_of(obj);
-    if (v && v->owner == b && v->kind != VIEW_PLAIN) {
-        const area_t *a = area_of(b, v->kind);
+    if (v && v->owner == b && v->area) {
+        *area_out = v->area;
         *handle_out = v->handle;
-        if (v->kind == VIEW_RECV) return v->gen == a->gen ? AT_RECV : AT_RECV_STALE;
-        return v->gen == a->gen ? AT_CIN : AT_CIN_STALE;
+        const int current = v->gen == v->area->gen;
+        if (v->kind == VIEW_RECV) return current ? AT_RECV : AT_RECV_STALE;
+        return current ? AT_CIN : AT_CIN_STALE;
     }
     /* Otherwise (torch) by address: inside an area with no view of the current generation alive, it
      * is stale; with one alive it counts as current (a stale view held next to a current one cannot be
      * told apart there). */
-    const int kinds[] = {VIEW_RECV, VIEW_CIN};
-    for (int i = 0; i < 2; i++) {
-        const area_t *a = area_of(b, kinds[i]);
-        const char *p = t->data;
+    const char *p = t->data;
+    for (int k = 0; k <= b->num_areas; k++) {
+        area_t *a = k < b->num_areas ? &b->recv[k] : &b->cin;
         if (!a->lo || p < a->lo || p >= a->hi) continue;
-        if (kinds[i] == VIEW_CIN) *handle_out = a->handle;
-        if (kinds[i] == VIEW_RECV) return a->live > 0 ? AT_RECV : AT_RECV_STALE;
-        return a->live > 0 ? AT_CIN : AT_CIN_STALE;
+        *area_out = a;
+        if (a == &b->cin) {
+            *handle_out = a->handle;
+            return a->live > 0 ? AT_CIN : AT_CIN_STALE;
+        }
+        return a->live > 0 ? AT_RECV : AT_RECV_STALE;
     }
     return AT_NONE;
 }
 
-int py_raise_stale(const char *name, const char *what)
+static int raise_stale(const char *name, int at)
 {
     PyObject *cls = py_state.stale_view_error ? py_state.stale_view_error : PyExc_ValueError;
     PyErr_Format(cls,
                  "epx: %s is a view of %s that a later call on this buffer reused; keep a copy "
-                 "(.copy() / .clone()) of what must outlive it, or make the buffer with views=False",
-                 name, what);
+                 "(.copy() / .clone()) of what must outlive it, or make the buffer with views=False or "
+                 "views=\"pooled\"",
+                 name, at == AT_RECV_STALE ? "dispatch outputs" : "a combine input");
     return -1;
+}
+
+int py_check_views_in(BufferObject *self, const tensor_in_t *in, int n, const area_t *rewritten)
+{
+    for (int i = 0; i < n; i++) {
+        area_t *area;
+        epx_handle_t vh;
+        const int at = py_view_classify(self, in[i].obj, in[i].t, &area, &vh);
+        if (at == AT_RECV_STALE || at == AT_CIN_STALE) return raise_stale(in[i].name, at);
+        if (rewritten && at == AT_RECV && area == rewritten) {
+            py_raise_invalid("%s is a view of this buffer's dispatch outputs, which this dispatch rewrites; "
+                             "pass a copy",
+                             in[i].name);
+            return -1;
+        }
+    }
+    return 0;
 }
 
 /* ------------------------------------------------------------------ HT calls ---- */
 
-/* Whether this dispatch returns views: the call's views= else the buffer's, except for a bound above
- * R * T_max (no dispatch reaches it; such calls keep caller-owned outputs as before views), and on the
- * host backend a dtype wider than any earlier view dispatch while views are alive (the host's view
- * array grows, and may move, for it). */
-int py_dispatch_views(BufferObject *self, PyObject *views_obj, const epx_tensor_t *x, int64_t num_worst)
-{
-    int views = self->views;
-    if (views_obj != Py_None && (views = PyObject_IsTrue(views_obj)) < 0) return -1;
-    if (!views || num_worst > (int64_t)self->R * self->cfg.max_tokens) return 0;
-    const size_t elem = epx_dtype_size(x->dtype);
-    if (self->comm->topo.backend == EPX_BACKEND_HOST && elem > self->view_elem_max &&
-        self->recv.live + self->recv.stale > 0)
-        return 0;
-    return 1;
-}
-
 /* The handle's rows of x copied into its combine input, for the view combine to read from there.
  * Host memory is copied here; device memory through torch on the call's stream. */
-int py_stage_combine_input(BufferObject *self, HandleObject *h, PyObject *x_obj, const epx_tensor_t *x,
-                           PyObject *stream_obj)
+static int stage_combine_input(BufferObject *self, HandleObject *h, PyObject *x_obj, const epx_tensor_t *x,
+                               PyObject *stream_obj)
 {
     epx_tensor_t in;
     epx_result_t res;
@@ -155,7 +237,7 @@ int py_stage_combine_input(BufferObject *self, HandleObject *h, PyObject *x_obj,
                          in.device_type == EPX_DEVICE_CUDA ? "cuda" : "host", (int)in.device_id);
         return -1;
     }
-    py_area_reuse(self, VIEW_CIN); /* its earlier views see these rows now */
+    py_area_reuse(&self->cin); /* its earlier views see these rows now */
     const size_t bytes = (size_t)rows * (size_t)H * 2;
     if (!bytes) return 0;
     if (in.device_type == EPX_DEVICE_HOST) {
@@ -166,12 +248,72 @@ int py_stage_combine_input(BufferObject *self, HandleObject *h, PyObject *x_obj,
         PyErr_SetString(PyExc_RuntimeError, "epx: the package did not register its device copy");
         return -1;
     }
-    PyObject *dst = py_view_export(self, &in, VIEW_PLAIN, NULL, FW_TORCH);
+    PyObject *dst = py_view_export(self, &in, NULL, NULL, FW_TORCH);
     PyObject *done =
         dst ? PyObject_CallFunctionObjArgs(py_state.copy_rows, dst, x_obj, stream_obj, NULL) : NULL;
     Py_XDECREF(dst);
     Py_XDECREF(done);
     return done ? 0 : -1;
+}
+
+static int is_contiguous_2d(const epx_tensor_t *x, int64_t rows, int64_t cols)
+{
+    return x->ndim == 2 && x->shape[0] == rows && x->shape[1] == cols && !x->strides[0] && !x->strides[1];
+}
+
+/* Whether x is, whole, the bf16 recv_x of the latest dispatch into `area`, made with h. */
+static int is_dispatch_x(const BufferObject *self, const area_t *area, const HandleObject *h,
+                         const epx_tensor_t *x)
+{
+    return area->x && x->data == area->x && area->handle_id == h->id && area->dtype == EPX_DTYPE_BF16 &&
+           x->dtype == EPX_DTYPE_BF16 && is_contiguous_2d(x, area->rows, self->cfg.hidden);
+}
+
+int py_combine_source(BufferObject *self, HandleObject *h, const tensor_in_t *in, int n,
+                      epx_ht_combine_args_t *a, PyObject *stream_obj)
+{
+    if (py_check_views_in(self, in + 1, n - 1, NULL) != 0) return -1;
+    area_t *area;
+    epx_handle_t vh;
+    const int at = py_view_classify(self, in[0].obj, &a->x, &area, &vh);
+    if (at == AT_RECV_STALE || at == AT_CIN_STALE) return raise_stale("x", at);
+    if (at == AT_CIN) {
+        if (vh != h->handle) {
+            py_raise_invalid("x is the combine input of another handle; get this handle's with "
+                             "combine_input(handle)");
+            return -1;
+        }
+        if ((const char *)a->x.data != self->cin.lo || a->x.dtype != EPX_DTYPE_BF16 ||
+            !is_contiguous_2d(&a->x, self->cin.rows, self->cfg.hidden)) {
+            py_raise_invalid("x is part of the handle's combine input; pass combine_input(handle) whole");
+            return -1;
+        }
+    } else if (self->views == VIEWS_OFF) {
+        return 0; /* every rank passes x where it is (or the combine input) */
+    } else if (at == AT_RECV && is_dispatch_x(self, area, h, &a->x)) {
+        a->x_in_buffer = 2; /* read where the dispatch put it */
+        return 0;
+    } else if (stage_combine_input(self, h, in[0].obj, &a->x, stream_obj) != 0) {
+        return -1;
+    }
+    a->x_in_buffer = 1;
+    memset(&a->x, 0, sizeof(a->x));
+    return 0;
+}
+
+int py_own_copies(PyObject **items, int n, PyObject *stream_obj)
+{
+    if (!py_state.own_copy) {
+        PyErr_SetString(PyExc_RuntimeError, "epx: the package did not register its copy");
+        return -1;
+    }
+    for (int i = 0; i < n; i++) {
+        if (!items[i]) continue;
+        PyObject *copy = PyObject_CallFunctionObjArgs(py_state.own_copy, items[i], stream_obj, NULL);
+        if (!copy) return -1;
+        Py_SETREF(items[i], copy); /* the view goes, and with it the area's count */
+    }
+    return 0;
 }
 
 PyObject *py_buffer_combine_input(BufferObject *self, PyObject *args, PyObject *kwargs)
@@ -185,12 +327,12 @@ PyObject *py_buffer_combine_input(BufferObject *self, PyObject *args, PyObject *
     WITHOUT_GIL(res = epx_ht_get_combine_input(self->buf, h->handle, &t));
     if (res != EPX_SUCCESS) return py_raise_epx(res);
     /* The rows of another handle replace the ones its views show. */
-    if (self->cin.handle != h->handle) py_area_reuse(self, VIEW_CIN);
-    PyObject *out = py_view_export(self, &t, VIEW_CIN, h->handle, h->fw);
+    if (self->cin.handle != h->handle) py_area_reuse(&self->cin);
+    PyObject *out = py_view_export(self, &t, &self->cin, h->handle, h->fw);
     if (!out) return NULL;
     self->cin.handle = h->handle;
     self->cin.rows = t.shape[0];
-    py_area_returned(self, VIEW_CIN, &t, 1);
+    py_area_returned(&self->cin, &t, 1);
     return out;
 }
 
@@ -275,7 +417,7 @@ static int view_getbuffer(ViewObject *self, Py_buffer *view, int flags)
 static void view_dealloc(ViewObject *self)
 {
     BufferObject *b = self->owner;
-    area_t *a = b ? area_of(b, self->kind) : NULL;
+    area_t *a = self->area;
     if (a) {
         if (self->gen == a->gen)
             a->live--;
@@ -350,16 +492,16 @@ static PyObject *numpy_array_of(ViewObject *view)
     return out;
 }
 
-PyObject *py_view_export(BufferObject *b, const epx_tensor_t *t, int kind, epx_handle_t handle, int fw)
+PyObject *py_view_export(BufferObject *b, const epx_tensor_t *t, area_t *a, epx_handle_t handle, int fw)
 {
     ViewObject *view = PyObject_New(ViewObject, &py_view_type);
     if (!view) return NULL;
     view->t = *t;
-    view->kind = kind;
+    view->kind = !a ? VIEW_PLAIN : a == &b->cin ? VIEW_CIN : VIEW_RECV;
+    view->area = a;
     view->handle = handle;
     Py_INCREF(b);
     view->owner = b;
-    area_t *a = area_of(b, kind);
     view->gen = a ? a->gen : 0;
     if (a) a->live++;
     PyObject *out = fw == FW_TORCH ? torch_tensor_of(view) : numpy_array_of(view);

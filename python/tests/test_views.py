@@ -1,4 +1,4 @@
-"""HT dispatch outputs and the combine input as views of the buffer (Buffer(views=True), an opt-in) on
+"""HT dispatch outputs and the combine input as views of the buffer (Buffer(views=True), one view area) on
 the host backend with 1, 2 and 3 ranks: bit-exact against the caller-owned path (views=False) and the
 NumPy reference, every way combine takes x, the lifetime errors, static mode, fp8, cached dispatch,
 destroy with live views, and torch CPU tensors."""
@@ -62,11 +62,12 @@ def _dispatch_combine(rank, nranks, uid):
         assert_equal(getattr(out, name), getattr(own, name), name + " (views vs own)", rank)
         assert_equal(getattr(out, name).astype(want.dtype), want, name, rank)
 
-    # combine, x = the recv_x view (copied into the combine input), with the weights' view.
+    # combine, x = the recv_x view (read where the dispatch put it), with the weights' view.
     want_comb = p.ht_combine(rank)
     y_own = p.expert_fn(own.recv_x, 1)
     ref = ob.combine(y_own, own.handle, own.recv_topk_weights)
     got = vb.combine(out.recv_x, out.handle, out.recv_topk_weights)
+    assert vb._combines_by_source == (0, 0, 1) and ob._combines_by_source == (1, 0, 0)
     assert_equal(got.combined_x, ref.combined_x, "combined_x (x = recv_x view)", rank)
     assert_equal(got.combined_topk_weights, ref.combined_topk_weights, "combined_topk_weights", rank)
 
@@ -77,6 +78,7 @@ def _dispatch_combine(rank, nranks, uid):
     cin[:] = y
     got = vb.combine(cin, out.handle)
     assert_equal(got.combined_x, want_comb, "combined_x (x = combine_input)", rank)
+    assert vb._combines_by_source == (0, 1, 1)
 
     # x = an independent array, with biases.
     bias = dict(bias0=x, bias1=bf16(f32(x) * 2))
