@@ -324,7 +324,7 @@ int py_view_classify(BufferObject *buffer, PyObject *obj, const epx_tensor_t *t,
 int py_views_alive(const BufferObject *buffer);
 /* The view area an HT dispatch with `views_obj` (None: the buffer's mode) and this x writes, or NULL
  * for outputs of their own; *copy_out: the area is the pooled spare, whose outputs the call copies. */
-int py_dispatch_area(BufferObject *buffer, PyObject *views_obj, const epx_tensor_t *x, int64_t num_worst,
+int py_dispatch_area(BufferObject *buffer, PyObject *views_obj,
                      area_t **area_out, int *copy_out);
 /* Refuses a tensor of `in` that is a stale view of the buffer, or one that lies in `rewritten` (the
  * area the call is about to write; NULL: none). */

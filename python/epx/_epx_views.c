@@ -95,11 +95,10 @@ static area_t *pick_area(BufferObject *b, int mode, int *copy)
     return lru;
 }
 
-/* A call's views= overrides the buffer's mode; True on a pooled buffer stays pooled. Outputs are their
- * own for a bound above R * T_max (no dispatch reaches it), and on the host backend for a dtype wider
- * than any earlier one of the area while views of it are alive (the host's array of the area grows,
- * and may move, for it). */
-int py_dispatch_area(BufferObject *self, PyObject *views_obj, const epx_tensor_t *x, int64_t num_worst,
+/* A call's views= overrides the buffer's mode; True on a pooled buffer stays pooled. Every rank of a
+ * buffer with views makes view-mode calls (the ranks must agree on that); an area's memory never
+ * moves (the library allocates it for the widest dtype once). */
+int py_dispatch_area(BufferObject *self, PyObject *views_obj,
                      area_t **area_out, int *copy_out)
 {
     *area_out = NULL;
@@ -109,12 +108,9 @@ int py_dispatch_area(BufferObject *self, PyObject *views_obj, const epx_tensor_t
         if (py_views_mode(views_obj, &mode) != 0) return -1;
         if (mode == VIEWS_ON && self->views == VIEWS_POOLED) mode = VIEWS_POOLED;
     }
-    if (mode == VIEWS_OFF || num_worst > (int64_t)self->R * self->cfg.max_tokens) return 0;
+    if (mode == VIEWS_OFF) return 0;
     int copy;
     area_t *a = pick_area(self, mode, &copy);
-    if (self->comm->topo.backend == EPX_BACKEND_HOST && epx_dtype_size(x->dtype) > a->elem_max &&
-        area_held(a))
-        return 0;
     *area_out = a;
     *copy_out = copy;
     return 0;

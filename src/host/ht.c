@@ -53,16 +53,20 @@ static in_layout_t in_layout_of(const epx_buffer_config_t *cfg)
     return l;
 }
 
-/* View mode: points the four row outputs at the private array of the call's view area (grown to
- * R*T_max rows of this dtype when needed), `rows` rows each. */
+/* View mode: points the four row outputs at the private array of the call's view area, `rows` rows
+ * each. The array is made at the first use of the area for R*T_max rows of the widest dtype the
+ * buffer allows and never moves, so no view of an area ever points at freed memory. */
 static epx_result_t set_views(host_buffer_t *hb, const epx_ht_dispatch_args_t *args,
                               epx_ht_dispatch_outputs_t *o, int64_t rows, int routed)
 {
     const epx_buffer_config_t *cfg = &hb->buffer->config;
     const size_t cap = (size_t)hb->nranks * (size_t)cfg->max_tokens, H = (size_t)cfg->hidden;
-    const size_t K = (size_t)cfg->num_topk, elem = epx_dtype_bytes(args->x.dtype);
+    const size_t K = (size_t)cfg->num_topk;
+    const uint32_t dt = cfg->dispatch_dtypes;
+    const size_t elem = (dt & EPX_DTYPE_BIT(EPX_DTYPE_FP32)) ? 4 : (dt & EPX_DTYPE_BIT(EPX_DTYPE_BF16)) ? 2 : 1;
     const size_t ns = args->x.dtype == EPX_DTYPE_FP8_E4M3 ? H / 128 : 0;
-    const size_t off_scales = (cap * H * elem + 15) / 16 * 16, off_idx = off_scales + cap * ns * 4;
+    const size_t ns_max = (dt & EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3)) ? H / 128 : 0;
+    const size_t off_scales = (cap * H * elem + 15) / 16 * 16, off_idx = off_scales + cap * ns_max * 4;
     const size_t off_w = off_idx + cap * K * 4, bytes = off_w + cap * K * 4;
     const int k = args->view_area;
     if (hb->ht_view_bytes[k] < bytes) {
