@@ -214,10 +214,18 @@ def _refusals(rank, nranks, dist):
     refused_here_or_remote(rank == refuser, lambda: buf.dispatch(x, num_worst_tokens=64, **layout),
                            lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_worst_tokens=64, **layout),
                            match="num_worst_tokens")
+    # DeepEP's dtypes only: bf16, or (fp8, fp32 scales); the data buffer holds no others.
+    refused_here_or_remote(rank == refuser, lambda: buf.dispatch(x.float(), topk_idx=idx, **layout),
+                           lambda: buf.dispatch(x, topk_idx=idx, **layout), error=TypeError, match="float32")
     recv_x, _, _, counts, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
     want_x, _, _, _, want_counts = ht_reference(rank, nranks, K, E)
     exact(recv_x, want_x, "recv_x after refusals")
     assert counts == want_counts
+    q, s = per_token_fp8(x)
+    refused_here_or_remote(rank == 0, lambda: buf.dispatch((q, s.double()), handle=handle),
+                           lambda: buf.dispatch(x, handle=handle), error=TypeError, match="float64")
+    refused_here_or_remote(rank == 0, lambda: buf.dispatch(x.half(), handle=handle),
+                           lambda: buf.dispatch(x, handle=handle), error=TypeError, match="float16")
     # Combine with something that is not a handle, on one rank.
     refused_here_or_remote(rank == 0, lambda: buf.combine(recv_x, (1, 2, 3)), lambda: buf.combine(recv_x, handle),
                            error=TypeError, match="handle")
@@ -239,6 +247,41 @@ def _refusals(rank, nranks, dist):
 @pytest.mark.parametrize("nranks", [2, 4])
 def test_refusals_reach_peers(nranks):
     run_in_group(nranks, _refusals)
+
+
+def _data_dtypes(rank, nranks, dist):
+    """The data buffer is made for DeepEP's dtypes only: bf16, plus fp8 where hidden allows it."""
+    E, K = 2 * nranks, 2
+    made = []
+
+    class Recording(epx.Buffer):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs.get("dispatch_dtypes"))
+            super().__init__(*args, **kwargs)
+
+    saved, epx.Buffer = epx.Buffer, Recording
+    try:
+        buf = make_buffer(dist)
+        for hidden in (256, 192):
+            _, idx, w = make_inputs(rank, nranks, tokens(rank, nranks), K, E, seed=hidden)
+            x = torch.full((idx.shape[0], hidden), float(rank), dtype=torch.bfloat16)
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+            layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+            recv_x, _, _, _, _, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
+            assert made[-1] == (["bf16", "fp8"] if hidden % 128 == 0 else ["bf16"]), made
+            assert recv_x.shape[1] == hidden and bool((recv_x[:, 0] >= 0).all())
+        q = torch.zeros((x.shape[0], 192), dtype=torch.float8_e4m3fn)
+        s = torch.ones((x.shape[0], 1), dtype=torch.float32)
+        refused_here_or_remote(rank == 0, lambda: buf.dispatch((q, s), topk_idx=idx, **layout),
+                               lambda: buf.dispatch(x, topk_idx=idx, **layout), match="multiple of 128")
+        buf.destroy()
+    finally:
+        epx.Buffer = saved
+    return True
+
+
+def test_data_buffer_dtypes():
+    run_in_group(2, _data_dtypes)
 
 
 def test_front_surface():
@@ -332,6 +375,8 @@ def _low_latency(rank, nranks, dist):
                     exact(out, want, "LL combined (zero_copy=%s, hook=%s)" % (zero_copy, hook_mode))
         with pytest.raises(NotImplementedError, match="use_logfmt"):
             buf.low_latency_combine(y, idx, w, handle, use_logfmt=True)
+        refused_here_or_remote(rank == 0, lambda: buf.low_latency_dispatch(x.float(), idx, T, E),
+                               lambda: buf.low_latency_dispatch(x, idx, T, E), error=TypeError, match="float32")
         # The mask buffer: every rank masks the last rank, whose experts then receive nothing and whose
         # slots combine as absent.
         status = torch.zeros(nranks, dtype=torch.int32)

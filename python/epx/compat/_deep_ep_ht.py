@@ -65,10 +65,24 @@ def pad_columns(t, width, value):
     return torch.cat([t, fill], dim=1)
 
 
-def contiguous_scales(x):
-    """(x, scales) or x -> (x, contiguous scales or None). DeepEP takes column-major scales too."""
+def split_x(x):
+    """(x, scales) or x -> (x, contiguous scales or None), refusing what DeepEP's dispatch is not given: bf16
+    x, or fp8 e4m3 x with fp32 scales (the data buffer holds these two only). DeepEP takes column-major
+    scales too."""
+    torch = _torch()
     x, scales = x if isinstance(x, tuple) else (x, None)
-    if scales is not None and not scales.is_contiguous():
+    if scales is None:
+        if x.dtype != torch.bfloat16:
+            raise TypeError("epx.compat.deep_ep: x must be bf16, or a tuple (fp8 e4m3 x, fp32 scales) (got x of "
+                            "dtype %s)" % x.dtype)
+        return x, None
+    if x.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32:
+        raise TypeError("epx.compat.deep_ep: an fp8 x is a tuple (float8_e4m3fn x, float32 scales) (got x of "
+                        "dtype %s, scales of dtype %s)" % (x.dtype, scales.dtype))
+    if x.dim() != 2 or x.shape[1] % 128 != 0:
+        raise ValueError("epx.compat.deep_ep: an fp8 x must be [num_tokens, hidden] with hidden a multiple of 128 "
+                         "(got shape %s)" % (list(x.shape),))
+    if not scales.is_contiguous():
         scales = scales.contiguous()
     return x, scales
 
@@ -105,7 +119,7 @@ class HTPath:
         torch = _torch()
         R, rank = self.R, self.rank
         with epx.collective(self.notify, epx.HT_DISPATCH):
-            x, scales = contiguous_scales(x)
+            x, scales = split_x(x)
             if x.dim() != 2:
                 raise ValueError("epx.compat.deep_ep: x must be [num_tokens, hidden] (got %d dims)" % x.dim())
             T, H = x.shape
@@ -217,7 +231,8 @@ class HTPath:
             t_max = max(t_max, self.data.max_tokens)
         # Room for a dispatch without top-k (one slot per rank) from the start: no re-make when one comes.
         k = max(max(f[_K] for f in fields), R)
-        dtypes = None if H % 128 == 0 else ["bf16", "fp32"]
+        # DeepEP's dtypes only (split_x): rows are sized for 2-byte elements, not for fp32.
+        dtypes = ["bf16", "fp8"] if H % 128 == 0 else ["bf16"]
         # Handles keep the buffer they were made on: an old one lives until its last handle goes.
         self.data = epx.Buffer(self.comm, t_max, H, k, E, modes="ht", dispatch_dtypes=dtypes, num_sms=num_sms,
                                **self.native_options)
@@ -242,7 +257,7 @@ class HTPath:
     def cached_dispatch(self, x, handle):
         state = state_of(handle)
         with epx.collective(state.buffer, epx.HT_DISPATCH):
-            x, scales = contiguous_scales(x)
+            x, scales = split_x(x)
             out = state.buffer.dispatch(x, x_scales=scales, handle=state.epx)
         return (out.recv_x, out.recv_x_scales) if scales is not None else out.recv_x
 
