@@ -33,6 +33,18 @@ class _State:
         self.buffer, self.epx, self.num_topk = buffer, handle, num_topk
 
 
+class _Notified:
+    """What the notify exchange found out, for the data dispatch that follows: x and its scales, E, static
+    mode, the rank prefix matrix, the data buffer, and from the host read (None without one) N_r and the
+    received tokens per local expert."""
+
+    __slots__ = ("x", "scales", "E", "worst", "prefix", "buf", "n_recv", "experts")
+
+    def __init__(self, x, scales, E, worst):
+        self.x, self.scales, self.E, self.worst = x, scales, E, worst
+        self.prefix = self.buf = self.n_recv = self.experts = None
+
+
 class Handle(tuple):
     """DeepEP's intranode handle layout: (rank_prefix_matrix [R, R] int32, channel_prefix_matrix,
     recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head). epx has no channels and keeps
@@ -114,10 +126,19 @@ class HTPath:
 
     def dispatch(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                  topk_weights, expert_alignment, num_worst_tokens, num_sms):
-        """DeepEP's dispatch without a handle. Returns (recv_x, recv_topk_idx, recv_topk_weights, counts,
-        handle). A rejection before the notify exchange is refused on the notify buffer."""
+        """DeepEP's dispatch without a handle: the notify exchange, then the data dispatch. Returns (recv_x,
+        recv_topk_idx, recv_topk_weights, counts, handle). A rejection before the notify exchange is refused
+        on the notify buffer."""
+        notified = self.exchange(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                                 num_worst_tokens, num_sms)
+        return self.send(notified, is_token_in_rank, topk_idx, topk_weights, expert_alignment, num_worst_tokens)
+
+    def exchange(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                 num_worst_tokens, num_sms):
+        """The notify exchange and what follows from it on the host: the rank prefix matrix, the host read
+        of the rows (unless a static call fits) and the data buffer. Returns a _Notified for send()."""
         torch = _torch()
-        R, rank = self.R, self.rank
+        R = self.R
         with epx.collective(self.notify, epx.HT_DISPATCH):
             x, scales = split_x(x)
             if x.dim() != 2:
@@ -138,16 +159,15 @@ class HTPath:
                                  "(as in DeepEP)")
             if topk_idx is not None and topk_idx.dim() != 2:
                 raise ValueError("epx.compat.deep_ep: topk_idx must be [num_tokens, num_topk]")
-            K_user = topk_idx.shape[1] if topk_idx is not None else 0
-            K_need = K_user if topk_idx is not None else R
+            K_need = topk_idx.shape[1] if topk_idx is not None else R
             worst = num_worst_tokens > 0
             if num_tokens_per_rank is None:
                 num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
             rows = self._notify_rows(num_tokens_per_rank, num_tokens_per_expert, (T, K_need, worst, E, H),
                                      x.device)
             recv = self.notify.dispatch(rows, self._notify_topk(x.device), num_worst_tokens=R).recv_x
-        counts_by_source = recv[:, :R]
-        prefix = counts_by_source.cumsum(dim=0).to(torch.int32)
+        n = _Notified(x, scales, E, worst)
+        n.prefix = recv[:, :R].cumsum(dim=0).to(torch.int32)
         fits = self._fits(T, K_need, E, H)
         host = None
         if not (worst and fits):
@@ -155,10 +175,19 @@ class HTPath:
             experts = recv[:, R + _NUM_FIELDS:R + _NUM_FIELDS + L]
             head = torch.cat([recv[:, :R + _NUM_FIELDS].flatten(), experts.sum(dim=0)])
             host = [int(v) for v in head.tolist()]
-        buf = self._choose(host, T, K_need, E, H, fits, num_sms)
+            n.n_recv = sum(host[s * (R + _NUM_FIELDS) + self.rank] for s in range(R))
+            n.experts = host[R * (R + _NUM_FIELDS):]
+        n.buf = self._choose(host, T, K_need, E, H, fits, num_sms)
+        return n
+
+    def send(self, n, is_token_in_rank, topk_idx, topk_weights, expert_alignment, num_worst_tokens):
+        """The data dispatch after exchange(); returns dispatch()'s tuple."""
+        torch = _torch()
+        R, rank, x, buf = self.R, self.rank, n.x, n.buf
         with epx.collective(buf, epx.HT_DISPATCH):
             if topk_idx is None:
-                L = E // R
+                L = n.E // R
+                T = x.shape[0]
                 firsts = torch.arange(R, device=x.device, dtype=torch.int64) * L
                 main_idx = torch.where(is_token_in_rank.to(torch.bool), firsts.expand(T, R),
                                        torch.full((T, R), -1, dtype=torch.int64, device=x.device))
@@ -167,27 +196,26 @@ class HTPath:
                 main_idx, main_w = topk_idx, topk_weights
             main_idx = pad_columns(main_idx, buf.num_topk, -1)
             main_w = pad_columns(main_w, buf.num_topk, 0.0)
-            n_recv = None if host is None else sum(host[s * (R + _NUM_FIELDS) + rank] for s in range(R))
-            out = buf.dispatch(x, main_idx, main_w, x_scales=scales, expert_alignment=expert_alignment,
-                               num_worst_tokens=num_worst_tokens if worst else n_recv)
-        recv_x = (out.recv_x, out.recv_x_scales) if scales is not None else out.recv_x
+            out = buf.dispatch(x, main_idx, main_w, x_scales=n.scales, expert_alignment=expert_alignment,
+                               num_worst_tokens=num_worst_tokens if n.worst else n.n_recv)
+        recv_x = (out.recv_x, out.recv_x_scales) if n.scales is not None else out.recv_x
         recv_idx = recv_w = None
+        K_user = topk_idx.shape[1] if topk_idx is not None else 0
         if topk_idx is not None:
             recv_idx, recv_w = out.recv_topk_idx, out.recv_topk_weights
             if K_user < buf.num_topk:
                 recv_idx = recv_idx[:, :K_user].contiguous()
                 recv_w = recv_w[:, :K_user].contiguous() if recv_w is not None else None
-            if worst:
-                self._clean_tail(recv_idx, recv_w, n_recv, prefix[R - 1, rank])
-        if worst:
+            if n.worst:
+                self._clean_tail(recv_idx, recv_w, n.n_recv, n.prefix[R - 1, rank])
+        if n.worst:
             counts = []
         else:
             align = max(int(expert_alignment), 1)
-            base = R * (R + _NUM_FIELDS)
-            counts = [-(-c // align) * align for c in host[base:]]
+            counts = [-(-c // align) * align for c in n.experts]
         state = _State(buf, out.handle, K_user)
         self.states.add(state)
-        return recv_x, recv_idx, recv_w, counts, Handle(prefix, is_token_in_rank, state)
+        return recv_x, recv_idx, recv_w, counts, Handle(n.prefix, is_token_in_rank, state)
 
     def _notify_rows(self, num_tokens_per_rank, num_tokens_per_expert, fields, device):
         torch = _torch()
