@@ -216,16 +216,16 @@ def _refusals(rank, nranks, dist):
                            match="num_worst_tokens")
     # DeepEP's dtypes only: bf16, or (fp8, fp32 scales); the data buffer holds no others.
     refused_here_or_remote(rank == refuser, lambda: buf.dispatch(x.float(), topk_idx=idx, **layout),
-                           lambda: buf.dispatch(x, topk_idx=idx, **layout), error=TypeError, match="float32")
+                           lambda: buf.dispatch(x, topk_idx=idx, **layout), error=epx.InvalidArgumentError, match="float32")
     recv_x, _, _, counts, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
     want_x, _, _, _, want_counts = ht_reference(rank, nranks, K, E)
     exact(recv_x, want_x, "recv_x after refusals")
     assert counts == want_counts
     q, s = per_token_fp8(x)
     refused_here_or_remote(rank == 0, lambda: buf.dispatch((q, s.double()), handle=handle),
-                           lambda: buf.dispatch(x, handle=handle), error=TypeError, match="float64")
+                           lambda: buf.dispatch(x, handle=handle), error=epx.InvalidArgumentError, match="float64")
     refused_here_or_remote(rank == 0, lambda: buf.dispatch(x.half(), handle=handle),
-                           lambda: buf.dispatch(x, handle=handle), error=TypeError, match="float16")
+                           lambda: buf.dispatch(x, handle=handle), error=epx.InvalidArgumentError, match="float16")
     # Combine with something that is not a handle, on one rank.
     refused_here_or_remote(rank == 0, lambda: buf.combine(recv_x, (1, 2, 3)), lambda: buf.combine(recv_x, handle),
                            error=TypeError, match="handle")
@@ -376,7 +376,7 @@ def _low_latency(rank, nranks, dist):
         with pytest.raises(NotImplementedError, match="use_logfmt"):
             buf.low_latency_combine(y, idx, w, handle, use_logfmt=True)
         refused_here_or_remote(rank == 0, lambda: buf.low_latency_dispatch(x.float(), idx, T, E),
-                               lambda: buf.low_latency_dispatch(x, idx, T, E), error=TypeError, match="float32")
+                               lambda: buf.low_latency_dispatch(x, idx, T, E), error=epx.InvalidArgumentError, match="float32")
         # The mask buffer: every rank masks the last rank, whose experts then receive nothing and whose
         # slots combine as absent.
         status = torch.zeros(nranks, dtype=torch.int32)

@@ -85,11 +85,11 @@ def split_x(x):
     x, scales = x if isinstance(x, tuple) else (x, None)
     if scales is None:
         if x.dtype != torch.bfloat16:
-            raise TypeError("epx.compat.deep_ep: x must be bf16, or a tuple (fp8 e4m3 x, fp32 scales) (got x of "
+            raise epx.InvalidArgumentError("epx.compat.deep_ep: x must be bf16, or a tuple (fp8 e4m3 x, fp32 scales) (got x of "
                             "dtype %s)" % x.dtype)
         return x, None
     if x.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32:
-        raise TypeError("epx.compat.deep_ep: an fp8 x is a tuple (float8_e4m3fn x, float32 scales) (got x of "
+        raise epx.InvalidArgumentError("epx.compat.deep_ep: an fp8 x is a tuple (float8_e4m3fn x, float32 scales) (got x of "
                         "dtype %s, scales of dtype %s)" % (x.dtype, scales.dtype))
     if x.dim() != 2 or x.shape[1] % 128 != 0:
         raise ValueError("epx.compat.deep_ep: an fp8 x must be [num_tokens, hidden] with hidden a multiple of 128 "

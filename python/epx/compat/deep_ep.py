@@ -237,7 +237,7 @@ class Buffer:
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                  expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
                  allocate_on_comm_stream=False):
-        """x [T, H] bf16, or (x_fp8 [T, H], scales [T, H/128] fp32, any strides); other dtypes raise TypeError. Returns (recv_x (a
+        """x [T, H] bf16, or (x_fp8 [T, H], scales [T, H/128] fp32, any strides); other dtypes raise epx.InvalidArgumentError. Returns (recv_x (a
         tuple for fp8), recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
         EventOverlap); a cached dispatch (with handle) returns (recv_x, None, None, None, None, EventOverlap),
         as DeepEP.
@@ -317,7 +317,8 @@ class Buffer:
         with epx.collective(self._ll_current(), epx.LL_DISPATCH):
             _unsupported(dispatch_wait_recv_cost_stats=(dispatch_wait_recv_cost_stats, None))
             if x.dtype != _torch().bfloat16:  # the LL buffer holds bf16 rows (fp8 is made from them)
-                raise TypeError("epx.compat.deep_ep: low_latency_dispatch takes bf16 x (got %s)" % x.dtype)
+                raise epx.InvalidArgumentError("epx.compat.deep_ep: low_latency_dispatch takes bf16 x (got %s)"
+                                               % x.dtype)
             H = x.shape[1]
             buf = self._ll_buffer(num_max_dispatch_tokens_per_rank, H, topk_idx.shape[1], num_experts)
             out = buf.ll_dispatch(x, self._masked(topk_idx, num_experts), cumulative_local_expert_recv_stats,
