@@ -1,18 +1,19 @@
 #!/usr/bin/env python3
 """Where the time of epx.compat.deep_ep goes, call by call, next to the native epx.Buffer, R ranks on one GPU.
 
-R processes (torch.multiprocessing spawn, a gloo group over a file store) all use cuda:0; start an MPS daemon
-before, so that their kernels run side by side. Every rank makes DeepEP-like inputs: x bf16 [T, H], topk_idx
-int64 = the top-K of random scores over E experts, fp32 weights, and an fp8 copy of x with one fp32 scale per
-128 channels. A row is the median of --iters timings with CUDA events after --warmup, each iteration preceded by
-torch.cuda.synchronize() and a group barrier; the slowest rank's median is shown, then the fastest's.
+R processes (torch.multiprocessing spawn, a gloo group over a file store) all use cuda:0; start an MPS
+daemon before, so that their kernels run side by side. Every rank makes DeepEP-like inputs: x bf16 [T, H],
+topk_idx int64 = the top-K of random scores over E experts, fp32 weights, and an fp8 copy of x with one fp32
+scale per 128 channels. A row is the median of --iters timings with CUDA events after --warmup, each
+iteration preceded by torch.cuda.synchronize() and a group barrier; the slowest rank's median is shown, then
+the fastest's.
 
-Rows of the front (per --front-views setting): get_dispatch_layout; the dispatch without a handle as a whole and
-in its two parts (the notify exchange with its host read, then the data dispatch); layout + dispatch (what
-DeepEP's figure covers); cached dispatch bf16 and fp8; combine. Rows of the native epx.Buffer (modes "ht",
-dtypes bf16 and fp8, --num-sms; per --native-views): dispatch, cached bf16, cached fp8, combine. Then rank 0
-prints, from torch.profiler, the kernels (and copies) one iteration of the front's layout + dispatch, cached
-dispatch and combine launches, with their total device time.
+Rows of the front (per --front-views setting): get_dispatch_layout; the dispatch without a handle as a
+whole and in its two parts (the notify exchange with its host read, then the data dispatch); layout +
+dispatch (what DeepEP's figure covers); cached dispatch bf16 and fp8; combine. Rows of the native
+epx.Buffer (modes "ht", dtypes bf16 and fp8, --num-sms; per --native-views): dispatch, cached bf16, cached
+fp8, combine. Then rank 0 prints, from torch.profiler, the kernels (and copies) one iteration of the
+front's layout + dispatch, cached dispatch and combine launches, with their total device time.
 
 --cpu runs the same over epx's host backend on CPU tensors (small shapes unless given; host clock; the
 profile lists aten ops), which checks the script where there is no GPU. Usage:
@@ -44,7 +45,7 @@ def parse_args(argv=None):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--front-views", default="default",
-                    help="comma list of EPX_DEEPEP_VIEWS settings for the front (default: as the environment)")
+                    help="comma list of EPX_DEEPEP_VIEWS settings for the front (default: the environment's)")
     ap.add_argument("--native-views", default="0,1,pooled", help="comma list of views= for the native rows")
     ap.add_argument("--no-profile", action="store_true", help="skip the torch.profiler tables")
     ap.add_argument("--timeout-ms", type=int, default=20000, help="epx timeout of the bench's communicators")
@@ -126,7 +127,8 @@ def row(ctx, names, body):
     try:
         values, error = measure(ctx, body, len(names)), None
     except Exception as exc:  # noqa: BLE001 - a failed row is reported, the next one runs
-        values, error = [None] * len(names), "%s: %s" % (type(exc).__name__, (str(exc).splitlines() or [""])[0])
+        first_line = (str(exc).splitlines() or [""])[0]
+        values, error = [None] * len(names), "%s: %s" % (type(exc).__name__, first_line)
         try:
             ctx.sync()
         except Exception:  # noqa: BLE001
@@ -175,7 +177,8 @@ def front_rows(ctx, epx, deep_ep, inputs, mode):
     cfg = deep_ep.Config(a.num_sms)
     try:
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
-        layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                      num_tokens_per_expert=per_expert)
 
         def dispatch(current=x):
             return buf.dispatch(current, topk_idx=idx, topk_weights=w, config=cfg, **layout)
@@ -195,13 +198,14 @@ def front_rows(ctx, epx, deep_ep, inputs, mode):
 
         def full(mark):
             pr, _, pe, ir, _ = buf.get_dispatch_layout(idx, E)
-            buf.dispatch(x, num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe, topk_idx=idx,
-                         topk_weights=w, config=cfg)
+            buf.dispatch(x, num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe,
+                         topk_idx=idx, topk_weights=w, config=cfg)
             mark()
 
         row(ctx, tag + "layout + dispatch", full)
         handle = dispatch()[4]
-        row(ctx, tag + "cached dispatch bf16", lambda mark: (buf.dispatch(x, handle=handle, config=cfg), mark()))
+        row(ctx, tag + "cached dispatch bf16",
+            lambda mark: (buf.dispatch(x, handle=handle, config=cfg), mark()))
         if fp8 is not None:
             row(ctx, tag + "cached dispatch fp8", lambda mark: (buf.dispatch(fp8, handle=handle, config=cfg),
                                                                  mark()))
@@ -227,8 +231,9 @@ def native_rows(ctx, epx, inputs, views):
     buf = None
     try:
         try:
-            buf = epx.Buffer(comm, T, H, K, E, modes="ht", dispatch_dtypes=["bf16", "fp8"] if fp8 else ["bf16"],
-                             num_sms=a.num_sms, views=value, **extra)
+            dtypes = ["bf16", "fp8"] if fp8 else ["bf16"]
+            buf = epx.Buffer(comm, T, H, K, E, modes="ht", dispatch_dtypes=dtypes, num_sms=a.num_sms,
+                             views=value, **extra)
         except Exception as exc:  # noqa: BLE001 - e.g. a binding without this view mode
             report(ctx, [tag + "buffer"], [None], "%s: %s" % (type(exc).__name__, exc))
             return
@@ -245,7 +250,7 @@ def native_rows(ctx, epx, inputs, views):
         del recv_x, handle
     finally:
         if buf is not None:
-            buf.destroy()  # handles and views are gone with the rows' frames; a view still alive defers the free
+            buf.destroy()  # handles are gone with the rows' frames; a view still alive defers the free
         comm.destroy()
 
 
@@ -283,7 +288,8 @@ def kernel_table(ctx, prof):
             continue  # the CPU: top-level aten ops only (each is one kernel or copy on a GPU, roughly)
         count, total = totals.get(evt.name, (0, 0.0))
         totals[evt.name] = (count + 1, total + evt.time_range.elapsed_us())
-    lines = ["%6d %10.1f  %s" % (c, t, n[:100]) for n, (c, t) in sorted(totals.items(), key=lambda i: -i[1][1])]
+    ordered = sorted(totals.items(), key=lambda item: -item[1][1])
+    lines = ["%6d %10.1f  %s" % (count, total, name[:100]) for name, (count, total) in ordered]
     launches = sum(c for c, _ in totals.values())
     return lines, launches
 
@@ -317,8 +323,8 @@ def rank_main(rank, a, store_path):
         if rank == 0:
             device = torch.cuda.get_device_name(0) if ctx.cuda else "CPU, host backend"
             print("# epx %s, torch %s, %d ranks on %s; T %d, H %d, top-%d, %d experts, %d SMs; median of %d "
-                  "after %d warm-ups (us)" % (epx.version(), torch.__version__, a.ranks, device, a.tokens, a.hidden,
-                                               a.topk, a.experts, a.num_sms, a.iters, a.warmup))
+                  "after %d warm-ups (us)" % (epx.version(), torch.__version__, a.ranks, device, a.tokens,
+                                               a.hidden, a.topk, a.experts, a.num_sms, a.iters, a.warmup))
             print("%-44s %10s %10s %6s" % ("row", "slowest", "fastest", "rank"), flush=True)
         for mode in a.front_views.split(","):
             try:
@@ -357,11 +363,13 @@ def main(argv=None):
                 if ctx.join(timeout=1):
                     break
             except Exception as exc:  # noqa: BLE001 - a rank raised or died: the others are ended below
-                print("compat_profile: %s" % (str(exc).splitlines() or [type(exc).__name__])[0], file=sys.stderr)
+                first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
+                print("compat_profile: %s" % first_line, file=sys.stderr)
                 status = 1
                 break
             if time.monotonic() > deadline:
-                print("compat_profile: ranks still running after %.0f s; ending them" % a.deadline, file=sys.stderr)
+                print("compat_profile: ranks still running after %.0f s; ending them" % a.deadline,
+                      file=sys.stderr)
                 status = 1
                 break
     finally:

@@ -216,16 +216,19 @@ def _refusals(rank, nranks, dist):
                            match="num_worst_tokens")
     # DeepEP's dtypes only: bf16, or (fp8, fp32 scales); the data buffer holds no others.
     refused_here_or_remote(rank == refuser, lambda: buf.dispatch(x.float(), topk_idx=idx, **layout),
-                           lambda: buf.dispatch(x, topk_idx=idx, **layout), error=epx.InvalidArgumentError, match="float32")
+                           lambda: buf.dispatch(x, topk_idx=idx, **layout), error=epx.InvalidArgumentError,
+                           match="float32")
     recv_x, _, _, counts, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
     want_x, _, _, _, want_counts = ht_reference(rank, nranks, K, E)
     exact(recv_x, want_x, "recv_x after refusals")
     assert counts == want_counts
     q, s = per_token_fp8(x)
     refused_here_or_remote(rank == 0, lambda: buf.dispatch((q, s.double()), handle=handle),
-                           lambda: buf.dispatch(x, handle=handle), error=epx.InvalidArgumentError, match="float64")
+                           lambda: buf.dispatch(x, handle=handle), error=epx.InvalidArgumentError,
+                           match="float64")
     refused_here_or_remote(rank == 0, lambda: buf.dispatch(x.half(), handle=handle),
-                           lambda: buf.dispatch(x, handle=handle), error=epx.InvalidArgumentError, match="float16")
+                           lambda: buf.dispatch(x, handle=handle), error=epx.InvalidArgumentError,
+                           match="float16")
     # Combine with something that is not a handle, on one rank.
     refused_here_or_remote(rank == 0, lambda: buf.combine(recv_x, (1, 2, 3)), lambda: buf.combine(recv_x, handle),
                            error=TypeError, match="handle")
@@ -266,7 +269,8 @@ def _data_dtypes(rank, nranks, dist):
             _, idx, w = make_inputs(rank, nranks, tokens(rank, nranks), K, E, seed=hidden)
             x = torch.full((idx.shape[0], hidden), float(rank), dtype=torch.bfloat16)
             per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
-            layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+            layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                          num_tokens_per_expert=per_expert)
             recv_x, _, _, _, _, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
             assert made[-1] == (["bf16", "fp8"] if hidden % 128 == 0 else ["bf16"]), made
             assert recv_x.shape[1] == hidden and bool((recv_x[:, 0] >= 0).all())
@@ -282,6 +286,58 @@ def _data_dtypes(rank, nranks, dist):
 
 def test_data_buffer_dtypes():
     run_in_group(2, _data_dtypes)
+
+
+def _per_call_work(rank, nranks, dist):
+    """The torch ops the front makes per call, seen through a TorchDispatchMode on CPU tensors: no op that
+    synchronises with the host on a GPU (nonzero, bincount, boolean indexing, item), no host->device upload of
+    shape fields once they were seen, and few kernels (view-like ops and the binding's allocations aside)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    free = {"view", "unsqueeze", "expand", "slice", "select", "reshape", "_reshape_alias", "detach", "alias",
+            "_unsafe_view", "as_strided", "is_pinned", "empty", "empty_strided", "t", "transpose"}
+    syncs = {"nonzero", "bincount", "index", "masked_select", "_local_scalar_dense", "item", "lift_fresh"}
+    E, K = 4 * nranks, 3
+    buf = make_buffer(dist)
+    x, idx, w = make_inputs(rank, nranks, tokens(rank, nranks), K, E)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
+    with Ops() as seen_layout:
+        got = buf.get_dispatch_layout(idx, E)
+    with Ops() as seen_dispatch:
+        recv_x, _, _, counts, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
+    want_in_rank = rank_sets(idx, nranks, E // nranks)
+    exact(got[3], want_in_rank, "is_token_in_rank")
+    exact(got[0], want_in_rank.sum(dim=0).to(torch.int32), "num_tokens_per_rank")
+    exact(got[2], torch.bincount(idx[idx >= 0], minlength=E).to(torch.int32), "num_tokens_per_expert")
+    assert got[1] is None and got[0].dtype == got[2].dtype == torch.int32 and got[3].dtype == torch.bool
+    want_x, _, _, want_prefix, want_counts = ht_reference(rank, nranks, K, E)
+    exact(recv_x, want_x, "recv_x")
+    exact(handle[0], want_prefix, "rank prefix matrix")
+    assert counts == want_counts
+    for what, names, most in (("get_dispatch_layout", seen_layout.names, 7),
+                              ("dispatch", seen_dispatch.names, 4)):
+        assert not syncs & set(names), "%s makes %s" % (what, sorted(syncs & set(names)))
+        kernels = [n for n in names if n not in free]
+        assert len(kernels) <= most, "%s makes %d kernels, at most %d expected: %s" % (
+            what, len(kernels), most, kernels)
+    del recv_x, handle
+    buf.destroy()
+    return True
+
+
+def test_per_call_work():
+    run_in_group(2, _per_call_work)
 
 
 def test_front_surface():
@@ -376,7 +432,8 @@ def _low_latency(rank, nranks, dist):
         with pytest.raises(NotImplementedError, match="use_logfmt"):
             buf.low_latency_combine(y, idx, w, handle, use_logfmt=True)
         refused_here_or_remote(rank == 0, lambda: buf.low_latency_dispatch(x.float(), idx, T, E),
-                               lambda: buf.low_latency_dispatch(x, idx, T, E), error=epx.InvalidArgumentError, match="float32")
+                               lambda: buf.low_latency_dispatch(x, idx, T, E), error=epx.InvalidArgumentError,
+                               match="float32")
         # The mask buffer: every rank masks the last rank, whose experts then receive nothing and whose
         # slots combine as absent.
         status = torch.zeros(nranks, dtype=torch.int32)

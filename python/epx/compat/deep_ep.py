@@ -220,27 +220,20 @@ class Buffer:
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
                             allocate_on_comm_stream=False):
         """topk_idx [T, K] -> (num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32,
-        is_token_in_rank [T, R] bool, EventOverlap). Computed with torch ops (not collective, no buffer)."""
-        torch = _torch()
+        is_token_in_rank [T, R] bool, EventOverlap). Seven torch kernels, no host synchronisation (not
+        collective, no buffer)."""
         _wait(previous_event)
-        R, L = self.group_size, num_experts // self.group_size
-        valid = topk_idx >= 0
-        rank_of = torch.where(valid, topk_idx // L, torch.full_like(topk_idx, -1))
-        ranks = torch.arange(R, device=topk_idx.device, dtype=topk_idx.dtype)
-        is_token_in_rank = (rank_of.unsqueeze(-1) == ranks).any(dim=1)
-        num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
-        num_tokens_per_expert = torch.bincount(topk_idx[valid].long(), minlength=num_experts).to(torch.int32)
-        return (num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank,
-                _event(topk_idx, async_finish))
+        per_rank, per_expert, is_token_in_rank = self._ht_path.layout(topk_idx, num_experts)
+        return per_rank, None, per_expert, is_token_in_rank, _event(topk_idx, async_finish)
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                  expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
                  allocate_on_comm_stream=False):
-        """x [T, H] bf16, or (x_fp8 [T, H], scales [T, H/128] fp32, any strides); other dtypes raise epx.InvalidArgumentError. Returns (recv_x (a
-        tuple for fp8), recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
-        EventOverlap); a cached dispatch (with handle) returns (recv_x, None, None, None, None, EventOverlap),
-        as DeepEP.
+        """x [T, H] bf16, or (x_fp8 [T, H], scales [T, H/128] fp32, any strides); other dtypes raise
+        epx.InvalidArgumentError. Returns (recv_x (a tuple for fp8), recv_topk_idx, recv_topk_weights,
+        num_recv_tokens_per_expert_list, handle, EventOverlap); a cached dispatch (with handle) returns
+        (recv_x, None, None, None, None, EventOverlap), as DeepEP.
         Whatever this rank refuses, the others raise RemoteError (epx.collective)."""
         if handle is not None:
             with epx.collective(self._ht_buffer_of(handle), epx.HT_DISPATCH):
@@ -317,8 +310,8 @@ class Buffer:
         with epx.collective(self._ll_current(), epx.LL_DISPATCH):
             _unsupported(dispatch_wait_recv_cost_stats=(dispatch_wait_recv_cost_stats, None))
             if x.dtype != _torch().bfloat16:  # the LL buffer holds bf16 rows (fp8 is made from them)
-                raise epx.InvalidArgumentError("epx.compat.deep_ep: low_latency_dispatch takes bf16 x (got %s)"
-                                               % x.dtype)
+                raise epx.InvalidArgumentError("epx.compat.deep_ep: low_latency_dispatch takes bf16 x (got "
+                                               "%s)" % x.dtype)
             H = x.shape[1]
             buf = self._ll_buffer(num_max_dispatch_tokens_per_rank, H, topk_idx.shape[1], num_experts)
             out = buf.ll_dispatch(x, self._masked(topk_idx, num_experts), cumulative_local_expert_recv_stats,

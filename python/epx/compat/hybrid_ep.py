@@ -151,8 +151,8 @@ class HybridEPBuffer:
         torch = _torch()
         fp8 = getattr(torch, "float8_e4m3fn", None)
         if isinstance(hidden, torch.Tensor) and hidden.dtype not in (torch.bfloat16, torch.uint8, fp8):
-            raise epx.InvalidArgumentError("hidden must be bf16, or uint8 (fp8 bits) with use_fp8=True (got %s)"
-                                           % hidden.dtype)
+            raise epx.InvalidArgumentError("hidden must be bf16, or uint8 (fp8 bits) with use_fp8=True (got "
+                                           "%s)" % hidden.dtype)
         if hidden.dtype in (torch.uint8, fp8) and not self.use_fp8:
             raise ValueError("%s (fp8) hidden needs a buffer made with use_fp8=True" % hidden.dtype)
         if hidden.dtype == torch.uint8:
