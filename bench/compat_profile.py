@@ -144,11 +144,11 @@ def report(ctx, names, values, error):
     for k, name in enumerate(names):
         errors = [(r, e) for r, (_, e) in enumerate(gathered) if e]
         if errors:
-            print("%-44s %s (rank %d)" % (name, errors[0][1][:150], errors[0][0]), flush=True)
+            print("%-48s %s (rank %d)" % (name, errors[0][1][:150], errors[0][0]), flush=True)
             continue
         per_rank = [v[k] for v, _ in gathered]
         slowest = max(range(len(per_rank)), key=per_rank.__getitem__)
-        print("%-44s %10.1f %10.1f %6d" % (name, per_rank[slowest], min(per_rank), slowest), flush=True)
+        print("%-48s %10.1f %10.1f %6d" % (name, per_rank[slowest], min(per_rank), slowest), flush=True)
 
 
 def set_front_views(deep_ep, mode):
@@ -172,8 +172,7 @@ def front_rows(ctx, epx, deep_ep, inputs, mode):
     except BaseException:
         comm.destroy()
         raise
-    tag = "front[%s] " % (getattr(deep_ep, "VIEWS", None) or os.environ.get("EPX_DEEPEP_VIEWS", "default")
-                          if mode == "default" else mode)
+    setting = getattr(deep_ep, "VIEWS", None) or os.environ.get("EPX_DEEPEP_VIEWS", "default")
     cfg = deep_ep.Config(a.num_sms)
     try:
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
@@ -184,6 +183,10 @@ def front_rows(ctx, epx, deep_ep, inputs, mode):
             return buf.dispatch(current, topk_idx=idx, topk_weights=w, config=cfg, **layout)
 
         dispatch()  # makes the data buffer
+        # The mode in effect: a binding without pooled views gives copies ("pooled->0").
+        views = getattr(buf._ht_path, "native_options", {}).get("views", setting)
+        effective = {False: "0", True: "1"}.get(views, str(views))
+        tag = "front[%s] " % (setting if effective == setting else "%s->%s" % (setting, effective))
         row(ctx, tag + "get_dispatch_layout", lambda mark: (buf.get_dispatch_layout(idx, E), mark()))
         row(ctx, tag + "dispatch", lambda mark: (dispatch(), mark()))
         path = buf._ht_path
@@ -255,10 +258,11 @@ def native_rows(ctx, epx, inputs, views):
 
 
 def profile(ctx, tag, buf, full, x, handle, recv_x, recv_w, cfg):
-    """One iteration of each call on every rank, profiled on rank 0."""
-    calls = [("layout + dispatch", full),
+    """One iteration of each call on every rank, profiled on rank 0. The combine goes first: with
+    EPX_DEEPEP_VIEWS=1 a later dispatch would leave recv_x stale."""
+    calls = [("combine", lambda mark: buf.combine(recv_x, handle, topk_weights=recv_w, config=cfg)),
              ("cached dispatch bf16", lambda mark: buf.dispatch(x, handle=handle, config=cfg)),
-             ("combine", lambda mark: buf.combine(recv_x, handle, topk_weights=recv_w, config=cfg))]
+             ("layout + dispatch", full)]
     for name, fn in calls:
         ctx.sync()
         ctx.dist.barrier()
@@ -325,7 +329,7 @@ def rank_main(rank, a, store_path):
             print("# epx %s, torch %s, %d ranks on %s; T %d, H %d, top-%d, %d experts, %d SMs; median of %d "
                   "after %d warm-ups (us)" % (epx.version(), torch.__version__, a.ranks, device, a.tokens,
                                                a.hidden, a.topk, a.experts, a.num_sms, a.iters, a.warmup))
-            print("%-44s %10s %10s %6s" % ("row", "slowest", "fastest", "rank"), flush=True)
+            print("%-48s %10s %10s %6s" % ("row", "slowest", "fastest", "rank"), flush=True)
         for mode in a.front_views.split(","):
             try:
                 front_rows(ctx, epx, deep_ep, inputs, mode.strip())

@@ -340,6 +340,101 @@ def test_per_call_work():
     run_in_group(2, _per_call_work)
 
 
+def _view_modes(rank, nranks, dist, mode):
+    """deep_ep.VIEWS (EPX_DEEPEP_VIEWS): every mode gives DeepEP's results when outputs are consumed before
+    the next call; "pooled" and "0" keep outputs as tensors of their own across later dispatches."""
+    E, K = 4 * nranks, 3
+    saved, deep_ep.VIEWS = deep_ep.VIEWS, mode
+    try:
+        buf = make_buffer(dist)
+    finally:
+        deep_ep.VIEWS = saved
+    x, idx, w = make_inputs(rank, nranks, tokens(rank, nranks), K, E)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    want_x, want_idx, want_w, want_prefix, want_counts = ht_reference(rank, nranks, K, E)
+    times = in_rank.sum(dim=1, keepdim=True).float()
+    want_combined = (x.float() * times).to(torch.bfloat16)
+    kept = []
+    for worst in (0, nranks * 16):
+        recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w,
+                                                                   num_worst_tokens=worst, **layout)
+        n = want_x.shape[0]
+        assert recv_idx.dtype == torch.int64 and recv_x.shape[0] == (worst or n)
+        exact(recv_x[:n], want_x, "recv_x")
+        exact(recv_idx[:n], want_idx, "recv_topk_idx")
+        exact(recv_w[:n], want_w, "recv_topk_weights")
+        assert bool((recv_idx[n:] == -1).all()) and bool((recv_w[n:] == 0).all())
+        assert counts == ([] if worst else want_counts)
+        exact(handle[0], want_prefix, "rank prefix matrix")
+        combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+        exact(combined, want_combined, "combined_x")
+        exact(combined_w, torch.where(idx >= 0, w, torch.zeros_like(w)), "combined weights")
+        again = buf.dispatch((x.float() * 2).to(torch.bfloat16), handle=handle)[0]
+        exact(again[:n], (want_x.float() * 2).to(torch.bfloat16), "cached recv_x")
+        combined, _, _ = buf.combine(again, handle)
+        exact(combined, (want_combined.float() * 2).to(torch.bfloat16), "combined cached")
+        kept.append((recv_x[:n].clone(), recv_x, recv_idx, recv_w))
+    data = buf._ht_path.data
+    if mode == "1":
+        assert data.views is True
+    else:
+        assert data.views is False or buf._ht_path.native_options["views"] == "pooled"
+        # DeepEP's contract: outputs are the caller's, whatever later dispatches did.
+        first, recv_x, recv_idx, recv_w = kept[0]
+        exact(recv_x, first, "recv_x of an earlier dispatch")
+        exact(recv_idx, want_idx, "recv_topk_idx of an earlier dispatch")
+        exact(recv_w, want_w, "recv_topk_weights of an earlier dispatch")
+    del kept, recv_x, recv_idx, recv_w, handle, again
+    buf.destroy()
+    return True
+
+
+@pytest.mark.parametrize("mode", ["pooled", "0", "1"])
+def test_view_modes(mode):
+    run_in_group(2, _view_modes, mode=mode)
+
+
+def _pooled_request(rank, nranks, dist):
+    """The front asks for pooled views with view_areas (so a binding without them refuses the keyword) and
+    makes copies where the binding refuses it; a bad setting raises before anything is made."""
+    seen = []
+
+    class WithPooledViews(epx.Buffer):  # stands in for a binding that takes views="pooled"
+        def __init__(self, *args, views=False, view_areas=None, **kwargs):
+            seen.append((views, view_areas))
+            super().__init__(*args, **kwargs)
+
+    E, K = 2 * nranks, 2
+    x, idx, w = make_inputs(rank, nranks, tokens(rank, nranks), K, E)
+    saved = deep_ep.VIEWS, epx.Buffer
+    try:
+        deep_ep.VIEWS = "pooled"
+        for binding, want in ((WithPooledViews, {"views": "pooled", "view_areas": 0}), (saved[1], {"views": False})):
+            epx.Buffer = binding
+            buf = make_buffer(dist)
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+            recv_x = buf.dispatch(x, topk_idx=idx, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                  num_tokens_per_expert=per_expert)[0]
+            exact(recv_x, ht_reference(rank, nranks, K, E)[0], "recv_x")
+            assert buf._ht_path.native_options == want, buf._ht_path.native_options
+            del recv_x
+            buf.destroy()
+        assert seen[-1] == ("pooled", 0), seen
+        deep_ep.VIEWS = "yes"
+        comm = epx.Comm.from_torch(dist.group.WORLD, backend="host")
+        with pytest.raises(ValueError, match="EPX_DEEPEP_VIEWS"):
+            deep_ep.Buffer(dist.group.WORLD, comm=comm)
+        comm.destroy()
+    finally:
+        deep_ep.VIEWS, epx.Buffer = saved
+    return True
+
+
+def test_pooled_views_requested():
+    run_in_group(2, _pooled_request)
+
+
 def test_front_surface():
     assert deep_ep.topk_idx_t == torch.int64
     assert deep_ep.Buffer.is_sm90_compiled() is True

@@ -31,12 +31,13 @@ def _torch():
 
 
 class _State:
-    """What a handle needs: the data buffer it belongs to, the epx handle, the caller's top-k width."""
+    """What a handle needs: the data buffer it belongs to, the epx handle, the caller's top-k width, and the
+    rows of its dispatch's outputs (N_r, or num_worst_tokens in static mode)."""
 
-    __slots__ = ("buffer", "epx", "num_topk", "__weakref__")
+    __slots__ = ("buffer", "epx", "num_topk", "rows", "__weakref__")
 
-    def __init__(self, buffer, handle, num_topk):
-        self.buffer, self.epx, self.num_topk = buffer, handle, num_topk
+    def __init__(self, buffer, handle, num_topk, rows):
+        self.buffer, self.epx, self.num_topk, self.rows = buffer, handle, num_topk, rows
 
 
 class _Notified:
@@ -147,7 +148,7 @@ class HTPath:
         return t
 
     def _rows_constant(self, key, rows, make):
-        """_constant with at least `rows` rows: make(n) makes n >= rows of them, again when they fall short."""
+        """_constant with at least `rows` rows: make(n) makes n >= rows, again when they fall short."""
         entry = self._constants.get(key)
         if entry is not None and entry[0].shape[0] < rows:
             del self._constants[key]
@@ -285,7 +286,7 @@ class HTPath:
         else:
             align = max(int(expert_alignment), 1)
             counts = [-(-c // align) * align for c in n.experts]
-        state = _State(buf, out.handle, K_user)
+        state = _State(buf, out.handle, K_user, out.recv_x.shape[0])
         self.states.add(state)
         return recv_x, recv_idx, recv_w, counts, Handle(n.prefix, is_token_in_rank, state)
 
@@ -355,9 +356,23 @@ class HTPath:
         # DeepEP's dtypes only (split_x): rows are sized for 2-byte elements, not for fp32.
         dtypes = ["bf16", "fp8"] if H % 128 == 0 else ["bf16"]
         # Handles keep the buffer they were made on: an old one lives until its last handle goes.
-        self.data = epx.Buffer(self.comm, t_max, H, k, E, modes="ht", dispatch_dtypes=dtypes, num_sms=num_sms,
-                               **self.native_options)
+        self.data = self._make_data(t_max, H, k, E, dtypes, num_sms)
         return self.data
+
+    def _make_data(self, t_max, H, k, E, dtypes, num_sms):
+        """The data buffer with the native options; without pooled views in this epx, with copies. The
+        keywords are refused before anything collective and alike on every rank, so all fall back alike."""
+        def make():
+            return epx.Buffer(self.comm, t_max, H, k, E, modes="ht", dispatch_dtypes=dtypes, num_sms=num_sms,
+                              **self.native_options)
+
+        try:
+            return make()
+        except TypeError as exc:
+            if self.native_options.get("views") != "pooled" or "view" not in str(exc):
+                raise
+        self.native_options = {"views": False}
+        return make()
 
     def _clean_tail(self, recv_idx, recv_w, n_recv, n_recv_device):
         """Static mode: rows past N_r get topk_idx -1 (DeepEP's fill) and weight 0."""
@@ -381,7 +396,16 @@ class HTPath:
         with epx.collective(state.buffer, epx.HT_DISPATCH):
             x, scales = split_x(x)
             out = state.buffer.dispatch(x, x_scales=scales, handle=state.epx)
-        return (out.recv_x, out.recv_x_scales) if scales is not None else out.recv_x
+        recv_x, recv_scales = out.recv_x, out.recv_x_scales
+        if recv_x.shape[0] < state.rows:
+            # A cached dispatch in view mode may give N_r rows for a static-mode handle; DeepEP gives (and the
+            # combine takes) num_worst_tokens rows, the rows past N_r unspecified.
+            torch = _torch()
+            recv_x = torch.cat([recv_x, recv_x.new_empty((state.rows - recv_x.shape[0], recv_x.shape[1]))])
+            if recv_scales is not None:
+                recv_scales = torch.cat([recv_scales, recv_scales.new_empty(
+                    (state.rows - recv_scales.shape[0], recv_scales.shape[1]))])
+        return (recv_x, recv_scales) if scales is not None else recv_x
 
     def combine(self, x, handle, topk_weights, bias):
         state = state_of(handle)

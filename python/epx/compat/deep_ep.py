@@ -36,13 +36,28 @@ def _unsupported(**kwargs):
         raise NotImplementedError("epx.compat.deep_ep does not support: %s" % ", ".join(bad))
 
 
+# How HT dispatch outputs relate to the data buffer's memory, for Buffers made from now on (read from
+# EPX_DEEPEP_VIEWS when the module is imported; docs/compat.md, "Native options"):
+#   "pooled" (default): views of the buffer in areas reused only once no view of them is alive, copies when
+#       every area is held: outputs behave as tensors of their own, as DeepEP's, with one pass over the bytes.
+#   "0": copies (views=False).
+#   "1": views valid until the next dispatch into their area (views=True), for MoE layers that consume the
+#       outputs before the next call.
+VIEWS = os.environ.get("EPX_DEEPEP_VIEWS", "pooled")
+
+
 def _native_options():
-    """THE place where the front chooses options of the native epx.Buffer for its HT data buffer.
-    EPX_DEEPEP_VIEWS=1 asks for the single-pass view mode; until epx.Buffer offers it, asking fails here."""
-    if os.environ.get("EPX_DEEPEP_VIEWS", "0") not in ("", "0"):
-        raise NotImplementedError("epx.compat.deep_ep: EPX_DEEPEP_VIEWS=1 needs the view mode of epx.Buffer, "
-                                  "which this epx does not have yet")
-    return {}
+    """THE place where the front chooses options of the native epx.Buffer for its HT data buffer: the view
+    mode of VIEWS. A binding without pooled views makes copies (HTPath falls back to views=False)."""
+    mode = str(VIEWS).strip().lower() or "pooled"
+    if mode == "pooled":
+        # view_areas=0 (the library's count) goes with it so that a binding without pooled views refuses the
+        # keywords (TypeError) instead of taking "pooled" for true.
+        return {"views": "pooled", "view_areas": 0}
+    if mode in ("0", "1"):
+        return {"views": mode == "1"}
+    raise ValueError("epx.compat.deep_ep: EPX_DEEPEP_VIEWS (deep_ep.VIEWS) must be pooled, 0 or 1 (got %r)"
+                     % (VIEWS,))
 
 
 class Config:
@@ -116,6 +131,7 @@ class Buffer:
     def __init__(self, group=None, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
                  use_fabric=False, explicitly_destroy=False, enable_shrink=False, comm=None):
+        native_options = _native_options()  # a bad setting raises before anything collective
         self.group = group
         self.comm = comm if comm is not None else epx.Comm.from_torch(group)
         self.rank = self.comm.rank
@@ -132,7 +148,7 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
         self._states = weakref.WeakSet()  # HT handles' states: destroy() frees their epx handles
-        self._ht_path = _ht.HTPath(self.comm, _native_options())
+        self._ht_path = _ht.HTPath(self.comm, native_options)
         self._ht_path.states = self._states
         self._ll = None  # ((T_max, H, K, E), epx.Buffer)
         self._mask = [0] * self.group_size  # enable_shrink: ranks this rank treats as absent in LL calls
