@@ -214,10 +214,21 @@ def _refusals(rank, nranks, dist):
     refused_here_or_remote(rank == refuser, lambda: buf.dispatch(x, num_worst_tokens=64, **layout),
                            lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_worst_tokens=64, **layout),
                            match="num_worst_tokens")
+    # DeepEP's dtypes only: bf16, or (fp8, fp32 scales); the data buffer holds no others.
+    refused_here_or_remote(rank == refuser, lambda: buf.dispatch(x.float(), topk_idx=idx, **layout),
+                           lambda: buf.dispatch(x, topk_idx=idx, **layout), error=epx.InvalidArgumentError,
+                           match="float32")
     recv_x, _, _, counts, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
     want_x, _, _, _, want_counts = ht_reference(rank, nranks, K, E)
     exact(recv_x, want_x, "recv_x after refusals")
     assert counts == want_counts
+    q, s = per_token_fp8(x)
+    refused_here_or_remote(rank == 0, lambda: buf.dispatch((q, s.double()), handle=handle),
+                           lambda: buf.dispatch(x, handle=handle), error=epx.InvalidArgumentError,
+                           match="float64")
+    refused_here_or_remote(rank == 0, lambda: buf.dispatch(x.half(), handle=handle),
+                           lambda: buf.dispatch(x, handle=handle), error=epx.InvalidArgumentError,
+                           match="float16")
     # Combine with something that is not a handle, on one rank.
     refused_here_or_remote(rank == 0, lambda: buf.combine(recv_x, (1, 2, 3)), lambda: buf.combine(recv_x, handle),
                            error=TypeError, match="handle")
@@ -239,6 +250,199 @@ def _refusals(rank, nranks, dist):
 @pytest.mark.parametrize("nranks", [2, 4])
 def test_refusals_reach_peers(nranks):
     run_in_group(nranks, _refusals)
+
+
+def _data_dtypes(rank, nranks, dist):
+    """The data buffer is made for DeepEP's dtypes only: bf16, plus fp8 where hidden allows it."""
+    E, K = 2 * nranks, 2
+    made = []
+
+    class Recording(epx.Buffer):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs.get("dispatch_dtypes"))
+            super().__init__(*args, **kwargs)
+
+    saved, epx.Buffer = epx.Buffer, Recording
+    try:
+        buf = make_buffer(dist)
+        for hidden in (256, 192):
+            _, idx, w = make_inputs(rank, nranks, tokens(rank, nranks), K, E, seed=hidden)
+            x = torch.full((idx.shape[0], hidden), float(rank), dtype=torch.bfloat16)
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+            layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                          num_tokens_per_expert=per_expert)
+            recv_x, _, _, _, _, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
+            assert made[-1] == (["bf16", "fp8"] if hidden % 128 == 0 else ["bf16"]), made
+            assert recv_x.shape[1] == hidden and bool((recv_x[:, 0] >= 0).all())
+        q = torch.zeros((x.shape[0], 192), dtype=torch.float8_e4m3fn)
+        s = torch.ones((x.shape[0], 1), dtype=torch.float32)
+        refused_here_or_remote(rank == 0, lambda: buf.dispatch((q, s), topk_idx=idx, **layout),
+                               lambda: buf.dispatch(x, topk_idx=idx, **layout), match="multiple of 128")
+        buf.destroy()
+    finally:
+        epx.Buffer = saved
+    return True
+
+
+def test_data_buffer_dtypes():
+    run_in_group(2, _data_dtypes)
+
+
+def _per_call_work(rank, nranks, dist):
+    """The torch ops the front makes per call, seen through a TorchDispatchMode on CPU tensors: no op that
+    synchronises with the host on a GPU (nonzero, bincount, boolean indexing, item), no host->device upload of
+    shape fields once they were seen, and few kernels (view-like ops and the binding's allocations aside)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    free = {"view", "unsqueeze", "expand", "slice", "select", "reshape", "_reshape_alias", "detach", "alias",
+            "_unsafe_view", "as_strided", "is_pinned", "empty", "empty_strided", "t", "transpose"}
+    syncs = {"nonzero", "bincount", "index", "masked_select", "_local_scalar_dense", "item", "lift_fresh"}
+    E, K = 4 * nranks, 3
+    # Copies: with views recv_topk_idx takes one more kernel (int32 -> int64).
+    saved, deep_ep.VIEWS = deep_ep.VIEWS, "0"
+    try:
+        buf = make_buffer(dist)
+    finally:
+        deep_ep.VIEWS = saved
+    x, idx, w = make_inputs(rank, nranks, tokens(rank, nranks), K, E)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
+    with Ops() as seen_layout:
+        got = buf.get_dispatch_layout(idx, E)
+    with Ops() as seen_dispatch:
+        recv_x, _, _, counts, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
+    want_in_rank = rank_sets(idx, nranks, E // nranks)
+    exact(got[3], want_in_rank, "is_token_in_rank")
+    exact(got[0], want_in_rank.sum(dim=0).to(torch.int32), "num_tokens_per_rank")
+    exact(got[2], torch.bincount(idx[idx >= 0], minlength=E).to(torch.int32), "num_tokens_per_expert")
+    assert got[1] is None and got[0].dtype == got[2].dtype == torch.int32 and got[3].dtype == torch.bool
+    want_x, _, _, want_prefix, want_counts = ht_reference(rank, nranks, K, E)
+    exact(recv_x, want_x, "recv_x")
+    exact(handle[0], want_prefix, "rank prefix matrix")
+    assert counts == want_counts
+    for what, names, most in (("get_dispatch_layout", seen_layout.names, 7),
+                              ("dispatch", seen_dispatch.names, 4)):
+        assert not syncs & set(names), "%s makes %s" % (what, sorted(syncs & set(names)))
+        kernels = [n for n in names if n not in free]
+        assert len(kernels) <= most, "%s makes %d kernels, at most %d expected: %s" % (
+            what, len(kernels), most, kernels)
+    del recv_x, handle
+    buf.destroy()
+    return True
+
+
+def test_per_call_work():
+    run_in_group(2, _per_call_work)
+
+
+def _view_modes(rank, nranks, dist, mode):
+    """deep_ep.VIEWS (EPX_DEEPEP_VIEWS): every mode gives DeepEP's results when outputs are consumed before
+    the next call; "pooled" and "0" keep outputs as tensors of their own across later dispatches."""
+    E, K = 4 * nranks, 3
+    saved, deep_ep.VIEWS = deep_ep.VIEWS, mode
+    try:
+        buf = make_buffer(dist)
+    finally:
+        deep_ep.VIEWS = saved
+    x, idx, w = make_inputs(rank, nranks, tokens(rank, nranks), K, E)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    want_x, want_idx, want_w, want_prefix, want_counts = ht_reference(rank, nranks, K, E)
+    times = in_rank.sum(dim=1, keepdim=True).float()
+    want_combined = (x.float() * times).to(torch.bfloat16)
+    kept = []
+    for worst in (0, nranks * 16):
+        recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w,
+                                                                   num_worst_tokens=worst, **layout)
+        n = want_x.shape[0]
+        assert recv_idx.dtype == torch.int64 and recv_x.shape[0] == (worst or n)
+        exact(recv_x[:n], want_x, "recv_x")
+        exact(recv_idx[:n], want_idx, "recv_topk_idx")
+        exact(recv_w[:n], want_w, "recv_topk_weights")
+        assert bool((recv_idx[n:] == -1).all()) and bool((recv_w[n:] == 0).all())
+        assert counts == ([] if worst else want_counts)
+        exact(handle[0], want_prefix, "rank prefix matrix")
+        combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+        exact(combined, want_combined, "combined_x")
+        exact(combined_w, torch.where(idx >= 0, w, torch.zeros_like(w)), "combined weights")
+        again = buf.dispatch((x.float() * 2).to(torch.bfloat16), handle=handle)[0]
+        exact(again[:n], (want_x.float() * 2).to(torch.bfloat16), "cached recv_x")
+        combined, _, _ = buf.combine(again, handle)
+        exact(combined, (want_combined.float() * 2).to(torch.bfloat16), "combined cached")
+        kept.append((recv_x[:n].clone(), recv_x, recv_idx, recv_w))
+    data = buf._ht_path.data
+    if mode == "1":
+        assert data.views is True or data.views == 1
+    else:
+        assert data.views is False or buf._ht_path.native_options["views"] == "pooled"
+        # DeepEP's contract: outputs are the caller's, whatever later dispatches did.
+        first, recv_x, recv_idx, recv_w = kept[0]
+        exact(recv_x, first, "recv_x of an earlier dispatch")
+        exact(recv_idx, want_idx, "recv_topk_idx of an earlier dispatch")
+        exact(recv_w, want_w, "recv_topk_weights of an earlier dispatch")
+    del kept, recv_x, recv_idx, recv_w, handle, again
+    buf.destroy()
+    return True
+
+
+@pytest.mark.parametrize("mode", ["pooled", "0", "1"])
+def test_view_modes(mode):
+    run_in_group(2, _view_modes, mode=mode)
+
+
+def _pooled_request(rank, nranks, dist):
+    """The front asks for pooled views with view_areas (so a binding without them refuses the keyword) and
+    makes copies where the binding refuses it; a bad setting raises before anything is made."""
+    seen = []
+
+    class WithPooledViews(epx.Buffer):  # stands in for a binding that takes views="pooled"
+        def __init__(self, *args, views=False, view_areas=None, **kwargs):
+            seen.append((views, view_areas))
+            super().__init__(*args, **kwargs)
+
+    import inspect
+
+    E, K = 2 * nranks, 2
+    x, idx, w = make_inputs(rank, nranks, tokens(rank, nranks), K, E)
+    saved = deep_ep.VIEWS, epx.Buffer
+    pooled = {"views": "pooled", "view_areas": 0}
+    has_pooled = "view_areas" in inspect.signature(epx.Buffer.__init__).parameters
+    try:
+        deep_ep.VIEWS = "pooled"
+        real = pooled if has_pooled else {"views": False}
+        for binding, want in ((WithPooledViews, pooled), (saved[1], real)):
+            epx.Buffer = binding
+            buf = make_buffer(dist)
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+            recv_x = buf.dispatch(x, topk_idx=idx, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                  num_tokens_per_expert=per_expert)[0]
+            exact(recv_x, ht_reference(rank, nranks, K, E)[0], "recv_x")
+            assert buf._ht_path.native_options == want, buf._ht_path.native_options
+            del recv_x
+            buf.destroy()
+        assert seen[-1] == ("pooled", 0), seen
+        deep_ep.VIEWS = "yes"
+        comm = epx.Comm.from_torch(dist.group.WORLD, backend="host")
+        with pytest.raises(ValueError, match="EPX_DEEPEP_VIEWS"):
+            deep_ep.Buffer(dist.group.WORLD, comm=comm)
+        comm.destroy()
+    finally:
+        deep_ep.VIEWS, epx.Buffer = saved
+    return True
+
+
+def test_pooled_views_requested():
+    run_in_group(2, _pooled_request)
 
 
 def test_front_surface():
@@ -332,6 +536,9 @@ def _low_latency(rank, nranks, dist):
                     exact(out, want, "LL combined (zero_copy=%s, hook=%s)" % (zero_copy, hook_mode))
         with pytest.raises(NotImplementedError, match="use_logfmt"):
             buf.low_latency_combine(y, idx, w, handle, use_logfmt=True)
+        refused_here_or_remote(rank == 0, lambda: buf.low_latency_dispatch(x.float(), idx, T, E),
+                               lambda: buf.low_latency_dispatch(x, idx, T, E), error=epx.InvalidArgumentError,
+                               match="float32")
         # The mask buffer: every rank masks the last rank, whose experts then receive nothing and whose
         # slots combine as absent.
         status = torch.zeros(nranks, dtype=torch.int32)

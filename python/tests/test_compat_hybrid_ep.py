@@ -249,6 +249,9 @@ def _refusals(rank, nranks, dist):
         buf.combine(tokens, bad, handle)
     with pytest.raises(ValueError if rank == nranks - 1 else epx.RemoteError):
         buf.dispatch(hidden, topk_idx=idx, num_of_experts=E + (rank == nranks - 1))
+    with pytest.raises(epx.InvalidArgumentError if rank == 0 else epx.RemoteError,
+                       match="float32" if rank == 0 else None):
+        buf.dispatch(hidden.float() if rank == 0 else hidden, routing_map=rmap)
     with pytest.raises(ValueError, match="handle comes from dispatch"):
         buf.combine_with_unpermute(hidden=tokens, handle=handle)
     _, c_probs = buf.combine(tokens, d_probs, handle)

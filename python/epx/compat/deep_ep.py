@@ -36,13 +36,28 @@ def _unsupported(**kwargs):
         raise NotImplementedError("epx.compat.deep_ep does not support: %s" % ", ".join(bad))
 
 
+# How HT dispatch outputs relate to the data buffer's memory, for Buffers made from now on (read from
+# EPX_DEEPEP_VIEWS when the module is imported; docs/compat.md, "Native options"):
+#   "pooled" (default): views of the buffer in areas reused only once no view of them is alive, copies when
+#       every area is held: outputs behave as tensors of their own, as DeepEP's, with one pass over the bytes.
+#   "0": copies (views=False).
+#   "1": views valid until the next dispatch into their area (views=True), for MoE layers that consume the
+#       outputs before the next call.
+VIEWS = os.environ.get("EPX_DEEPEP_VIEWS", "pooled")
+
+
 def _native_options():
-    """THE place where the front chooses options of the native epx.Buffer for its HT data buffer.
-    EPX_DEEPEP_VIEWS=1 asks for the single-pass view mode; until epx.Buffer offers it, asking fails here."""
-    if os.environ.get("EPX_DEEPEP_VIEWS", "0") not in ("", "0"):
-        raise NotImplementedError("epx.compat.deep_ep: EPX_DEEPEP_VIEWS=1 needs the view mode of epx.Buffer, "
-                                  "which this epx does not have yet")
-    return {}
+    """THE place where the front chooses options of the native epx.Buffer for its HT data buffer: the view
+    mode of VIEWS. A binding without pooled views makes copies (HTPath falls back to views=False)."""
+    mode = str(VIEWS).strip().lower() or "pooled"
+    if mode == "pooled":
+        # view_areas=0 (the library's count) goes with it so that a binding without pooled views refuses the
+        # keywords (TypeError) instead of taking "pooled" for true.
+        return {"views": "pooled", "view_areas": 0}
+    if mode in ("0", "1"):
+        return {"views": mode == "1"}
+    raise ValueError("epx.compat.deep_ep: EPX_DEEPEP_VIEWS (deep_ep.VIEWS) must be pooled, 0 or 1 (got %r)"
+                     % (VIEWS,))
 
 
 class Config:
@@ -116,6 +131,7 @@ class Buffer:
     def __init__(self, group=None, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
                  use_fabric=False, explicitly_destroy=False, enable_shrink=False, comm=None):
+        native_options = _native_options()  # a bad setting raises before anything collective
         self.group = group
         self.comm = comm if comm is not None else epx.Comm.from_torch(group)
         self.rank = self.comm.rank
@@ -132,7 +148,7 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
         self._states = weakref.WeakSet()  # HT handles' states: destroy() frees their epx handles
-        self._ht_path = _ht.HTPath(self.comm, _native_options())
+        self._ht_path = _ht.HTPath(self.comm, native_options)
         self._ht_path.states = self._states
         self._ll = None  # ((T_max, H, K, E), epx.Buffer)
         self._mask = [0] * self.group_size  # enable_shrink: ranks this rank treats as absent in LL calls
@@ -220,27 +236,20 @@ class Buffer:
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
                             allocate_on_comm_stream=False):
         """topk_idx [T, K] -> (num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32,
-        is_token_in_rank [T, R] bool, EventOverlap). Computed with torch ops (not collective, no buffer)."""
-        torch = _torch()
+        is_token_in_rank [T, R] bool, EventOverlap). Seven torch kernels, no host synchronisation (not
+        collective, no buffer)."""
         _wait(previous_event)
-        R, L = self.group_size, num_experts // self.group_size
-        valid = topk_idx >= 0
-        rank_of = torch.where(valid, topk_idx // L, torch.full_like(topk_idx, -1))
-        ranks = torch.arange(R, device=topk_idx.device, dtype=topk_idx.dtype)
-        is_token_in_rank = (rank_of.unsqueeze(-1) == ranks).any(dim=1)
-        num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
-        num_tokens_per_expert = torch.bincount(topk_idx[valid].long(), minlength=num_experts).to(torch.int32)
-        return (num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank,
-                _event(topk_idx, async_finish))
+        per_rank, per_expert, is_token_in_rank = self._ht_path.layout(topk_idx, num_experts)
+        return per_rank, None, per_expert, is_token_in_rank, _event(topk_idx, async_finish)
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                  expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
                  allocate_on_comm_stream=False):
-        """x [T, H] bf16/fp32, or (x_fp8 [T, H], scales [T, H/128] fp32, any strides). Returns (recv_x (a
-        tuple for fp8), recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
-        EventOverlap); a cached dispatch (with handle) returns (recv_x, None, None, None, None, EventOverlap),
-        as DeepEP.
+        """x [T, H] bf16, or (x_fp8 [T, H], scales [T, H/128] fp32, any strides); other dtypes raise
+        epx.InvalidArgumentError. Returns (recv_x (a tuple for fp8), recv_topk_idx, recv_topk_weights,
+        num_recv_tokens_per_expert_list, handle, EventOverlap); a cached dispatch (with handle) returns
+        (recv_x, None, None, None, None, EventOverlap), as DeepEP.
         Whatever this rank refuses, the others raise RemoteError (epx.collective)."""
         if handle is not None:
             with epx.collective(self._ht_buffer_of(handle), epx.HT_DISPATCH):
@@ -316,6 +325,9 @@ class Buffer:
         buffer (the others raise RemoteError when their call goes to it too)."""
         with epx.collective(self._ll_current(), epx.LL_DISPATCH):
             _unsupported(dispatch_wait_recv_cost_stats=(dispatch_wait_recv_cost_stats, None))
+            if x.dtype != _torch().bfloat16:  # the LL buffer holds bf16 rows (fp8 is made from them)
+                raise epx.InvalidArgumentError("epx.compat.deep_ep: low_latency_dispatch takes bf16 x (got "
+                                               "%s)" % x.dtype)
             H = x.shape[1]
             buf = self._ll_buffer(num_max_dispatch_tokens_per_rank, H, topk_idx.shape[1], num_experts)
             out = buf.ll_dispatch(x, self._masked(topk_idx, num_experts), cumulative_local_expert_recv_stats,

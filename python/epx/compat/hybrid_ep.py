@@ -149,11 +149,15 @@ class HybridEPBuffer:
         """HybridEP's fp8 rows are uint8 bit patterns: epx takes them as float8_e4m3fn. bf16 rows carry no
         scaling factor (HybridEP ignores one)."""
         torch = _torch()
+        fp8 = getattr(torch, "float8_e4m3fn", None)
+        if isinstance(hidden, torch.Tensor) and hidden.dtype not in (torch.bfloat16, torch.uint8, fp8):
+            raise epx.InvalidArgumentError("hidden must be bf16, or uint8 (fp8 bits) with use_fp8=True (got "
+                                           "%s)" % hidden.dtype)
+        if hidden.dtype in (torch.uint8, fp8) and not self.use_fp8:
+            raise ValueError("%s (fp8) hidden needs a buffer made with use_fp8=True" % hidden.dtype)
         if hidden.dtype == torch.uint8:
-            if not self.use_fp8:
-                raise ValueError("uint8 (fp8) hidden needs a buffer made with use_fp8=True")
-            hidden = hidden.view(torch.float8_e4m3fn)
-        if hidden.dtype != getattr(torch, "float8_e4m3fn", None):
+            hidden = hidden.view(fp8)
+        if hidden.dtype != fp8:
             scaling_factor = None
         return hidden, scaling_factor
 
