@@ -324,8 +324,8 @@ int py_view_classify(BufferObject *buffer, PyObject *obj, const epx_tensor_t *t,
 int py_views_alive(const BufferObject *buffer);
 /* The view area an HT dispatch with `views_obj` (None: the buffer's mode) and this x writes, or NULL
  * for outputs of their own; *copy_out: the area is the pooled spare, whose outputs the call copies. */
-int py_dispatch_area(BufferObject *buffer, PyObject *views_obj,
-                     area_t **area_out, int *copy_out);
+int py_dispatch_area(BufferObject *buffer, PyObject *views_obj, int64_t num_worst, area_t **area_out,
+                     int *copy_out);
 /* Refuses a tensor of `in` that is a stale view of the buffer, or one that lies in `rewritten` (the
  * area the call is about to write; NULL: none). */
 int py_check_views_in(BufferObject *buffer, const tensor_in_t *in, int n, const area_t *rewritten);

@@ -191,7 +191,7 @@ COLLECTIVE_METHOD(buffer_dispatch, EPX_COLLECTIVE_HT_DISPATCH)
     if (call_open(&c, 8, x_obj, stream_obj, in, COUNT(in), &a.stream) != 0) return call_fail(&c);
     area_t *area;
     int copy;
-    if (py_dispatch_area(self, views_obj, &area, &copy) != 0 ||
+    if (py_dispatch_area(self, views_obj, num_worst, &area, &copy) != 0 ||
         py_check_views_in(self, in, COUNT(in), area) != 0)
         return call_fail(&c);
     const int views = area != NULL;

@@ -95,11 +95,11 @@ static area_t *pick_area(BufferObject *b, int mode, int *copy)
     return lru;
 }
 
-/* A call's views= overrides the buffer's mode; True on a pooled buffer stays pooled. Every rank of a
- * buffer with views makes view-mode calls (the ranks must agree on that); an area's memory never
- * moves (the library allocates it for the widest dtype once). */
-int py_dispatch_area(BufferObject *self, PyObject *views_obj,
-                     area_t **area_out, int *copy_out)
+/* A call's views= overrides the buffer's mode; True on a pooled buffer stays pooled. Outputs are their
+ * own for a bound above R * T_max (no view area holds it; ranks passing the same bound agree). An
+ * area's memory never moves (the library allocates it for the widest dtype once). */
+int py_dispatch_area(BufferObject *self, PyObject *views_obj, int64_t num_worst, area_t **area_out,
+                     int *copy_out)
 {
     *area_out = NULL;
     *copy_out = 0;
@@ -108,7 +108,7 @@ int py_dispatch_area(BufferObject *self, PyObject *views_obj,
         if (py_views_mode(views_obj, &mode) != 0) return -1;
         if (mode == VIEWS_ON && self->views == VIEWS_POOLED) mode = VIEWS_POOLED;
     }
-    if (mode == VIEWS_OFF) return 0;
+    if (mode == VIEWS_OFF || num_worst > (int64_t)self->R * self->cfg.max_tokens) return 0;
     int copy;
     area_t *a = pick_area(self, mode, &copy);
     *area_out = a;

@@ -189,6 +189,19 @@ def _intranode(rank, nranks, dist, K):
     times = in_rank.sum(dim=1, keepdim=True).float()
     exact(combined, (big[0].float() * times).to(torch.bfloat16), "combined_x after growth")
     assert int(handle[0][-1, rank]) == recv_x.shape[0]
+    # Only the last rank's tokens outgrow the buffer: the data call the others make before their host
+    # read fails (that rank refuses it), and every rank re-makes the buffer and dispatches again.
+    old = buf._ht_path.data
+    T_big = old.max_tokens + 5 if rank == nranks - 1 else 40 + rank
+    big = make_inputs(rank, nranks, T_big, K, E, seed=9)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(big[1], E)
+    recv_x, _, _, _, handle, _ = buf.dispatch(big[0], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                              num_tokens_per_expert=per_expert, topk_idx=big[1])
+    assert buf._ht_path.data is not old and buf._ht_path.data.max_tokens >= T_big
+    del old
+    combined, _, _ = buf.combine(recv_x, handle)
+    times = in_rank.sum(dim=1, keepdim=True).float()
+    exact(combined, (big[0].float() * times).to(torch.bfloat16), "combined_x after one rank's growth")
     buf.destroy()
     return True
 

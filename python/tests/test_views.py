@@ -224,14 +224,15 @@ def test_views_false_and_destroy():
     p = problem(1, ragged=False)
     buf = epx.Buffer(comm, p.T_max, p.H, p.K, p.E, dispatch_dtypes=["bf16", "fp8"], views=True)
     x, idx = p.x[0], p.topk_idx[0]
-    # Host backend: an fp8 view held while a (wider) bf16 dispatch comes keeps its memory; once no
-    # view is alive, views come back.
+    # An area is made once for the widest dtype: a (wider) bf16 dispatch after an fp8 one reuses it as
+    # any dispatch does; the fp8 view goes stale (refused when passed back) and stays readable memory.
     x8 = np.full((p.T_max, p.H), 7, dtype=np.uint8)
     f8 = buf.dispatch(x8, idx, x_scales=np.ones((p.T_max, p.H // 128), dtype=np.float32))
-    held = f8.recv_x.copy()
     wide = buf.dispatch(x, idx)
-    assert is_view(f8.recv_x) and not is_view(wide.recv_x)
-    assert_equal(f8.recv_x, held, "fp8 view kept through a wider dispatch", 0)
+    assert is_view(f8.recv_x) and is_view(wide.recv_x)
+    assert f8.recv_x.sum() >= 0  # readable
+    with pytest.raises(epx.StaleViewError):
+        buf.dispatch(f8.recv_x, idx, x_scales=np.ones((p.T_max, p.H // 128), dtype=np.float32))
     # views=False on one call: outputs of their own, which no later call touches.
     own = buf.dispatch(x, idx, views=False)
     keep = own.recv_x.copy()

@@ -40,16 +40,20 @@ class _State:
         self.buffer, self.epx, self.num_topk, self.rows = buffer, handle, num_topk, rows
 
 
+class _NoFit(Exception):
+    """This rank's tokens do not fit the data buffer: it refuses the data call it makes before the host read."""
+
+
 class _Notified:
     """What the notify exchange found out, for the data dispatch that follows: x and its scales, E, static
     mode, the rank prefix matrix, the data buffer, and from the host read (None without one) N_r and the
     received tokens per local expert."""
 
-    __slots__ = ("x", "scales", "E", "worst", "prefix", "buf", "n_recv", "experts")
+    __slots__ = ("x", "scales", "E", "worst", "prefix", "buf", "n_recv", "experts", "early", "shape", "fits")
 
     def __init__(self, x, scales, E, worst):
         self.x, self.scales, self.E, self.worst = x, scales, E, worst
-        self.prefix = self.buf = self.n_recv = self.experts = None
+        self.prefix = self.buf = self.n_recv = self.experts = self.early = self.shape = self.fits = None
 
 
 class Handle(tuple):
@@ -182,6 +186,12 @@ class HTPath:
                              "and num_experts a multiple of the %d ranks (got %d dims, %d experts)"
                              % (R, topk_idx.dim(), num_experts))
         device, L = topk_idx.device, num_experts // R
+        d = self.data
+        if (d is not None and topk_idx.is_cuda and num_experts == d.num_experts
+                and topk_idx.shape[0] <= d.max_tokens and topk_idx.shape[1] == d.num_topk):
+            # epx's layout kernel (one launch) once the data buffer exists for these shapes.
+            out = d.get_dispatch_layout(topk_idx)
+            return out.num_tokens_per_rank, out.num_tokens_per_expert, out.is_token_in_rank
         ranks = self._constant(("ranks", device, topk_idx.dtype),
                                lambda: torch.arange(R, dtype=topk_idx.dtype, device=device))
         # Floor division keeps -1 (no expert) at -1, which matches no rank.
@@ -246,6 +256,11 @@ class HTPath:
         n = _Notified(x, scales, E, worst)
         n.prefix = counts[:, :R].cumsum(dim=0, dtype=torch.int32)
         fits = self._fits(T, K_need, E, H)
+        n.shape, n.fits = (T, K_need, E, H, num_sms), fits
+        if not worst and self.data is not None:
+            # The data dispatch goes first (send()); the rows come to the host meanwhile.
+            n.early = self._start_read(counts)
+            return n
         heads = None
         if not (worst and fits):
             heads, n.experts = self._read_rows(counts, E // R)
@@ -256,20 +271,12 @@ class HTPath:
     def send(self, n, is_token_in_rank, topk_idx, topk_weights, expert_alignment, num_worst_tokens):
         """The data dispatch after exchange(); returns dispatch()'s tuple."""
         torch = _torch()
-        R, rank, x, buf = self.R, self.rank, n.x, n.buf
-        with epx.collective(buf, epx.HT_DISPATCH):
-            if topk_idx is None:
-                # One slot per destination rank: that rank's first expert.
-                firsts = self._constant(("firsts", x.device, n.E), lambda: (
-                    torch.arange(R, dtype=torch.int64, device=x.device) * (n.E // R)).view(1, R))
-                main_idx = torch.where(is_token_in_rank.to(torch.bool), firsts, -1)
-                main_w = None
-            else:
-                main_idx, main_w = topk_idx, topk_weights
-            main_idx = self._pad(main_idx, buf.num_topk, -1)
-            main_w = self._pad(main_w, buf.num_topk, 0.0)
-            out = buf.dispatch(x, main_idx, main_w, x_scales=n.scales, expert_alignment=expert_alignment,
-                               num_worst_tokens=num_worst_tokens if n.worst else n.n_recv)
+        R, rank = self.R, self.rank
+        out = self._send_early(n, is_token_in_rank, topk_idx, topk_weights, expert_alignment) if n.early else None
+        if out is None:
+            out = self._data_call(n, n.buf, is_token_in_rank, topk_idx, topk_weights, expert_alignment,
+                                  num_worst_tokens if n.worst else n.n_recv)
+        buf = n.buf
         recv_x = (out.recv_x, out.recv_x_scales) if n.scales is not None else out.recv_x
         recv_idx = recv_w = None
         K_user = topk_idx.shape[1] if topk_idx is not None else 0
@@ -289,6 +296,60 @@ class HTPath:
         state = _State(buf, out.handle, K_user, out.recv_x.shape[0])
         self.states.add(state)
         return recv_x, recv_idx, recv_w, counts, Handle(n.prefix, is_token_in_rank, state)
+
+    def _data_call(self, n, buf, is_token_in_rank, topk_idx, topk_weights, expert_alignment, rows):
+        """The data dispatch on `buf` (num_worst_tokens `rows`, 0 for N_r rows), refused there on a rejection."""
+        torch = _torch()
+        R, x = self.R, n.x
+        with epx.collective(buf, epx.HT_DISPATCH):
+            if topk_idx is None:
+                # One slot per destination rank: that rank's first expert.
+                firsts = self._constant(("firsts", x.device, n.E), lambda: (
+                    torch.arange(R, dtype=torch.int64, device=x.device) * (n.E // R)).view(1, R))
+                main_idx = torch.where(is_token_in_rank.to(torch.bool), firsts, -1)
+                main_w = None
+            else:
+                main_idx, main_w = topk_idx, topk_weights
+            main_idx = self._pad(main_idx, buf.num_topk, -1)
+            main_w = self._pad(main_w, buf.num_topk, 0.0)
+            return buf.dispatch(x, main_idx, main_w, x_scales=n.scales, expert_alignment=expert_alignment,
+                                num_worst_tokens=rows)
+
+    def _send_early(self, n, is_token_in_rank, topk_idx, topk_weights, expert_alignment):
+        """A dispatch without num_worst_tokens on an existing data buffer: the data dispatch runs right after
+        the notify exchange on the device (no host wait between them) while the notify rows travel to the
+        host; the rows then decide, as everywhere, whether the buffer fitted every rank. A rank that does
+        not fit refuses the data call (its peers' calls raise RemoteError); when some rank did not fit, every
+        rank re-makes the buffer and returns None (send() dispatches again on the new one), unless a rank
+        without a host read went on with the old buffer, in which case this call fails on every rank."""
+        T, K, E, H, num_sms = n.shape
+        buf, out, failure = self.data, None, None
+        try:
+            with epx.collective(buf, epx.HT_DISPATCH):
+                if not n.fits:
+                    raise _NoFit()
+            if n.fits:
+                out = self._data_call(n, buf, is_token_in_rank, topk_idx, topk_weights, expert_alignment, 0)
+        except _NoFit:
+            pass
+        except epx.RemoteError as exc:
+            failure = exc
+            # Kept without its traceback: the frames there hold the old buffer, which must be able to go.
+            failure.__traceback__ = None
+        heads, n.experts = self._finish_read(n.early, E // self.R)
+        n.n_recv = sum(head[self.rank] for head in heads)
+        n.buf = self._choose(heads, T, K, E, H, n.fits, num_sms, refuse=False)
+        if n.buf is not buf:
+            return None
+        if out is None:
+            if failure is not None:
+                raise failure
+            raise ValueError(
+                "epx.compat.deep_ep: this dispatch (T %d, top-k width %d, E %d, hidden %d) does not fit the "
+                "buffer made by earlier calls, and a num_worst_tokens call of another rank cannot re-make it "
+                "(that takes a host sync on every rank); make one call without num_worst_tokens first"
+                % (T, K, E, H))
+        return out
 
     def _notify_rows(self, num_tokens_per_rank, num_tokens_per_expert, fields, device):
         """[R, width] fp32 whose bits are the int32 rows: two kernels (a cat of the counts and the fields,
@@ -318,17 +379,29 @@ class HTPath:
     def _read_rows(self, counts, L):
         """From the notify rows [R, width] int32, in one device->host copy: each source's row head (its R
         counts and shape fields) and this rank's received tokens per local expert, as lists."""
-        torch = _torch()
-        if counts.is_cuda:
-            if self._pinned is None or self._pinned.shape != counts.shape:
-                self._pinned = torch.empty(counts.shape, dtype=torch.int32, pin_memory=True)
-            self._pinned.copy_(counts, non_blocking=True)
-            torch.cuda.current_stream(counts.device).synchronize()
-            counts = self._pinned
-        n = self.R + _NUM_FIELDS
-        return counts[:, :n].tolist(), counts[:, n:n + L].sum(dim=0).tolist()
+        return self._finish_read(self._start_read(counts), L)
 
-    def _choose(self, heads, T, K, E, H, fits, num_sms):
+    def _start_read(self, counts):
+        """Starts the device->host copy of the notify rows (on cuda into page-locked memory, without
+        waiting); _finish_read waits for it."""
+        torch = _torch()
+        if not counts.is_cuda:
+            return counts, None
+        if self._pinned is None or self._pinned.shape != counts.shape:
+            self._pinned = torch.empty(counts.shape, dtype=torch.int32, pin_memory=True)
+        self._pinned.copy_(counts, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(counts.device))
+        return self._pinned, done
+
+    def _finish_read(self, started, L):
+        rows, done = started
+        if done is not None:
+            done.synchronize()
+        n = self.R + _NUM_FIELDS
+        return rows[:, :n].tolist(), rows[:, n:n + L].sum(dim=0).tolist()
+
+    def _choose(self, heads, T, K, E, H, fits, num_sms, refuse=True):
         """The data buffer for this call. Every rank that read the notify rows (heads) knows every rank's
         shapes and whether that rank read them too; the buffer is (re-)made only when all did, so all
         make it. A rank that does not fit otherwise refuses the call on the current buffer."""
@@ -340,6 +413,8 @@ class HTPath:
         if all(fit):
             return self.data
         if not everyone_read:
+            if not refuse:  # the caller's data call stood for this rank already
+                return self.data
             with epx.collective(self.data, epx.HT_DISPATCH):
                 if not fits:
                     raise ValueError(
