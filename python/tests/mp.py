@@ -1,6 +1,7 @@
 """Runs a test body on R forked ranks (multiprocessing, fork) that meet through one unique id, and
 reports every rank's failure with its traceback."""
 
+import gc
 import multiprocessing as mp
 import os
 import time
@@ -28,6 +29,9 @@ def _child(fn, rank, nranks, uid, queue, kwargs):
 
 def run_ranks(nranks, fn, **kwargs):
     """Calls fn(rank, nranks, uid, **kwargs) in nranks forked processes; returns their results by rank."""
+    # Garbage of this process (e.g. a buffer an earlier in-process test left in an exception's frames) must
+    # not be finalized in a child: destroying a host buffer there waits forever on its inherited state.
+    gc.collect()
     ctx = mp.get_context("fork")
     uid = epx.get_unique_id()
     queue = ctx.Queue()
