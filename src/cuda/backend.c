@@ -507,9 +507,39 @@ static epx_result_t handle_new(cuda_buffer_t *cb, epx_handle_kind_t kind, cuda_h
     return EPX_SUCCESS;
 }
 
+/* Most retired handles before a free waits for the buffer's last operation. */
+#define MAX_RETIRED 8
+
+/* Retired handles rejoin the pool once the buffer's last operation completed (kernels that read a
+ * retired slab were queued before it; work on several streams is ordered by the caller, as for any
+ * buffer memory). `wait`: waits for it (bounded by device deadlines), else only looks. */
+static void recycle_retired(cuda_buffer_t *cb, int wait)
+{
+    enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    (void)cudaThreadExchangeStreamCaptureMode(&mode); /* legal while the caller captures */
+    cudaEvent_t last = (cudaEvent_t)cb->event;
+    const cudaError_t e = wait ? cudaEventSynchronize(last) : cudaEventQuery(last);
+    (void)cudaThreadExchangeStreamCaptureMode(&mode);
+    if (e != cudaSuccess) {
+        if (e != cudaErrorNotReady) (void)cudaGetLastError();
+        if (!wait) return;
+    }
+    pthread_mutex_lock(&cb->lock);
+    for (int p = 0; p < 2; p++)
+        while (cb->retired[p]) {
+            cuda_handle_t *h = cb->retired[p];
+            cb->retired[p] = h->next_free;
+            h->next_free = cb->free_handles[p];
+            cb->free_handles[p] = h;
+        }
+    cb->num_retired = 0;
+    pthread_mutex_unlock(&cb->lock);
+}
+
 epx_result_t epx_cuda_handle_get(cuda_buffer_t *cb, epx_handle_kind_t kind, int capturing, cuda_handle_t **out)
 {
     cuda_handle_t **pool = &cb->free_handles[pool_of(kind)];
+    if (!*pool && cb->num_retired) recycle_retired(cb, 0);
     pthread_mutex_lock(&cb->lock);
     cuda_handle_t *h = *pool;
     if (h) *pool = h->next_free;
@@ -537,22 +567,20 @@ static void cuda_handle_free(epx_handle_t handle)
     cuda_handle_t *h = handle->backend_state;
     cuda_buffer_t *cb = handle->buffer->backend_state;
     if (!h || !cb) return;
-    /* Kernels still using the slab are ordered before any later reuse on a stream, but not
-     * across streams: wait for the buffer's last operation first (bounded by device deadlines). */
-    enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    (void)cudaThreadExchangeStreamCaptureMode(&mode); /* legal while the caller captures */
-    (void)cudaEventSynchronize((cudaEvent_t)cb->event);
-    (void)cudaThreadExchangeStreamCaptureMode(&mode);
-    cuda_handle_t **pool = &cb->free_handles[pool_of(h->kind)];
+    /* Kernels may still read the slab: no host wait here (a freed handle must not stall the
+     * caller's pipeline); it is retired and reused once the buffer's last operation completed. */
     pthread_mutex_lock(&cb->lock);
-    h->next_free = *pool;
-    *pool = h;
+    h->next_free = cb->retired[pool_of(h->kind)];
+    cb->retired[pool_of(h->kind)] = h;
+    const int many = ++cb->num_retired > MAX_RETIRED;
     pthread_mutex_unlock(&cb->lock);
+    if (many) recycle_retired(cb, 1);
     handle->backend_state = NULL;
 }
 
 static void handle_pool_fini(cuda_buffer_t *cb)
 {
+    recycle_retired(cb, 1);
     for (int p = 0; p < 2; p++)
         while (cb->free_handles[p]) {
             cuda_handle_t *h = cb->free_handles[p];

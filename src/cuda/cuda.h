@@ -45,6 +45,8 @@ typedef struct cuda_buffer {
     void *internal_stream;                 /* cudaStream_t for the failure path */
     pthread_mutex_t lock;                  /* handle pool, reported_epoch */
     cuda_handle_t *free_handles[2];        /* handle pool: HT slabs, routing-map slabs */
+    cuda_handle_t *retired[2];             /* freed handles whose slabs kernels may still read */
+    int32_t num_retired;
     uint64_t reported_epoch;               /* last device error reported to the comm */
     pthread_t poller;                      /* the watcher (src/cuda/watch.c) */
     int32_t poller_running;

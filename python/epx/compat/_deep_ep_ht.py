@@ -162,7 +162,7 @@ class HTPath:
     def _upload(values, dtype, device):
         """A device tensor of host values; on cuda through page-locked memory without a stream sync."""
         torch = _torch()
-        t = torch.tensor(values, dtype=dtype)
+        t = torch.tensor(values, dtype=dtype, device="cpu")  # whatever torch's default device is
         return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
     def _pad(self, t, width, value):
@@ -370,10 +370,11 @@ class HTPath:
         d's L experts, then zeros."""
         torch = _torch()
         R, E, F = self.R, self.R * L, _NUM_FIELDS
-        index = torch.full((R, self.width), R + E + F, dtype=torch.int64)
-        index[:, :R] = torch.arange(R)
-        index[:, R:R + F] = torch.arange(R + E, R + E + F)
-        index[:, R + F:R + F + L] = R + torch.arange(E).view(R, L)
+        cpu = dict(dtype=torch.int64, device="cpu")  # whatever torch's default device is
+        index = torch.full((R, self.width), R + E + F, **cpu)
+        index[:, :R] = torch.arange(R, **cpu)
+        index[:, R:R + F] = torch.arange(R + E, R + E + F, **cpu)
+        index[:, R + F:R + F + L] = R + torch.arange(E, **cpu).view(R, L)
         return index
 
     def _read_rows(self, counts, L):
@@ -388,7 +389,7 @@ class HTPath:
         if not counts.is_cuda:
             return counts, None
         if self._pinned is None or self._pinned.shape != counts.shape:
-            self._pinned = torch.empty(counts.shape, dtype=torch.int32, pin_memory=True)
+            self._pinned = torch.empty(counts.shape, dtype=torch.int32, device="cpu", pin_memory=True)
         self._pinned.copy_(counts, non_blocking=True)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(counts.device))

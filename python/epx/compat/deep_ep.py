@@ -388,7 +388,7 @@ class Buffer:
         """Writes this rank's mask into mask_status [R] int32 (1 = masked)."""
         self._check_shrink("low_latency_query_mask_buffer")
         torch = _torch()
-        mask_status.copy_(torch.tensor(self._mask, dtype=mask_status.dtype))
+        mask_status.copy_(torch.tensor(self._mask, dtype=mask_status.dtype, device="cpu"))
 
     def low_latency_clean_mask_buffer(self):
         self._check_shrink("low_latency_clean_mask_buffer")
