@@ -41,8 +41,9 @@ def _unsupported(**kwargs):
 #   "pooled" (default): views of the buffer in areas reused only once no view of them is alive, copies when
 #       every area is held: outputs behave as tensors of their own, as DeepEP's, with one pass over the bytes.
 #   "0": copies (views=False).
-#   "1": views valid until the next dispatch into their area (views=True), for MoE layers that consume the
-#       outputs before the next call.
+#   "1": views valid until the next dispatch into their area (views=True, three areas: a dispatch takes one
+#       no view of which is alive, else the least recently used), for MoE layers that consume the outputs
+#       before the next call; no copies ever.
 VIEWS = os.environ.get("EPX_DEEPEP_VIEWS", "pooled")
 
 
@@ -54,8 +55,10 @@ def _native_options():
         # view_areas=0 (the library's count) goes with it so that a binding without pooled views refuses the
         # keywords (TypeError) instead of taking "pooled" for true.
         return {"views": "pooled", "view_areas": 0}
-    if mode in ("0", "1"):
-        return {"views": mode == "1"}
+    if mode == "1":
+        return {"views": True, "view_areas": 3}
+    if mode == "0":
+        return {"views": False}
     raise ValueError("epx.compat.deep_ep: EPX_DEEPEP_VIEWS (deep_ep.VIEWS) must be pooled, 0 or 1 (got %r)"
                      % (VIEWS,))
 
