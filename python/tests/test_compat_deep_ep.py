@@ -301,6 +301,15 @@ def test_data_buffer_dtypes():
     run_in_group(2, _data_dtypes)
 
 
+
+def buffer_in_mode(dist, mode):
+    """A front Buffer made with deep_ep.VIEWS = mode (the module setting restored after)."""
+    saved, deep_ep.VIEWS = deep_ep.VIEWS, mode
+    try:
+        return make_buffer(dist)
+    finally:
+        deep_ep.VIEWS = saved
+
 def _per_call_work(rank, nranks, dist):
     """The torch ops the front makes per call, seen through a TorchDispatchMode on CPU tensors: no op that
     synchronises with the host on a GPU (nonzero, bincount, boolean indexing, item), no host->device upload of
@@ -321,11 +330,7 @@ def _per_call_work(rank, nranks, dist):
     syncs = {"nonzero", "bincount", "index", "masked_select", "_local_scalar_dense", "item", "lift_fresh"}
     E, K = 4 * nranks, 3
     # Copies: with views recv_topk_idx takes one more kernel (int32 -> int64).
-    saved, deep_ep.VIEWS = deep_ep.VIEWS, "0"
-    try:
-        buf = make_buffer(dist)
-    finally:
-        deep_ep.VIEWS = saved
+    buf = buffer_in_mode(dist, "0")
     x, idx, w = make_inputs(rank, nranks, tokens(rank, nranks), K, E)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
@@ -362,11 +367,7 @@ def _view_modes(rank, nranks, dist, mode):
     """deep_ep.VIEWS (EPX_DEEPEP_VIEWS): every mode gives DeepEP's results when outputs are consumed before
     the next call; "pooled" and "0" keep outputs as tensors of their own across later dispatches."""
     E, K = 4 * nranks, 3
-    saved, deep_ep.VIEWS = deep_ep.VIEWS, mode
-    try:
-        buf = make_buffer(dist)
-    finally:
-        deep_ep.VIEWS = saved
+    buf = buffer_in_mode(dist, mode)
     x, idx, w = make_inputs(rank, nranks, tokens(rank, nranks), K, E)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
