@@ -161,7 +161,14 @@ typedef struct {
     int pending_buffers; /* buffers whose destroy() waits for their views to go */
     int destroy_pending; /* destroy() ran while pending buffers remained: freed with the last one */
     PyObject *weakrefs;
+    long owner_pid; /* the process that made it: a forked child never frees the library's objects */
 } CommObject;
+
+/* True in a process forked after `comm` was made: the library's objects are the parent's, and the
+ * child's copies of their threads and locks are not to be touched (deallocation skips them). */
+int py_foreign(const CommObject *comm);
+/* Marks `comm` as made by this process (right after it is allocated). */
+void py_comm_owned(CommObject *comm);
 
 typedef struct {
     PyObject_HEAD epx_buffer_t buf;

@@ -142,6 +142,7 @@ PyObject *py_comm_init(PyObject *mod, PyObject *args, PyObject *kwargs)
     PyBuffer_Release(&uid);
     CommObject *self = (CommObject *)cls->tp_alloc(cls, 0);
     if (!self) return NULL;
+    py_comm_owned(self);
     epx_result_t res;
     WITHOUT_GIL(res = epx_comm_init(&id, rank, nranks, &cfg, &self->comm));
     return comm_finish_init(self, res);
@@ -167,6 +168,7 @@ PyObject *py_comm_init_callbacks(PyObject *mod, PyObject *args, PyObject *kwargs
         return NULL;
     CommObject *self = (CommObject *)cls->tp_alloc(cls, 0);
     if (!self) return NULL;
+    py_comm_owned(self);
     Py_INCREF(allgather);
     Py_INCREF(barrier);
     self->allgather = allgather;

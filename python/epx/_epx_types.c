@@ -6,6 +6,7 @@
 #include "_epx.h"
 
 #include <string.h>
+#include <unistd.h>
 
 /* ------------------------------------------------------------------ Comm ---- */
 
@@ -47,12 +48,22 @@ static PyObject *comm_destroy(CommObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+int py_foreign(const CommObject *comm)
+{
+    return comm && comm->owner_pid != 0 && comm->owner_pid != (long)getpid();
+}
+
+void py_comm_owned(CommObject *comm)
+{
+    comm->owner_pid = (long)getpid();
+}
+
 static void comm_dealloc(CommObject *self)
 {
     PyObject_GC_UnTrack(self);
     if (self->weakrefs) PyObject_ClearWeakRefs((PyObject *)self);
     /* Buffers hold a reference to their comm, so none is alive here. */
-    if (self->comm) epx_comm_destroy(self->comm);
+    if (self->comm && !py_foreign(self)) epx_comm_destroy(self->comm);
     Py_CLEAR(self->allgather);
     Py_CLEAR(self->barrier);
     Py_CLEAR(self->callback_error);
@@ -190,14 +201,14 @@ static int buffer_init(BufferObject *self, PyObject *args, PyObject *kwargs)
 void py_buffer_free(BufferObject *self)
 {
     if (!self->buf) return;
-    epx_buffer_destroy(self->buf);
-    self->buf = NULL;
     CommObject *comm = self->comm;
+    if (!py_foreign(comm)) epx_buffer_destroy(self->buf);
+    self->buf = NULL;
     comm->live_buffers--;
     if (self->destroy_pending) comm->pending_buffers--;
     self->destroy_pending = 0;
     if (comm->destroy_pending && comm->live_buffers == 0 && comm->comm) {
-        epx_comm_destroy(comm->comm);
+        if (!py_foreign(comm)) epx_comm_destroy(comm->comm);
         comm->comm = NULL;
     }
 }
@@ -336,7 +347,7 @@ HandleObject *py_handle_new(BufferObject *buffer, epx_handle_t h, int kind, int 
 static void handle_release(HandleObject *self)
 {
     if (self->handle) {
-        epx_handle_destroy(self->handle);
+        if (!py_foreign(self->buffer->comm)) epx_handle_destroy(self->handle);
         self->handle = NULL;
         self->buffer->live_handles--;
     }
