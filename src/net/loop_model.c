@@ -45,8 +45,8 @@ struct epx_net_model {
     size_t next_queue; /* normal mode's round robin */
     uint32_t nregions[EPX_NET_MODEL_MAX_RANKS];
     model_region_t regions[EPX_NET_MODEL_MAX_RANKS][EPX_NET_MODEL_MAX_REGIONS];
-    uint64_t *signals; /* [rank * nsignals + id] */
-    op_queue_t *queues; /* [rank * ncontexts + ctx] */
+    uint64_t *signals;   /* [rank * nsignals + id] */
+    op_queue_t *queues;  /* [rank * ncontexts + ctx] */
     model_step_t *steps; /* strict mode's scratch */
     size_t steps_cap;
 };
@@ -138,7 +138,8 @@ static int rank_ok(const epx_net_model_t *m, int rank)
 epx_net_status_t epx_net_model_register(epx_net_model_t *model, int rank, void *base, size_t bytes,
                                         uint32_t *region_out)
 {
-    if (!model || !region_out) return fail(EPX_NET_INVALID, "net model register: model and region_out must be set");
+    if (!model || !region_out)
+        return fail(EPX_NET_INVALID, "net model register: model and region_out must be set");
     if (!rank_ok(model, rank)) return fail(EPX_NET_INVALID, "net model register: rank %d out of range", rank);
     if (!base && bytes) return fail(EPX_NET_INVALID, "net model register: base is NULL for %zu bytes", bytes);
     pthread_mutex_lock(&model->lock);
@@ -186,7 +187,8 @@ static epx_net_status_t check_op(const epx_net_model_t *m, int rank, const epx_n
         return fail(EPX_NET_INVALID, "rank %d: context %u out of range (%u contexts)", rank, op->ctx,
                     m->cfg.ncontexts);
     if (!rank_ok(m, op->peer))
-        return fail(EPX_NET_INVALID, "rank %d: peer %d out of range (%d ranks)", rank, op->peer, m->cfg.nranks);
+        return fail(EPX_NET_INVALID, "rank %d: peer %d out of range (%d ranks)", rank, op->peer,
+                    m->cfg.nranks);
     if (has_bytes(op) && !range_ok(m, rank, op->src_region, op->src_offset, op->bytes))
         return fail(EPX_NET_INVALID, "rank %d: source region %u [%llu, +%llu) not registered", rank,
                     op->src_region, (unsigned long long)op->src_offset, (unsigned long long)op->bytes);
@@ -198,7 +200,8 @@ static epx_net_status_t check_op(const epx_net_model_t *m, int rank, const epx_n
         return fail(EPX_NET_INVALID, "rank %d: signal %u out of range (%u signals)", rank, op->signal,
                     m->cfg.nsignals);
     if (has_signal(op) && op->signal_mode != EPX_NET_SIGNAL_STRONG && op->signal_mode != EPX_NET_SIGNAL_WEAK)
-        return fail(EPX_NET_INVALID, "rank %d: signal mode %u is neither strong nor weak", rank, op->signal_mode);
+        return fail(EPX_NET_INVALID, "rank %d: signal mode %u is neither strong nor weak", rank,
+                    op->signal_mode);
     return EPX_NET_OK;
 }
 
@@ -231,7 +234,8 @@ epx_net_status_t epx_net_model_signal_read(void *impl, int rank, uint32_t signal
     if (!m || !value_out) return fail(EPX_NET_INVALID, "net model read: model and value_out must be set");
     if (!rank_ok(m, rank)) return fail(EPX_NET_INVALID, "net model read: rank %d out of range", rank);
     if (signal >= m->cfg.nsignals)
-        return fail(EPX_NET_INVALID, "rank %d: signal %u out of range (%u signals)", rank, signal, m->cfg.nsignals);
+        return fail(EPX_NET_INVALID, "rank %d: signal %u out of range (%u signals)", rank, signal,
+                    m->cfg.nsignals);
     *value_out = __atomic_load_n(&m->signals[(size_t)rank * m->cfg.nsignals + signal], __ATOMIC_ACQUIRE);
     return EPX_NET_OK;
 }
@@ -347,8 +351,8 @@ static size_t step_strict(epx_net_model_t *m)
         for (uint32_t i = 0; i < m->queues[qi].count; i++) allowed_steps(m, qi, i, &n);
     if (!n) return 0;
     model_step_t st = m->steps[next_random(&m->rng) % n];
-    const int weak_signal = st.what == STEP_SIGNAL &&
-                            m->queues[st.queue].ops[st.index].op.signal_mode == EPX_NET_SIGNAL_WEAK;
+    const int weak_signal =
+        st.what == STEP_SIGNAL && m->queues[st.queue].ops[st.index].op.signal_mode == EPX_NET_SIGNAL_WEAK;
     if (weak_signal && n > 1 && next_random(&m->rng) % 4 != 0) st = m->steps[next_random(&m->rng) % n];
     op_queue_t *q = &m->queues[st.queue];
     model_op_t *o = &q->ops[st.index];

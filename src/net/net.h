@@ -155,8 +155,8 @@ EPX_NET_FN epx_net_status_t epx_net_put(const epx_net_t *net, uint32_t ctx, int 
                                         uint64_t dst_offset, uint32_t src_region, uint64_t src_offset,
                                         uint64_t bytes)
 {
-    epx_net_op_t op = {EPX_NET_OP_PUT, ctx, peer, 0, src_region, dst_region, src_offset, dst_offset, bytes,
-                       0, 0, 0};
+    epx_net_op_t op = {EPX_NET_OP_PUT, ctx,        peer,  0, src_region, dst_region,
+                       src_offset,     dst_offset, bytes, 0, 0,          0};
     return epx_net_post(net, &op);
 }
 
@@ -167,8 +167,18 @@ EPX_NET_FN epx_net_status_t epx_net_put_signal(const epx_net_t *net, uint32_t ct
                                                uint64_t src_offset, uint64_t bytes, uint32_t signal,
                                                uint64_t add, epx_net_signal_mode_t mode)
 {
-    epx_net_op_t op = {EPX_NET_OP_PUT_SIGNAL, ctx, peer, (uint32_t)mode, src_region, dst_region,
-                       src_offset, dst_offset, bytes, signal, 0, add};
+    epx_net_op_t op = {EPX_NET_OP_PUT_SIGNAL,
+                       ctx,
+                       peer,
+                       (uint32_t)mode,
+                       src_region,
+                       dst_region,
+                       src_offset,
+                       dst_offset,
+                       bytes,
+                       signal,
+                       0,
+                       add};
     return epx_net_post(net, &op);
 }
 

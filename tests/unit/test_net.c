@@ -98,8 +98,8 @@ static int test_strong_covers_earlier_puts(void)
         EXPECT_EQ_INT(put_chunk(&f, 2, 0, 1, CHUNKS + 1), EPX_NET_OK);
         /* Half the seeds signal with the last put, half with a bare signal after it. */
         if (seed % 2) {
-            EXPECT_EQ_INT(epx_net_put_signal(&f.net[0], 0, 1, DST, CHUNKS * CHUNK, SRC, CHUNKS * CHUNK, CHUNK, 0,
-                                             1, EPX_NET_SIGNAL_STRONG),
+            EXPECT_EQ_INT(epx_net_put_signal(&f.net[0], 0, 1, DST, CHUNKS * CHUNK, SRC, CHUNKS * CHUNK, CHUNK,
+                                             0, 1, EPX_NET_SIGNAL_STRONG),
                           EPX_NET_OK);
         } else {
             EXPECT_EQ_INT(put_chunk(&f, 0, 0, 1, CHUNKS), EPX_NET_OK);
@@ -108,11 +108,13 @@ static int test_strong_covers_earlier_puts(void)
         EXPECT_EQ_INT(epx_net_wait_signal(&f.net[1], 0, 1, deadline_ms(10000)), EPX_NET_OK);
         for (int c = 0; c <= CHUNKS; c++) {
             if (!landed(&f, seed, 0, 1, c)) {
-                fprintf(stderr, "seed %llu: chunk %d missing behind a strong signal\n", (unsigned long long)seed, c);
+                fprintf(stderr, "seed %llu: chunk %d missing behind a strong signal\n",
+                        (unsigned long long)seed, c);
                 return 1;
             }
         }
-        while (epx_net_model_progress(f.model, 1000)) {}
+        while (epx_net_model_progress(f.model, 1000)) {
+        }
         EXPECT_TRUE(landed(&f, seed, 2, 1, CHUNKS + 1));
         uint64_t weak = 0;
         EXPECT_EQ_INT(epx_net_signal_read(&f.net[1], 2, &weak), EPX_NET_OK);
@@ -132,11 +134,11 @@ static int test_weak_covers_own_put_only(void)
         if (setup(&f, EPX_NET_MODEL_STRICT, seed, 1)) return 1;
         for (int c = 0; c <= CHUNKS + 1; c++) fill(&f, seed, 0, c);
         for (int c = 0; c < CHUNKS; c++) EXPECT_EQ_INT(put_chunk(&f, 0, 0, 1, c), EPX_NET_OK);
-        EXPECT_EQ_INT(epx_net_put_signal(&f.net[0], 0, 1, DST, CHUNKS * CHUNK, SRC, CHUNKS * CHUNK, CHUNK, 0, 1,
-                                         EPX_NET_SIGNAL_WEAK),
+        EXPECT_EQ_INT(epx_net_put_signal(&f.net[0], 0, 1, DST, CHUNKS * CHUNK, SRC, CHUNKS * CHUNK, CHUNK, 0,
+                                         1, EPX_NET_SIGNAL_WEAK),
                       EPX_NET_OK);
-        EXPECT_EQ_INT(epx_net_put_signal(&f.net[0], 0, 1, DST, (CHUNKS + 1) * CHUNK, SRC, (CHUNKS + 1) * CHUNK,
-                                         CHUNK, 1, 1, EPX_NET_SIGNAL_STRONG),
+        EXPECT_EQ_INT(epx_net_put_signal(&f.net[0], 0, 1, DST, (CHUNKS + 1) * CHUNK, SRC,
+                                         (CHUNKS + 1) * CHUNK, CHUNK, 1, 1, EPX_NET_SIGNAL_STRONG),
                       EPX_NET_OK);
         EXPECT_EQ_INT(epx_net_wait_signal(&f.net[1], 0, 1, deadline_ms(10000)), EPX_NET_OK);
         EXPECT_TRUE(landed(&f, seed, 0, 1, CHUNKS)); /* its own put, always */
@@ -148,8 +150,9 @@ static int test_weak_covers_own_put_only(void)
         fill(&g, seed, 0, 1);
         EXPECT_EQ_INT(epx_net_put_signal(&g.net[0], 0, 1, DST, 0, SRC, 0, CHUNK, 0, 1, EPX_NET_SIGNAL_WEAK),
                       EPX_NET_OK);
-        EXPECT_EQ_INT(epx_net_put_signal(&g.net[0], 0, 1, DST, CHUNK, SRC, CHUNK, CHUNK, 1, 1, EPX_NET_SIGNAL_STRONG),
-                      EPX_NET_OK);
+        EXPECT_EQ_INT(
+            epx_net_put_signal(&g.net[0], 0, 1, DST, CHUNK, SRC, CHUNK, CHUNK, 1, 1, EPX_NET_SIGNAL_STRONG),
+            EPX_NET_OK);
         EXPECT_EQ_INT(epx_net_wait_signal(&g.net[1], 1, 1, deadline_ms(10000)), EPX_NET_OK);
         EXPECT_TRUE(landed(&g, seed, 0, 1, 0) && landed(&g, seed, 0, 1, 1)); /* the strong one covers both */
         uint64_t weak = 9;
@@ -176,8 +179,9 @@ static int test_contexts_and_puts_unordered(void)
         fill(&f, seed, 0, 0);
         fill(&f, seed, 0, 1);
         EXPECT_EQ_INT(put_chunk(&f, 0, 1, 1, 0), EPX_NET_OK);
-        EXPECT_EQ_INT(epx_net_put_signal(&f.net[0], 0, 1, DST, CHUNK, SRC, CHUNK, CHUNK, 0, 1, EPX_NET_SIGNAL_STRONG),
-                      EPX_NET_OK);
+        EXPECT_EQ_INT(
+            epx_net_put_signal(&f.net[0], 0, 1, DST, CHUNK, SRC, CHUNK, CHUNK, 0, 1, EPX_NET_SIGNAL_STRONG),
+            EPX_NET_OK);
         EXPECT_EQ_INT(epx_net_wait_signal(&f.net[1], 0, 1, deadline_ms(10000)), EPX_NET_OK);
         EXPECT_TRUE(landed(&f, seed, 0, 1, 1));
         other_ctx_missing += !landed(&f, seed, 0, 1, 0);
@@ -189,7 +193,8 @@ static int test_contexts_and_puts_unordered(void)
         memset(f.src[0] + CHUNK, 0xbb, CHUNK);
         EXPECT_EQ_INT(epx_net_put(&f.net[0], 0, 1, DST, 0, SRC, 0, CHUNK), EPX_NET_OK);
         EXPECT_EQ_INT(epx_net_put(&f.net[0], 0, 1, DST, 0, SRC, CHUNK, CHUNK), EPX_NET_OK);
-        while (epx_net_model_progress(f.model, 1000)) {}
+        while (epx_net_model_progress(f.model, 1000)) {
+        }
         EXPECT_TRUE(f.dst[1][0] == 0xaa || f.dst[1][0] == 0xbb);
         EXPECT_TRUE(f.dst[1][0] == f.dst[1][CHUNK - 1]);
         later_first += f.dst[1][0] == 0xaa;
@@ -267,7 +272,8 @@ static int test_flush_is_local(void)
                 EXPECT_TRUE(f.dst[1][0] == before); /* nothing landed by the flush */
             }
             memset(f.src[0], 0, 4 * CHUNK); /* reuse the source */
-            while (epx_net_model_progress(f.model, 1000)) {}
+            while (epx_net_model_progress(f.model, 1000)) {
+            }
             EXPECT_EQ_INT(epx_net_model_pending(f.model), 0);
             for (int c = 0; c < 4; c++) {
                 if (flush && !landed(&f, seed, 0, 1, c)) {
@@ -370,7 +376,8 @@ static void *sender_main(void *arg)
         for (int k = 0; k < 4 * SLOT; k++) t->src[r * 4 * SLOT + k] = (uint8_t)(r * 3 + k + 1);
         for (int k = 0; k < 4; k++) {
             const uint64_t off = (uint64_t)(r * 4 + k) * SLOT;
-            if (epx_net_put(&t->sender, (uint32_t)(r % 2), 1, 1, off, 0, off, SLOT) != EPX_NET_OK) t->failed = 1;
+            if (epx_net_put(&t->sender, (uint32_t)(r % 2), 1, 1, off, 0, off, SLOT) != EPX_NET_OK)
+                t->failed = 1;
         }
         if (epx_net_signal_add(&t->sender, (uint32_t)(r % 2), 1, (uint32_t)(r % 2), 1, EPX_NET_SIGNAL_STRONG))
             t->failed = 1;
@@ -382,7 +389,8 @@ static int test_threaded(void)
 {
     static threaded_t t;
     memset(&t, 0, sizeof(t));
-    epx_net_model_config_t cfg = {.nranks = 2, .ncontexts = 2, .nsignals = 2, .mode = EPX_NET_MODEL_STRICT, .seed = 7};
+    epx_net_model_config_t cfg = {
+        .nranks = 2, .ncontexts = 2, .nsignals = 2, .mode = EPX_NET_MODEL_STRICT, .seed = 7};
     EXPECT_EQ_INT(epx_net_model_create(&cfg, &t.model), EPX_NET_OK);
     uint32_t region;
     for (int r = 0; r < 2; r++) {
@@ -397,7 +405,8 @@ static int test_threaded(void)
     int bad = 0;
     /* Round r is the (r / 2 + 1)-th strong signal of context r % 2. */
     for (int r = 0; r < ROUNDS && !bad; r++) {
-        epx_net_status_t s = epx_net_wait_signal(&t.receiver, (uint32_t)(r % 2), (uint64_t)(r / 2 + 1), deadline_ms(20000));
+        epx_net_status_t s =
+            epx_net_wait_signal(&t.receiver, (uint32_t)(r % 2), (uint64_t)(r / 2 + 1), deadline_ms(20000));
         if (s != EPX_NET_OK) {
             fprintf(stderr, "round %d: wait returned %s\n", r, epx_net_status_name(s));
             bad = 1;
