@@ -80,6 +80,12 @@ def host_comm(rank, nranks, uid, **kw):
     return epx.Comm.from_unique_id(uid, rank, nranks, backend="host", **kw)
 
 
+def one_rank_buffer(p, **kw):
+    """A host communicator of one rank and a Buffer(**kw) on it for problem p's sizes."""
+    comm = host_comm(0, 1, epx.get_unique_id())
+    return comm, epx.Buffer(comm, p.T_max, p.H, p.K, p.E, **kw)
+
+
 def refused_here_or_remote(refusing, refuse, peer, error=ValueError, match=None):
     """On the refusing rank refuse() raises `error` (its message matching `match`); on every other rank
     peer() raises epx.RemoteError. Returns the raised exception's pytest.ExceptionInfo."""

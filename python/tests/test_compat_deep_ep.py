@@ -203,7 +203,6 @@ def _intranode(rank, nranks, dist, K):
     times = in_rank.sum(dim=1, keepdim=True).float()
     exact(combined, (big[0].float() * times).to(torch.bfloat16), "combined_x after one rank's growth")
     buf.destroy()
-    return True
 
 
 @pytest.mark.parametrize("nranks,K", [(2, 3), (4, 3), (4, 6)])
@@ -257,7 +256,6 @@ def _refusals(rank, nranks, dist):
     combined, _, _ = buf.combine(recv_x, handle)
     exact(combined, (x.float() * in_rank.sum(dim=1, keepdim=True).float()).to(torch.bfloat16), "combined")
     buf.destroy()
-    return True
 
 
 @pytest.mark.parametrize("nranks", [2, 4])
@@ -294,7 +292,6 @@ def _data_dtypes(rank, nranks, dist):
         buf.destroy()
     finally:
         epx.Buffer = saved
-    return True
 
 
 def test_data_buffer_dtypes():
@@ -356,7 +353,6 @@ def _per_call_work(rank, nranks, dist):
             what, len(kernels), most, kernels)
     del recv_x, handle
     buf.destroy()
-    return True
 
 
 def test_per_call_work():
@@ -406,7 +402,6 @@ def _view_modes(rank, nranks, dist, mode):
         exact(recv_w, want_w, "recv_topk_weights of an earlier dispatch")
     del kept, recv_x, recv_idx, recv_w, handle, again
     buf.destroy()
-    return True
 
 
 @pytest.mark.parametrize("mode", ["pooled", "0", "1"])
@@ -452,7 +447,6 @@ def _pooled_request(rank, nranks, dist):
         comm.destroy()
     finally:
         deep_ep.VIEWS, epx.Buffer = saved
-    return True
 
 
 def test_pooled_views_requested():
@@ -571,7 +565,6 @@ def _low_latency(rank, nranks, dist):
         buf.low_latency_query_mask_buffer(status)
         assert status.tolist() == [0] * nranks
     buf.destroy()
-    return True
 
 
 @pytest.mark.parametrize("nranks", [2, 4])
@@ -584,7 +577,6 @@ def _no_shrink(rank, nranks, dist):
     with pytest.raises(RuntimeError, match="enable_shrink"):
         buf.low_latency_update_mask_buffer(0, True)
     buf.destroy()
-    return True
 
 
 def test_mask_buffer_needs_enable_shrink():

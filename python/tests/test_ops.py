@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import epx
-from mp import host_comm, run_ranks
+from mp import host_comm, one_rank_buffer, run_ranks
 from npref import SEED, Problem, assert_equal, bf16, f32
 
 RANKS = [1, 2, 4]
@@ -274,10 +274,8 @@ def test_ht_static_overflow(nranks):
 
 
 def test_handles_and_destroy_order():
-    uid = epx.get_unique_id()
-    comm = epx.Comm.from_unique_id(uid, 0, 1, backend="host")
     p = problem(1, ragged=False)
-    buf = epx.Buffer(comm, p.T_max, p.H, p.K, p.E)
+    comm, buf = one_rank_buffer(p)
     out = buf.dispatch(p.x[0], p.topk_idx[0])
     with pytest.raises(RuntimeError, match="buffer"):
         comm.destroy()
@@ -291,8 +289,7 @@ def test_handles_and_destroy_order():
         buf.get_dispatch_layout(p.topk_idx[0])
     comm.destroy()
     # Dropping every reference frees in the right order (handle -> buffer -> comm).
-    comm = epx.Comm.from_unique_id(epx.get_unique_id(), 0, 1, backend="host")
-    buf = epx.Buffer(comm, p.T_max, p.H, p.K, p.E)
+    comm, buf = one_rank_buffer(p)
     h = buf.dispatch(p.x[0], p.topk_idx[0]).handle
     del comm, buf
     assert h.num_tokens == p.T_max

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import epx
-from mp import host_comm, run_ranks
+from mp import host_comm, one_rank_buffer, run_ranks
 from npref import SEED, assert_equal, bf16, f32
 from test_views import is_view, problem, routed_to_all
 
@@ -97,6 +97,24 @@ def buffers(rank, nranks, uid, p, views="pooled", **kw):
     return comm, vb, ob
 
 
+def rank_setup(rank, nranks, uid, fw, **kw):
+    """What a rank of a test needs: the framework `fw`, the problem, and buffers(**kw) (without the comm,
+    which the buffers keep)."""
+    F = framework(fw)
+    p = problem(nranks)
+    _, vb, ob = buffers(rank, nranks, uid, p, **kw)
+    return F, p, vb, ob
+
+
+def ranks_and_frameworks(nranks):
+    """Parametrizes a test(nranks, fw) over the rank counts `nranks` and the frameworks."""
+
+    def parametrize(test):
+        return pytest.mark.parametrize("fw", FRAMEWORKS)(pytest.mark.parametrize("nranks", nranks)(test))
+
+    return parametrize
+
+
 def inputs(F, p, rank, shift=0):
     """This rank's x (shifted by `shift`), topk_idx and topk_weights in framework F."""
     return F.arr(bf16(f32(p.x[rank]) + shift)), F.arr(p.topk_idx[rank]), F.arr(p.weights[rank])
@@ -137,9 +155,7 @@ def sources(buf, before):
 
 
 def _survive(rank, nranks, uid, fw):
-    F = framework(fw)
-    p = problem(nranks)
-    comm, pb, ob = buffers(rank, nranks, uid, p, dispatch_dtypes=["bf16", "fp8"])
+    F, p, pb, ob = rank_setup(rank, nranks, uid, fw, dispatch_dtypes=["bf16", "fp8"])
     assert pb.views == "pooled" and pb.view_areas == 3 and ob.views is False
     x, idx, w = inputs(F, p, rank)
     first, own = pb.dispatch(x, idx, w), ob.dispatch(x, idx, w)
@@ -181,16 +197,8 @@ def _survive(rank, nranks, uid, fw):
     return True
 
 
-@pytest.mark.parametrize("fw", FRAMEWORKS)
-@pytest.mark.parametrize("nranks", RANKS)
-def test_survive(nranks, fw):
-    run(nranks, _survive, fw)
-
-
 def _reuse(rank, nranks, uid, fw):
-    F = framework(fw)
-    p = problem(nranks)
-    comm, pb, ob = buffers(rank, nranks, uid, p)
+    F, p, pb, ob = rank_setup(rank, nranks, uid, fw)
     x_all, idx_all = routed_to_all(p, nranks)  # every rank receives R * T_max rows
     idx = F.arr(idx_all)
 
@@ -229,17 +237,15 @@ def _reuse(rank, nranks, uid, fw):
     return True
 
 
-@pytest.mark.parametrize("fw", FRAMEWORKS)
-@pytest.mark.parametrize("nranks", RANKS)
-def test_reuse(nranks, fw):
-    run(nranks, _reuse, fw)
+@ranks_and_frameworks(RANKS)
+@pytest.mark.parametrize("body", [_survive, _reuse], ids=lambda body: body.__name__[1:])
+def test_lifetimes(body, nranks, fw):
+    run(nranks, body, fw)
 
 
 def _mixed(rank, nranks, uid, fw):
     """Rank 0 holds every output (its areas fill, then it gets copies); the others drop theirs."""
-    F = framework(fw)
-    p = problem(nranks)
-    comm, pb, ob = buffers(rank, nranks, uid, p)
+    F, p, pb, ob = rank_setup(rank, nranks, uid, fw)
     kept = []
     before = pb._combines_by_source
     rounds = 6
@@ -267,8 +273,7 @@ def _mixed(rank, nranks, uid, fw):
     return True
 
 
-@pytest.mark.parametrize("fw", FRAMEWORKS)
-@pytest.mark.parametrize("nranks", [2, 3])
+@ranks_and_frameworks([2, 3])
 def test_mixed_ranks(nranks, fw):
     run(nranks, _mixed, fw)
 
@@ -277,9 +282,7 @@ def test_mixed_ranks(nranks, fw):
 
 
 def _combine_in_place(rank, nranks, uid, fw, views):
-    F = framework(fw)
-    p = problem(nranks)
-    comm, vb, ob = buffers(rank, nranks, uid, p, views=views)
+    F, p, vb, ob = rank_setup(rank, nranks, uid, fw, views=views)
     x_all, idx_all = routed_to_all(p, nranks)
     w_all = (np.arange(p.T_max * p.K, dtype=np.float32).reshape(p.T_max, p.K) % 4 + 1) / 4
     x, idx, w = F.arr(x_all), F.arr(idx_all), F.arr(w_all)
@@ -327,8 +330,7 @@ def _combine_in_place(rank, nranks, uid, fw, views):
 
 
 @pytest.mark.parametrize("views", [True, "pooled"])
-@pytest.mark.parametrize("fw", FRAMEWORKS)
-@pytest.mark.parametrize("nranks", RANKS)
+@ranks_and_frameworks(RANKS)
 def test_combine_in_place(nranks, fw, views):
     framework(fw)
     run_ranks(nranks, _combine_in_place, fw=fw, views=views)
@@ -339,9 +341,7 @@ def test_combine_in_place(nranks, fw, views):
 
 def _two_areas(rank, nranks, uid, fw):
     """views=True, view_areas=2: an area without views first, else the least recently used one."""
-    F = framework(fw)
-    p = problem(nranks)
-    comm, vb, ob = buffers(rank, nranks, uid, p, views=True, view_areas=2)
+    F, p, vb, ob = rank_setup(rank, nranks, uid, fw, views=True, view_areas=2)
     assert vb.views is True and vb.view_areas == 2
     x_all, idx_all = routed_to_all(p, nranks)
     idx = F.arr(idx_all)
@@ -381,8 +381,7 @@ def _two_areas(rank, nranks, uid, fw):
     return True
 
 
-@pytest.mark.parametrize("fw", FRAMEWORKS)
-@pytest.mark.parametrize("nranks", [1, 2])
+@ranks_and_frameworks([1, 2])
 def test_two_areas(nranks, fw):
     run(nranks, _two_areas, fw)
 
@@ -452,10 +451,8 @@ def test_bad_view_areas():
 
 
 def test_destroy_with_pooled_views():
-    uid = epx.get_unique_id()
-    comm = epx.Comm.from_unique_id(uid, 0, 1, backend="host")
     p = problem(1, ragged=False)
-    buf = epx.Buffer(comm, p.T_max, p.H, p.K, p.E, views="pooled")
+    comm, buf = one_rank_buffer(p, views="pooled")
     x, idx, w = p.x[0], p.topk_idx[0], p.weights[0]
     a = buf.dispatch(x, idx, w)
     b = buf.dispatch(bf16(f32(x) + 1), idx, w)

@@ -132,11 +132,6 @@ def _deep_ep(rank, nranks, dist):
     return True
 
 
-@pytest.mark.parametrize("nranks", [1, 2])
-def test_deep_ep_front(nranks):
-    run_in_group(nranks, _deep_ep)
-
-
 def _hybrid_ep(rank, nranks, dist):
     p = problem(nranks)
     buf = hybrid_ep.HybridEPBuffer(dist.group.WORLD, hidden_dim=p.H, max_num_of_tokens_per_rank=p.T_max,
@@ -167,9 +162,11 @@ def _hybrid_ep(rank, nranks, dist):
     return True
 
 
+# The DeepEP and HybridEP fronts over a torch.distributed group, on 1 and 2 ranks.
 @pytest.mark.parametrize("nranks", [1, 2])
-def test_hybrid_ep_front(nranks):
-    run_in_group(nranks, _hybrid_ep)
+@pytest.mark.parametrize("worker", [_deep_ep, _hybrid_ep], ids=lambda worker: worker.__name__[1:])
+def test_front(worker, nranks):
+    run_in_group(nranks, worker)
 
 
 def _from_torch(rank, nranks, dist):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import epx
-from mp import host_comm, run_ranks
+from mp import host_comm, one_rank_buffer, run_ranks
 from npref import SEED, Problem, assert_equal, bf16, f32
 
 RANKS = [1, 2, 3]
@@ -96,11 +96,6 @@ def _dispatch_combine(rank, nranks, uid):
     return True
 
 
-@pytest.mark.parametrize("nranks", RANKS)
-def test_dispatch_combine(nranks):
-    run_ranks(nranks, _dispatch_combine)
-
-
 def _static_fp8(rank, nranks, uid):
     p = problem(nranks)
     comm, vb, ob = buffers(rank, nranks, uid, p, dispatch_dtypes=["bf16", "fp8"])
@@ -142,11 +137,6 @@ def _static_fp8(rank, nranks, uid):
     assert_equal(cached.recv_x, ref.recv_x, "fp8 cached recv_x", rank)
     assert_equal(cached.recv_x_scales, ref.recv_x_scales, "fp8 cached scales", rank)
     return True
-
-
-@pytest.mark.parametrize("nranks", RANKS)
-def test_static_fp8(nranks):
-    run_ranks(nranks, _static_fp8)
 
 
 # ------------------------------------------------------------------------------------ lifetimes
@@ -214,15 +204,14 @@ def _lifetime(rank, nranks, uid):
 
 
 @pytest.mark.parametrize("nranks", RANKS)
-def test_lifetime(nranks):
-    run_ranks(nranks, _lifetime)
+@pytest.mark.parametrize("worker", [_dispatch_combine, _static_fp8, _lifetime], ids=lambda w: w.__name__[1:])
+def test_on_ranks(worker, nranks):
+    run_ranks(nranks, worker)
 
 
 def test_views_false_and_destroy():
-    uid = epx.get_unique_id()
-    comm = epx.Comm.from_unique_id(uid, 0, 1, backend="host")
     p = problem(1, ragged=False)
-    buf = epx.Buffer(comm, p.T_max, p.H, p.K, p.E, dispatch_dtypes=["bf16", "fp8"], views=True)
+    comm, buf = one_rank_buffer(p, dispatch_dtypes=["bf16", "fp8"], views=True)
     x, idx = p.x[0], p.topk_idx[0]
     # An area is made once for the widest dtype: a (wider) bf16 dispatch after an fp8 one reuses it as
     # any dispatch does; the fp8 view goes stale (refused when passed back) and stays readable memory.

@@ -84,27 +84,23 @@ COLLECTIVE_ENTRY(ht_dispatch)
 /* epx_ht_combine */
 COLLECTIVE_PLAIN(ht_combine, HT_COMBINE)
 
-/* The LL slot is counted by the checks, failed calls too. */
-static epx_result_t ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *args,
-                                epx_ll_dispatch_outputs_t *outputs)
-{
-    COLLECTIVE_ENTER(ll_dispatch, LL_DISPATCH);
-    EPX_CHECK(buffer->ops->ll_dispatch(buffer, seq, &a, &o));
-    WRITE_OUT(outputs, &o, epx_ll_dispatch_outputs_t, handle);
-    if (a.return_recv_hook) WRITE_OUT(outputs, &o, epx_ll_dispatch_outputs_t, hook);
-    return EPX_SUCCESS;
-}
-COLLECTIVE_ENTRY(ll_dispatch)
+/* An LL entry point: the backend fills `o`; on success the hook is written when the call asked for one,
+ * and `write_more` writes the op's other [out] fields. The LL slot is counted by the checks, failed calls
+ * too. */
+#define COLLECTIVE_LL(op, OP, write_more)                                           \
+    static epx_result_t op(epx_buffer_t buffer, const epx_##op##_args_t *args,      \
+                           epx_##op##_outputs_t *outputs)                           \
+    {                                                                               \
+        COLLECTIVE_ENTER(op, OP);                                                   \
+        EPX_CHECK(buffer->ops->op(buffer, seq, &a, &o));                            \
+        write_more;                                                                 \
+        if (a.return_recv_hook) WRITE_OUT(outputs, &o, epx_##op##_outputs_t, hook); \
+        return EPX_SUCCESS;                                                         \
+    }                                                                               \
+    COLLECTIVE_ENTRY(op)
 
-static epx_result_t ll_combine(epx_buffer_t buffer, const epx_ll_combine_args_t *args,
-                               epx_ll_combine_outputs_t *outputs)
-{
-    COLLECTIVE_ENTER(ll_combine, LL_COMBINE);
-    EPX_CHECK(buffer->ops->ll_combine(buffer, seq, &a, &o));
-    if (a.return_recv_hook) WRITE_OUT(outputs, &o, epx_ll_combine_outputs_t, hook);
-    return EPX_SUCCESS;
-}
-COLLECTIVE_ENTRY(ll_combine)
+COLLECTIVE_LL(ll_dispatch, LL_DISPATCH, WRITE_OUT(outputs, &o, epx_ll_dispatch_outputs_t, handle))
+COLLECTIVE_LL(ll_combine, LL_COMBINE, (void)0)
 
 static epx_result_t rm_dispatch(epx_buffer_t buffer, const epx_rm_dispatch_args_t *args,
                                 epx_rm_dispatch_outputs_t *outputs)

@@ -69,15 +69,20 @@ static inline epx_result_t calls_ht_dispatch(calls_t *c, epx_ht_dispatch_outputs
     return epx_ht_dispatch(c->buf, &a, o);
 }
 
-static inline epx_result_t calls_ht_combine(calls_t *c)
-{
-    epx_ht_combine_args_t a = EPX_HT_COMBINE_ARGS_INIT;
-    a.handle = c->ht;
-    a.x = epx_tensor_2d(c->recv, EPX_DTYPE_BF16, c->ht_rows, CH);
-    epx_ht_combine_outputs_t o = EPX_HT_COMBINE_OUTPUTS_INIT;
-    o.combined_x = epx_tensor_2d(c->out, EPX_DTYPE_BF16, CT, CH);
-    return epx_ht_combine(c->buf, &a, &o);
-}
+/* calls_<fam>_combine(c): the HT or routing-map combine of the c-><fam>_rows rows that c-><fam>
+ * received into c->recv, written to c->out (its output field `out_field`). */
+#define CALLS_COMBINE(fam, FAM, out_field)                                  \
+    static inline epx_result_t calls_##fam##_combine(calls_t *c)            \
+    {                                                                       \
+        epx_##fam##_combine_args_t a = EPX_##FAM##_COMBINE_ARGS_INIT;       \
+        a.handle = c->fam;                                                  \
+        a.x = epx_tensor_2d(c->recv, EPX_DTYPE_BF16, c->fam##_rows, CH);    \
+        epx_##fam##_combine_outputs_t o = EPX_##FAM##_COMBINE_OUTPUTS_INIT; \
+        o.out_field = epx_tensor_2d(c->out, EPX_DTYPE_BF16, CT, CH);        \
+        return epx_##fam##_combine(c->buf, &a, &o);                         \
+    }
+
+CALLS_COMBINE(ht, HT, combined_x)
 
 static inline epx_result_t calls_ll_dispatch(calls_t *c, epx_ll_handle_t *handle_out)
 {
@@ -114,15 +119,7 @@ static inline epx_result_t calls_rm_dispatch(calls_t *c, epx_rm_dispatch_outputs
     return epx_rm_dispatch(c->buf, &a, o);
 }
 
-static inline epx_result_t calls_rm_combine(calls_t *c)
-{
-    epx_rm_combine_args_t a = EPX_RM_COMBINE_ARGS_INIT;
-    a.handle = c->rm;
-    a.x = epx_tensor_2d(c->recv, EPX_DTYPE_BF16, c->rm_rows, CH);
-    epx_rm_combine_outputs_t o = EPX_RM_COMBINE_OUTPUTS_INIT;
-    o.combined = epx_tensor_2d(c->out, EPX_DTYPE_BF16, CT, CH);
-    return epx_rm_combine(c->buf, &a, &o);
-}
+CALLS_COMBINE(rm, RM, combined)
 
 /* One dispatch of each family, so that every combine has a handle. */
 static inline epx_result_t calls_prepare(calls_t *c)
