@@ -431,12 +431,10 @@ epx_result_t host_area_acquire(host_buffer_t *hb, host_area_t area)
     uint64_t last = hb->last_pub_seq[area];
     if (last == 0) return EPX_SUCCESS;
     wait_clock_t clock = wait_clock_start(hb);
-    char doing[96];
+    char doing[96] = "";
     for (int p = 0; p < hb->nranks; p++) {
         if (p == hb->rank) continue;
         const host_region_hdr_t *hdr = host_hdr(hb, p);
-        snprintf(doing, sizeof(doing), "we waited for it to release area %s of call %llu", area_names[area],
-                 (unsigned long long)last);
         for (;;) {
             const int gone = peer_destroyed(hb, p);
             uint64_t done = atomic_load_explicit(&hdr->areas[area].done_seq, memory_order_acquire);
@@ -444,6 +442,9 @@ epx_result_t host_area_acquire(host_buffer_t *hb, host_area_t area)
             /* A peer that failed call `last` (or a later one) will not read it any more. */
             uint64_t failed = atomic_load_explicit(&hdr->failed_seq, memory_order_acquire);
             if (failed >= last) break;
+            if (!doing[0]) /* formatted only when a peer is not done yet */
+                snprintf(doing, sizeof(doing), "we waited for it to release area %s of call %llu",
+                         area_names[area], (unsigned long long)last);
             if (gone) return destroyed_error(hb, p, doing);
             EPX_CHECK(check_call(hb, p, hb->call_seq));
             epx_result_t res = wait_tick(hb, &clock, p, doing);
@@ -530,17 +531,24 @@ static epx_result_t pub_timeout(const host_buffer_t *hb, int peer, host_area_t a
                      (long long)hb->buffer->comm->timeout_ms, (unsigned long long)seen);
 }
 
+/* What a wait is for, as wait_tick reports it; formatted once, when the first poll came back empty
+ * (a call whose peers are already there formats nothing). */
+static void describe_wait(char *doing, size_t cap, host_area_t area, uint64_t seq)
+{
+    if (!doing[0])
+        snprintf(doing, cap, "we waited for area %s of call %llu", area_names[area], (unsigned long long)seq);
+}
+
 epx_result_t host_area_wait(host_buffer_t *hb, int peer, host_area_t area, uint64_t seq, host_pub_t *pub_out)
 {
     wait_clock_t clock = wait_clock_start(hb);
-    char doing[96];
-    snprintf(doing, sizeof(doing), "we waited for area %s of call %llu", area_names[area],
-             (unsigned long long)seq);
+    char doing[96] = "";
     for (;;) {
         epx_result_t res = EPX_SUCCESS;
         int got = poll_pub(hb, peer, area, seq, pub_out, &res);
         if (got > 0) return EPX_SUCCESS;
         if (got < 0) return res;
+        describe_wait(doing, sizeof(doing), area, seq);
         res = wait_tick(hb, &clock, peer, doing);
         if (res == EPX_ERR_TIMEOUT) return pub_timeout(hb, peer, area, seq);
         if (res != EPX_SUCCESS) return res;
@@ -551,9 +559,7 @@ epx_result_t host_area_wait_all(host_buffer_t *hb, host_area_t area, uint64_t se
 {
     const int R = hb->nranks;
     wait_clock_t clock = wait_clock_start(hb);
-    char doing[96];
-    snprintf(doing, sizeof(doing), "we waited for area %s of call %llu", area_names[area],
-             (unsigned long long)seq);
+    char doing[96] = "";
     /* Poll everyone in turn so a failed peer is noticed even while an earlier one is slow. */
     int first_missing = 0;
     for (;;) {
@@ -572,6 +578,7 @@ epx_result_t host_area_wait_all(host_buffer_t *hb, host_area_t area, uint64_t se
         if (missing < 0) return EPX_SUCCESS;
         /* Ranks before the first missing one are copied; the rest are polled again. */
         first_missing = missing;
+        describe_wait(doing, sizeof(doing), area, seq);
         epx_result_t res = wait_tick(hb, &clock, missing, doing);
         if (res == EPX_ERR_TIMEOUT) return pub_timeout(hb, missing, area, seq);
         if (res != EPX_SUCCESS) return res;
