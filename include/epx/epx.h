@@ -195,19 +195,27 @@ typedef struct epx_comm_config {
     epx_backend_t backend;
     int32_t cuda_device;  /* -1: the calling thread's current device */
     int32_t timeout_ms;   /* 0: EPX_TIMEOUT_MS (default 100000) */
+    /* This rank's node: ranks with equal node ids form one node (see epx_node_topology_t). NULL or
+     * "": the default. Precedence: EPX_NODE_ID when set and not empty, else this field, else the
+     * host's identity (hostname and boot id). At most EPX_NODE_ID_MAX - 1 bytes; read only during
+     * the init (the string need not outlive it) and only when `size` covers it. */
+    const char *node_id;
 } epx_comm_config_t;
 
+#define EPX_NODE_ID_MAX 64
+
 #ifdef __cplusplus
-#define EPX_COMM_CONFIG_INIT {sizeof(epx_comm_config_t), EPX_VERSION_CODE, EPX_BACKEND_AUTO, -1, 0}
+#define EPX_COMM_CONFIG_INIT {sizeof(epx_comm_config_t), EPX_VERSION_CODE, EPX_BACKEND_AUTO, -1, 0, NULL}
 #else
 #define EPX_COMM_CONFIG_INIT                                                                   \
     {.size = sizeof(epx_comm_config_t), .version = EPX_VERSION_CODE, .backend = EPX_BACKEND_AUTO, \
-     .cuda_device = -1, .timeout_ms = 0}
+     .cuda_device = -1, .timeout_ms = 0, .node_id = NULL}
 #endif
 
 /* Creates the communicator of rank `rank` out of `nranks` through the TCP rendezvous of `id`.
  * Collective over all nranks processes. config may be NULL (defaults).
- * [out] comm_out. Errors: EPX_ERR_INVALID_ARG (rank out of range, bad config or env value),
+ * [out] comm_out. Errors: EPX_ERR_INVALID_ARG (rank out of range, bad config or env value,
+ * nodes of unequal size or not of consecutive ranks: see epx_node_topology_t),
  * EPX_ERR_TIMEOUT (a rank did not arrive within the timeout), EPX_ERR_BOOTSTRAP,
  * EPX_ERR_MISMATCH (ranks disagree on nranks or backend), EPX_ERR_UNSUPPORTED (backend not
  * available, or host backend across machines). */
@@ -241,7 +249,7 @@ EPX_API epx_result_t epx_comm_destroy(epx_comm_t comm);
 typedef struct epx_topology {
     int32_t rank;
     int32_t nranks;
-    int32_t local_rank;              /* index among the ranks of this machine */
+    int32_t local_rank;              /* index among the ranks of this machine (see epx_node_topology_t) */
     int32_t local_nranks;            /* ranks on this machine */
     int32_t ranks_per_nvlink_domain; /* D: detected, capped by EPX_RANKS_PER_NVLINK_DOMAIN */
     int32_t num_nvlink_domains;      /* nranks / D */
@@ -251,6 +259,44 @@ typedef struct epx_topology {
 
 /* [out] topo_out: the communicator's topology. Not collective. */
 EPX_API epx_result_t epx_comm_get_topology(epx_comm_t comm, epx_topology_t *topo_out);
+
+/* Nodes, as the library derives them at init from every rank's node id (never from the launcher):
+ * ranks with one node id form a node, nodes are numbered by their lowest rank. A node holds
+ * consecutive ranks and every node holds as many (the init fails with EPX_ERR_INVALID_ARG naming
+ * the nodes otherwise), so rank r is local rank r % ranks_per_node of node r / ranks_per_node.
+ * Ranks of one node reach each other through ipc (load/store over NVLink); ranks of different
+ * nodes only through a network transport, even when they share a machine or a GPU. The NVLink
+ * domain is the node, cut into blocks of EPX_RANKS_PER_NVLINK_DOMAIN ranks when that is smaller
+ * (it must divide ranks_per_node); the cap shapes the layout's per-domain counts, not the paths. */
+typedef struct epx_node_topology {
+    size_t size;                     /* [in] sizeof(epx_node_topology_t) as the caller compiled it */
+    int32_t node;                    /* this rank's node index, 0 .. num_nodes - 1 */
+    int32_t num_nodes;
+    int32_t ranks_per_node;
+    int32_t local_rank;              /* index among the ranks of this node */
+    int32_t ranks_per_nvlink_domain; /* D, as in epx_topology_t */
+    int32_t num_nvlink_domains;
+    char node_id[EPX_NODE_ID_MAX];   /* this rank's node id as exchanged, NUL-terminated */
+} epx_node_topology_t;
+
+#define EPX_NODE_TOPOLOGY_INIT {sizeof(epx_node_topology_t)}
+
+/* [in,out] topo: size set by the caller (EPX_NODE_TOPOLOGY_INIT); min(size, sizeof) bytes are
+ * written on success. Not collective; any thread. EPX_ERR_INVALID_ARG for a NULL topo or a size
+ * smaller than the size field plus the node field. */
+EPX_API epx_result_t epx_comm_get_node_topology(epx_comm_t comm, epx_node_topology_t *topo);
+
+/* How this rank reaches a peer. The host backend carries every path through its shared memory
+ * (it stands in for both); the cuda backend has no network transport yet. */
+typedef enum epx_path {
+    EPX_PATH_SELF = 0,    /* the peer is this rank */
+    EPX_PATH_IPC = 1,     /* same node: load/store (NVLink) */
+    EPX_PATH_NETWORK = 2, /* another node: the network transport only */
+} epx_path_t;
+
+/* [in] peer: 0 .. nranks - 1. [out] path_out. Not collective; any thread. EPX_ERR_INVALID_ARG
+ * for a peer out of range or a NULL path_out. */
+EPX_API epx_result_t epx_comm_get_peer_path(epx_comm_t comm, int peer, epx_path_t *path_out);
 
 /* Reports (and keeps) the first asynchronous failure seen by the communicator's buffers: a
  * device-side timeout (with rank, peer, channel and counters in the message), a peer that

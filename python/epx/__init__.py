@@ -56,6 +56,7 @@ destroyed handle) raises as usual and is refused on the buffer (epx_buffer_refus
 peers' matching calls raise RemoteError instead of pairing with this rank's next call.
 """
 
+import collections
 import contextlib
 
 from . import _epx
@@ -73,7 +74,7 @@ from ._epx import (  # noqa: F401  (re-exported)
 )
 
 __all__ = [
-    "Buffer", "Comm", "EpxError", "get_unique_id", "version", "Handle", "LLHandle", "Hook", "Layout",
+    "Buffer", "Comm", "NodeTopology", "EpxError", "get_unique_id", "version", "Handle", "LLHandle", "Hook", "Layout",
     "DispatchOutput", "CombineOutput", "LLDispatchOutput", "LLCombineOutput", "RoutingDispatchOutput",
     "bf16_to_float32", "float32_to_bf16", "StaleViewError", "DEFAULT_VIEWS", "MAX_VIEW_AREAS",
 ]
@@ -209,27 +210,52 @@ _epx._set_helpers(StaleViewError, _copy_rows, _own_copy)
 # ---------------------------------------------------------------------------------------- comm
 
 
+class NodeTopology(collections.namedtuple(
+        "NodeTopology", "node num_nodes ranks_per_node local_rank ranks_per_nvlink_domain num_nvlink_domains "
+        "node_id")):
+    """The nodes the library derived from every rank's node id (Comm.topology): this rank's node index
+    (nodes numbered by their lowest rank), the node count, ranks per node, this rank's index in its
+    node, the NVLink domain size and count, and this rank's node id string."""
+
+
 class Comm(_epx.Comm):
     """A communicator: this process's rank among ``nranks`` processes.
 
-    Properties: rank, nranks, local_rank, local_nranks, ranks_per_nvlink_domain, num_nvlink_domains,
-    backend ("host" or "cuda"), cuda_device. Destroyed when garbage-collected, or by destroy()."""
+    Properties: rank, nranks, local_rank, local_nranks (of this machine), ranks_per_nvlink_domain,
+    num_nvlink_domains, backend ("host" or "cuda"), cuda_device, topology (a NodeTopology: the nodes);
+    peer_path(peer) says how this rank reaches a peer. Destroyed when garbage-collected, or by destroy().
+
+    node_id (the init's argument): ranks with one node id form a node; None or "" = the default.
+    EPX_NODE_ID, when set and not empty, overrides it; without either, the node is the host."""
 
     @classmethod
-    def from_unique_id(cls, unique_id, rank, nranks, backend="auto", cuda_device=-1, timeout_ms=0):
+    def from_unique_id(cls, unique_id, rank, nranks, backend="auto", cuda_device=-1, timeout_ms=0,
+                       node_id=None):
         """Collective over ``nranks`` processes: rendezvous through ``unique_id`` (bytes from
         get_unique_id(), created once and sent to every rank). backend: "auto", "host" or "cuda";
-        cuda_device -1 = the current device; timeout_ms 0 = EPX_TIMEOUT_MS."""
-        return _epx.comm_init(cls, bytes(unique_id), rank, nranks, backend, cuda_device, timeout_ms)
+        cuda_device -1 = the current device; timeout_ms 0 = EPX_TIMEOUT_MS; node_id: see Comm."""
+        return _epx.comm_init(cls, bytes(unique_id), rank, nranks, backend, cuda_device, timeout_ms, node_id)
 
     @classmethod
-    def from_callbacks(cls, allgather, barrier, rank, nranks, backend="auto", cuda_device=-1, timeout_ms=0):
+    def from_callbacks(cls, allgather, barrier, rank, nranks, backend="auto", cuda_device=-1, timeout_ms=0,
+                       node_id=None):
         """Collective; bootstraps through the caller's collectives. ``allgather(data: bytes) -> bytes``
         returns every rank's ``data`` concatenated in rank order; ``barrier()`` returns when all ranks
         called it. Both must stay usable while the communicator lives. An exception in a callback fails
         the init with BootstrapError (the exception is its ``__cause__``)."""
         return _epx.comm_init_callbacks(cls, allgather, barrier, rank, nranks, backend, cuda_device,
-                                        timeout_ms)
+                                        timeout_ms, node_id)
+
+    @property
+    def topology(self):
+        """A NodeTopology: node, num_nodes, ranks_per_node, local_rank (in the node),
+        ranks_per_nvlink_domain, num_nvlink_domains, node_id."""
+        return NodeTopology(*_epx.comm_node_topology(self))
+
+    def peer_path(self, peer):
+        """How this rank reaches rank ``peer``: "self", "ipc" (same node, load/store over NVLink) or
+        "network" (another node). The host backend carries both through its shared memory."""
+        return _epx.comm_peer_path(self, peer)
 
     @classmethod
     def from_torch(cls, group=None, backend="auto", timeout_ms=0):

@@ -170,6 +170,8 @@ static PyMethodDef module_methods[] = {
     {"comm_init", KWFN(py_comm_init), METH_VARARGS | METH_KEYWORDS, "Internal: use Comm.from_unique_id."},
     {"comm_init_callbacks", KWFN(py_comm_init_callbacks), METH_VARARGS | METH_KEYWORDS,
      "Internal: use Comm.from_callbacks or Comm.from_torch."},
+    {"comm_node_topology", py_comm_node_topology, METH_O, "Internal: use Comm.topology."},
+    {"comm_peer_path", py_comm_peer_path, METH_VARARGS, "Internal: use Comm.peer_path."},
     {"_refresh_torch", mod_refresh_torch, METH_NOARGS, "Internal: pick up torch once it is imported."},
     {"_set_error_classes", mod_set_error_classes, METH_VARARGS, "Internal: the EpxError hierarchy."},
     {"_set_helpers", mod_set_helpers, METH_VARARGS, "Internal: StaleViewError and the copies through torch."},

@@ -287,6 +287,8 @@ void py_refresh_torch(void);
 
 PyObject *py_comm_init(PyObject *mod, PyObject *args, PyObject *kwargs);
 PyObject *py_comm_init_callbacks(PyObject *mod, PyObject *args, PyObject *kwargs);
+PyObject *py_comm_node_topology(PyObject *mod, PyObject *arg);
+PyObject *py_comm_peer_path(PyObject *mod, PyObject *args);
 
 /* ------------------------------------------------------------------ _epx_types.c ---- */
 

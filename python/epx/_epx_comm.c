@@ -1,6 +1,7 @@
 /*
  * Creating a communicator (the Comm type itself is in _epx_types.c): from a unique id, or from Python
- * bootstrap callbacks that the library calls back, with the GIL taken, while it creates the communicator.
+ * bootstrap callbacks that the library calls back, with the GIL taken, while it creates the communicator;
+ * and its nodes and peer paths.
  */
 #include "_epx.h"
 
@@ -78,7 +79,7 @@ static int parse_backend(PyObject *obj, epx_backend_t *out)
 /* The config both ways of creating a communicator take. The backend is checked first, then the types
  * of the other arguments (`types_ok`, else a TypeError saying `type_error`). */
 static int comm_config(PyObject *backend_obj, int types_ok, const char *type_error, int cuda_device,
-                       int timeout_ms, epx_comm_config_t *cfg)
+                       int timeout_ms, const char *node_id, epx_comm_config_t *cfg)
 {
     if (parse_backend(backend_obj, &cfg->backend) != 0) return -1;
     if (!types_ok) {
@@ -87,6 +88,7 @@ static int comm_config(PyObject *backend_obj, int types_ok, const char *type_err
     }
     cfg->cuda_device = cuda_device;
     cfg->timeout_ms = timeout_ms;
+    cfg->node_id = node_id; /* the library copies it during the init */
     return 0;
 }
 
@@ -114,20 +116,22 @@ static PyObject *comm_finish_init(CommObject *self, epx_result_t res)
     return (PyObject *)self;
 }
 
-/* _epx.comm_init(cls, unique_id, rank, nranks, backend, cuda_device, timeout_ms) */
+/* _epx.comm_init(cls, unique_id, rank, nranks, backend, cuda_device, timeout_ms, node_id) */
 PyObject *py_comm_init(PyObject *mod, PyObject *args, PyObject *kwargs)
 {
-    static char *kw[] = {"cls", "unique_id", "rank", "nranks", "backend", "cuda_device", "timeout_ms", NULL};
+    static char *kw[] = {"cls",         "unique_id",  "rank",    "nranks", "backend",
+                         "cuda_device", "timeout_ms", "node_id", NULL};
     PyTypeObject *cls;
     Py_buffer uid;
     int rank, nranks, cuda_device = -1, timeout_ms = 0;
     PyObject *backend_obj = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!y*ii|Oii", kw, &PyType_Type, &cls, &uid, &rank, &nranks,
-                                     &backend_obj, &cuda_device, &timeout_ms))
+    const char *node_id = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!y*ii|Oiiz", kw, &PyType_Type, &cls, &uid, &rank, &nranks,
+                                     &backend_obj, &cuda_device, &timeout_ms, &node_id))
         return NULL;
     epx_comm_config_t cfg = EPX_COMM_CONFIG_INIT;
     if (comm_config(backend_obj, PyType_IsSubtype(cls, &py_comm_type),
-                    "epx: cls must be a subclass of epx.Comm", cuda_device, timeout_ms, &cfg) != 0) {
+                    "epx: cls must be a subclass of epx.Comm", cuda_device, timeout_ms, node_id, &cfg) != 0) {
         PyBuffer_Release(&uid);
         return NULL;
     }
@@ -148,23 +152,25 @@ PyObject *py_comm_init(PyObject *mod, PyObject *args, PyObject *kwargs)
     return comm_finish_init(self, res);
 }
 
-/* _epx.comm_init_callbacks(cls, allgather, barrier, rank, nranks, backend, cuda_device, timeout_ms) */
+/* _epx.comm_init_callbacks(cls, allgather, barrier, rank, nranks, backend, cuda_device, timeout_ms,
+ * node_id) */
 PyObject *py_comm_init_callbacks(PyObject *mod, PyObject *args, PyObject *kwargs)
 {
-    static char *kw[] = {"cls",     "allgather",   "barrier",    "rank", "nranks",
-                         "backend", "cuda_device", "timeout_ms", NULL};
+    static char *kw[] = {"cls",     "allgather",   "barrier",    "rank",    "nranks",
+                         "backend", "cuda_device", "timeout_ms", "node_id", NULL};
     PyTypeObject *cls;
     PyObject *allgather, *barrier, *backend_obj = NULL;
     int rank, nranks, cuda_device = -1, timeout_ms = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOii|Oii", kw, &PyType_Type, &cls, &allgather, &barrier,
-                                     &rank, &nranks, &backend_obj, &cuda_device, &timeout_ms))
+    const char *node_id = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOii|Oiiz", kw, &PyType_Type, &cls, &allgather, &barrier,
+                                     &rank, &nranks, &backend_obj, &cuda_device, &timeout_ms, &node_id))
         return NULL;
     epx_comm_config_t cfg = EPX_COMM_CONFIG_INIT;
     int types_ok =
         PyType_IsSubtype(cls, &py_comm_type) && PyCallable_Check(allgather) && PyCallable_Check(barrier);
     if (comm_config(backend_obj, types_ok,
                     "epx: cls must subclass epx.Comm; allgather and barrier must be callable", cuda_device,
-                    timeout_ms, &cfg) != 0)
+                    timeout_ms, node_id, &cfg) != 0)
         return NULL;
     CommObject *self = (CommObject *)cls->tp_alloc(cls, 0);
     if (!self) return NULL;
@@ -178,4 +184,32 @@ PyObject *py_comm_init_callbacks(PyObject *mod, PyObject *args, PyObject *kwargs
     epx_result_t res;
     WITHOUT_GIL(res = epx_comm_init_callbacks(&cbs, rank, nranks, &cfg, &self->comm));
     return comm_finish_init(self, res);
+}
+
+/* _epx.comm_node_topology(comm) -> (node, num_nodes, ranks_per_node, local_rank, ranks_per_nvlink_domain,
+ * num_nvlink_domains, node_id) */
+PyObject *py_comm_node_topology(PyObject *mod, PyObject *arg)
+{
+    if (!PyObject_TypeCheck(arg, &py_comm_type)) return PyErr_Format(PyExc_TypeError, "epx: expected an epx.Comm");
+    CommObject *self = (CommObject *)arg;
+    if (py_comm_check(self) != 0) return NULL;
+    epx_node_topology_t t = EPX_NODE_TOPOLOGY_INIT;
+    epx_result_t res = epx_comm_get_node_topology(self->comm, &t);
+    if (res != EPX_SUCCESS) return py_raise_epx(res);
+    return Py_BuildValue("(iiiiiis)", t.node, t.num_nodes, t.ranks_per_node, t.local_rank,
+                         t.ranks_per_nvlink_domain, t.num_nvlink_domains, t.node_id);
+}
+
+/* _epx.comm_peer_path(comm, peer) -> "self", "ipc" or "network" */
+PyObject *py_comm_peer_path(PyObject *mod, PyObject *args)
+{
+    PyObject *obj;
+    int peer;
+    if (!PyArg_ParseTuple(args, "O!i", &py_comm_type, &obj, &peer)) return NULL;
+    CommObject *self = (CommObject *)obj;
+    if (py_comm_check(self) != 0) return NULL;
+    epx_path_t path;
+    epx_result_t res = epx_comm_get_peer_path(self->comm, peer, &path);
+    if (res != EPX_SUCCESS) return py_raise_epx(res);
+    return PyUnicode_FromString(path == EPX_PATH_SELF ? "self" : path == EPX_PATH_IPC ? "ipc" : "network");
 }

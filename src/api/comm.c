@@ -3,6 +3,7 @@
  * callbacks, destroy, topology and the async error. Arguments and the config are checked here;
  * core/comm.c builds, frees and reads the communicator.
  */
+#include <stdio.h>
 #include <string.h>
 
 #include "api/api.h"
@@ -35,6 +36,8 @@ static epx_result_t read_config(const epx_comm_config_t *config, epx_comm_config
                          out->cuda_device);
     if (out->timeout_ms < 0)
         return epx_error(EPX_ERR_INVALID_ARG, "config->timeout_ms = %d is negative", out->timeout_ms);
+    if (out->node_id && strnlen(out->node_id, EPX_NODE_ID_MAX) >= EPX_NODE_ID_MAX)
+        return epx_error(EPX_ERR_INVALID_ARG, "config->node_id is longer than %d bytes", EPX_NODE_ID_MAX - 1);
     return EPX_SUCCESS;
 }
 
@@ -133,5 +136,53 @@ EPX_API epx_result_t epx_get_async_error(epx_comm_t comm)
     EPX_CHECK(epx_api_find_comm(comm, "epx_get_async_error"));
     epx_result_t res = epx_comm_get_async_error(comm);
     epx_api_registry_unlock();
+    return res;
+}
+
+EPX_API epx_result_t epx_comm_get_node_topology(epx_comm_t comm, epx_node_topology_t *topo)
+{
+    const size_t head = offsetof(epx_node_topology_t, node) + sizeof(topo->node);
+    EPX_CHECK(epx_api_find_comm(comm, "epx_comm_get_node_topology"));
+    epx_result_t res = EPX_SUCCESS;
+    if (!topo)
+        res = epx_error(EPX_ERR_INVALID_ARG, "topo is NULL");
+    else if (topo->size < head)
+        res = epx_error(EPX_ERR_INVALID_ARG,
+                        "topo->size = %zu is smaller than %zu; initialize it with EPX_NODE_TOPOLOGY_INIT",
+                        topo->size, head);
+    if (res != EPX_SUCCESS) {
+        epx_api_registry_unlock();
+        return res;
+    }
+    epx_node_topology_t t;
+    memset(&t, 0, sizeof(t));
+    t.node = comm->node;
+    t.num_nodes = comm->num_nodes;
+    t.ranks_per_node = comm->ranks_per_node;
+    t.local_rank = comm->node_rank;
+    t.ranks_per_nvlink_domain = comm->ranks_per_domain;
+    t.num_nvlink_domains = comm->num_domains;
+    snprintf(t.node_id, sizeof(t.node_id), "%s", comm->peers[comm->rank].node_id);
+    epx_api_registry_unlock();
+    /* The caller's size stays as it was: copy what follows it. */
+    const size_t n = topo->size < sizeof(t) ? topo->size : sizeof(t);
+    memcpy((char *)topo + sizeof(t.size), (const char *)&t + sizeof(t.size), n - sizeof(t.size));
+    return EPX_SUCCESS;
+}
+
+EPX_API epx_result_t epx_comm_get_peer_path(epx_comm_t comm, int peer, epx_path_t *path_out)
+{
+    EPX_CHECK(epx_api_find_comm(comm, "epx_comm_get_peer_path"));
+    epx_result_t res = EPX_SUCCESS;
+    epx_path_t path = EPX_PATH_SELF;
+    if (!path_out)
+        res = epx_error(EPX_ERR_INVALID_ARG, "path_out is NULL");
+    else if (peer < 0 || peer >= comm->nranks)
+        res = epx_error(EPX_ERR_INVALID_ARG, "rank %d: peer %d is out of range [0, %d)", comm->rank, peer,
+                        comm->nranks);
+    else if (peer != comm->rank)
+        path = peer / comm->ranks_per_node == comm->node ? EPX_PATH_IPC : EPX_PATH_NETWORK;
+    epx_api_registry_unlock();
+    if (res == EPX_SUCCESS) *path_out = path;
     return res;
 }

@@ -1,8 +1,8 @@
 /*
  * The communicator: backend choice (through the registry), the exchange of peer information over
- * the bootstrap, topology (local ranks, NVLink domain size), the first-async-error record, and the
- * news of a collective call a rank failed. The API layer (src/api/comm.c) checks the arguments and
- * the config first.
+ * the bootstrap, topology (local ranks, nodes from the node ids, NVLink domain size), the
+ * first-async-error record, and the news of a collective call a rank failed. The API layer
+ * (src/api/comm.c) checks the arguments and the config first.
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -39,7 +39,8 @@ static uint64_t host_hash(const char *hostname)
     return h;
 }
 
-static void fill_peer_info(epx_comm_t comm, const epx_comm_config_t *cfg, epx_peer_info_t *me)
+static void fill_peer_info(epx_comm_t comm, const epx_comm_config_t *cfg, const epx_params_t *params,
+                           epx_peer_info_t *me)
 {
     memset(me, 0, sizeof(*me));
     me->rank = comm->rank;
@@ -52,6 +53,14 @@ static void fill_peer_info(epx_comm_t comm, const epx_comm_config_t *cfg, epx_pe
     /* The cuda backend resolves -1 to the current device in its comm_init. */
     me->cuda_device = comm->backend == EPX_BACKEND_CUDA ? cfg->cuda_device : -1;
     me->nranks = comm->nranks;
+    /* EPX_NODE_ID first, so a launcher can split a job into emulated nodes without touching code. */
+    if (params->node_id[0])
+        snprintf(me->node_id, sizeof(me->node_id), "%s", params->node_id);
+    else if (cfg->node_id && cfg->node_id[0])
+        snprintf(me->node_id, sizeof(me->node_id), "%s", cfg->node_id);
+    else
+        snprintf(me->node_id, sizeof(me->node_id), "%.40s:%016llx", me->hostname,
+                 (unsigned long long)me->host_hash);
 }
 
 /* Every rank holds the same peers array, so every rank reaches the same verdict here. */
@@ -74,7 +83,47 @@ static epx_result_t check_peers(epx_comm_t comm)
     return EPX_SUCCESS;
 }
 
-/* local_rank/local_nranks from the host hashes, then D (capped by the env) with its checks. */
+/* First rank of the node that starts at `first` ends (exclusive). */
+static int node_end(const epx_peer_info_t *p, int nranks, int first)
+{
+    int r = first + 1;
+    while (r < nranks && strcmp(p[r].node_id, p[first].node_id) == 0) r++;
+    return r;
+}
+
+/* Nodes from the node ids: consecutive ranks, equal counts (the nvlink domains and the layout's
+ * per-domain counts are blocks of consecutive ranks). Every rank holds the same table, so every
+ * rank reaches the same verdict. */
+static epx_result_t compute_nodes(epx_comm_t comm)
+{
+    const epx_peer_info_t *p = comm->peers;
+    const int R = comm->nranks;
+    const int per_node = node_end(p, R, 0);
+    int num_nodes = 0;
+    for (int first = 0; first < R; first = node_end(p, R, first), num_nodes++) {
+        for (int q = 0; q < first; q++)
+            if (strcmp(p[q].node_id, p[first].node_id) == 0)
+                return epx_error(EPX_ERR_INVALID_ARG,
+                                 "rank %d: node '%s' holds ranks %d and %d but not rank %d (node '%s'); the "
+                                 "ranks of a node must be consecutive",
+                                 comm->rank, p[first].node_id, q, first, first - 1, p[first - 1].node_id);
+        const int end = node_end(p, R, first);
+        if (end - first != per_node)
+            return epx_error(EPX_ERR_INVALID_ARG,
+                             "rank %d: node %d '%s' (ranks %d-%d) has %d ranks, node 0 '%s' (ranks 0-%d) has "
+                             "%d; every node must hold as many ranks (nvlink domains are equal blocks of ranks)",
+                             comm->rank, num_nodes, p[first].node_id, first, end - 1, end - first, p[0].node_id,
+                             per_node - 1, per_node);
+    }
+    comm->ranks_per_node = per_node;
+    comm->num_nodes = num_nodes;
+    comm->node = comm->rank / per_node;
+    comm->node_rank = comm->rank % per_node;
+    return EPX_SUCCESS;
+}
+
+/* local_rank/local_nranks from the host hashes, the nodes from the node ids, then D (the node,
+ * capped by the env) with its checks. */
 static epx_result_t compute_topology(epx_comm_t comm, const epx_params_t *params)
 {
     const epx_peer_info_t *p = comm->peers;
@@ -94,20 +143,15 @@ static epx_result_t compute_topology(epx_comm_t comm, const epx_params_t *params
                          "%s, rank %d on %s",
                          comm->rank, me->hostname, other, p[other].hostname);
     }
-    int32_t d = comm->local_nranks;
+    EPX_CHECK(compute_nodes(comm));
+    int32_t d = comm->ranks_per_node;
     int32_t cap = params->ranks_per_nvlink_domain;
     if (cap > 0 && cap < d) d = cap;
-    if (comm->nranks % d != 0) {
-        if (cap > 0)
-            return epx_error(EPX_ERR_INVALID_ARG,
-                             "EPX_RANKS_PER_NVLINK_DOMAIN=%d gives %d ranks per nvlink "
-                             "domain, which does not divide nranks = %d",
-                             cap, d, comm->nranks);
+    if (comm->ranks_per_node % d != 0)
         return epx_error(EPX_ERR_INVALID_ARG,
-                         "%d ranks per nvlink domain (ranks on this machine) does not "
-                         "divide nranks = %d; set EPX_RANKS_PER_NVLINK_DOMAIN to a divisor",
-                         d, comm->nranks);
-    }
+                         "EPX_RANKS_PER_NVLINK_DOMAIN=%d gives %d ranks per nvlink domain, which does not "
+                         "divide the %d ranks per node (nranks = %d, %d node(s))",
+                         cap, d, comm->ranks_per_node, comm->nranks, comm->num_nodes);
     comm->ranks_per_domain = d;
     comm->num_domains = comm->nranks / d;
     return EPX_SUCCESS;
@@ -182,7 +226,7 @@ epx_result_t epx_comm_create(int rank, int nranks, const epx_unique_id_t *id,
                        res, err_free_peers);
 
     epx_peer_info_t me;
-    fill_peer_info(comm, config, &me);
+    fill_peer_info(comm, config, params, &me);
     EPX_CHECK_GOTO(comm->bootstrap->allgather(comm->bootstrap_state, &me, comm->peers, sizeof(me)), res,
                    err_close_bootstrap);
     EPX_CHECK_GOTO(check_peers(comm), res, err_close_bootstrap);
@@ -191,10 +235,11 @@ epx_result_t epx_comm_create(int rank, int nranks, const epx_unique_id_t *id,
     if (comm->ops->comm_init) EPX_CHECK_GOTO(comm->ops->comm_init(comm), res, err_clear_magic);
     epx_log_rank_g = rank;
     EPX_INFO(EPX_SUBSYS_INIT,
-             "rank %d of %d: backend %s, local rank %d of %d, %d ranks per nvlink domain, "
-             "timeout %lld ms",
-             rank, nranks, epx_backend_name(backend), comm->local_rank, comm->local_nranks,
-             comm->ranks_per_domain, (long long)comm->timeout_ms);
+             "rank %d of %d: backend %s, local rank %d of %d, node %d '%s' of %d (%d ranks per node), "
+             "%d ranks per nvlink domain, timeout %lld ms",
+             rank, nranks, epx_backend_name(backend), comm->local_rank, comm->local_nranks, comm->node,
+             comm->peers[rank].node_id, comm->num_nodes, comm->ranks_per_node, comm->ranks_per_domain,
+             (long long)comm->timeout_ms);
     *comm_out = comm;
     return EPX_SUCCESS;
 

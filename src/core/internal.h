@@ -109,6 +109,7 @@ typedef struct epx_params {
     char bootstrap_addr[128];        /* EPX_BOOTSTRAP_ADDR "ip:port", "" = pick */
     char socket_ifname[64];          /* EPX_SOCKET_IFNAME, "" = any */
     char shm_dir[256];               /* EPX_SHM_DIR, default /dev/shm */
+    char node_id[EPX_NODE_ID_MAX];   /* EPX_NODE_ID, "" = the config's or the host's identity */
     int32_t print_env;               /* EPX_PRINT_ENV */
 } epx_params_t;
 
@@ -152,14 +153,19 @@ typedef struct epx_peer_info {
     int32_t cuda_device;      /* ordinal, -1 for host */
     char cuda_uuid[16];       /* GPU uuid, zero for host */
     int32_t nranks;           /* as this rank was told */
+    char node_id[EPX_NODE_ID_MAX]; /* EPX_NODE_ID, the config's, or the host's identity */
 } epx_peer_info_t;
 
 struct epx_comm {
     uint32_t magic;
     int32_t rank;
     int32_t nranks;
-    int32_t local_rank;
+    int32_t local_rank;   /* among the ranks of this machine */
     int32_t local_nranks;
+    int32_t node;         /* node index (nodes numbered by their lowest rank) */
+    int32_t num_nodes;
+    int32_t ranks_per_node;
+    int32_t node_rank;    /* index among the ranks of this node */
     int32_t ranks_per_domain;
     int32_t num_domains;
     epx_backend_t backend;

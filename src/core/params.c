@@ -31,7 +31,10 @@ static const param_def_t param_table[] = {
     {"EPX_TIMEOUT_MS", PARAM_INT, "100000", 1, 86400000, P_OFF(timeout_ms), 8,
      "deadline of every host and device wait, in milliseconds"},
     {"EPX_RANKS_PER_NVLINK_DOMAIN", PARAM_INT, "0", 0, 1 << 20, P_OFF(ranks_per_nvlink_domain), 4,
-     "cap on the detected ranks per NVLink domain (0 = no cap); must divide the rank count"},
+     "cap on the ranks per NVLink domain (the node; 0 = no cap); must divide the ranks per node"},
+    {"EPX_NODE_ID", PARAM_STRING, "", 0, 0, P_OFF(node_id), P_CAP(node_id),
+     "this rank's node id (ranks with one id form a node); overrides the comm config's node_id "
+     "(default: the host's identity)"},
     {"EPX_HOST_THREADS", PARAM_INT, "0", 0, 256, P_OFF(host_threads), 4,
      "threads per rank for host-backend copies and reductions (0 = automatic)"},
     {"EPX_DEBUG", PARAM_LEVEL, "warn", 0, 4, P_OFF(debug_level), 4,

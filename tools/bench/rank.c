@@ -196,6 +196,15 @@ int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *ctx, void *
         b.res->ranks_per_domain = topo.ranks_per_nvlink_domain;
         b.res->num_domains = topo.num_nvlink_domains;
     }
+    /* The topology the library detected (node ids, never the launcher), before any row. */
+    epx_node_topology_t nodes = EPX_NODE_TOPOLOGY_INIT;
+    if (rc == 0 && rank == 0 && epx_comm_get_node_topology(b.comm, &nodes) == EPX_SUCCESS) {
+        printf("# topology: %d node(s) x %d ranks per node, %d ranks per NVLink domain (%d domain(s)); "
+               "rank 0 on node '%s'\n",
+               nodes.num_nodes, nodes.ranks_per_node, nodes.ranks_per_nvlink_domain, nodes.num_nvlink_domains,
+               nodes.node_id);
+        fflush(stdout);
+    }
     for (int g = 0; g < opt->ngroups && rc == 0; g++) rc = run_group(&b, opt->groups[g]) ? 1 : 0;
     epx_comm_destroy(b.comm);
     device_close(&b);
