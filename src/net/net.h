@@ -9,8 +9,9 @@
  *  - Contexts are independent: nothing on one context is ordered with anything on another.
  *  - Puts on one context may land in any order, at one peer or at several.
  *  - A STRONG signal becomes visible at its peer only after every put posted earlier on its context
- *    (to any peer, including its own put) has landed at its destination. Kernels observe that
- *    guarantee only through the signal's own peer: it is the one that reads the signal.
+ *    to that same peer (its own put included) has landed. Puts of the context to other peers are
+ *    not covered: GIN orders a signal only behind its context's puts to the signal's peer, and its
+ *    public API has no call that completes a put at a peer (flush is local).
  *  - A WEAK signal covers only its own put: earlier puts of its context may still be in flight
  *    when it is seen, and it may be seen after later operations of its context.
  *  - A signal is an atomic add to a 64-bit counter at the peer; adds of one signal id never lose
@@ -53,11 +54,11 @@ typedef enum epx_net_transport {
     EPX_NET_TRANSPORT_NONE = 0,
     EPX_NET_TRANSPORT_MODEL = 1, /* the host model (src/net/loop_model.c): tests only */
     EPX_NET_TRANSPORT_LOOP = 2,  /* cuda IPC between emulated nodes: tests only (not yet built) */
-    EPX_NET_TRANSPORT_GIN = 3,   /* NCCL GIN (not yet built) */
+    EPX_NET_TRANSPORT_GIN = 3,   /* NCCL GIN, device side (src/net/gin.cuh, with EPX_NET_HAVE_GIN) */
 } epx_net_transport_t;
 
 typedef enum epx_net_signal_mode {
-    EPX_NET_SIGNAL_STRONG = 0, /* covers every earlier put of its context */
+    EPX_NET_SIGNAL_STRONG = 0, /* covers every earlier put of its context to its peer */
     EPX_NET_SIGNAL_WEAK = 1,   /* covers only its own put */
 } epx_net_signal_mode_t;
 
@@ -134,6 +135,19 @@ EPX_NET_FN int epx_net_aborted(const epx_net_t *net)
 #endif
 }
 
+/* The GIN transport's device side needs NCCL's C++ device headers: only CUDA compiles that define
+ * EPX_NET_HAVE_GIN (and have NCCL 2.28+) see it; everywhere else GIN answers EPX_NET_UNSUPPORTED. */
+#if defined(EPX_NET_HAVE_GIN) && defined(__CUDACC__)
+#define EPX_NET_GIN_DEVICE 1
+#ifdef __cplusplus
+}
+#endif
+#include "net/gin.cuh"
+#ifdef __cplusplus
+extern "C" {
+#endif
+#endif
+
 /* ---- operations ------------------------------------------------------------------------------- */
 
 /* Hands one operation to the handle's transport. Returns EPX_NET_INVALID (nothing posted) for a
@@ -144,6 +158,9 @@ EPX_NET_FN epx_net_status_t epx_net_post(const epx_net_t *net, const epx_net_op_
     switch (net->transport) {
 #if !defined(__CUDA_ARCH__)
     case EPX_NET_TRANSPORT_MODEL: return epx_net_model_post(net->impl, net->rank, op);
+#endif
+#if defined(__CUDA_ARCH__) && defined(EPX_NET_GIN_DEVICE)
+    case EPX_NET_TRANSPORT_GIN: return epx_net_gin_post(net, op);
 #endif
     default: return EPX_NET_UNSUPPORTED;
     }
@@ -161,7 +178,7 @@ EPX_NET_FN epx_net_status_t epx_net_put(const epx_net_t *net, uint32_t ctx, int 
 }
 
 /* A put followed by adding `add` to signal `signal` at `peer`: WEAK covers this put only, STRONG also
- * every earlier put of `ctx`. */
+ * every earlier put of `ctx` to `peer`. */
 EPX_NET_FN epx_net_status_t epx_net_put_signal(const epx_net_t *net, uint32_t ctx, int peer,
                                                uint32_t dst_region, uint64_t dst_offset, uint32_t src_region,
                                                uint64_t src_offset, uint64_t bytes, uint32_t signal,
@@ -182,8 +199,8 @@ EPX_NET_FN epx_net_status_t epx_net_put_signal(const epx_net_t *net, uint32_t ct
     return epx_net_post(net, &op);
 }
 
-/* Adds `add` to signal `signal` at `peer` without bytes: STRONG covers every earlier put of `ctx`,
- * WEAK covers nothing. */
+/* Adds `add` to signal `signal` at `peer` without bytes: STRONG covers every earlier put of `ctx` to
+ * `peer`, WEAK covers nothing. */
 EPX_NET_FN epx_net_status_t epx_net_signal_add(const epx_net_t *net, uint32_t ctx, int peer, uint32_t signal,
                                                uint64_t add, epx_net_signal_mode_t mode)
 {
@@ -197,6 +214,9 @@ EPX_NET_FN epx_net_status_t epx_net_signal_read(const epx_net_t *net, uint32_t s
     switch (net->transport) {
 #if !defined(__CUDA_ARCH__)
     case EPX_NET_TRANSPORT_MODEL: return epx_net_model_signal_read(net->impl, net->rank, signal, value_out);
+#endif
+#if defined(__CUDA_ARCH__) && defined(EPX_NET_GIN_DEVICE)
+    case EPX_NET_TRANSPORT_GIN: return epx_net_gin_signal_read(net, signal, value_out);
 #endif
     default: return EPX_NET_UNSUPPORTED;
     }
@@ -236,6 +256,9 @@ EPX_NET_FN epx_net_status_t epx_net_flush(const epx_net_t *net, uint32_t ctx, ui
     switch (net->transport) {
 #if !defined(__CUDA_ARCH__)
     case EPX_NET_TRANSPORT_MODEL: return epx_net_model_flush(net->impl, net->rank, ctx);
+#endif
+#if defined(__CUDA_ARCH__) && defined(EPX_NET_GIN_DEVICE)
+    case EPX_NET_TRANSPORT_GIN: return epx_net_gin_flush(net, ctx, deadline_ns);
 #endif
     default: return EPX_NET_UNSUPPORTED;
     }
