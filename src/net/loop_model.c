@@ -328,7 +328,7 @@ static void allowed_steps(epx_net_model_t *m, uint32_t qi, uint32_t i, size_t *n
     if (!has_signal(&o->op) || o->signalled || (has_bytes(&o->op) && !o->landed)) return;
     if (o->op.signal_mode == EPX_NET_SIGNAL_STRONG)
         for (uint32_t j = 0; j < i; j++)
-            if (has_bytes(&q->ops[j].op) && !q->ops[j].landed) return;
+            if (has_bytes(&q->ops[j].op) && !q->ops[j].landed && q->ops[j].op.peer == o->op.peer) return;
     m->steps[(*n)++] = (model_step_t){qi, i, STEP_SIGNAL};
 }
 

@@ -24,7 +24,7 @@ typedef enum epx_net_model_mode {
     EPX_NET_MODEL_NORMAL = 0,
     /* A seeded choice among every step the rules allow: sources read late, puts of a context land in
      * any order, weak signals delayed past later operations, strong signals only after every earlier
-     * put of their context. */
+     * put of their context to their peer (puts to other peers may still be in flight). */
     EPX_NET_MODEL_STRICT = 1,
 } epx_net_model_mode_t;
 

@@ -1,7 +1,7 @@
 /*
  * The network interface (src/net/net.h) on its host model (src/net/loop_model.c): the ordering rules
- * over many strict-mode seeds (strong signals cover earlier puts, weak ones do not, contexts and puts
- * are unordered, flush is local only), bounded waits, bad input, normal mode's order, and a threaded
+ * over many strict-mode seeds (strong signals cover earlier puts to their peer and no other, weak ones
+ * cover their own put only, contexts and puts are unordered, flush is local only), bounded waits, bad input, normal mode's order, and a threaded
  * run with a separate progress thread (ThreadSanitizer in the tsan build).
  */
 #include <pthread.h>
@@ -121,6 +121,30 @@ static int test_strong_covers_earlier_puts(void)
         EXPECT_EQ_INT(weak, CHUNKS);
         epx_net_model_destroy(f.model);
     }
+    return 0;
+}
+
+/* (a2) A strong signal covers earlier puts of its context to its own peer only: the strict model must
+ * show, for some seed, a put to another peer not yet landed when the signal is seen there. */
+static int test_strong_other_peer_not_covered(void)
+{
+    int other_missing = 0;
+    for (uint64_t seed = 0; seed < SEEDS; seed++) {
+        fixture_t f;
+        if (setup(&f, EPX_NET_MODEL_STRICT, seed, 1)) return 1;
+        for (int c = 0; c <= CHUNKS; c++) fill(&f, seed, 0, c);
+        for (int c = 0; c < CHUNKS; c++) EXPECT_EQ_INT(put_chunk(&f, 0, 0, 2, c), EPX_NET_OK);
+        EXPECT_EQ_INT(put_chunk(&f, 0, 0, 1, 0), EPX_NET_OK);
+        EXPECT_EQ_INT(epx_net_put_signal(&f.net[0], 0, 1, DST, CHUNKS * CHUNK, SRC, CHUNKS * CHUNK, CHUNK, 0,
+                                         1, EPX_NET_SIGNAL_STRONG),
+                      EPX_NET_OK);
+        EXPECT_EQ_INT(epx_net_wait_signal(&f.net[1], 0, 1, deadline_ms(10000)), EPX_NET_OK);
+        EXPECT_TRUE(landed(&f, seed, 0, 1, 0) && landed(&f, seed, 0, 1, CHUNKS)); /* its own peer's: always */
+        for (int c = 0; c < CHUNKS; c++) other_missing += !landed(&f, seed, 0, 2, c);
+        epx_net_model_destroy(f.model);
+    }
+    printf("strong signals: %d puts to another peer missing, over %d seeds\n", other_missing, SEEDS);
+    EXPECT_TRUE(other_missing > 0);
     return 0;
 }
 
@@ -427,9 +451,9 @@ static int test_threaded(void)
 
 int main(void)
 {
-    if (test_strong_covers_earlier_puts() || test_weak_covers_own_put_only() ||
-        test_contexts_and_puts_unordered() || test_wait_bounds() || test_flush_is_local() ||
-        test_normal_in_order() || test_bad_input() || test_threaded())
+    if (test_strong_covers_earlier_puts() || test_strong_other_peer_not_covered() ||
+        test_weak_covers_own_put_only() || test_contexts_and_puts_unordered() || test_wait_bounds() ||
+        test_flush_is_local() || test_normal_in_order() || test_bad_input() || test_threaded())
         return 1;
     printf("ok\n");
     return 0;
