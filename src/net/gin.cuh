@@ -45,6 +45,9 @@
  *    posted count it read (rolling 56-bit compare, GIN's counter width), bounded by the deadline and
  *    the abort word. Puts counted but not yet posted by other threads make it wait longer, never
  *    return early.
+ *  - NCCL 2.30.5+ deprecates SignalAdd for StrongSignalAdd / WeakSignalAdd (SignalAdd's strength then
+ *    follows ginStrongSignalsRequired, default true): on those headers STRONG maps to the strong
+ *    action, WEAK to the weak one, and setup keeps ginStrongSignalsRequired true.
  *  - Not mappable, documented rather than hidden: posting can block inside NCCL while the peer's
  *    queue is full (proxy descriptor credits, GDAKI send-queue slots); net.h's post has no deadline.
  *    A kernel keeps its in-flight operations per (context, peer) below the queue depth (flush with a
@@ -62,19 +65,19 @@
 #include <nccl.h>
 #include <nccl_device.h>
 
-#define EPX_NET_GIN_MAX_REGIONS 16
+#define EPX_NET_GIN_MAX_REGIONS  16
 #define EPX_NET_GIN_COUNTER_BITS 56 /* GIN counters carry 56 bits (nccl_device/gin.h) */
 
 /* What a GIN handle's `impl` points to, in device memory. Read-only on the device except `posted`. */
 typedef struct epx_net_gin {
-    ncclDevComm comm;                 /* as ncclDevCommCreate returned it */
-    uint32_t nregions;                /* registered regions, 0..EPX_NET_GIN_MAX_REGIONS */
-    uint32_t signal_base;             /* net.h signal s is GIN signal signal_base + s */
-    uint32_t counter_base;            /* context c's source-read counter is GIN counter counter_base + c */
+    ncclDevComm comm;      /* as ncclDevCommCreate returned it */
+    uint32_t nregions;     /* registered regions, 0..EPX_NET_GIN_MAX_REGIONS */
+    uint32_t signal_base;  /* net.h signal s is GIN signal signal_base + s */
+    uint32_t counter_base; /* context c's source-read counter is GIN counter counter_base + c */
     uint32_t pad;
-    ncclWindow_t windows[EPX_NET_GIN_MAX_REGIONS]; /* symmetric windows, by registration index */
+    ncclWindow_t windows[EPX_NET_GIN_MAX_REGIONS];  /* symmetric windows, by registration index */
     uint64_t region_bytes[EPX_NET_GIN_MAX_REGIONS]; /* equal on every rank (symmetric registration) */
-    unsigned long long *posted;       /* [ncontexts], zeroed at setup: puts counted per context */
+    unsigned long long *posted; /* [ncontexts], zeroed at setup: puts counted per context */
 } epx_net_gin_t;
 
 /* The handle's shape fits its device communicator (a setup error otherwise, reported on every call). */
@@ -169,8 +172,8 @@ __device__ static inline epx_net_status_t epx_net_gin_flush(const epx_net_t *net
     if (!epx_net_gin_shape_ok(net, g) || ctx >= net->ncontexts) return EPX_NET_INVALID;
     ncclGin gin(g->comm, (int)ctx);
     const ncclGinCounter_t counter = (ncclGinCounter_t)(g->counter_base + ctx);
-    const uint64_t target = cuda::atomic_ref<unsigned long long, cuda::thread_scope_device>(g->posted[ctx]).load(
-        cuda::memory_order_relaxed);
+    const uint64_t target = cuda::atomic_ref<unsigned long long, cuda::thread_scope_device>(g->posted[ctx])
+                                .load(cuda::memory_order_relaxed);
     for (;;) {
         const uint64_t done = gin.readCounter(counter, EPX_NET_GIN_COUNTER_BITS, cuda::memory_order_acquire);
         if (epx_net_gin_reached(done, target, EPX_NET_GIN_COUNTER_BITS)) return EPX_NET_OK;

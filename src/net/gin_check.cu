@@ -5,7 +5,7 @@
  * handle it is given decides the transport, so a GIN handle takes every GIN path here.
  */
 #ifndef EPX_NET_HAVE_GIN
-#error "gin_check.cu is the GIN transport's compile check: build it with -DEPX_NET_HAVE_GIN and NCCL's headers"
+#error "gin_check.cu needs -DEPX_NET_HAVE_GIN and NCCL's headers"
 #endif
 
 #include "net/net.h"
