@@ -1,8 +1,9 @@
 /*
  * The network interface (src/net/net.h) on its host model (src/net/loop_model.c): the ordering rules
- * over many strict-mode seeds (strong signals cover earlier puts to their peer and no other, weak ones
- * cover their own put only, contexts and puts are unordered, flush is local only), bounded waits, bad input, normal mode's order, and a threaded
- * run with a separate progress thread (ThreadSanitizer in the tsan build).
+ * over many strict-mode seeds (strong signals cover earlier puts to their peer and no other, weak
+ * ones cover their own put only, contexts and puts are unordered, flush is local only), bounded
+ * waits, bad input, normal mode's order, and a threaded run with a separate progress thread
+ * (ThreadSanitizer in the tsan build).
  */
 #include <pthread.h>
 #include <sched.h>
