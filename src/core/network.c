@@ -1,7 +1,7 @@
 /*
  * The network engine as this build has it: the NCCL version the discovery found (EPX_HAVE_NCCL,
- * EPX_NCCL_MAJOR/MINOR/PATCH/VERSION_CODE, defined for this file only) and the message a caller
- * gets when it asks for ranks on other nodes of a backend that cannot reach them.
+ * EPX_NCCL_MAJOR/MINOR/PATCH/VERSION_CODE from the build) and the message a caller gets when it
+ * asks for ranks on other nodes of a backend that cannot reach them.
  */
 #include <stdio.h>
 #include <string.h>

@@ -1,7 +1,6 @@
 /*
- * What the build found of the network engine (NCCL's GPU-initiated networking) and what to
- * install when it is missing. network.c is the one file compiled with the NCCL discovery's
- * definitions (cmake/EpxNccl.cmake), so a change there rebuilds nothing else.
+ * What the build found of the network engine (NCCL's GPU-initiated networking, found by
+ * cmake/EpxNccl.cmake) and what to install when it is missing.
  */
 #ifndef EPX_CORE_NETWORK_H
 #define EPX_CORE_NETWORK_H
