@@ -37,8 +37,9 @@ check_aarch64() {
   done
 }
 
-# The NCCL status line of a configure log: "epx: NCCL <version> found (...): include <dir>, library <file>".
-nccl_status() { sed -n 's/^-- \(epx: NCCL .*\)$/\1/p' "$1"; }
+# The NCCL status line of a configure log: "epx: NCCL <version> found (...): include <dir>, library <file>",
+# or why none was taken.
+nccl_status() { sed -n 's/^-- \(epx: NCCL .*\)$/\1/p' "$1" | head -n 1; }
 
 echo "--- cross build for $triple (host library, epx-bench)"
 # NCCL on AUTO, with no place named: what discovery finds by itself must be for aarch64.
@@ -61,7 +62,7 @@ mkdir -p "$fake/include/nccl_device" "$fake/lib"
 printf '#define NCCL_MAJOR 2\n#define NCCL_MINOR 28\n#define NCCL_PATCH 0\n' > "$fake/include/nccl.h"
 touch "$fake/include/nccl_device.h" "$fake/include/nccl_device/gin.h"
 echo 'int ncclGetVersion(int *v) { *v = 22800; return 0; }' > "$tmp/host_nccl.c"
-cc -shared -fPIC -o "$fake/lib/libnccl.so" "$tmp/host_nccl.c"
+"${CC:-gcc}" -shared -fPIC -o "$fake/lib/libnccl.so" "$tmp/host_nccl.c"
 if cmake -S "$root" -B "$tmp/build-host-nccl" --toolchain "$toolchain" -DEPX_CUDA=OFF -DEPX_BUILD_TESTS=OFF \
   -DEPX_BUILD_TOOLS=OFF -DEPX_NCCL=ON -DEPX_NCCL_HOME="$fake" > "$tmp/host-nccl.log" 2>&1; then
   echo "error: the aarch64 configure accepted an NCCL built for $(uname -m):" >&2
