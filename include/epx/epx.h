@@ -92,6 +92,26 @@ EPX_API const char *epx_version(void);
 /* EPX_VERSION_CODE of the linked library. */
 EPX_API int epx_version_code(void);
 
+/* What the linked library was built with. NCCL (>= 2.28, with its GPU-initiated networking
+ * device API) is the engine of the network transport between nodes; the build finds it when
+ * present (CMake option EPX_NCCL, README "Build options"). */
+typedef struct epx_build_info {
+    size_t size;               /* [in] sizeof(epx_build_info_t) as the caller compiled it */
+    int32_t cuda;              /* 1: the cuda backend was built */
+    int32_t nccl;              /* 1: NCCL was found at build time */
+    int32_t nccl_version_code; /* of the NCCL headers built against: major * 10000 + minor * 100 +
+                                * patch (2.28.9 = 22809); 0 without NCCL */
+    int32_t network;           /* 1: the network transport was built (never in this version) */
+    char nccl_version[16];     /* "2.28.9", "" without NCCL */
+} epx_build_info_t;
+
+#define EPX_BUILD_INFO_INIT {sizeof(epx_build_info_t)}
+
+/* [in,out] info: size set by the caller (EPX_BUILD_INFO_INIT); min(size, sizeof) bytes are
+ * written on success. Any thread, no communicator needed. EPX_ERR_INVALID_ARG for a NULL info or
+ * a size smaller than the size field plus the cuda field. */
+EPX_API epx_result_t epx_get_build_info(epx_build_info_t *info);
+
 /* ------------------------------------------------------------------------------------------ */
 /* Tensors                                                                                    */
 /* ------------------------------------------------------------------------------------------ */

@@ -1,8 +1,11 @@
 /*
- * The library's self-description: result strings, the thread's last error, the version and the
- * dtype table, each read from core (core/error.c, core/dtype.c).
+ * The library's self-description: result strings, the thread's last error, the version, what the
+ * build holds and the dtype table, each read from core (core/error.c, core/network.c, core/dtype.c).
  */
+#include <string.h>
+
 #include "core/internal.h"
+#include "core/network.h"
 
 EPX_API const char *epx_strerror(epx_result_t result)
 {
@@ -29,6 +32,27 @@ EPX_API const char *epx_version(void)
 EPX_API int epx_version_code(void)
 {
     return EPX_VERSION_CODE;
+}
+
+EPX_API epx_result_t epx_get_build_info(epx_build_info_t *info)
+{
+    const size_t head = offsetof(epx_build_info_t, cuda) + sizeof(info->cuda);
+    epx_error_clear();
+    if (!info) return epx_error(EPX_ERR_INVALID_ARG, "info is NULL");
+    if (info->size < head)
+        return epx_error(EPX_ERR_INVALID_ARG,
+                         "info->size = %zu is smaller than %zu; initialize it with EPX_BUILD_INFO_INIT",
+                         info->size, head);
+    epx_build_info_t b;
+    memset(&b, 0, sizeof(b));
+#ifdef EPX_HAVE_CUDA
+    b.cuda = 1;
+#endif
+    epx_net_build_info(&b);
+    /* The caller's size stays as it was: copy what follows it. */
+    const size_t n = info->size < sizeof(b) ? info->size : sizeof(b);
+    memcpy((char *)info + sizeof(b.size), (const char *)&b + sizeof(b.size), n - sizeof(b.size));
+    return EPX_SUCCESS;
 }
 
 EPX_API size_t epx_dtype_size(epx_dtype_t dtype)

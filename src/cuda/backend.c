@@ -9,6 +9,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "core/network.h"
 #include "cuda/cuda.h"
 
 int epx_cuda_device_count(void)
@@ -296,12 +297,14 @@ static epx_result_t cuda_buffer_create(epx_buffer_t buffer)
     if (R > EPX_CUDA_MAX_RANKS)
         return epx_error(EPX_ERR_UNSUPPORTED, "rank %d: the cuda backend supports at most %d ranks, not %d", me,
                          EPX_CUDA_MAX_RANKS, R);
-    if (comm->num_nodes > 1)
+    if (comm->num_nodes > 1) {
+        char why[192];
         return epx_error(EPX_ERR_UNSUPPORTED,
                          "rank %d: the ranks span %d nodes (node 0 '%s', node 1 '%s', %d ranks each); the cuda "
-                         "backend reaches only ranks of its own node, and its network transport is not built yet",
+                         "backend reaches only ranks of its own node without its network transport: %s",
                          me, comm->num_nodes, comm->peers[0].node_id, comm->peers[comm->ranks_per_node].node_id,
-                         comm->ranks_per_node);
+                         comm->ranks_per_node, epx_net_gin_unavailable(why, sizeof(why)));
+    }
     for (int r = 0; r < R; r++)
         if (comm->peers[r].host_hash != comm->peers[me].host_hash)
             return epx_error(EPX_ERR_UNSUPPORTED, "rank %d: rank %d is on host %s, not %s; the cuda backend needs "

@@ -1,0 +1,29 @@
+/*
+ * What the build found of the network engine (NCCL's GPU-initiated networking, found by
+ * cmake/EpxNccl.cmake) and what to install when it is missing.
+ */
+#ifndef EPX_CORE_NETWORK_H
+#define EPX_CORE_NETWORK_H
+
+#include <stddef.h>
+
+#include "epx/epx.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Fills the NCCL and network fields of a build info (nccl, nccl_version_code, nccl_version,
+ * network); leaves the others as they are. */
+void epx_net_build_info(epx_build_info_t *info);
+
+/* Why this build cannot reach ranks of other nodes, for an error message: what to install when
+ * the library was built without NCCL, else that the GIN transport is not built yet. Writes at
+ * most n bytes (NUL-terminated when n > 0) and returns why. */
+const char *epx_net_gin_unavailable(char *why, size_t n);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
