@@ -66,18 +66,35 @@ void check_ht_recv(bench_check_t *ck, const bench_routing_t *rt, epx_dtype_t dty
     }
 }
 
+/* Adds a node's partial sum to the token's accumulator and clears it: another node's partial crosses
+ * the network as bf16, the token's own node's stays fp32 (docs/reference.md, Sums). */
+static void add_node_partial(float *acc, float *part, int64_t H, int remote)
+{
+    for (int64_t c = 0; c < H; c++) {
+        acc[c] += remote ? epx_bf16_to_f32(epx_f32_to_bf16(part[c])) : part[c];
+        part[c] = 0;
+    }
+}
+
 void check_ht_combined(bench_check_t *ck, const bench_routing_t *rt, int64_t H, const uint16_t *combined)
 {
-    float *acc = malloc((size_t)H * sizeof(float));
+    float *acc = malloc((size_t)H * 2 * sizeof(float)), *part = acc + H;
     if (!acc) {
         check_fail(ck, "combined (out of memory)", 0, 0, 0, 0);
         return;
     }
+    const int P = rt->ranks_per_node > 0 ? rt->ranks_per_node : rt->R;
     for (int64_t t = 0; t < rt->T; t++) {
-        memset(acc, 0, (size_t)H * sizeof(float));
-        for (int r = 0; r < rt->R; r++)
-            if (token_on_rank(rt, rt->me, t, r))
-                for (int64_t c = 0; c < H; c++) acc[c] += value_of(rt->me, t, c, r);
+        memset(acc, 0, (size_t)H * 2 * sizeof(float));
+        for (int n = 0; n < rt->R / P; n++) {
+            int any = 0;
+            for (int r = n * P; r < n * P + P; r++)
+                if (token_on_rank(rt, rt->me, t, r)) {
+                    any = 1;
+                    for (int64_t c = 0; c < H; c++) part[c] += value_of(rt->me, t, c, r);
+                }
+            if (any) add_node_partial(acc, part, H, n != rt->me / P);
+        }
         check_combined_row(ck, combined + t * H, t, acc, H);
     }
     free(acc);
@@ -144,22 +161,25 @@ static int sorted_experts(const bench_routing_t *rt, int64_t t, int32_t *e_out, 
 }
 
 /* Ranks ascending, then local experts ascending: the token's experts in ascending order. */
-void check_weighted_combined(bench_check_t *ck, const bench_routing_t *rt, int64_t H,
-                             const uint16_t *combined)
+void check_weighted_combined(bench_check_t *ck, const bench_routing_t *rt, int64_t H, const uint16_t *combined,
+                             int tree)
 {
-    float *acc = malloc((size_t)H * sizeof(float));
+    float *acc = malloc((size_t)H * 2 * sizeof(float)), *part = acc + H;
     if (!acc) {
         check_fail(ck, "combined (out of memory)", 0, 0, 0, 0);
         return;
     }
+    const int P = tree && rt->ranks_per_node > 0 ? rt->ranks_per_node : rt->R;
     int32_t e[64];
     int ks[64];
     for (int64_t t = 0; t < rt->T; t++) {
-        memset(acc, 0, (size_t)H * sizeof(float));
+        memset(acc, 0, (size_t)H * 2 * sizeof(float));
         int n = sorted_experts(rt, t, e, ks);
         for (int i = 0; i < n; i++) {
             float w = weight_of(rt->me, t, ks[i]);
-            for (int64_t c = 0; c < H; c++) acc[c] += w * value_of(rt->me, t, c, e[i]);
+            for (int64_t c = 0; c < H; c++) part[c] += w * value_of(rt->me, t, c, e[i]);
+            const int node = e[i] / rt->L / P;
+            if (i + 1 == n || e[i + 1] / rt->L / P != node) add_node_partial(acc, part, H, node != rt->me / P);
         }
         check_combined_row(ck, combined + t * H, t, acc, H);
     }

@@ -140,6 +140,34 @@ int routing_build(bench_routing_t *rt, const bench_opts_t *opt, int me, int64_t 
     return 0;
 }
 
+void routing_legs(bench_routing_t *rt, int ranks_per_node)
+{
+    const int P = ranks_per_node, me = rt->me;
+    rt->net_rank_rows = rt->nvl_rank_rows = rt->net_expert_rows = rt->nvl_expert_rows = 0;
+    rt->ranks_per_node = P > 0 && P < rt->R ? P : rt->R;
+    if (rt->ranks_per_node == rt->R) return;
+    const int node = me / P;
+    for (int s = 0; s < rt->R; s++) {
+        /* My tokens, and those I forward: a source of another node with my local index. */
+        if (s != me && (s / P == node || s % P != me % P)) continue;
+        for (int64_t t = 0; t < rt->T; t++) {
+            for (int r = node * P; r < node * P + P; r++) rt->nvl_rank_rows += r != me && token_on_rank(rt, s, t, r);
+            if (s != me) continue;
+            for (int n = 0; n < rt->R / P; n++) {
+                int hit = 0;
+                for (int r = n * P; r < n * P + P && n != node; r++) hit |= token_on_rank(rt, me, t, r);
+                rt->net_rank_rows += hit;
+            }
+            const int32_t *idx = rt->topk + ((int64_t)me * rt->T + t) * rt->K;
+            for (int k = 0; k < rt->K; k++) {
+                const int owner = idx[k] < 0 ? me : idx[k] / rt->L;
+                rt->net_expert_rows += owner / P != node;
+                rt->nvl_expert_rows += owner / P == node && owner != me;
+            }
+        }
+    }
+}
+
 void fill_x(void *x, float *scales, epx_dtype_t dtype, int me, int64_t T, int64_t H)
 {
     for (int64_t t = 0; t < T; t++)

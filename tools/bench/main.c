@@ -53,6 +53,9 @@ static void usage(FILE *f)
                "  -n N        timed iterations (default 10)\n"
                "  -w N        warm-up iterations (default 2)\n"
                "  -r N        ranks (default EPX_BENCH_RANKS, else the GPU count, else 4)\n"
+               "  --nodes N   split the ranks into N emulated nodes of consecutive ranks (the comm config's\n"
+               "              node id; EPX_NODE_ID, when set, wins; default: the host's identity); rows\n"
+               "              then show the bytes per leg (network, NVLink)\n"
                "  -o LIST     operations: ht,view,ll,permute (default all)\n"
                "  -d DTYPE    dispatch dtype: bf16 or fp8 (default bf16)\n"
                "  -B BACKEND  auto, host or cuda (default auto: cuda when built with it and a GPU is there)\n"
@@ -110,7 +113,8 @@ static int parse_ops(const char *list, bench_opts_t *opt)
 static int parse_args(int argc, char **argv, bench_opts_t *opt, int *print_env)
 {
     static const struct option longs[] = {
-        {"env", no_argument, NULL, 'V'}, {"help", no_argument, NULL, 'h'}, {NULL, 0, NULL, 0}};
+        {"env", no_argument, NULL, 'V'}, {"help", no_argument, NULL, 'h'}, {"nodes", required_argument, NULL, 'N'},
+        {NULL, 0, NULL, 0}};
     int64_t v = 0, begin = 0, end = 0;
     *opt = (bench_opts_t){.tok_factor = 2,
                           .hidden = 7168,
@@ -152,6 +156,7 @@ static int parse_args(int argc, char **argv, bench_opts_t *opt, int *print_env)
         case 'n': rc = parse_int32(optarg, flag, 1, 1000000, &opt->iters); break;
         case 'w': rc = parse_int32(optarg, flag, 0, 1000000, &opt->warmup); break;
         case 'r': rc = parse_int32(optarg, flag, 1, BENCH_MAX_RANKS, &opt->nranks); break;
+        case 'N': rc = parse_int32(optarg, "--nodes", 1, BENCH_MAX_RANKS, &opt->nodes); break;
         case 's':
             rc = parse_int(optarg, flag, 0, INT64_MAX, &v);
             opt->seed = (uint64_t)v;
@@ -211,6 +216,11 @@ static int parse_args(int argc, char **argv, bench_opts_t *opt, int *print_env)
 
 static int check_opts(const bench_opts_t *opt)
 {
+    if (opt->nodes > 0 && opt->nranks % opt->nodes != 0) {
+        fprintf(stderr, "epx-bench: --nodes %d does not divide the %d ranks (nodes hold as many ranks each)\n",
+                opt->nodes, opt->nranks);
+        return -1;
+    }
     for (int i = 0; i < opt->ngroups; i++) {
         const int g = opt->groups[i], experts = experts_of(opt, g);
         if (opt->topk > experts) {
@@ -372,7 +382,16 @@ static void print_row(const void *results, int row)
         printf(" %9.1f %9.2f %6.2f", cus, cbytes / (cus * 1e3), (bytes / us) / (cbytes / cus));
     else
         printf(" %9s %9s %6s", "-", "-", "-");
-    printf("  %s\n", text[status]);
+    printf("  %s", text[status]);
+    /* The legs, averaged over the ranks like the bytes, when the ranks span nodes. */
+    double net = 0, nvl = 0;
+    for (int q = 0; q < opt->nranks && net >= 0; q++) {
+        const bench_cell_t *c = cell_at(results, q, row);
+        net = c->net_bytes < 0 ? -1 : net + c->net_bytes / opt->nranks;
+        nvl += c->nvl_bytes / opt->nranks;
+    }
+    if (net >= 0 && status != ROW_ERROR && status != ROW_UNSUPPORTED) printf("  net_B %.0f nvl_B %.0f", net, nvl);
+    printf("\n");
     fflush(stdout);
     table.failed |= status == ROW_FAIL || status == ROW_ERROR;
 }

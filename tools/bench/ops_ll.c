@@ -67,7 +67,7 @@ static int ll_check(ll_run_t *l, bench_check_t *ckd, bench_check_t *ckc)
     else
         check_fail(ckd, "outputs (not readable)", 0, 0, 0, 0);
     if (vc)
-        check_weighted_combined(ckc, l->o.rt, l->o.H, vc);
+        check_weighted_combined(ckc, l->o.rt, l->o.H, vc, 0);
     else
         check_fail(ckc, "combined (not readable)", 0, 0, 0, 0);
     if (vc) mem_view_release(b, vc);

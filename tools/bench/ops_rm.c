@@ -117,7 +117,7 @@ static void rm_finish(rm_run_t *r, int kind, double us, bench_check_t *eager)
     } else if (kind == K_RM_COMBINE) {
         const uint16_t *v = mem_view(r->o.b, r->combined, (size_t)(r->o.T * r->o.H) * 2);
         if (v)
-            check_weighted_combined(&ck, r->o.rt, r->o.H, v);
+            check_weighted_combined(&ck, r->o.rt, r->o.H, v, 1);
         else
             check_fail(&ck, "combined (not readable)", 0, 0, 0, 0);
         if (v) mem_view_release(r->o.b, v);

@@ -83,12 +83,25 @@ int has_row(const bench_rank_t *b, int kind)
     return cell_of(b, kind) != NULL;
 }
 
+/* The share of `bytes` on the network and over NVLink (-1: one node, or a permute row). */
+static void legs_of(const bench_rank_t *b, int kind, double bytes, double *net, double *nvl)
+{
+    const bench_routing_t *rt = b->rt;
+    *net = *nvl = -1;
+    if (!rt || b->ranks_per_node <= 0 || b->ranks_per_node >= b->nranks || kind >= K_RM_DISPATCH) return;
+    const int ll = kind >= K_LL_DISPATCH;
+    const double sent = (double)(ll ? rt->sent_expert_rows : rt->sent_rank_rows);
+    *net = sent > 0 ? bytes * (double)(ll ? rt->net_expert_rows : rt->net_rank_rows) / sent : 0;
+    *nvl = sent > 0 ? bytes * (double)(ll ? rt->nvl_expert_rows : rt->nvl_rank_rows) / sent : 0;
+}
+
 void report(bench_rank_t *b, int kind, int status, double median_us, double bytes)
 {
     bench_cell_t *cell = cell_of(b, kind);
     if (!cell) return;
     cell->median_us = median_us;
     cell->bytes = bytes;
+    legs_of(b, kind, bytes, &cell->net_bytes, &cell->nvl_bytes);
     atomic_store(&cell->status, status);
 }
 
@@ -163,9 +176,12 @@ static int run_group(bench_rank_t *b, int group)
         if (rc == 1) {
             b->unsupported = 1;
         } else if (routing_build(&rt, opt, b->rank, opt->sizes[group][i], experts) == 0) {
+            routing_legs(&rt, b->ranks_per_node);
+            b->rt = &rt;
             rc = group == GROUP_HT   ? run_ht(b, buf, &rt)
                  : group == GROUP_LL ? run_ll(b, buf, &rt, T_max)
                                      : run_rm(b, buf, &rt);
+            b->rt = NULL;
             routing_free(&rt);
         } else {
             rc = -1;
@@ -189,6 +205,10 @@ int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *ctx, void *
     }
     epx_comm_config_t cfg = EPX_COMM_CONFIG_INIT;
     cfg.backend = b.gpu ? EPX_BACKEND_CUDA : EPX_BACKEND_HOST;
+    /* --nodes: each rank's node id through the config (EPX_NODE_ID, when set, still wins). */
+    char node_id[32];
+    snprintf(node_id, sizeof(node_id), "bench-node%d", opt->nodes > 0 ? rank / (nranks / opt->nodes) : 0);
+    if (opt->nodes > 0) cfg.node_id = node_id;
     cfg.cuda_device = b.device;
     int rc = bench_call(&b, "epx_comm_init", epx_comm_init(id, rank, nranks, &cfg, &b.comm)) ? 1 : 0;
     epx_topology_t topo;
@@ -198,11 +218,20 @@ int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *ctx, void *
     }
     /* The topology the library detected (node ids, never the launcher), before any row. */
     epx_node_topology_t nodes = EPX_NODE_TOPOLOGY_INIT;
-    if (rc == 0 && rank == 0 && epx_comm_get_node_topology(b.comm, &nodes) == EPX_SUCCESS) {
+    if (rc == 0 && epx_comm_get_node_topology(b.comm, &nodes) == EPX_SUCCESS) {
+        b.ranks_per_node = nodes.ranks_per_node;
+        b.res->num_nodes = nodes.num_nodes;
+    }
+    if (rc == 0 && rank == 0 && nodes.num_nodes > 0) {
         printf("# topology: %d node(s) x %d ranks per node, %d ranks per NVLink domain (%d domain(s)); "
                "rank 0 on node '%s'\n",
                nodes.num_nodes, nodes.ranks_per_node, nodes.ranks_per_nvlink_domain, nodes.num_nvlink_domains,
                nodes.node_id);
+        if (nodes.num_nodes > 1)
+            printf("# net_B, nvl_B: the bytes column by leg, per rank (ht, view: a row crosses the network once\n"
+                   "#   per destination node, to the rank of the same local index, which forwards it over NVLink\n"
+                   "#   to the node's other destinations; ll: straight to each expert's owner). The host backend\n"
+                   "#   carries both legs through shared memory: these times are functional, not a network's\n");
         fflush(stdout);
     }
     for (int g = 0; g < opt->ngroups && rc == 0; g++) rc = run_group(&b, opt->groups[g]) ? 1 : 0;

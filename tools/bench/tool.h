@@ -67,6 +67,7 @@ typedef struct bench_opts {
     int nsizes, tokens_given;
     int64_t tok_factor, hidden;
     int topk, experts, local_experts, pad, sms, iters, warmup, nranks;
+    int nodes; /* --nodes: EPX_NODE_ID set per rank to split the ranks into this many nodes (0: not set) */
     int groups[GROUP_COUNT], ngroups, ht_rows, view_rows;
     epx_dtype_t dtype;
     epx_backend_t backend;
@@ -81,11 +82,12 @@ typedef struct bench_cell {
     atomic_int status;
     double median_us;
     double bytes;
+    double net_bytes, nvl_bytes; /* the legs of `bytes` when ranks span nodes (-1: not counted) */
 } bench_cell_t;
 
 /* One rank's slot of the shared result block. */
 typedef struct bench_result {
-    int32_t device_sms, ranks_per_domain, num_domains, unused;
+    int32_t device_sms, ranks_per_domain, num_domains, num_nodes;
     bench_cell_t cells[];
 } bench_result_t;
 
@@ -99,6 +101,8 @@ typedef struct bench_rank {
     epx_comm_t comm;
     int row0, nrow; /* the rows of the (group, size) being run */
     int unsupported;
+    int ranks_per_node;           /* as the library reports it */
+    const struct bench_routing *rt; /* of the (group, size) being run: report() splits bytes into legs */
 } bench_rank_t;
 
 /* ---------------------------------------------------------------- inputs (inputs.c) ---- */
@@ -122,10 +126,17 @@ typedef struct bench_routing {
     int32_t *exp_k;           /* slot k of that expert in the source token's topk */
     int64_t sent_rank_rows;   /* my tokens times their destination ranks */
     int64_t sent_expert_rows; /* my tokens times their selected experts */
+    /* Legs when ranks span nodes (routing_legs): HT rows cross the network once per destination
+     * node (to the rank of my local index there) and NVLink to each other destination rank of the
+     * node, the forwarding rank's copies counted on it; LL rows go straight to each expert's owner. */
+    int64_t net_rank_rows, nvl_rank_rows, net_expert_rows, nvl_expert_rows;
+    int ranks_per_node; /* R on one node: the combines' reduction tree (docs/reference.md, Sums) */
 } bench_routing_t;
 
 int routing_build(bench_routing_t *rt, const bench_opts_t *opt, int me, int64_t T, int experts);
 void routing_free(bench_routing_t *rt);
+/* Fills the legs of rt for nodes of `ranks_per_node` consecutive ranks. */
+void routing_legs(bench_routing_t *rt, int ranks_per_node);
 int token_on_rank(const bench_routing_t *rt, int s, int64_t t, int r);
 /* This rank's x [T, H] (and fp8 scales [T, H/128]) in host staging. */
 void fill_x(void *x, float *scales, epx_dtype_t dtype, int me, int64_t T, int64_t H);
@@ -153,15 +164,16 @@ void check_scales_row(bench_check_t *ck, const char *field, const float *got, in
 /* HT receive rows [0, n) (topk: optional recv_topk_idx). */
 void check_ht_recv(bench_check_t *ck, const bench_routing_t *rt, epx_dtype_t dtype, int64_t H, int64_t n,
                    const void *x, const float *scales, const int32_t *topk);
-/* combined [T, H] of an HT combine (sum over the ranks that held each token). */
+/* combined [T, H] of an HT combine (sum over the ranks that held each token, node by node when the
+ * ranks span nodes: docs/reference.md, Sums). */
 void check_ht_combined(bench_check_t *ck, const bench_routing_t *rt, int64_t H, const uint16_t *combined);
 /* LL receive side: recv_count [L], recv_x [L, slots, H], fp8 scales [L, H/128, slots]. */
 void check_ll_recv(bench_check_t *ck, const bench_routing_t *rt, int fp8, int64_t H, int64_t slots,
                    const int32_t *count, const void *x, const float *scales);
 /* combined [T, H] of an LL or a weighted routing-map combine: sum of weight * expert output over
- * the token's experts. */
-void check_weighted_combined(bench_check_t *ck, const bench_routing_t *rt, int64_t H,
-                             const uint16_t *combined);
+ * the token's experts; `tree` (routing map): node by node when the ranks span nodes. */
+void check_weighted_combined(bench_check_t *ck, const bench_routing_t *rt, int64_t H, const uint16_t *combined,
+                             int tree);
 /* Permuted tokens [P, H] with padded groups group_start[L + 1], probs [P], scales [P, H/128]. */
 void check_rm_tokens(bench_check_t *ck, const bench_routing_t *rt, epx_dtype_t dtype, int64_t H,
                      const int64_t *group_start, const void *tokens, const float *probs, const float *scales);
