@@ -509,7 +509,8 @@ static void rm_reduce_tokens(void *vctx, int64_t begin, int64_t end)
                     any = 1;
                 }
                 if (any)
-                    for (int64_t i = 0; i < n; i++) acc[i] = epx_add_node_partial(acc[i], part[i], node != own);
+                    for (int64_t i = 0; i < n; i++)
+                        acc[i] = epx_add_node_partial(acc[i], part[i], node != own);
             }
             for (int64_t i = 0; i < n; i++) c->out[t * H + h0 + i] = epx_f32_to_bf16(acc[i]);
         }

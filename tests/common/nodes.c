@@ -18,8 +18,10 @@ int ref_node_splits(ref_split_t *out)
         char *end;
         const long nodes = strtol(p, &end, 10);
         const long per = *end == 'x' ? strtol(end + 1, &end, 10) : 0;
-        if (nodes < 1 || per < 1 || nodes * per > REF_MAX_RANKS || (*end && *end != ',') || n == REF_MAX_SPLITS) {
-            fprintf(stderr, "EPX_TEST_NODE_SPLITS '%s': bad entry at '%s' (want NxP with N*P <= %d, at most %d)\n",
+        if (nodes < 1 || per < 1 || nodes * per > REF_MAX_RANKS || (*end && *end != ',') ||
+            n == REF_MAX_SPLITS) {
+            fprintf(stderr,
+                    "EPX_TEST_NODE_SPLITS '%s': bad entry at '%s' (want NxP with N*P <= %d, at most %d)\n",
                     list, p, REF_MAX_RANKS, REF_MAX_SPLITS);
             return -1;
         }
@@ -42,7 +44,8 @@ int ref_session_open_nodes(const epx_unique_id_t *id, int rank, int nranks, int 
     epx_node_topology_t nt = EPX_NODE_TOPOLOGY_INIT;
     const int per = per_node > 0 ? per_node : nranks;
     const epx_result_t res = epx_comm_get_node_topology(s->comm, &nt);
-    if (res == EPX_SUCCESS && nt.node == rank / per && nt.num_nodes == nranks / per && nt.ranks_per_node == per)
+    if (res == EPX_SUCCESS && nt.node == rank / per && nt.num_nodes == nranks / per &&
+        nt.ranks_per_node == per)
         return 0;
     ref_fail(rank, "node topology: %s, node %d of %d, %d ranks per node; expected node %d of %d, %d per node",
              epx_result_name(res), nt.node, nt.num_nodes, nt.ranks_per_node, rank / per, nranks / per, per);

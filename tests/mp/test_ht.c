@@ -195,8 +195,9 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
 {
     int rc = 0, R = hc->R, K = hc->K;
     int64_t H = hc->H, SG = H / 128;
-    uint64_t seed = ref_hash(g_seed, 0x4854, (uint64_t)(hc->per_node * 10000000 + R * 100000 + hc->E * 10 + K),
-                             (uint64_t)hc->H, (uint64_t)it);
+    uint64_t seed =
+        ref_hash(g_seed, 0x4854, (uint64_t)(hc->per_node * 10000000 + R * 100000 + hc->E * 10 + K),
+                 (uint64_t)hc->H, (uint64_t)it);
     static const epx_dtype_t dtypes[3] = {EPX_DTYPE_BF16, EPX_DTYPE_FP32, EPX_DTYPE_FP8_E4M3};
     epx_dtype_t dtype = dtypes[it % 3];
     ref_routing_t routing = (ref_routing_t)((it / 3) % REF_ROUTE_COUNT);
@@ -208,13 +209,11 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
     size_t esz = epx_dtype_size(dtype);
     int64_t T[REF_MAX_RANKS];
     ref_gen_token_counts(seed, it, R, hc->T_max, T);
-    ref_set_case(
-        "ht R=%d (%d per node) E=%d K=%d H=%lld T_max=%lld iter %d: x %s, routing %s, topk_idx %s, "
-        "recv_topk_idx %s, alignment %d, weights %d, bias %d%d, T[0]=%lld",
-        R, hc->per_node ? hc->per_node : R, hc->E, K, (long long)H, (long long)hc->T_max, it,
-        epx_dtype_name(dtype), ref_routing_name(routing),
-        epx_dtype_name(idx_dtype), epx_dtype_name(out_idx_dtype), alignment, with_weights, bias0, bias1,
-        (long long)T[0]);
+    ref_set_case("ht R=%d (%d per node) E=%d K=%d H=%lld T_max=%lld iter %d: x %s, routing %s, topk_idx %s, "
+                 "recv_topk_idx %s, alignment %d, weights %d, bias %d%d, T[0]=%lld",
+                 R, hc->per_node ? hc->per_node : R, hc->E, K, (long long)H, (long long)hc->T_max, it,
+                 epx_dtype_name(dtype), ref_routing_name(routing), epx_dtype_name(idx_dtype),
+                 epx_dtype_name(out_idx_dtype), alignment, with_weights, bias0, bias1, (long long)T[0]);
 
     ref_problem_t p;
     ref_ht_recv_t rv = {0};

@@ -271,9 +271,9 @@ static int ll_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
     int iters = lc->iters;
     if (ref_fast_mode()) iters = (iters + 1) / 2;
     for (int it = 0; it < iters && !(rc & 2); it++) {
-        uint64_t seed =
-            ref_hash(g_seed, 0x4c4c, (uint64_t)(lc->per_node * 10000000 + nranks * 100000 + lc->E * 10 + lc->K),
-                     (uint64_t)lc->H, (uint64_t)it);
+        uint64_t seed = ref_hash(g_seed, 0x4c4c,
+                                 (uint64_t)(lc->per_node * 10000000 + nranks * 100000 + lc->E * 10 + lc->K),
+                                 (uint64_t)lc->H, (uint64_t)it);
         int mode = it % 4;
         if (mode == LL_FP8_UE8M0 && lc->H % 512 != 0) mode = LL_FP8_ROUND;
         bool hook = (it / 4) % 2, zero_copy = ((it / 4) + (it % 2)) % 2, combine_hook = (it / 2) % 2;
@@ -281,11 +281,11 @@ static int ll_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
         epx_dtype_t idx_dtype = (it / 2) % 2 ? EPX_DTYPE_INT64 : EPX_DTYPE_INT32;
         int64_t T[REF_MAX_RANKS];
         ref_gen_token_counts(seed, it, nranks, lc->T_max, T);
-        ref_set_case(
-            "ll R=%d (%d per node) E=%d K=%d H=%lld T_max=%lld iter %d: %s, hook %d, zero_copy %d, "
-            "combine hook %d, routing %s, topk_idx %s, T[0]=%lld",
-            nranks, lc->per_node ? lc->per_node : nranks, lc->E, lc->K, (long long)lc->H, (long long)lc->T_max, it, k_mode_names[mode], hook,
-            zero_copy, combine_hook, ref_routing_name(routing), epx_dtype_name(idx_dtype), (long long)T[0]);
+        ref_set_case("ll R=%d (%d per node) E=%d K=%d H=%lld T_max=%lld iter %d: %s, hook %d, zero_copy %d, "
+                     "combine hook %d, routing %s, topk_idx %s, T[0]=%lld",
+                     nranks, lc->per_node ? lc->per_node : nranks, lc->E, lc->K, (long long)lc->H,
+                     (long long)lc->T_max, it, k_mode_names[mode], hook, zero_copy, combine_hook,
+                     ref_routing_name(routing), epx_dtype_name(idx_dtype), (long long)T[0]);
         if (ll_setup(&io[0], lc, rank, seed, it, routing, mode, idx_dtype)) {
             rc |= 2;
             break;
@@ -438,6 +438,7 @@ static const ll_case_t k_split_cases[] = {
     /* R, E, K, H, T_max, iterations, ranks per node */
     {0, 48, 8, 512, 8, 8, 0},
     {0, 96, 1, 1024, 6, 8, 0},
+    {0, 288, 9, 7168, 2, 8, 0},
 };
 
 int main(void)

@@ -53,9 +53,10 @@ static int rm_iteration(epx_buffer_t buf, const rm_case_t *rc_, int rank, int it
     ref_set_case(
         "rm R=%d (%d per node) E=%d K=%d H=%lld T_max=%lld iter %d: %s, pad %d, %s, bound %s (%lld, real "
         "%lld), probs %d, weighted %d, routing %s, T[0]=%lld",
-        R, rc_->per_node ? rc_->per_node : R, E, K, (long long)H, (long long)rc_->T_max, it, permute ? "permute" : "no permute", pl.pad,
-        epx_dtype_name(dtype), ref_bound_name(pl.bound), (long long)bound, (long long)real, pl.with_probs,
-        pl.weighted, ref_routing_name(pl.routing), (long long)T[0]);
+        R, rc_->per_node ? rc_->per_node : R, E, K, (long long)H, (long long)rc_->T_max, it,
+        permute ? "permute" : "no permute", pl.pad, epx_dtype_name(dtype), ref_bound_name(pl.bound),
+        (long long)bound, (long long)real, pl.with_probs, pl.weighted, ref_routing_name(pl.routing),
+        (long long)T[0]);
 
     /* ---- inputs ---- */
     uint8_t *hidden = ref_arena_alloc(&a, esz * (size_t)(Ts * H));
@@ -190,6 +191,7 @@ static const rm_case_t k_split_cases[] = {
     /* R, E, K, H, T_max, ranks per node */
     {0, 48, 6, 256, 16, 0},
     {0, 96, 9, 128, 8, 0},
+    {0, 12, 3, 1152, 6, 0}, /* channels in chunks of 512, the last one short */
 };
 
 int main(void)

@@ -369,7 +369,8 @@ static int tree_rank(int rank, int R, const epx_unique_id_t *id, void *ctx)
     enum { T = 2, H = 128, K = 4 };
     char node[16];
     snprintf(node, sizeof(node), "tree%d", rank / tc->per_node);
-    if (epx_test_set_env("EPX_RANKS_PER_NVLINK_DOMAIN", NULL) || epx_test_set_env("EPX_NODE_ID", node)) return 1;
+    if (epx_test_set_env("EPX_RANKS_PER_NVLINK_DOMAIN", NULL) || epx_test_set_env("EPX_NODE_ID", node))
+        return 1;
     epx_comm_t comm;
     EXPECT_OK(epx_test_host_comm(id, rank, R, 20000, &comm));
     epx_buffer_config_t bc = epx_test_buffer_config(T, H, K, R, EPX_MODE_HT);
@@ -409,7 +410,8 @@ static int tree_rank(int rank, int R, const epx_unique_id_t *id, void *ctx)
         for (int c = 0; c < H; c++)
             if (combined[t][c] != epx_f32_to_bf16(tc->expect[rank][t])) {
                 fprintf(stderr, "rank %d (%d per node): combined_x[%d][%d] = %g, expected %g\n", rank,
-                        tc->per_node, t, c, (double)epx_bf16_to_f32(combined[t][c]), (double)tc->expect[rank][t]);
+                        tc->per_node, t, c, (double)epx_bf16_to_f32(combined[t][c]),
+                        (double)tc->expect[rank][t]);
                 return 1;
             }
         /* The weights come back exactly on any split: each slot's weight comes from one rank. */
@@ -434,7 +436,8 @@ static int run_tree(void)
         {1, {{1.75f, 258.0f}, {1.75f, 258.0f}, {1.75f, 258.0f}, {1.75f, 258.0f}}},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-        printf("topology: combine tree, %d node(s) of %d ranks\n", HT_R / cases[i].per_node, cases[i].per_node);
+        printf("topology: combine tree, %d node(s) of %d ranks\n", HT_R / cases[i].per_node,
+               cases[i].per_node);
         fflush(stdout);
         if (epx_test_run_ranks(HT_R, tree_rank, (void *)&cases[i], RUN_TIMEOUT_S)) return 1;
     }
