@@ -66,6 +66,12 @@ int ref_run_split_cases(const char *name, const void *cases, size_t n, size_t si
         fflush(stdout);
         for (size_t k = 0; k < n; k++) {
             memcpy(c, (const char *)cases + k * size, size);
+            int E;
+            memcpy(&E, (const char *)c + sizeof(int), sizeof(E));
+            if (E % R != 0) {
+                printf("%s: split case %zu skipped: %d experts on %d ranks\n", name, k, E, R);
+                continue;
+            }
             memcpy(c, &R, sizeof(R));
             memcpy((char *)c + per_node_offset, &splits[i].per_node, sizeof(int));
             if (epx_test_run_ranks(R, fn, c, timeout_s)) {

@@ -236,9 +236,9 @@ int ref_node_splits(ref_split_t *out);
  * its init; 0: unset, one node), and checks that the communicator reports that split. */
 int ref_session_open_nodes(const epx_unique_id_t *id, int rank, int nranks, int per_node,
                            const epx_buffer_config_t *cfg, ref_session_t *s);
-/* Runs every case of `cases` (n structs of `size` bytes, first member the rank count `int R`) under
- * every split: R becomes N * P and the int at `per_node_offset` P. Cases whose experts do not divide
- * among the ranks are the caller's error. Returns 0 when all passed. */
+/* Runs every case of `cases` (n structs of `size` bytes, first members the rank count `int R` and the
+ * expert count `int E`) under every split: R becomes N * P and the int at `per_node_offset` P. A case
+ * whose E the split's ranks do not divide is skipped (named). Returns 0 when all passed. */
 int ref_run_split_cases(const char *name, const void *cases, size_t n, size_t size, size_t per_node_offset,
                         epx_test_rank_fn fn, int timeout_s, uint64_t seed);
 
