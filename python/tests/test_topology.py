@@ -1,14 +1,17 @@
 """Comm.topology and Comm.peer_path on the host backend: node splits through the node_id argument, and
-EPX_NODE_ID overriding it (in a fresh process: the library reads its environment once per process)."""
+EPX_NODE_ID overriding it (in a fresh process: the library reads its environment once per process); an HT
+combine under a 2x2 split against a NumPy model of the node tree (docs/reference.md, Sums)."""
 
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import epx
 from mp import host_comm, run_ranks
+from npref import SEED, assert_equal, bf16, f32
 
 
 def _split_body(rank, nranks, uid, per):
@@ -62,3 +65,67 @@ def test_env_overrides_node_id():
 def test_node_id_too_long():
     with pytest.raises(epx.InvalidArgumentError, match="node_id"):
         epx.Comm.from_unique_id(epx.get_unique_id(), 0, 1, backend="host", node_id="x" * 64)
+
+
+# ------------------------------------------------------------------------------ the combine tree
+
+TREE_T, TREE_H, TREE_K, TREE_L = 8, 256, 3, 2
+
+
+def _tree_inputs(s, nranks):
+    """Source rank s's x (bf16, values of every magnitude so that sums round) and topk_idx."""
+    rng = np.random.default_rng(SEED * 7919 + s)
+    x = bf16(rng.standard_normal((TREE_T, TREE_H)).astype(np.float32) * np.float32(16))
+    idx = np.full((TREE_T, TREE_K), -1, dtype=np.int64)
+    for t in range(TREE_T):
+        k = int(rng.integers(1, TREE_K + 1))
+        idx[t, :k] = rng.choice(nranks * TREE_L, size=k, replace=False)
+    return x, idx
+
+
+def _expert(x, r):
+    """Rank r's expert output for a received row: x times a factor of r, rounded to bf16."""
+    return bf16(f32(x) * np.float32(1.0 + 0.3 * r))
+
+
+def _tree_combine(s, nranks, per):
+    """combined_x of source s: per node, its ranks' rows summed in fp32 (ranks ascending); then the nodes
+    ascending, a remote node's partial rounded to bf16; then bias0 (x itself) and one rounding. Also the
+    flat sum over ranks, to show that the split changes the result."""
+    x, idx = _tree_inputs(s, nranks)
+    holds = [[any(e >= 0 and e // TREE_L == r for e in idx[t]) for r in range(nranks)] for t in range(TREE_T)]
+    acc = np.zeros((TREE_T, TREE_H), dtype=np.float32)
+    flat = np.zeros((TREE_T, TREE_H), dtype=np.float32)
+    for t in range(TREE_T):
+        for n in range(nranks // per):
+            ranks = [r for r in range(n * per, (n + 1) * per) if holds[t][r]]
+            if not ranks:
+                continue
+            part = np.zeros(TREE_H, dtype=np.float32)
+            for r in ranks:
+                part = part + f32(_expert(x[t], r))
+                flat[t] = flat[t] + f32(_expert(x[t], r))
+            acc[t] = acc[t] + (part if n == s // per else f32(bf16(part)))
+    return bf16(acc + f32(x)), bf16(flat + f32(x))
+
+
+def _tree_body(rank, nranks, uid, per):
+    with host_comm(rank, nranks, uid, node_id="t%d" % (rank // per)) as comm:
+        assert tuple(comm.topology)[1:3] == (nranks // per, per)
+        with epx.Buffer(comm, TREE_T, TREE_H, TREE_K, nranks * TREE_L, modes="ht", views=False) as buf:
+            x, idx = _tree_inputs(rank, nranks)
+            out = buf.dispatch(x, idx)
+            comb = buf.combine(_expert(out.recv_x, rank), out.handle, bias0=x)
+            out.handle.destroy()
+        tree, flat = _tree_combine(rank, nranks, per)
+        assert_equal(comb.combined_x, tree, "combined_x under %d nodes of %d" % (nranks // per, per), rank)
+        return int((tree != flat).sum())
+
+
+@pytest.mark.parametrize("nodes,per", [(2, 2), (1, 4)])
+def test_combine_tree(nodes, per):
+    if "EPX_NODE_ID" in os.environ:
+        pytest.skip("EPX_NODE_ID is set: it overrides node_id")
+    differ = sum(run_ranks(nodes * per, _tree_body, per=per))
+    # Two nodes: remote partials through bf16 change some sums; one node: the flat sum exactly.
+    assert (differ > 0) == (nodes > 1), "%d elements differ from the flat sum (seed %d)" % (differ, SEED)

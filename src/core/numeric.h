@@ -54,6 +54,19 @@ EPX_HD uint16_t epx_f32_to_bf16(float f)
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* One step of the final sum across nodes (docs/reference.md, Sums): node n's fp32 partial joins
+ * the token's accumulator as is on the token's own node, else rounded to bf16 first, as it crosses
+ * the network. A node with no contribution to the token is skipped by the caller. */
+EPX_HD float epx_add_node_partial(float acc, float partial, int remote)
+{
+    const float p = remote ? epx_bf16_to_f32(epx_f32_to_bf16(partial)) : partial;
+#if defined(__CUDA_ARCH__)
+    return __fadd_rn(acc, p);
+#else
+    return acc + p;
+#endif
+}
+
 /* Two fp32 values as one word of packed bf16 (lo in the low half), for vector stores. */
 EPX_HD uint32_t epx_f32x2_to_bf16x2(float lo, float hi)
 {

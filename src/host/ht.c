@@ -611,10 +611,12 @@ typedef struct combine_ctx {
     size_t weights_offset;
 } combine_ctx_t;
 
+/* The pinned two-level sum: per node (ranks ascending within it) a partial, then the partials over
+ * nodes ascending, remote ones through bf16; with one node, exactly the flat sum over ranks. */
 static void combine_tokens(void *vctx, int64_t begin, int64_t end)
 {
     combine_ctx_t *c = vctx;
-    const int R = c->R;
+    const int R = c->R, P = c->hb->buffer->comm->ranks_per_node, own = c->hb->buffer->comm->node;
     const int64_t H = c->H, K = c->K;
     const uint16_t *bias0 = c->args->bias0.data, *bias1 = c->args->bias1.data;
     uint16_t *out = c->out->combined_x.data;
@@ -623,16 +625,23 @@ static void combine_tokens(void *vctx, int64_t begin, int64_t end)
         const int32_t *rows = c->st->token_rows + t * R;
         for (int64_t h = 0; h < H; h++) {
             float acc = 0.0f;
-            for (int r = 0; r < R; r++) {
-                if (rows[r] < 0) continue;
-                const uint16_t *x = (const uint16_t *)host_area_ptr(c->hb, r, HOST_AREA_COMBINE);
-                acc += epx_bf16_to_f32(x[(int64_t)rows[r] * H + h]);
+            for (int first = 0; first < R; first += P) {
+                float part = 0.0f;
+                int any = 0;
+                for (int r = first; r < first + P; r++) {
+                    if (rows[r] < 0) continue;
+                    const uint16_t *x = (const uint16_t *)host_area_ptr(c->hb, r, HOST_AREA_COMBINE);
+                    part += epx_bf16_to_f32(x[(int64_t)rows[r] * H + h]);
+                    any = 1;
+                }
+                if (any) acc = epx_add_node_partial(acc, part, first / P != own);
             }
             if (bias0) acc += epx_bf16_to_f32(bias0[t * H + h]);
             if (bias1) acc += epx_bf16_to_f32(bias1[t * H + h]);
             out[t * H + h] = epx_f32_to_bf16(acc);
         }
         if (!out_w) continue;
+        /* Flat over ranks, whatever the nodes: with the dispatch's weights one rank adds each slot. */
         for (int64_t k = 0; k < K; k++) {
             float acc = 0.0f;
             for (int r = 0; r < R; r++) {

@@ -479,25 +479,38 @@ typedef struct rm_reduce_ctx {
     int weighted;
 } rm_reduce_ctx_t;
 
+/* The pinned two-level sum: the entries of one node (ranks ascending, then local experts) make a
+ * partial, the partials join over nodes ascending, remote ones through bf16; with one node, exactly
+ * the flat sum. */
 static void rm_reduce_tokens(void *vctx, int64_t begin, int64_t end)
 {
     rm_reduce_ctx_t *c = vctx;
     const rm_handle_t *h = c->h;
+    const int P = c->hb->buffer->comm->ranks_per_node, own = c->hb->buffer->comm->node;
     int64_t H = c->hb->buffer->config.hidden;
-    float acc[512]; /* channel chunks: each channel still sums in the pinned order */
+    float acc[512], part[512]; /* channel chunks: each channel still sums in the pinned order */
     for (int64_t t = begin; t < end; t++) {
         for (int64_t h0 = 0; h0 < H; h0 += 512) {
             int64_t n = H - h0 < 512 ? H - h0 : 512;
             for (int64_t i = 0; i < n; i++) acc[i] = 0.0f;
-            for (int64_t x = h->entry_begin[t]; x < h->entry_begin[t + 1]; x++) {
-                const rm_entry_t *ent = &h->entries[x];
-                if (ent->row < 0) continue;
-                const uint16_t *y = (const uint16_t *)host_area_ptr(c->hb, ent->rank, HOST_AREA_COMBINE) +
-                                    (int64_t)ent->row * H + h0;
-                if (c->weighted)
-                    for (int64_t i = 0; i < n; i++) acc[i] += ent->prob * epx_bf16_to_f32(y[i]);
-                else
-                    for (int64_t i = 0; i < n; i++) acc[i] += epx_bf16_to_f32(y[i]);
+            for (int64_t x = h->entry_begin[t]; x < h->entry_begin[t + 1];) {
+                const int node = h->entries[x].rank / P;
+                int any = 0;
+                for (int64_t i = 0; i < n; i++) part[i] = 0.0f;
+                for (; x < h->entry_begin[t + 1] && h->entries[x].rank / P == node; x++) {
+                    const rm_entry_t *ent = &h->entries[x];
+                    if (ent->row < 0) continue;
+                    const uint16_t *y = (const uint16_t *)host_area_ptr(c->hb, ent->rank, HOST_AREA_COMBINE) +
+                                        (int64_t)ent->row * H + h0;
+                    if (c->weighted)
+                        for (int64_t i = 0; i < n; i++) part[i] += ent->prob * epx_bf16_to_f32(y[i]);
+                    else
+                        for (int64_t i = 0; i < n; i++) part[i] += epx_bf16_to_f32(y[i]);
+                    any = 1;
+                }
+                if (any)
+                    for (int64_t i = 0; i < n; i++)
+                        acc[i] = epx_add_node_partial(acc[i], part[i], node != own);
             }
             for (int64_t i = 0; i < n; i++) c->out[t * H + h0 + i] = epx_f32_to_bf16(acc[i]);
         }

@@ -219,6 +219,7 @@ int ref_problem_init(ref_problem_t *p, int R, int E, int K, int64_t H, int64_t T
     memset(p, 0, sizeof(*p));
     if (R < 1 || R > REF_MAX_RANKS || E % R != 0 || K < 1 || K > E) return 1;
     p->R = R;
+    p->ranks_per_node = R;
     p->E = E;
     p->L = E / R;
     p->K = K;
@@ -380,17 +381,33 @@ void ref_ht_recv_free(ref_ht_recv_t *out)
     FREE_RESULT(out, out->src, out->tok, out->idx, out->w, out->per_expert);
 }
 
+/* One node's partial joins a combine element's sum (Pinned details, Sums; nodes ascending, only
+ * nodes with a contribution): as is from the source's own node, rounded to bf16 from a remote one
+ * (what crosses the network). With one node the sum is 0.0f + the partial: the flat sum. */
+static float ref_add_node(float acc, float part, bool remote)
+{
+    return ref_fadd(acc, remote ? ref_bf16_to_f32(ref_f32_to_bf16(part)) : part);
+}
+
 void ref_ht_combine(const ref_problem_t *p, int s, uint64_t yseed, bool bias0, bool bias1, uint16_t *out,
                     float *out_w)
 {
-    /* Pinned order: ranks ascending, then bias0, then bias1, one fp32 accumulator, one rounding. */
+    /* Pinned order: per node ranks ascending, the node sum, then bias0, then bias1, one rounding. */
     for (int64_t t = 0; t < p->T[s]; t++) {
         bool dest[REF_MAX_RANKS];
         for (int r = 0; r < p->R; r++) dest[r] = to_rank(p, s, t, r);
         for (int64_t c = 0; c < p->H; c++) {
+            float part[REF_MAX_RANKS] = {0};
+            bool has[REF_MAX_RANKS] = {0};
+            for (int r = 0; r < p->R; r++) {
+                if (!dest[r]) continue;
+                const int n = r / p->ranks_per_node;
+                part[n] = ref_fadd(part[n], ref_bf16_to_f32(ref_y_bf16(yseed, r, -1, s, t, c)));
+                has[n] = true;
+            }
             float acc = 0.0f;
-            for (int r = 0; r < p->R; r++)
-                if (dest[r]) acc = ref_fadd(acc, ref_bf16_to_f32(ref_y_bf16(yseed, r, -1, s, t, c)));
+            for (int n = 0; n < p->R / p->ranks_per_node; n++)
+                if (has[n]) acc = ref_add_node(acc, part[n], n != s / p->ranks_per_node);
             if (bias0)
                 acc = ref_fadd(acc, ref_bf16_to_f32(ref_gen_bf16(yseed, REF_TAG_BIAS0, (uint64_t)s,
                                                                  (uint64_t)t, (uint64_t)c)));
@@ -400,6 +417,7 @@ void ref_ht_combine(const ref_problem_t *p, int s, uint64_t yseed, bool bias0, b
             out[t * p->H + c] = ref_f32_to_bf16(acc);
         }
         if (!out_w) continue;
+        /* Weights: flat over ranks on any split (one rank holds each slot's weight, exact). */
         for (int k = 0; k < p->K; k++) {
             int64_t e = p->topk[s][t * p->K + k];
             float acc = 0.0f;
@@ -559,18 +577,22 @@ void ref_rm_recv_free(ref_rm_recv_t *out)
 int ref_rm_combine(const ref_problem_t *p, int s, bool permute, int pad, const int64_t *bounds, bool weighted,
                    uint64_t yseed, uint16_t *out)
 {
-    /* Pinned order: ranks ascending, then (with permute) local experts ascending; a rank's rows for
-     * one token appear in ascending group order, so walking its rows in order keeps that order. */
-    float *acc = ref_alloc(sizeof(float) * (size_t)(p->T[s] * p->H));
-    if (!acc) return 1;
-    for (int r = 0; r < p->R; r++) {
-        ref_rm_recv_t rv;
-        if (ref_rm_dispatch(p, r, permute, pad, bounds ? bounds[r] : -1, &rv)) {
-            ref_rm_recv_free(&rv);
-            free(acc);
-            return 1;
+    /* Pinned order: per node ranks ascending, then (with permute) local experts ascending, into the
+     * node's partial (a rank's rows for one token appear in ascending group order, so walking its rows
+     * in order keeps that order); each complete node then joins the sum (ref_add_node). */
+    const int64_t TH = p->T[s] * p->H;
+    const int P = p->ranks_per_node;
+    float *acc = ref_alloc(sizeof(float) * (size_t)TH), *part = ref_alloc(sizeof(float) * (size_t)TH);
+    bool *has = ref_alloc((size_t)p->T[s]);
+    int rc = !acc || !part || !has;
+    for (int r = 0; r < p->R && !rc; r++) {
+        if (r % P == 0) {
+            memset(part, 0, sizeof(float) * (size_t)TH);
+            memset(has, 0, (size_t)p->T[s]);
         }
-        int64_t lim = rv.real < rv.rows ? rv.real : rv.rows;
+        ref_rm_recv_t rv;
+        rc = ref_rm_dispatch(p, r, permute, pad, bounds ? bounds[r] : -1, &rv);
+        int64_t lim = rc ? 0 : rv.real < rv.rows ? rv.real : rv.rows;
         for (int64_t i = 0; i < lim; i++) {
             if (rv.src[i] != s) continue;
             int64_t t = rv.tok[i];
@@ -578,14 +600,22 @@ int ref_rm_combine(const ref_problem_t *p, int s, bool permute, int pad, const i
             for (int64_t c = 0; c < p->H; c++) {
                 float y = ref_bf16_to_f32(ref_y_bf16(yseed, r, permute ? rv.j[i] : -1, s, t, c));
                 float term = permute && weighted ? ref_fmul(w, y) : y;
-                acc[t * p->H + c] = ref_fadd(acc[t * p->H + c], term);
+                part[t * p->H + c] = ref_fadd(part[t * p->H + c], term);
             }
+            has[t] = true;
         }
         ref_rm_recv_free(&rv);
+        if (rc || r % P != P - 1) continue;
+        /* Node r / P is complete: it joins each token it contributed to. */
+        for (int64_t t = 0; t < p->T[s]; t++)
+            for (int64_t c = 0; has[t] && c < p->H; c++)
+                acc[t * p->H + c] = ref_add_node(acc[t * p->H + c], part[t * p->H + c], r / P != s / P);
     }
-    for (int64_t i = 0; i < p->T[s] * p->H; i++) out[i] = ref_f32_to_bf16(acc[i]);
+    for (int64_t i = 0; !rc && i < TH; i++) out[i] = ref_f32_to_bf16(acc[i]);
+    free(has);
+    free(part);
     free(acc);
-    return 0;
+    return rc;
 }
 
 ref_rm_plan_t ref_rm_plan(int it)

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "epx/epx.h"
+#include "epx_test.h"
 
 #define REF_MAX_RANKS 16
 
@@ -69,6 +70,9 @@ typedef struct ref_problem {
     int64_t H, T_max;
     uint64_t seed;
     epx_dtype_t dtype; /* of x / hidden */
+    /* Nodes are blocks of this many consecutive ranks (R, set by ref_problem_init: one node). HT and
+     * routing-map combines sum per node, then over nodes with remote partials through bf16. */
+    int ranks_per_node;
     int64_t T[REF_MAX_RANKS];
     int64_t *topk[REF_MAX_RANKS];  /* [T, K], -1 = none */
     float *weights[REF_MAX_RANKS]; /* [T, K] */
@@ -217,5 +221,25 @@ void ref_session_close(ref_session_t *s);
 
 /* True under AddressSanitizer or with CI_FAST set: suites shrink their cases. */
 bool ref_fast_mode(void);
+
+/* ------------------------------------------------------------ node splits (nodes.c) ---- */
+
+/* The node splits the suites run besides one node: EPX_TEST_NODE_SPLITS, "NxP,..." (N nodes of P
+ * ranks, N * P <= REF_MAX_RANKS; empty: none), else "1x4,2x2,4x1,2x3,3x2". */
+#define REF_MAX_SPLITS 16
+typedef struct ref_split {
+    int nodes, per_node;
+} ref_split_t;
+/* Returns the number of splits written to out[REF_MAX_SPLITS], or -1 after naming a bad entry. */
+int ref_node_splits(ref_split_t *out);
+/* As ref_session_open, on nodes of `per_node` consecutive ranks (EPX_NODE_ID set in this rank before
+ * its init; 0: unset, one node), and checks that the communicator reports that split. */
+int ref_session_open_nodes(const epx_unique_id_t *id, int rank, int nranks, int per_node,
+                           const epx_buffer_config_t *cfg, ref_session_t *s);
+/* Runs every case of `cases` (n structs of `size` bytes, first members the rank count `int R` and the
+ * expert count `int E`) under every split: R becomes N * P and the int at `per_node_offset` P. A case
+ * whose E the split's ranks do not divide is skipped (named). Returns 0 when all passed. */
+int ref_run_split_cases(const char *name, const void *cases, size_t n, size_t size, size_t per_node_offset,
+                        epx_test_rank_fn fn, int timeout_s, uint64_t seed);
 
 #endif

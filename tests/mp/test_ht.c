@@ -4,6 +4,7 @@
  * every rank builds all ranks' inputs from one seed and checks its own outputs against the reference.
  * Combine outputs are compared bit for bit: the reference sums in the pinned fp32 order.
  */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,6 +18,7 @@ typedef struct ht_case {
     int64_t H, T_max;
     int domain_cap; /* EPX_RANKS_PER_NVLINK_DOMAIN for the run, 0 = unset */
     int iters;
+    int per_node; /* ranks per node (ref_run_split_cases), 0 = one node */
 } ht_case_t;
 
 static uint64_t g_seed;
@@ -194,7 +196,8 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
     int rc = 0, R = hc->R, K = hc->K;
     int64_t H = hc->H, SG = H / 128;
     uint64_t seed =
-        ref_hash(g_seed, 0x4854, (uint64_t)(R * 100000 + hc->E * 10 + K), (uint64_t)hc->H, (uint64_t)it);
+        ref_hash(g_seed, 0x4854, (uint64_t)(hc->per_node * 10000000 + R * 100000 + hc->E * 10 + K),
+                 (uint64_t)hc->H, (uint64_t)it);
     static const epx_dtype_t dtypes[3] = {EPX_DTYPE_BF16, EPX_DTYPE_FP32, EPX_DTYPE_FP8_E4M3};
     epx_dtype_t dtype = dtypes[it % 3];
     ref_routing_t routing = (ref_routing_t)((it / 3) % REF_ROUTE_COUNT);
@@ -206,12 +209,11 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
     size_t esz = epx_dtype_size(dtype);
     int64_t T[REF_MAX_RANKS];
     ref_gen_token_counts(seed, it, R, hc->T_max, T);
-    ref_set_case(
-        "ht R=%d E=%d K=%d H=%lld T_max=%lld iter %d: x %s, routing %s, topk_idx %s, recv_topk_idx %s, "
-        "alignment %d, weights %d, bias %d%d, T[0]=%lld",
-        R, hc->E, K, (long long)H, (long long)hc->T_max, it, epx_dtype_name(dtype), ref_routing_name(routing),
-        epx_dtype_name(idx_dtype), epx_dtype_name(out_idx_dtype), alignment, with_weights, bias0, bias1,
-        (long long)T[0]);
+    ref_set_case("ht R=%d (%d per node) E=%d K=%d H=%lld T_max=%lld iter %d: x %s, routing %s, topk_idx %s, "
+                 "recv_topk_idx %s, alignment %d, weights %d, bias %d%d, T[0]=%lld",
+                 R, hc->per_node ? hc->per_node : R, hc->E, K, (long long)H, (long long)hc->T_max, it,
+                 epx_dtype_name(dtype), ref_routing_name(routing), epx_dtype_name(idx_dtype),
+                 epx_dtype_name(out_idx_dtype), alignment, with_weights, bias0, bias1, (long long)T[0]);
 
     ref_problem_t p;
     ref_ht_recv_t rv = {0};
@@ -222,6 +224,7 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
         rc = ref_fail(rank, "reference setup failed");
         goto out;
     }
+    if (hc->per_node > 0) p.ranks_per_node = hc->per_node;
     int64_t Ts = p.T[rank], L = p.L, N = rv.n;
 
     /* ---- layout ---- */
@@ -495,7 +498,7 @@ static int ht_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
     CALL(epx_params_reload());
     epx_buffer_config_t cfg = epx_test_buffer_config(hc->T_max, hc->H, hc->K, hc->E, EPX_MODE_HT);
     cfg.num_view_areas = k_areas;
-    if (ref_session_open(id, rank, nranks, &cfg, &s)) return 2;
+    if (ref_session_open_nodes(id, rank, nranks, hc->per_node, &cfg, &s)) return 2;
     epx_topology_t topo;
     CALL(epx_comm_get_topology(s.comm, &topo));
     int D = topo.ranks_per_nvlink_domain;
@@ -527,8 +530,21 @@ static const ht_case_t k_cases[] = {
     {8, 256, 4, 7168, 4, 0, 9}, {8, 64, 1, 7168, 2, 2, 9},
 };
 
+/* Under every node split (R from the split; D is the node unless capped): iterations 0-5 take every
+ * dtype, static mode with and without overflow, views, cached views and x_in_buffer 2; 9, every
+ * dtype x routing pair. */
+static const ht_case_t k_split_cases[] = {
+    /* R, E, K, H, T_max, domain cap, iterations, ranks per node */
+    {0, 48, 6, 256, 24, 0, 9, 0},
+    {0, 288, 9, 128, 32, 0, 9, 0},
+    {0, 96, 8, 2048, 6, 0, 6, 0},
+    {0, 12, 3, 7168, 4, 1, 6, 0},
+};
+
 int main(void)
 {
     g_seed = epx_test_seed();
-    return EPX_TEST_RUN_CASES("ht", k_cases, ht_rank, 300, g_seed);
+    int rc = EPX_TEST_RUN_CASES("ht", k_cases, ht_rank, 300, g_seed);
+    return rc | ref_run_split_cases("ht", k_split_cases, sizeof(k_split_cases) / sizeof(k_split_cases[0]),
+                                    sizeof(ht_case_t), offsetof(ht_case_t, per_node), ht_rank, 300, g_seed);
 }

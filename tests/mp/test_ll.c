@@ -3,6 +3,7 @@
  * zero-copy, double buffering, a stale third slot) on the host backend, checked against the reference
  * for every rank. Combine outputs are compared bit for bit: the reference sums in the pinned fp32 order.
  */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,6 +16,7 @@ typedef struct ll_case {
     int R, E, K;
     int64_t H, T_max;
     int iters;
+    int per_node; /* ranks per node (ref_run_split_cases), 0 = one node */
 } ll_case_t;
 
 enum { LL_BF16 = 0, LL_FP8 = 1, LL_FP8_ROUND = 2, LL_FP8_UE8M0 = 3 };
@@ -253,14 +255,14 @@ static int ll_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
     ll_io_t io[3];
     memset(io, 0, sizeof(io));
     ref_set_seed(g_seed);
-    ref_set_case("ll R=%d E=%d K=%d H=%lld T_max=%lld: setup", nranks, lc->E, lc->K, (long long)lc->H,
-                 (long long)lc->T_max);
+    ref_set_case("ll R=%d (%d per node) E=%d K=%d H=%lld T_max=%lld: setup", nranks,
+                 lc->per_node ? lc->per_node : nranks, lc->E, lc->K, (long long)lc->H, (long long)lc->T_max);
     if (!stats || !exp_stats) {
         rc = ref_fail(rank, "out of memory");
         goto out;
     }
     const epx_buffer_config_t cfg = epx_test_buffer_config(lc->T_max, lc->H, lc->K, lc->E, EPX_MODE_LL);
-    if (ref_session_open(id, rank, nranks, &cfg, &s)) {
+    if (ref_session_open_nodes(id, rank, nranks, lc->per_node, &cfg, &s)) {
         rc = 2;
         goto out;
     }
@@ -269,7 +271,8 @@ static int ll_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
     int iters = lc->iters;
     if (ref_fast_mode()) iters = (iters + 1) / 2;
     for (int it = 0; it < iters && !(rc & 2); it++) {
-        uint64_t seed = ref_hash(g_seed, 0x4c4c, (uint64_t)(nranks * 100000 + lc->E * 10 + lc->K),
+        uint64_t seed = ref_hash(g_seed, 0x4c4c,
+                                 (uint64_t)(lc->per_node * 10000000 + nranks * 100000 + lc->E * 10 + lc->K),
                                  (uint64_t)lc->H, (uint64_t)it);
         int mode = it % 4;
         if (mode == LL_FP8_UE8M0 && lc->H % 512 != 0) mode = LL_FP8_ROUND;
@@ -278,11 +281,11 @@ static int ll_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
         epx_dtype_t idx_dtype = (it / 2) % 2 ? EPX_DTYPE_INT64 : EPX_DTYPE_INT32;
         int64_t T[REF_MAX_RANKS];
         ref_gen_token_counts(seed, it, nranks, lc->T_max, T);
-        ref_set_case(
-            "ll R=%d E=%d K=%d H=%lld T_max=%lld iter %d: %s, hook %d, zero_copy %d, combine hook %d, "
-            "routing %s, topk_idx %s, T[0]=%lld",
-            nranks, lc->E, lc->K, (long long)lc->H, (long long)lc->T_max, it, k_mode_names[mode], hook,
-            zero_copy, combine_hook, ref_routing_name(routing), epx_dtype_name(idx_dtype), (long long)T[0]);
+        ref_set_case("ll R=%d (%d per node) E=%d K=%d H=%lld T_max=%lld iter %d: %s, hook %d, zero_copy %d, "
+                     "combine hook %d, routing %s, topk_idx %s, T[0]=%lld",
+                     nranks, lc->per_node ? lc->per_node : nranks, lc->E, lc->K, (long long)lc->H,
+                     (long long)lc->T_max, it, k_mode_names[mode], hook, zero_copy, combine_hook,
+                     ref_routing_name(routing), epx_dtype_name(idx_dtype), (long long)T[0]);
         if (ll_setup(&io[0], lc, rank, seed, it, routing, mode, idx_dtype)) {
             rc |= 2;
             break;
@@ -429,9 +432,20 @@ static const ll_case_t k_cases[] = {
     {4, 256, 9, 7168, 2, 8}, {8, 64, 8, 512, 8, 16},  {8, 288, 9, 1024, 4, 16}, {8, 256, 1, 128, 6, 8},
 };
 
+/* Under every node split (R from the split): LL combines are reduced on the source, over slots, on any
+ * split; every mode with and without hooks, zero-copy, two batches in flight, a stale slot. */
+static const ll_case_t k_split_cases[] = {
+    /* R, E, K, H, T_max, iterations, ranks per node */
+    {0, 48, 8, 512, 8, 8, 0},
+    {0, 96, 1, 1024, 6, 8, 0},
+    {0, 288, 9, 7168, 2, 8, 0},
+};
+
 int main(void)
 {
     g_seed = epx_test_seed();
     if (check_reference_numerics()) return 1;
-    return EPX_TEST_RUN_CASES("ll", k_cases, ll_rank, 300, g_seed);
+    int rc = EPX_TEST_RUN_CASES("ll", k_cases, ll_rank, 300, g_seed);
+    return rc | ref_run_split_cases("ll", k_split_cases, sizeof(k_split_cases) / sizeof(k_split_cases[0]),
+                                    sizeof(ll_case_t), offsetof(ll_case_t, per_node), ll_rank, 300, g_seed);
 }

@@ -4,6 +4,7 @@
  * rank. With a bound the handle (and the combine input) has the bound's rows. Combine outputs are
  * compared bit for bit: the reference sums in the pinned fp32 order.
  */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,6 +16,7 @@
 typedef struct rm_case {
     int R, E, K;
     int64_t H, T_max;
+    int per_node; /* ranks per node (ref_run_split_cases), 0 = one node */
 } rm_case_t;
 
 static uint64_t g_seed;
@@ -26,7 +28,8 @@ static int rm_iteration(epx_buffer_t buf, const rm_case_t *rc_, int rank, int it
     const ref_rm_plan_t pl = ref_rm_plan(it);
     const bool permute = pl.permute, fp8 = pl.dtype == EPX_DTYPE_FP8_E4M3;
     const epx_dtype_t dtype = pl.dtype;
-    uint64_t seed = ref_hash(g_seed, 0x524d, (uint64_t)(R * 100000 + E * 10 + K), (uint64_t)H, (uint64_t)it);
+    uint64_t seed = ref_hash(g_seed, 0x524d, (uint64_t)(rc_->per_node * 10000000 + R * 100000 + E * 10 + K),
+                             (uint64_t)H, (uint64_t)it);
     size_t esz = epx_dtype_size(dtype);
     int64_t T[REF_MAX_RANKS], bounds[REF_MAX_RANKS];
     ref_gen_token_counts(seed, it, R, rc_->T_max, T);
@@ -38,6 +41,7 @@ static int rm_iteration(epx_buffer_t buf, const rm_case_t *rc_, int rank, int it
         rc = ref_fail(rank, "reference setup failed");
         goto out;
     }
+    if (rc_->per_node > 0) p.ranks_per_node = rc_->per_node;
     int64_t L = p.L, Ts = p.T[rank];
     if (ref_rm_bounds(&p, permute, pl.pad, pl.bound, bounds) ||
         ref_rm_dispatch(&p, rank, permute, pl.pad, bounds[rank], &rv)) {
@@ -47,11 +51,12 @@ static int rm_iteration(epx_buffer_t buf, const rm_case_t *rc_, int rank, int it
     const int64_t bound = bounds[rank], real = rv.real, rows = rv.rows, kept = real < rows ? real : rows;
     bool overflow = bound >= 0 && real > bound;
     ref_set_case(
-        "rm R=%d E=%d K=%d H=%lld T_max=%lld iter %d: %s, pad %d, %s, bound %s (%lld, real %lld), probs %d, "
-        "weighted %d, routing %s, T[0]=%lld",
-        R, E, K, (long long)H, (long long)rc_->T_max, it, permute ? "permute" : "no permute", pl.pad,
-        epx_dtype_name(dtype), ref_bound_name(pl.bound), (long long)bound, (long long)real, pl.with_probs,
-        pl.weighted, ref_routing_name(pl.routing), (long long)T[0]);
+        "rm R=%d (%d per node) E=%d K=%d H=%lld T_max=%lld iter %d: %s, pad %d, %s, bound %s (%lld, real "
+        "%lld), probs %d, weighted %d, routing %s, T[0]=%lld",
+        R, rc_->per_node ? rc_->per_node : R, E, K, (long long)H, (long long)rc_->T_max, it,
+        permute ? "permute" : "no permute", pl.pad, epx_dtype_name(dtype), ref_bound_name(pl.bound),
+        (long long)bound, (long long)real, pl.with_probs, pl.weighted, ref_routing_name(pl.routing),
+        (long long)T[0]);
 
     /* ---- inputs ---- */
     uint8_t *hidden = ref_arena_alloc(&a, esz * (size_t)(Ts * H));
@@ -162,7 +167,7 @@ static int rm_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
     cfg.dispatch_dtypes = EPX_DTYPE_BIT(EPX_DTYPE_BF16) | EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3);
     cfg.max_pad_multiple = REF_RM_MAX_PAD;
     ref_session_t s;
-    if (ref_session_open(id, rank, nranks, &cfg, &s)) return 2;
+    if (ref_session_open_nodes(id, rank, nranks, c->per_node, &cfg, &s)) return 2;
     int rc = 0;
     /* Every (permute/pad, bound) pair once; dtype, probs and weighting vary with it. */
     int iters = 2 * 4 * REF_BOUND_COUNT;
@@ -181,8 +186,18 @@ static const rm_case_t k_cases[] = {
     {3, 288, 9, 512, 6}, {4, 64, 8, 512, 16}, {4, 16, 3, 7168, 4}, {8, 64, 6, 128, 16}, {8, 256, 9, 256, 8},
 };
 
+/* Under every node split (R from the split): every (permute/pad, bound) pair, weighted or not. */
+static const rm_case_t k_split_cases[] = {
+    /* R, E, K, H, T_max, ranks per node */
+    {0, 48, 6, 256, 16, 0},
+    {0, 96, 9, 128, 8, 0},
+    {0, 12, 3, 1152, 6, 0}, /* channels in chunks of 512, the last one short */
+};
+
 int main(void)
 {
     g_seed = epx_test_seed();
-    return EPX_TEST_RUN_CASES("rm", k_cases, rm_rank, 300, g_seed);
+    int rc = EPX_TEST_RUN_CASES("rm", k_cases, rm_rank, 300, g_seed);
+    return rc | ref_run_split_cases("rm", k_split_cases, sizeof(k_split_cases) / sizeof(k_split_cases[0]),
+                                    sizeof(rm_case_t), offsetof(rm_case_t, per_node), rm_rank, 300, g_seed);
 }

@@ -1,8 +1,9 @@
 /*
  * Nodes from node ids on the host backend: EPX_NODE_ID splits 1x4, 2x2, 4x1, 2x3 and 3x2 (set in
  * each rank before its init), every rank's node, local rank and counts and every peer path; the
- * precedence EPX_NODE_ID > config node_id > the host's identity; shapes the library refuses; and an
- * HT dispatch + combine under a 2x2 split giving the same bits as on one node.
+ * precedence EPX_NODE_ID > config node_id > the host's identity; shapes the library refuses; an
+ * HT dispatch under a 2x2 split giving the same bits as on one node (and the same combined weights);
+ * and the combine's node tree (docs/reference.md, Sums) on values checked by hand.
  */
 #include <stddef.h>
 #include <stdlib.h>
@@ -205,7 +206,7 @@ typedef struct ht_ctx {
 } ht_ctx_t;
 
 typedef struct ht_result {
-    uint64_t dispatch_hash, combine_hash;
+    uint64_t dispatch_hash, weights_hash;
     int64_t recv;
 } ht_result_t;
 
@@ -299,8 +300,8 @@ static int ht_rank(int rank, int R, const epx_unique_id_t *id, void *vctx, void 
     co.combined_x = epx_tensor_2d(combined, EPX_DTYPE_BF16, HT_TM, HT_H);
     co.combined_topk_weights = epx_tensor_2d(combined_w, EPX_DTYPE_FP32, HT_TM, HT_K);
     EXPECT_OK(epx_ht_combine(buf, &ca, &co));
-    out->combine_hash = epx_test_fnv(combined, sizeof(combined), epx_test_fnv(combined_w, sizeof(combined_w),
-                                                                               EPX_TEST_FNV_INIT));
+    /* combined_x follows the node tree (checked by hand below); the weights are the same on any split. */
+    out->weights_hash = epx_test_fnv(combined_w, sizeof(combined_w), EPX_TEST_FNV_INIT);
     out->recv = N;
     EXPECT_OK(epx_handle_destroy(dout.handle));
     EXPECT_OK(epx_buffer_destroy(buf));
@@ -332,15 +333,114 @@ static int run_ht_same_bits(uint64_t seed)
         total += one[r].recv;
         if (memcmp(&one[r], &split[r], sizeof(one[r])) != 0) {
             fprintf(stderr,
-                    "topology ht: rank %d: one node gave dispatch %016llx combine %016llx, 2x2 gave %016llx "
+                    "topology ht: rank %d: one node gave dispatch %016llx weights %016llx, 2x2 gave %016llx "
                     "%016llx (seed %llu)\n",
-                    r, (unsigned long long)one[r].dispatch_hash, (unsigned long long)one[r].combine_hash,
-                    (unsigned long long)split[r].dispatch_hash, (unsigned long long)split[r].combine_hash,
+                    r, (unsigned long long)one[r].dispatch_hash, (unsigned long long)one[r].weights_hash,
+                    (unsigned long long)split[r].dispatch_hash, (unsigned long long)split[r].weights_hash,
                     (unsigned long long)seed);
             return 1;
         }
     }
     EXPECT_TRUE(total > 0); /* rows did move */
+    return 0;
+}
+
+/* ------------------------------------------------- the combine's node tree, by hand ---- */
+
+/* Four ranks, one expert each. Every rank sends token 0 to all four and token 1 to ranks 2 and 3; rank
+ * r's expert outputs are k_tree_y[r] in every channel, bias0 is 0.25. The sums (Pinned details, Sums):
+ *   one node (1x4), and 4x1 (each partial one bf16 value, exact):
+ *     token 0: -256 + 0.5 + 256 + 1 + 0.25 = 1.75        token 1: 256 + 1 + 0.25 = 257.25 -> 258
+ *   2x2, sources on node 0 (node 1's partial 257 crosses as bf16 256, a tie rounded to even):
+ *     token 0: (-256 + 0.5) + 256 + 0.25 = 0.75          token 1: 256 + 0.25 -> 256
+ *   2x2, sources on node 1 (node 0's partial -255.5 crosses as -256):
+ *     token 0: -256 + (256 + 1) + 0.25 = 1.25            token 1: (256 + 1) + 0.25 -> 258
+ * so a flat sum (1.75, 258) is wrong on both nodes of the 2x2 split. */
+static const float k_tree_y[HT_R] = {-256.0f, 0.5f, 256.0f, 1.0f};
+
+typedef struct tree_case {
+    int per_node;
+    float expect[HT_R][2]; /* [source rank][token] */
+} tree_case_t;
+
+static int tree_rank(int rank, int R, const epx_unique_id_t *id, void *ctx)
+{
+    const tree_case_t *tc = ctx;
+    enum { T = 2, H = 128, K = 4 };
+    char node[16];
+    snprintf(node, sizeof(node), "tree%d", rank / tc->per_node);
+    if (epx_test_set_env("EPX_RANKS_PER_NVLINK_DOMAIN", NULL) || epx_test_set_env("EPX_NODE_ID", node))
+        return 1;
+    epx_comm_t comm;
+    EXPECT_OK(epx_test_host_comm(id, rank, R, 20000, &comm));
+    epx_buffer_config_t bc = epx_test_buffer_config(T, H, K, R, EPX_MODE_HT);
+    epx_buffer_t buf;
+    EXPECT_OK(epx_buffer_create(comm, &bc, &buf));
+    const int64_t topk[T][K] = {{3, 0, 2, 1}, {-1, 2, -1, 3}};
+    const int N = rank < 2 ? R : 2 * R; /* token 0 of every source; token 1 too on ranks 2 and 3 */
+    float w[T][K], combined_w[T][K], recv_w[2 * HT_R][K];
+    uint16_t x[T][H] = {{0}}, bias0[T][H], y[2 * HT_R][H], combined[T][H];
+    int64_t recv_idx[2 * HT_R][K];
+    for (int t = 0; t < T; t++)
+        for (int k = 0; k < K; k++) w[t][k] = 0.125f * (float)(rank + 1) + 0.0625f * (float)(t * K + k);
+    epx_ht_dispatch_args_t da = EPX_HT_DISPATCH_ARGS_INIT;
+    da.x = epx_tensor_2d(x, EPX_DTYPE_BF16, T, H);
+    da.topk_idx = epx_tensor_2d((void *)topk, EPX_DTYPE_INT64, T, K);
+    da.topk_weights = epx_tensor_2d(w, EPX_DTYPE_FP32, T, K);
+    epx_ht_dispatch_outputs_t dout = EPX_HT_DISPATCH_OUTPUTS_INIT;
+    dout.recv_x = epx_tensor_2d(y, EPX_DTYPE_BF16, N, H);
+    dout.recv_topk_idx = epx_tensor_2d(recv_idx, EPX_DTYPE_INT64, N, K);
+    dout.recv_topk_weights = epx_tensor_2d(recv_w, EPX_DTYPE_FP32, N, K);
+    EXPECT_OK(epx_ht_dispatch(buf, &da, &dout));
+    EXPECT_EQ_INT(dout.num_recv_tokens_host, N);
+    for (int i = 0; i < N; i++)
+        for (int c = 0; c < H; c++) y[i][c] = epx_f32_to_bf16(k_tree_y[rank]);
+    for (int t = 0; t < T; t++)
+        for (int c = 0; c < H; c++) bias0[t][c] = epx_f32_to_bf16(0.25f);
+    epx_ht_combine_args_t ca = EPX_HT_COMBINE_ARGS_INIT;
+    ca.handle = dout.handle;
+    ca.x = epx_tensor_2d(y, EPX_DTYPE_BF16, N, H);
+    ca.topk_weights = epx_tensor_2d(recv_w, EPX_DTYPE_FP32, N, K);
+    ca.bias0 = epx_tensor_2d(bias0, EPX_DTYPE_BF16, T, H);
+    epx_ht_combine_outputs_t co = EPX_HT_COMBINE_OUTPUTS_INIT;
+    co.combined_x = epx_tensor_2d(combined, EPX_DTYPE_BF16, T, H);
+    co.combined_topk_weights = epx_tensor_2d(combined_w, EPX_DTYPE_FP32, T, K);
+    EXPECT_OK(epx_ht_combine(buf, &ca, &co));
+    for (int t = 0; t < T; t++) {
+        for (int c = 0; c < H; c++)
+            if (combined[t][c] != epx_f32_to_bf16(tc->expect[rank][t])) {
+                fprintf(stderr, "rank %d (%d per node): combined_x[%d][%d] = %g, expected %g\n", rank,
+                        tc->per_node, t, c, (double)epx_bf16_to_f32(combined[t][c]),
+                        (double)tc->expect[rank][t]);
+                return 1;
+            }
+        /* The weights come back exactly on any split: each slot's weight comes from one rank. */
+        for (int k = 0; k < K; k++)
+            if (combined_w[t][k] != (topk[t][k] >= 0 ? w[t][k] : 0.0f)) {
+                fprintf(stderr, "rank %d (%d per node): combined_topk_weights[%d][%d] = %g, expected %g\n",
+                        rank, tc->per_node, t, k, (double)combined_w[t][k], (double)w[t][k]);
+                return 1;
+            }
+    }
+    EXPECT_OK(epx_handle_destroy(dout.handle));
+    EXPECT_OK(epx_buffer_destroy(buf));
+    EXPECT_OK(epx_comm_destroy(comm));
+    return 0;
+}
+
+static int run_tree(void)
+{
+    static const tree_case_t cases[] = {
+        {4, {{1.75f, 258.0f}, {1.75f, 258.0f}, {1.75f, 258.0f}, {1.75f, 258.0f}}},
+        {2, {{0.75f, 256.0f}, {0.75f, 256.0f}, {1.25f, 258.0f}, {1.25f, 258.0f}}},
+        {1, {{1.75f, 258.0f}, {1.75f, 258.0f}, {1.75f, 258.0f}, {1.75f, 258.0f}}},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        printf("topology: combine tree, %d node(s) of %d ranks\n", HT_R / cases[i].per_node,
+               cases[i].per_node);
+        fflush(stdout);
+        if (epx_test_run_ranks(HT_R, tree_rank, (void *)&cases[i], RUN_TIMEOUT_S)) return 1;
+    }
     return 0;
 }
 
@@ -350,6 +450,7 @@ int main(void)
     if (run_splits()) return 1;
     if (run_bad_shapes()) return 1;
     if (epx_test_run_ranks(2, local_config_rank, NULL, RUN_TIMEOUT_S)) return 1;
+    if (run_tree()) return 1;
     if (run_ht_same_bits(seed)) {
         fprintf(stderr, "topology: FAILED (seed %llu)\n", (unsigned long long)seed);
         return 1;
