@@ -215,10 +215,10 @@ static int import_region(cuda_mover_t *m, cuda_region_t *r, int peer, const link
             return -1;
         }
         r->vmm_len[peer] = map_len;
-        if (cu_fail(cuMemMap(r->vmm_va[peer], map_len, 0, r->vmm_handle[peer], 0), "cuMemMap", err, len) ||
-            cu_fail(cuMemSetAccess(r->vmm_va[peer], map_len, &access, 1), "cuMemSetAccess", err, len))
+        if (cu_fail(cuMemMap(r->vmm_va[peer], map_len, 0, r->vmm_handle[peer], 0), "cuMemMap", err, len))
             return -1; /* deregister undoes what was done */
-        r->peer[peer] = (char *)r->vmm_va[peer] + msg->words[1];
+        r->peer[peer] = (char *)r->vmm_va[peer] + msg->words[1]; /* mapped: deregister unmaps it */
+        if (cu_fail(cuMemSetAccess(r->vmm_va[peer], map_len, &access, 1), "cuMemSetAccess", err, len)) return -1;
     }
     return 0;
 }

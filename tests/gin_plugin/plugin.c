@@ -261,8 +261,15 @@ static gin11_result_t gin_dereg_mr_sym(void *coll_comm, void *mhandle)
 
 /* ---- GIN: data path (NCCL's GIN progress thread) ------------------------------------------------ */
 
+/* The request of a put of no bytes without a signal: nothing to move, complete at once. */
+static char empty_request;
+
 static gin11_result_t post(coll_comm_t *c, const ginq_desc_t *d, void **request)
 {
+    if (d->bytes == 0 && d->signal_op == GINQ_SIGNAL_NONE) {
+        *request = &empty_request;
+        return GIN11_OK;
+    }
     ginq_req_t *req = NULL;
     ginq_result_t res = ginq_post(c->q, d, &req);
     if (res == GINQ_OK) {
@@ -309,6 +316,10 @@ static gin11_result_t gin_test(void *coll_comm, void *request, int *done)
 {
     coll_comm_t *c = coll_comm;
     if (!c || !request || !done) return GIN11_INVALID_ARGUMENT;
+    if (request == &empty_request) {
+        *done = 1;
+        return GIN11_OK;
+    }
     char msg[256] = "";
     ginq_result_t res = ginq_test(c->q, request, done, msg, sizeof(msg));
     if (res == GINQ_OK) return GIN11_OK;
