@@ -74,7 +74,7 @@ from ._epx import (  # noqa: F401  (re-exported)
 )
 
 __all__ = [
-    "Buffer", "Comm", "NodeTopology", "EpxError", "get_unique_id", "version", "Handle", "LLHandle", "Hook", "Layout",
+    "Buffer", "Comm", "NodeTopology", "EpxError", "get_unique_id", "version", "build_info", "Handle", "LLHandle", "Hook", "Layout",
     "DispatchOutput", "CombineOutput", "LLDispatchOutput", "LLCombineOutput", "RoutingDispatchOutput",
     "bf16_to_float32", "float32_to_bf16", "StaleViewError", "DEFAULT_VIEWS", "MAX_VIEW_AREAS",
 ]
@@ -86,6 +86,13 @@ MAX_VIEW_AREAS = _epx.MAX_VIEW_AREAS
 def version():
     """Version of the linked library ("major.minor.patch")."""
     return _epx.version()
+
+
+def build_info():
+    """What the linked library was built with (epx_get_build_info): a dict with ``cuda`` (the cuda
+    backend), ``nccl``, ``nccl_version`` ("2.28.9", "" without), ``nccl_version_code`` (major * 10000 +
+    minor * 100 + patch, 0 without) and ``network`` (a network transport: False in this version)."""
+    return _epx.build_info()
 
 
 # ---------------------------------------------------------------------------------------- errors

@@ -128,6 +128,16 @@ static PyObject *mod_version(PyObject *mod, PyObject *unused)
     return PyUnicode_FromString(epx_version());
 }
 
+static PyObject *mod_build_info(PyObject *mod, PyObject *unused)
+{
+    epx_build_info_t info = EPX_BUILD_INFO_INIT;
+    epx_result_t res = epx_get_build_info(&info);
+    if (res != EPX_SUCCESS) return py_raise_epx(res);
+    return Py_BuildValue("{s:O,s:O,s:s,s:i,s:O}", "cuda", info.cuda ? Py_True : Py_False, "nccl",
+                         info.nccl ? Py_True : Py_False, "nccl_version", info.nccl_version, "nccl_version_code",
+                         (int)info.nccl_version_code, "network", info.network ? Py_True : Py_False);
+}
+
 static PyObject *mod_refresh_torch(PyObject *mod, PyObject *unused)
 {
     py_refresh_torch();
@@ -167,6 +177,7 @@ static PyMethodDef module_methods[] = {
      "get_unique_id() -> bytes\n--\n\nA 128-byte rendezvous token (TCP, hosted by rank 0); send it to every "
      "rank."},
     {"version", mod_version, METH_NOARGS, "version() -> str\n--\n\nVersion of the linked library."},
+    {"build_info", mod_build_info, METH_NOARGS, "Internal: use epx.build_info()."},
     {"comm_init", KWFN(py_comm_init), METH_VARARGS | METH_KEYWORDS, "Internal: use Comm.from_unique_id."},
     {"comm_init_callbacks", KWFN(py_comm_init_callbacks), METH_VARARGS | METH_KEYWORDS,
      "Internal: use Comm.from_callbacks or Comm.from_torch."},
