@@ -79,6 +79,12 @@ static epx_result_t check_peers(epx_comm_t comm)
         if (p[r].backend != p[0].backend)
             return epx_error(EPX_ERR_MISMATCH, "rank %d chose backend %s, rank 0 chose backend %s", r,
                              epx_backend_name(p[r].backend), epx_backend_name(p[0].backend));
+        /* Strings from other processes are compared and printed: each must end inside its field. */
+        if (!memchr(p[r].hostname, 0, sizeof(p[r].hostname)) || !memchr(p[r].node_id, 0, sizeof(p[r].node_id)))
+            return epx_error(EPX_ERR_BOOTSTRAP,
+                             "rank %d: rank %d's host name or node id is not a terminated string (a corrupt "
+                             "bootstrap exchange)",
+                             comm->rank, r);
     }
     return EPX_SUCCESS;
 }
