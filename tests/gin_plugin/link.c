@@ -85,7 +85,20 @@ static size_t mbox_bytes(int nranks, uint64_t slots)
 
 int link_peer_alive(const link_t *l, int peer)
 {
-    return kill(l->peers[peer].pid, 0) == 0 || errno != ESRCH;
+    pid_t pid = l->peers[peer].pid;
+    if (kill(pid, 0) != 0 && errno == ESRCH) return 0;
+    /* kill() still reaches a zombie: an exited peer whose parent has not reaped it yet is gone too. */
+    char path[64], text[512];
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return errno != ENOENT && errno != ESRCH;
+    ssize_t n = read(fd, text, sizeof(text) - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    text[n] = '\0';
+    /* The command name may hold spaces and parentheses: the state follows the last ')'. */
+    const char *paren = strrchr(text, ')');
+    return !(paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X'));
 }
 
 int link_add_post(link_t *l, int peer, uint64_t region, uint64_t offset, uint64_t value, uint64_t *ticket,

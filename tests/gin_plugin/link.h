@@ -106,7 +106,7 @@ int link_exchange(link_t *l, const link_msg_t *mine, int fd, link_msg_t *all, in
 link_ring_t *link_ring(link_mailbox_t *m, int sender);
 link_slot_t *link_slot(link_mailbox_t *m, int sender, uint64_t ticket);
 
-/* 1 when the peer's process still exists. */
+/* 1 when the peer's process still runs (an exited process that nobody has reaped yet counts as gone). */
 int link_peer_alive(const link_t *l, int peer);
 
 /* The signal-add protocol over the mailboxes. Sender calls come from one thread at a time per link (the
