@@ -280,6 +280,20 @@ int link_connect(link_t *l, int sock, uint64_t serial, void *const handles[], in
             rc = -1;
         }
     }
+    if (rc) return -1;
+    /* Once every peer has mapped this rank's mailbox its name can go: a rank killed later leaves nothing
+     * behind in /dev/shm. */
+    link_msg_t mapped = {.serial = LINK_SERIAL_MAPPED, .rank = rank};
+    all = calloc((size_t)nranks, sizeof(*all));
+    fds = calloc((size_t)nranks, sizeof(*fds));
+    rc = all && fds ? link_exchange(l, &mapped, -1, all, fds, err, err_len) : -1;
+    if (!all || !fds) snprintf(err, err_len, "connect: out of memory");
+    free(all);
+    free(fds);
+    if (!rc) {
+        shm_unlink(l->inbox_name);
+        l->inbox_name[0] = '\0';
+    }
     return rc;
 }
 

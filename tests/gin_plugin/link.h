@@ -52,6 +52,10 @@ typedef struct link_mailbox {
     /* then nranks link_ring_t, then nranks * slots link_slot_t */
 } link_mailbox_t;
 
+/* The serial of connect's second exchange (every rank has mapped every mailbox); registrations count
+ * from 1, connect's hello is 0. */
+#define LINK_SERIAL_MAPPED UINT64_MAX
+
 /* One message of a collective exchange. */
 typedef struct link_msg {
     uint64_t magic;
@@ -93,7 +97,9 @@ typedef struct link {
 int link_listen(link_handle_t *handle, int *sock_out, char *err, size_t err_len);
 
 /* connect: takes over `sock`, checks the handles, creates this rank's mailbox (slots per ring, rounded
- * up to a power of two), exchanges a hello with every peer (bounded by deadline_ms) and maps theirs. */
+ * up to a power of two), exchanges a hello with every peer (bounded by deadline_ms) and maps theirs,
+ * then, after a second exchange saying every rank has mapped every mailbox, unlinks its mailbox's name.
+ * On failure the link must still be closed (link_close). */
 int link_connect(link_t *l, int sock, uint64_t serial, void *const handles[], int nranks, int rank,
                  uint64_t slots, uint64_t deadline_ms, char *err, size_t err_len);
 
