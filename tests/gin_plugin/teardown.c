@@ -24,7 +24,7 @@ static void serve_once(const gin_server_t *srv, int rank)
 ginq_result_t gin_teardown(ginq_t *q, link_t *l, const gin_server_t *srv, int rank, int context,
                            uint64_t deadline_ms, char *err, size_t err_len)
 {
-    uint64_t end = link_now_ms() + deadline_ms;
+    uint64_t start = link_now_ms(), end = start + deadline_ms;
     err[0] = '\0';
     /* This rank's operations first: peers keep serving until this rank says it is done. */
     while (link_now_ms() < end) {
@@ -45,8 +45,8 @@ ginq_result_t gin_teardown(ginq_t *q, link_t *l, const gin_server_t *srv, int ra
             rank, context, (unsigned long long)deadline_ms);
         srv->warn(msg);
     }
-    uint64_t now = link_now_ms();
-    ginq_result_t res = ginq_close(q, now < end ? end - now : 0);
+    /* The core's messages then count the whole close against the whole deadline, not what was left. */
+    ginq_result_t res = ginq_close_after(q, link_now_ms() - start, deadline_ms);
     if (res != GINQ_OK) ginq_message(q, err, err_len);
     return res;
 }
