@@ -201,7 +201,7 @@ int lt_mover_init(lt_mover_t *m, link_t *l, uint64_t seed)
     m->nranks = l->nranks;
     for (uint64_t i = 0; i < LT_DATA; i++) m->src[i] = lt_src_byte(m->rank, seed, i);
     pthread_mutex_init(&m->serve_mutex, NULL);
-    int fd = memfd_create("epx-gin-link-test", MFD_CLOEXEC), fds[LT_MAX_RANKS];
+    int fd = memfd_create("epx-gin-link-test", MFD_CLOEXEC), fds[LT_MAX_RANKS] = {-1, -1, -1, -1};
     link_msg_t mine = {.serial = 100, .kind = 1}, all[LT_MAX_RANKS];
     char msg[256] = "";
     if (fd < 0 || ftruncate(fd, LT_DATA)) {
@@ -224,7 +224,7 @@ int lt_mover_init(lt_mover_t *m, link_t *l, uint64_t seed)
             rc = 1;
         }
         if (p != MAP_FAILED) m->data[r] = p;
-        if (r != m->rank && !rc && fds[r] >= 0) close(fds[r]);
+        if (r != m->rank && fds[r] >= 0) close(fds[r]);
     }
     close(fd);
     m->src_region = (lt_region_t){{LT_DATA, &m->src_region}, 1, m->src, {NULL}};
