@@ -52,8 +52,8 @@ int link_listen(link_handle_t *handle, int *sock_out, char *err, size_t err_len)
     struct sockaddr_un addr;
     socklen_t alen = sock_name(&addr, getpid(), serial);
     if (sock < 0 || bind(sock, (struct sockaddr *)&addr, alen)) {
-        snprintf(err, err_len, "listen: cannot bind the exchange socket epx-gin-test-%d-%llu: %s", (int)getpid(),
-                 (unsigned long long)serial, strerror(errno));
+        snprintf(err, err_len, "listen: cannot bind the exchange socket epx-gin-test-%d-%llu: %s",
+                 (int)getpid(), (unsigned long long)serial, strerror(errno));
         if (sock >= 0) close(sock);
         return -1;
     }
@@ -85,11 +85,109 @@ static size_t mbox_bytes(int nranks, uint64_t slots)
 
 int link_peer_alive(const link_t *l, int peer)
 {
-    return kill(l->peers[peer].pid, 0) == 0 || errno != ESRCH;
+    pid_t pid = l->peers[peer].pid;
+    if (kill(pid, 0) != 0 && errno == ESRCH) return 0;
+    /* kill() still reaches a zombie: an exited peer whose parent has not reaped it yet is gone too. */
+    char path[64], text[512];
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return errno != ENOENT && errno != ESRCH;
+    ssize_t n = read(fd, text, sizeof(text) - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    text[n] = '\0';
+    /* The command name may hold spaces and parentheses: the state follows the last ')'. */
+    const char *paren = strrchr(text, ')');
+    return !(paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X'));
 }
 
-static int map_mailbox(const char *name, int create, size_t len, link_mailbox_t **out, size_t *len_out, char *err,
-                       size_t err_len)
+int link_add_post(link_t *l, int peer, uint64_t region, uint64_t offset, uint64_t value, uint64_t *ticket,
+                  char *err, size_t err_len)
+{
+    link_mailbox_t *box = l->peers[peer].mbox;
+    link_ring_t *ring = link_ring(box, l->rank);
+    uint64_t t = l->peers[peer].next_ticket;
+    if (t - __atomic_load_n(&ring->applied, __ATOMIC_ACQUIRE) >= box->slots) {
+        snprintf(err, err_len, "mailbox of peer %d full (%llu adds not applied)", peer,
+                 (unsigned long long)box->slots);
+        return -1;
+    }
+    link_slot_t *slot = link_slot(box, l->rank, t);
+    slot->region = region;
+    slot->offset = offset;
+    slot->value = value;
+    __atomic_store_n(&slot->seq, t + 1, __ATOMIC_RELEASE);
+    l->peers[peer].next_ticket = t + 1;
+    *ticket = t;
+    return 0;
+}
+
+int link_add_poll(link_t *l, int peer, uint64_t ticket, char *err, size_t err_len)
+{
+    link_ring_t *ring = link_ring(l->peers[peer].mbox, l->rank);
+    /* The first refused ticket and every later one fail: the owner publishes those as applied unapplied. */
+    uint64_t refused = __atomic_load_n(&ring->refused, __ATOMIC_ACQUIRE);
+    if (refused && ticket + 1 >= refused) {
+        snprintf(err, err_len, "peer %d refused the signal add: %.150s", peer, ring->reason);
+        return -1;
+    }
+    if (__atomic_load_n(&ring->applied, __ATOMIC_ACQUIRE) > ticket) return 1;
+    if (!link_peer_alive(l, peer)) {
+        snprintf(err, err_len, "peer %d (pid %d) is gone", peer, (int)l->peers[peer].pid);
+        return -1;
+    }
+    return 0;
+}
+
+int link_add_take(link_t *l, int sender, link_slot_t *slot, uint64_t *ticket)
+{
+    uint64_t t = l->peers[sender].expected;
+    const link_slot_t *s = link_slot(l->inbox, sender, t);
+    if (__atomic_load_n(&s->seq, __ATOMIC_ACQUIRE) != t + 1) return 0;
+    *slot = *s;
+    *ticket = t;
+    l->peers[sender].expected = t + 1;
+    return __atomic_load_n(&link_ring(l->inbox, sender)->refused, __ATOMIC_RELAXED) ? 2 : 1;
+}
+
+void link_add_refuse(link_t *l, int sender, uint64_t ticket, const char *why)
+{
+    link_ring_t *ring = link_ring(l->inbox, sender);
+    if (__atomic_load_n(&ring->refused, __ATOMIC_RELAXED)) return;
+    snprintf(ring->reason, sizeof(ring->reason), "%s", why);
+    __atomic_store_n(&ring->refused, ticket + 1, __ATOMIC_RELEASE);
+}
+
+void link_add_applied(link_t *l, int sender, uint64_t ticket)
+{
+    __atomic_store_n(&link_ring(l->inbox, sender)->applied, ticket + 1, __ATOMIC_RELEASE);
+}
+
+int link_inbox_idle(link_t *l)
+{
+    for (int s = 0; s < l->nranks; s++) {
+        uint64_t t = l->peers[s].expected;
+        if (__atomic_load_n(&link_slot(l->inbox, s, t)->seq, __ATOMIC_ACQUIRE) == t + 1) return 0;
+    }
+    return 1;
+}
+
+void link_mark_sender_done(link_t *l)
+{
+    for (int p = 0; p < l->nranks; p++)
+        __atomic_store_n(&link_ring(l->peers[p].mbox, l->rank)->sender_done, 1, __ATOMIC_RELEASE);
+}
+
+int link_peers_done(const link_t *l)
+{
+    for (int s = 0; s < l->nranks; s++)
+        if (!__atomic_load_n(&link_ring(l->inbox, s)->sender_done, __ATOMIC_ACQUIRE) && link_peer_alive(l, s))
+            return 0;
+    return 1;
+}
+
+static int map_mailbox(const char *name, int create, size_t len, link_mailbox_t **out, size_t *len_out,
+                       char *err, size_t err_len)
 {
     int fd = shm_open(name, create ? O_RDWR | O_CREAT | O_EXCL : O_RDWR, 0600);
     if (fd < 0 || (create && ftruncate(fd, (off_t)len))) {
@@ -177,9 +275,24 @@ int link_connect(link_t *l, int sock, uint64_t serial, void *const handles[], in
         if (!rc && (__atomic_load_n(&l->peers[r].mbox->magic, __ATOMIC_ACQUIRE) != LINK_MAGIC ||
                     l->peers[r].mbox->nranks != nranks ||
                     l->peers[r].mbox_len < mbox_bytes(nranks, l->peers[r].mbox->slots))) {
-            snprintf(err, err_len, "connect: mailbox %s of rank %d does not describe %d ranks", name, r, nranks);
+            snprintf(err, err_len, "connect: mailbox %s of rank %d does not describe %d ranks", name, r,
+                     nranks);
             rc = -1;
         }
+    }
+    if (rc) return -1;
+    /* Once every peer has mapped this rank's mailbox its name can go: a rank killed later leaves nothing
+     * behind in /dev/shm. */
+    link_msg_t mapped = {.serial = LINK_SERIAL_MAPPED, .rank = rank};
+    all = calloc((size_t)nranks, sizeof(*all));
+    fds = calloc((size_t)nranks, sizeof(*fds));
+    rc = all && fds ? link_exchange(l, &mapped, -1, all, fds, err, err_len) : -1;
+    if (!all || !fds) snprintf(err, err_len, "connect: out of memory");
+    free(all);
+    free(fds);
+    if (!rc) {
+        shm_unlink(l->inbox_name);
+        l->inbox_name[0] = '\0';
     }
     return rc;
 }
@@ -208,7 +321,9 @@ static int send_one(link_t *l, int peer, const link_msg_t *msg, int fd)
     if (n == (ssize_t)sizeof(*msg)) return 1;
     /* EAGAIN: the peer's queue is full; ECONNREFUSED / ENOENT: not bound yet or gone: retry until the
      * deadline, the liveness check names a dead peer. */
-    return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == ECONNREFUSED || errno == ENOENT) ? 0 : -1;
+    return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == ECONNREFUSED || errno == ENOENT)
+               ? 0
+               : -1;
 }
 
 /* Receives one datagram; 1 with msg (and *fd, -1 when none), 0 when none is queued, -1 on error. */
@@ -219,7 +334,8 @@ static int recv_one(link_t *l, link_msg_t *msg, int *fd)
         char buf[CMSG_SPACE(sizeof(int))];
         struct cmsghdr align;
     } ctl;
-    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf, .msg_controllen = sizeof(ctl.buf)};
+    struct msghdr mh = {
+        .msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf, .msg_controllen = sizeof(ctl.buf)};
     ssize_t n = recvmsg(l->sock, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
     if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : -1;
     *fd = -1;
@@ -252,7 +368,8 @@ static int take_stashed(link_t *l, uint64_t serial, link_msg_t *all, int *fds, c
     return n;
 }
 
-int link_exchange(link_t *l, const link_msg_t *mine, int fd, link_msg_t *all, int *fds, char *err, size_t err_len)
+int link_exchange(link_t *l, const link_msg_t *mine, int fd, link_msg_t *all, int *fds, char *err,
+                  size_t err_len)
 {
     int nr = l->nranks, rc = -1;
     char *sent = calloc((size_t)nr, 1), *got = calloc((size_t)nr, 1);
@@ -309,8 +426,8 @@ int link_exchange(link_t *l, const link_msg_t *mine, int fd, link_msg_t *all, in
         if (nsent == nr && ngot == nr) break;
         for (int r = 0; r < nr; r++) {
             if ((!sent[r] || !got[r]) && !link_peer_alive(l, r)) {
-                snprintf(err, err_len, "exchange %llu: rank %d (pid %d) is gone", (unsigned long long)msg.serial,
-                         r, (int)l->peers[r].pid);
+                snprintf(err, err_len, "exchange %llu: rank %d (pid %d) is gone",
+                         (unsigned long long)msg.serial, r, (int)l->peers[r].pid);
                 goto out;
             }
         }

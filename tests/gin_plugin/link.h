@@ -52,6 +52,10 @@ typedef struct link_mailbox {
     /* then nranks link_ring_t, then nranks * slots link_slot_t */
 } link_mailbox_t;
 
+/* The serial of connect's second exchange (every rank has mapped every mailbox); registrations count
+ * from 1, connect's hello is 0. */
+#define LINK_SERIAL_MAPPED UINT64_MAX
+
 /* One message of a collective exchange. */
 typedef struct link_msg {
     uint64_t magic;
@@ -67,6 +71,8 @@ typedef struct link_peer {
     uint64_t serial;
     link_mailbox_t *mbox; /* its inbound mailbox, mapped here */
     size_t mbox_len;
+    uint64_t next_ticket; /* sender side: this rank's next ticket in the peer's mailbox */
+    uint64_t expected;    /* receiver side: the next ticket to take from the peer's ring here */
 } link_peer_t;
 
 typedef struct link_stash {
@@ -91,7 +97,9 @@ typedef struct link {
 int link_listen(link_handle_t *handle, int *sock_out, char *err, size_t err_len);
 
 /* connect: takes over `sock`, checks the handles, creates this rank's mailbox (slots per ring, rounded
- * up to a power of two), exchanges a hello with every peer (bounded by deadline_ms) and maps theirs. */
+ * up to a power of two), exchanges a hello with every peer (bounded by deadline_ms) and maps theirs,
+ * then, after a second exchange saying every rank has mapped every mailbox, unlinks its mailbox's name.
+ * On failure the link must still be closed (link_close). */
 int link_connect(link_t *l, int sock, uint64_t serial, void *const handles[], int nranks, int rank,
                  uint64_t slots, uint64_t deadline_ms, char *err, size_t err_len);
 
@@ -104,8 +112,32 @@ int link_exchange(link_t *l, const link_msg_t *mine, int fd, link_msg_t *all, in
 link_ring_t *link_ring(link_mailbox_t *m, int sender);
 link_slot_t *link_slot(link_mailbox_t *m, int sender, uint64_t ticket);
 
-/* 1 when the peer's process still exists. */
+/* 1 when the peer's process still runs (an exited process that nobody has reaped yet counts as gone). */
 int link_peer_alive(const link_t *l, int peer);
+
+/* The signal-add protocol over the mailboxes. Sender calls come from one thread at a time per link (the
+ * queue context's mutex), receiver calls likewise (the mover's mutex); none of them blocks.
+ *
+ * Sender: posts an add of `value` to the word at (region, offset) of `peer` into its ring in the peer's
+ * mailbox; *ticket identifies it. -1 with a message when the ring holds `slots` adds not yet applied. */
+int link_add_post(link_t *l, int peer, uint64_t region, uint64_t offset, uint64_t value, uint64_t *ticket,
+                  char *err, size_t err_len);
+/* Sender: 1 once the peer applied `ticket`, 0 while pending, -1 with a message naming the peer when the
+ * peer refused it (or an earlier add of this ring: the ring is then in error) or its process is gone. */
+int link_add_poll(link_t *l, int peer, uint64_t ticket, char *err, size_t err_len);
+/* Receiver: takes `sender`'s next published add, in ticket order: 0 when none is published; 1 with the
+ * slot's payload and ticket; 2 for an add posted after a refused one of that ring, which must not be
+ * applied (its sender fails it). Every taken ticket must be published with link_add_applied. */
+int link_add_take(link_t *l, int sender, link_slot_t *slot, uint64_t *ticket);
+/* Receiver: refuses `ticket` of `sender` with a reason (the first refusal of a ring is kept). */
+void link_add_refuse(link_t *l, int sender, uint64_t ticket, const char *why);
+/* Receiver: `sender`'s adds up to `ticket` have landed (or were refused); tickets in order. */
+void link_add_applied(link_t *l, int sender, uint64_t ticket);
+/* Receiver: 1 when no sender has an add published and not yet taken. */
+int link_inbox_idle(link_t *l);
+/* Tells every peer this rank posts nothing more; 1 once every live peer has said the same. */
+void link_mark_sender_done(link_t *l);
+int link_peers_done(const link_t *l);
 
 /* Unmaps and unlinks; closes the socket and stashed fds. Safe on a partly connected link. */
 void link_close(link_t *l);

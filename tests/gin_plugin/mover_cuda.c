@@ -55,7 +55,6 @@ struct cuda_mover {
     int rank, nranks, device, nxfers;
     cudaStream_t stream;
     xfer_t *xfers;
-    uint64_t *next_ticket; /* per peer: this rank's next ticket in the peer's mailbox */
     pthread_mutex_t mutex; /* regions and serve state */
     cuda_region_t *regions;
     uint64_t next_serial;
@@ -65,8 +64,7 @@ struct cuda_mover {
     uint64_t *words[SERVE_BATCH];
     uint64_t *staging; /* pinned, SERVE_BATCH words */
     cudaEvent_t serve_event;
-    uint64_t *expected; /* per sender: the next ticket to take from its ring */
-    char broken[160];   /* set once applying failed: every later add is refused with this reason */
+    char broken[160]; /* set once applying failed: every later add is refused with this reason */
 };
 
 static int cuda_fail(cudaError_t e, const char *what, char *err, size_t len)
@@ -96,11 +94,10 @@ int cuda_mover_create(link_t *link, int capacity, cuda_mover_t **out, char *err,
     m->nranks = link->nranks;
     m->nxfers = 2 * capacity; /* a put and a signal per request at most */
     m->xfers = calloc((size_t)m->nxfers, sizeof(*m->xfers));
-    m->next_ticket = calloc((size_t)m->nranks, sizeof(*m->next_ticket));
-    m->expected = calloc((size_t)m->nranks, sizeof(*m->expected));
-    if (!m->xfers || !m->next_ticket || !m->expected || pthread_mutex_init(&m->mutex, NULL)) goto oom;
+    if (!m->xfers || pthread_mutex_init(&m->mutex, NULL)) goto oom;
     if (cuda_fail(cudaGetDevice(&m->device), "cudaGetDevice", err, err_len) ||
-        cuda_fail(cudaStreamCreateWithFlags(&m->stream, cudaStreamNonBlocking), "cudaStreamCreate", err, err_len) ||
+        cuda_fail(cudaStreamCreateWithFlags(&m->stream, cudaStreamNonBlocking), "cudaStreamCreate", err,
+                  err_len) ||
         cuda_fail(cudaEventCreateWithFlags(&m->serve_event, cudaEventDisableTiming), "cudaEventCreate", err,
                   err_len) ||
         cuda_fail(cudaHostAlloc((void **)&m->staging, SERVE_BATCH * sizeof(uint64_t), cudaHostAllocDefault),
@@ -113,8 +110,6 @@ int cuda_mover_create(link_t *link, int capacity, cuda_mover_t **out, char *err,
 oom:
     if (m) {
         free(m->xfers);
-        free(m->next_ticket);
-        free(m->expected);
         free(m);
     }
     snprintf(err, err_len, "cuda mover: out of memory");
@@ -143,8 +138,6 @@ void cuda_mover_destroy(cuda_mover_t *m)
     if (m->stream) cudaStreamDestroy(m->stream);
     pthread_mutex_destroy(&m->mutex);
     free(m->xfers);
-    free(m->next_ticket);
-    free(m->expected);
     free(m);
 }
 
@@ -163,7 +156,8 @@ static int export_region(cuda_region_t *r, link_msg_t *msg, int *fd, char *err, 
     if (r->type != GIN11_PTR_CUDA) return 0; /* host memory: a local source only */
     CUdeviceptr base = 0;
     size_t alloc_len = 0;
-    if (cu_fail(cuMemGetAddressRange(&base, &alloc_len, (CUdeviceptr)r->local), "cuMemGetAddressRange", err, len))
+    if (cu_fail(cuMemGetAddressRange(&base, &alloc_len, (CUdeviceptr)r->local), "cuMemGetAddressRange", err,
+                len))
         return -1;
     if ((CUdeviceptr)r->local + r->core.size > base + alloc_len) {
         snprintf(err, len, "region %p + %zu spans more than one allocation (%p + %zu)", (void *)r->local,
@@ -178,7 +172,8 @@ static int export_region(cuda_region_t *r, link_msg_t *msg, int *fd, char *err, 
             CUDA_SUCCESS &&
         (allowed & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) {
         CUmemGenericAllocationHandle h;
-        if (cu_fail(cuMemRetainAllocationHandle(&h, r->local), "cuMemRetainAllocationHandle", err, len)) return -1;
+        if (cu_fail(cuMemRetainAllocationHandle(&h, r->local), "cuMemRetainAllocationHandle", err, len))
+            return -1;
         CUresult e = cuMemExportToShareableHandle(fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
         cuMemRelease(h);
         if (cu_fail(e, "cuMemExportToShareableHandle (POSIX fd)", err, len)) return -1;
@@ -196,8 +191,8 @@ static int export_region(cuda_region_t *r, link_msg_t *msg, int *fd, char *err, 
     return 0;
 }
 
-static int import_region(cuda_mover_t *m, cuda_region_t *r, int peer, const link_msg_t *msg, int fd, char *err,
-                         size_t len)
+static int import_region(cuda_mover_t *m, cuda_region_t *r, int peer, const link_msg_t *msg, int fd,
+                         char *err, size_t len)
 {
     r->peer_size[peer] = msg->words[2];
     if (msg->kind == MAP_LEGACY) {
@@ -213,21 +208,24 @@ static int import_region(cuda_mover_t *m, cuda_region_t *r, int peer, const link
             return -1;
         }
         size_t map_len = msg->words[0];
-        CUmemAccessDesc access = {{CU_MEM_LOCATION_TYPE_DEVICE, m->device}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+        CUmemAccessDesc access = {{CU_MEM_LOCATION_TYPE_DEVICE, m->device},
+                                  CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
         if (cu_fail(cuMemImportFromShareableHandle(&r->vmm_handle[peer], (void *)(uintptr_t)fd,
                                                    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
                     "cuMemImportFromShareableHandle", err, len))
             return -1;
-        if (cu_fail(cuMemAddressReserve(&r->vmm_va[peer], map_len, 0, 0, 0), "cuMemAddressReserve", err, len)) {
+        if (cu_fail(cuMemAddressReserve(&r->vmm_va[peer], map_len, 0, 0, 0), "cuMemAddressReserve", err,
+                    len)) {
             cuMemRelease(r->vmm_handle[peer]);
             r->vmm_handle[peer] = 0;
             return -1;
         }
         r->vmm_len[peer] = map_len;
         if (cu_fail(cuMemMap(r->vmm_va[peer], map_len, 0, r->vmm_handle[peer], 0), "cuMemMap", err, len))
-            return -1; /* deregister undoes what was done */
+            return -1;                                           /* deregister undoes what was done */
         r->peer[peer] = (char *)r->vmm_va[peer] + msg->words[1]; /* mapped: deregister unmaps it */
-        if (cu_fail(cuMemSetAccess(r->vmm_va[peer], map_len, &access, 1), "cuMemSetAccess", err, len)) return -1;
+        if (cu_fail(cuMemSetAccess(r->vmm_va[peer], map_len, &access, 1), "cuMemSetAccess", err, len))
+            return -1;
     }
     return 0;
 }
@@ -338,8 +336,8 @@ static int take_xfer(cuda_mover_t *m, int is_signal, int peer, uint64_t *token, 
     for (int i = 0; i < m->nxfers; i++) {
         xfer_t *x = &m->xfers[i];
         if (x->used) continue;
-        if (!x->event && cuda_fail(cudaEventCreateWithFlags(&x->event, cudaEventDisableTiming), "cudaEventCreate",
-                                   msg, len))
+        if (!x->event && cuda_fail(cudaEventCreateWithFlags(&x->event, cudaEventDisableTiming),
+                                   "cudaEventCreate", msg, len))
             return -1;
         x->used = 1;
         x->is_signal = is_signal;
@@ -357,12 +355,14 @@ static int start_put(void *state, const ginq_op_t *op, uint64_t *token, char *ms
     const ginq_desc_t *d = &op->desc;
     cuda_region_t *src = d->src->mover_data, *dst = d->dst->mover_data;
     if (!dst->peer[d->peer]) {
-        snprintf(msg, len, "destination region #%" PRIu64 " is not mapped for peer %d (its memory allows no export)",
+        snprintf(msg, len,
+                 "destination region #%" PRIu64 " is not mapped for peer %d (its memory allows no export)",
                  dst->serial, d->peer);
         return -1;
     }
     if (d->dst_off + d->bytes > dst->peer_size[d->peer]) {
-        snprintf(msg, len, "destination range %" PRIu64 "+%zu outside peer %d's region #%" PRIu64 " (%zu bytes)",
+        snprintf(msg, len,
+                 "destination range %" PRIu64 "+%zu outside peer %d's region #%" PRIu64 " (%zu bytes)",
                  d->dst_off, d->bytes, d->peer, dst->serial, dst->peer_size[d->peer]);
         return -1;
     }
@@ -384,21 +384,13 @@ static int start_signal(void *state, const ginq_op_t *op, uint64_t *token, char 
     cuda_mover_t *m = state;
     const ginq_desc_t *d = &op->desc;
     const cuda_region_t *sig = d->signal->mover_data;
-    link_mailbox_t *box = m->link->peers[d->peer].mbox;
-    link_ring_t *ring = link_ring(box, m->rank);
-    uint64_t ticket = m->next_ticket[d->peer];
-    if (ticket - __atomic_load_n(&ring->applied, __ATOMIC_ACQUIRE) >= box->slots) {
-        snprintf(msg, len, "mailbox of peer %d full (%" PRIu64 " adds not applied)", d->peer, box->slots);
+    uint64_t ticket;
+    if (take_xfer(m, 1, d->peer, token, msg, len)) return -1;
+    if (link_add_post(m->link, d->peer, sig->serial, d->signal_off, op->signal_add, &ticket, msg, len)) {
+        m->xfers[*token].used = 0;
         return -1;
     }
-    if (take_xfer(m, 1, d->peer, token, msg, len)) return -1;
     m->xfers[*token].ticket = ticket;
-    link_slot_t *slot = link_slot(box, m->rank, ticket);
-    slot->region = sig->serial;
-    slot->offset = d->signal_off;
-    slot->value = op->signal_add;
-    __atomic_store_n(&slot->seq, ticket + 1, __ATOMIC_RELEASE);
-    m->next_ticket[d->peer] = ticket + 1;
     return 0;
 }
 
@@ -411,19 +403,7 @@ static int poll_xfer(void *state, uint64_t token, char *msg, size_t len)
         if (e == cudaErrorNotReady) return 0;
         return cuda_fail(e, "put", msg, len) ? -1 : 1;
     }
-    link_ring_t *ring = link_ring(m->link->peers[x->peer].mbox, m->rank);
-    /* The first refused ticket and every later one fail: the owner publishes those as applied unapplied. */
-    uint64_t refused = __atomic_load_n(&ring->refused, __ATOMIC_ACQUIRE);
-    if (refused && x->ticket + 1 >= refused) {
-        snprintf(msg, len, "peer %d refused the signal add: %.150s", x->peer, ring->reason);
-        return -1;
-    }
-    if (__atomic_load_n(&ring->applied, __ATOMIC_ACQUIRE) > x->ticket) return 1;
-    if (!link_peer_alive(m->link, x->peer)) {
-        snprintf(msg, len, "peer %d (pid %d) is gone", x->peer, (int)m->link->peers[x->peer].pid);
-        return -1;
-    }
-    return 0;
+    return link_add_poll(m->link, x->peer, x->ticket, msg, len);
 }
 
 static void release_xfer(void *state, uint64_t token, int abandoned)
@@ -447,40 +427,33 @@ static cuda_region_t *find_region(cuda_mover_t *m, uint64_t serial)
     return NULL;
 }
 
-static void refuse(cuda_mover_t *m, int sender, uint64_t ticket, const char *why)
-{
-    link_ring_t *ring = link_ring(m->link->inbox, sender);
-    if (__atomic_load_n(&ring->refused, __ATOMIC_RELAXED)) return;
-    snprintf(ring->reason, sizeof(ring->reason), "%s", why);
-    __atomic_store_n(&ring->refused, ticket + 1, __ATOMIC_RELEASE);
-}
-
-/* Takes what senders have published (each slot's sequence checked against the expected ticket). */
+/* Takes what senders have published, in ticket order per sender. */
 static void gather(cuda_mover_t *m)
 {
-    link_mailbox_t *box = m->link->inbox;
     m->nreq = m->nwords = 0;
     for (int s = 0; s < m->nranks && m->nreq < SERVE_BATCH; s++) {
         while (m->nreq < SERVE_BATCH) {
-            uint64_t t = m->expected[s];
-            link_slot_t *slot = link_slot(box, s, t);
-            if (__atomic_load_n(&slot->seq, __ATOMIC_ACQUIRE) != t + 1) break;
+            link_slot_t slot;
+            uint64_t t;
+            int took = link_add_take(m->link, s, &slot, &t);
+            if (!took) break;
             serve_req_t *q = &m->req[m->nreq++];
-            *q = (serve_req_t){.sender = s, .ticket = t, .value = slot->value, .word_index = -1};
-            m->expected[s] = t + 1;
-            cuda_region_t *r = find_region(m, slot->region);
+            *q = (serve_req_t){.sender = s, .ticket = t, .value = slot.value, .word_index = -1};
+            if (took == 2) continue; /* after a refused add of this sender: published, never applied */
+            cuda_region_t *r = find_region(m, slot.region);
             char why[160];
             if (m->broken[0]) {
-                refuse(m, s, t, m->broken);
+                link_add_refuse(m->link, s, t, m->broken);
                 continue;
             }
-            if (!r || r->type != GIN11_PTR_CUDA || slot->offset % 8 || slot->offset + 8 > r->core.size) {
-                snprintf(why, sizeof(why), "rank %d: no device region #%" PRIu64 " holds a signal word at offset %" PRIu64,
-                         m->rank, slot->region, slot->offset);
-                refuse(m, s, t, why);
+            if (!r || r->type != GIN11_PTR_CUDA || slot.offset % 8 || slot.offset + 8 > r->core.size) {
+                snprintf(why, sizeof(why),
+                         "rank %d: no device region #%" PRIu64 " holds a signal word at offset %" PRIu64,
+                         m->rank, slot.region, slot.offset);
+                link_add_refuse(m->link, s, t, why);
                 continue;
             }
-            q->word = (uint64_t *)(r->local + slot->offset);
+            q->word = (uint64_t *)(r->local + slot.offset);
             for (int w = 0; w < m->nwords && q->word_index < 0; w++)
                 if (m->words[w] == q->word) q->word_index = w;
             if (q->word_index < 0) {
@@ -494,9 +467,7 @@ static void gather(cuda_mover_t *m)
 static void publish(cuda_mover_t *m)
 {
     /* Requests of one sender were taken in ticket order: the last one publishes them all. */
-    for (int i = 0; i < m->nreq; i++)
-        __atomic_store_n(&link_ring(m->link->inbox, m->req[i].sender)->applied, m->req[i].ticket + 1,
-                         __ATOMIC_RELEASE);
+    for (int i = 0; i < m->nreq; i++) link_add_applied(m->link, m->req[i].sender, m->req[i].ticket);
     m->nreq = m->nwords = 0;
     m->phase = 0;
 }
@@ -513,10 +484,11 @@ int cuda_mover_serve(cuda_mover_t *m, char *err, size_t err_len)
             goto out;
         }
         for (int w = 0; w < m->nwords && !rc; w++)
-            rc = cuda_fail(cudaMemcpyAsync(&m->staging[w], m->words[w], sizeof(uint64_t), cudaMemcpyDeviceToHost,
-                                           m->stream),
+            rc = cuda_fail(cudaMemcpyAsync(&m->staging[w], m->words[w], sizeof(uint64_t),
+                                           cudaMemcpyDeviceToHost, m->stream),
                            "signal add: read", err, err_len);
-        if (!rc) rc = cuda_fail(cudaEventRecord(m->serve_event, m->stream), "signal add: record", err, err_len);
+        if (!rc)
+            rc = cuda_fail(cudaEventRecord(m->serve_event, m->stream), "signal add: record", err, err_len);
         m->phase = 1;
         goto out;
     }
@@ -527,10 +499,11 @@ int cuda_mover_serve(cuda_mover_t *m, char *err, size_t err_len)
         for (int i = 0; i < m->nreq; i++)
             if (m->req[i].word) m->staging[m->req[i].word_index] += m->req[i].value;
         for (int w = 0; w < m->nwords && !rc; w++)
-            rc = cuda_fail(cudaMemcpyAsync(m->words[w], &m->staging[w], sizeof(uint64_t), cudaMemcpyHostToDevice,
-                                           m->stream),
+            rc = cuda_fail(cudaMemcpyAsync(m->words[w], &m->staging[w], sizeof(uint64_t),
+                                           cudaMemcpyHostToDevice, m->stream),
                            "signal add: write", err, err_len);
-        if (!rc) rc = cuda_fail(cudaEventRecord(m->serve_event, m->stream), "signal add: record", err, err_len);
+        if (!rc)
+            rc = cuda_fail(cudaEventRecord(m->serve_event, m->stream), "signal add: record", err, err_len);
         m->phase = 2;
     } else {
         publish(m);
@@ -539,7 +512,8 @@ out:
     if (rc && !m->broken[0]) {
         /* The adds of this batch never landed: refuse them, and everything after, with the reason. */
         snprintf(m->broken, sizeof(m->broken), "rank %d could not apply signal adds: %.100s", m->rank, err);
-        for (int i = 0; i < m->nreq; i++) refuse(m, m->req[i].sender, m->req[i].ticket, m->broken);
+        for (int i = 0; i < m->nreq; i++)
+            link_add_refuse(m->link, m->req[i].sender, m->req[i].ticket, m->broken);
         publish(m);
     }
     pthread_mutex_unlock(&m->mutex);
@@ -549,25 +523,17 @@ out:
 int cuda_mover_serve_idle(cuda_mover_t *m)
 {
     pthread_mutex_lock(&m->mutex);
-    int idle = m->phase == 0;
-    for (int s = 0; s < m->nranks && idle; s++)
-        idle = __atomic_load_n(&link_slot(m->link->inbox, s, m->expected[s])->seq, __ATOMIC_ACQUIRE) !=
-               m->expected[s] + 1;
+    int idle = m->phase == 0 && link_inbox_idle(m->link);
     pthread_mutex_unlock(&m->mutex);
     return idle;
 }
 
 void cuda_mover_mark_sender_done(cuda_mover_t *m)
 {
-    for (int p = 0; p < m->nranks; p++)
-        __atomic_store_n(&link_ring(m->link->peers[p].mbox, m->rank)->sender_done, 1, __ATOMIC_RELEASE);
+    link_mark_sender_done(m->link);
 }
 
 int cuda_mover_peers_done(cuda_mover_t *m)
 {
-    for (int s = 0; s < m->nranks; s++)
-        if (!__atomic_load_n(&link_ring(m->link->inbox, s)->sender_done, __ATOMIC_ACQUIRE) &&
-            link_peer_alive(m->link, s))
-            return 0;
-    return 1;
+    return link_peers_done(m->link);
 }

@@ -20,10 +20,11 @@
 #include "link.h"
 #include "mover_cuda.h"
 #include "queue.h"
+#include "teardown.h"
 
-#define PLUGIN_NAME     "EPX_GIN_TEST"
-#define EXPORT          __attribute__((visibility("default")))
-#define DEADLINE_ENV    "EPX_GIN_TEST_TIMEOUT_MS"
+#define PLUGIN_NAME      "EPX_GIN_TEST"
+#define EXPORT           __attribute__((visibility("default")))
+#define DEADLINE_ENV     "EPX_GIN_TEST_TIMEOUT_MS"
 #define DEFAULT_DEADLINE 30000
 
 static gin11_logger_t logger;
@@ -76,12 +77,6 @@ static uint64_t deadline_from_env(void)
         return DEFAULT_DEADLINE;
     }
     return v;
-}
-
-static void nap_us(long us)
-{
-    struct timespec ts = {0, us * 1000};
-    nanosleep(&ts, NULL);
 }
 
 /* ---- GIN: setup --------------------------------------------------------------------------------- */
@@ -184,14 +179,14 @@ static gin11_result_t gin_connect(void *ctx, void *handles[], int nranks, int ra
     c->context = __atomic_fetch_add(&next_context, 1, __ATOMIC_RELAXED);
     /* NCCL keeps at most GIN11_MAX_REQUESTS x max_recvs operations in flight per peer. */
     int capacity = nranks * GIN11_MAX_REQUESTS;
-    ginq_config_t cfg = {.rank = rank, .nranks = nranks, .context = c->context, .capacity = capacity,
-                         .faults = pc->faults};
+    ginq_config_t cfg = {
+        .rank = rank, .nranks = nranks, .context = c->context, .capacity = capacity, .faults = pc->faults};
     ginq_mover_t iface;
     char err[256] = "";
     int sock = l->sock;
     l->sock = -1; /* the link owns it now, whatever happens */
-    if (link_connect(&c->link, sock, l->serial, handles, nranks, rank, (uint64_t)capacity, pc->deadline_ms, err,
-                     sizeof(err)) ||
+    if (link_connect(&c->link, sock, l->serial, handles, nranks, rank, (uint64_t)capacity, pc->deadline_ms,
+                     err, sizeof(err)) ||
         cuda_mover_create(&c->link, capacity, &c->mover, err, sizeof(err)))
         goto fail;
     cuda_mover_interface(c->mover, &iface);
@@ -244,8 +239,9 @@ static gin11_result_t gin_reg_mr_sym(void *coll_comm, void *data, size_t size, i
     return GIN11_OK;
 }
 
-static gin11_result_t gin_reg_mr_sym_dmabuf(void *coll_comm, void *data, size_t size, int type, uint64_t offset,
-                                            int fd, uint64_t mr_flags, void **mhandle, void **gin_handle)
+static gin11_result_t gin_reg_mr_sym_dmabuf(void *coll_comm, void *data, size_t size, int type,
+                                            uint64_t offset, int fd, uint64_t mr_flags, void **mhandle,
+                                            void **gin_handle)
 {
     WARN("regMrSymDmaBuf: this plugin does not advertise DMA-BUF (ptrSupport lacks it); use regMrSym");
     return GIN11_INVALID_USAGE;
@@ -279,17 +275,22 @@ static gin11_result_t post(coll_comm_t *c, const ginq_desc_t *d, void **request)
     char msg[256];
     ginq_message(c->q, msg, sizeof(msg));
     WARN("%s", msg);
-    return res == GINQ_EINVAL ? GIN11_INVALID_ARGUMENT : res == GINQ_EFAILED ? GIN11_REMOTE_ERROR
-                                                                             : GIN11_INTERNAL_ERROR;
+    return res == GINQ_EINVAL    ? GIN11_INVALID_ARGUMENT
+           : res == GINQ_EFAILED ? GIN11_REMOTE_ERROR
+                                 : GIN11_INTERNAL_ERROR;
 }
 
-static gin11_result_t gin_iput(void *coll_comm, uint64_t src_off, void *src_mhandle, size_t size, uint64_t dst_off,
-                               void *dst_mhandle, uint32_t rank, void **request)
+static gin11_result_t gin_iput(void *coll_comm, uint64_t src_off, void *src_mhandle, size_t size,
+                               uint64_t dst_off, void *dst_mhandle, uint32_t rank, void **request)
 {
     coll_comm_t *c = coll_comm;
     if (!c || !request || (size > 0 && (!src_mhandle || !dst_mhandle))) return GIN11_INVALID_ARGUMENT;
-    ginq_desc_t d = {.peer = (int)rank, .src = src_mhandle, .src_off = src_off, .dst = dst_mhandle,
-                     .dst_off = dst_off, .bytes = size};
+    ginq_desc_t d = {.peer = (int)rank,
+                     .src = src_mhandle,
+                     .src_off = src_off,
+                     .dst = dst_mhandle,
+                     .dst_off = dst_off,
+                     .bytes = size};
     return post(c, &d, request);
 }
 
@@ -305,9 +306,16 @@ static gin11_result_t gin_iput_signal(void *coll_comm, uint64_t src_off, void *s
         WARN("rank %d: iputSignal to peer %u: unknown signal op %u", c->rank, rank, signal_op);
         return GIN11_INVALID_ARGUMENT;
     }
-    ginq_desc_t d = {.peer = (int)rank, .src = src_mhandle, .src_off = src_off, .dst = dst_mhandle,
-                     .dst_off = dst_off, .bytes = size, .signal_op = (ginq_signal_op_t)signal_op,
-                     .signal = signal_mhandle, .signal_off = signal_off, .signal_value = signal_value,
+    ginq_desc_t d = {.peer = (int)rank,
+                     .src = src_mhandle,
+                     .src_off = src_off,
+                     .dst = dst_mhandle,
+                     .dst_off = dst_off,
+                     .bytes = size,
+                     .signal_op = (ginq_signal_op_t)signal_op,
+                     .signal = signal_mhandle,
+                     .signal_off = signal_off,
+                     .signal_value = signal_value,
                      .signal_weak = 0};
     return post(c, &d, request);
 }
@@ -357,32 +365,32 @@ static gin11_result_t gin_query_last_error(void *gin_ctx, bool *has_error)
 
 /* ---- GIN: teardown ------------------------------------------------------------------------------ */
 
-/* Drains this rank's operations and keeps applying the peers' adds until they have all closed too, all
- * within the deadline; then the core's close fails whatever is left, naming it. */
+static int serve_adds(void *mover, char *err, size_t err_len)
+{
+    return cuda_mover_serve(mover, err, err_len);
+}
+
+static int serve_idle(void *mover)
+{
+    return cuda_mover_serve_idle(mover);
+}
+
+static void warn_text(const char *msg)
+{
+    WARN("%s", msg);
+}
+
+/* The close sequence (teardown.h) within the deadline, then the context is freed. */
 static gin11_result_t gin_close_coll(void *coll_comm)
 {
     coll_comm_t *c = coll_comm;
     if (!c) return GIN11_INVALID_ARGUMENT;
     char err[256] = "";
-    uint64_t start = link_now_ms(), end = start + c->ctx->deadline_ms;
-    while (link_now_ms() < end) {
-        if (cuda_mover_serve(c->mover, err, sizeof(err))) WARN("rank %d: %s", c->rank, err);
-        if (ginq_progress(c->q) != GINQ_OK || ginq_outstanding(c->q) == 0) break;
-        nap_us(50);
-    }
-    cuda_mover_mark_sender_done(c->mover);
-    while (link_now_ms() < end && !(cuda_mover_peers_done(c->mover) && cuda_mover_serve_idle(c->mover))) {
-        if (cuda_mover_serve(c->mover, err, sizeof(err))) WARN("rank %d: %s", c->rank, err);
-        nap_us(50);
-    }
-    if (!cuda_mover_peers_done(c->mover))
-        WARN("rank %d: context %d closed before every peer had finished posting signal adds to it (%llu ms)",
-             c->rank, c->context, (unsigned long long)c->ctx->deadline_ms);
-    uint64_t now = link_now_ms();
-    ginq_result_t res = ginq_close(c->q, now < end ? end - now : 0);
+    gin_server_t srv = {c->mover, serve_adds, serve_idle, warn_text};
+    ginq_result_t res =
+        gin_teardown(c->q, &c->link, &srv, c->rank, c->context, c->ctx->deadline_ms, err, sizeof(err));
     gin11_result_t rc = GIN11_OK;
     if (res != GINQ_OK) {
-        ginq_message(c->q, err, sizeof(err));
         WARN("rank %d: close of context %d: %s", c->rank, c->context, err);
         rc = res == GINQ_ETIMEDOUT ? GIN11_INTERNAL_ERROR : GIN11_REMOTE_ERROR;
     }
@@ -457,7 +465,8 @@ static gin11_result_t net_listen(void *ctx, int dev, void *handle, void **listen
 {
     return net_refuse("listen");
 }
-static gin11_result_t net_connect(void *ctx, int dev, void *handle, void **send_comm, gin11_device_handle_t **dc)
+static gin11_result_t net_connect(void *ctx, int dev, void *handle, void **send_comm,
+                                  gin11_device_handle_t **dc)
 {
     return net_refuse("connect");
 }
@@ -469,8 +478,8 @@ static gin11_result_t net_reg_mr(void *comm, void *data, size_t size, int type, 
 {
     return net_refuse("regMr");
 }
-static gin11_result_t net_reg_mr_dmabuf(void *comm, void *data, size_t size, int type, uint64_t offset, int fd,
-                                        void **mhandle)
+static gin11_result_t net_reg_mr_dmabuf(void *comm, void *data, size_t size, int type, uint64_t offset,
+                                        int fd, void **mhandle)
 {
     return net_refuse("regMrDmaBuf");
 }
@@ -478,7 +487,8 @@ static gin11_result_t net_dereg_mr(void *comm, void *mhandle)
 {
     return mhandle ? net_refuse("deregMr") : GIN11_OK;
 }
-static gin11_result_t net_isend(void *send_comm, void *data, size_t size, int tag, void *mh, void *ph, void **req)
+static gin11_result_t net_isend(void *send_comm, void *data, size_t size, int tag, void *mh, void *ph,
+                                void **req)
 {
     return net_refuse("isend");
 }
@@ -509,7 +519,8 @@ static gin11_result_t net_irecv_consumed(void *recv_comm, int n, void *request)
 }
 static gin11_result_t net_make_vdevice(int *d, gin11_vdevice_props_t *props)
 {
-    if (!d || !props || props->ndevs != 1 || props->devs[0] != 0) return net_refuse("makeVDevice (merging devices)");
+    if (!d || !props || props->ndevs != 1 || props->devs[0] != 0)
+        return net_refuse("makeVDevice (merging devices)");
     *d = 0;
     return GIN11_OK;
 }

@@ -511,8 +511,14 @@ static const char *where_stuck(const ginq_req_t *r, uint64_t now)
 
 ginq_result_t ginq_close(ginq_t *q, uint64_t deadline_ms)
 {
+    return ginq_close_after(q, 0, deadline_ms);
+}
+
+ginq_result_t ginq_close_after(ginq_t *q, uint64_t spent_ms, uint64_t deadline_ms)
+{
     if (!q) return GINQ_EINVAL;
-    uint64_t start = now_ns();
+    uint64_t now0 = now_ns(), spent_ns = spent_ms * 1000000ull;
+    uint64_t start = now0 > spent_ns ? now0 - spent_ns : 0;
     uint64_t end = start + deadline_ms * 1000000ull;
     pthread_mutex_lock(&q->mutex);
     q->closing = 1;

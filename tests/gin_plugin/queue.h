@@ -144,6 +144,9 @@ ginq_result_t ginq_test(ginq_t *q, ginq_req_t *req, int *done, char *msg, size_t
  * in error (the failure's message), GINQ_OK when everything drained. Never blocks past the deadline
  * (plus one progress pass). Requests stay testable until ginq_destroy. */
 ginq_result_t ginq_close(ginq_t *q, uint64_t deadline_ms);
+/* ginq_close for a close that began spent_ms ago (the caller drained for that long) with a deadline of
+ * deadline_ms in all: it ends at what is left of it, and its messages count the whole close. */
+ginq_result_t ginq_close_after(ginq_t *q, uint64_t spent_ms, uint64_t deadline_ms);
 
 /* Frees the context and every request handle it gave. Call ginq_close first when operations may be
  * in flight: destroy abandons them without waiting. NULL is ignored. */
