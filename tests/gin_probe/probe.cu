@@ -37,6 +37,8 @@ __global__ void probe_kernel(kernel_args_t a)
     const uint64_t start = epx_net_now_ns();
     const uint64_t deadline = start + a.timeout_ns;
     const uint64_t chunk = (a.bytes + a.chunks - 1) / a.chunks;
+    uint64_t before = 0;
+    epx_net_signal_read(&a.net, a.signal, &before);
     epx_net_status_t post = EPX_NET_OK;
     uint32_t ops = 0;
     for (uint64_t off = 0; post == EPX_NET_OK && off < a.bytes; off += chunk, ops++) {
@@ -62,6 +64,7 @@ __global__ void probe_kernel(kernel_args_t a)
     a.result->wait_status = wait;
     a.result->flush_status = flush;
     a.result->ops_posted = ops;
+    a.result->signal_before = before;
     a.result->signal_seen = seen;
     a.result->elapsed_ns = epx_net_now_ns() - start;
     __threadfence_system();
@@ -143,9 +146,11 @@ static void describe_kernel(const rank_state_t *s, const kernel_args_t *a, char 
         n = snprintf(why, why_len, "operation #%u of the round (counting from 1) returned %s", r->ops_posted,
                      epx_net_status_name((epx_net_status_t)r->post_status));
     else if (r->wait_status != EPX_NET_OK)
-        n = snprintf(why, why_len, "waiting for signal %u from rank %d: %s after %.1f ms, read %llu, target %llu",
-                     a->signal, s->from, epx_net_status_name((epx_net_status_t)r->wait_status),
-                     r->elapsed_ns / 1e6, r->signal_seen, (unsigned long long)a->signal_target);
+        n = snprintf(why, why_len,
+                     "waiting for signal %u from rank %d: %s after %.1f ms: read %llu at the start, %llu at the end, "
+                     "target %llu",
+                     a->signal, s->from, epx_net_status_name((epx_net_status_t)r->wait_status), r->elapsed_ns / 1e6,
+                     r->signal_before, r->signal_seen, (unsigned long long)a->signal_target);
     else
         n = snprintf(why, why_len, "flush of context %u: %s (the puts' source reads were not reported)", a->ctx,
                      epx_net_status_name((epx_net_status_t)r->flush_status));
@@ -276,8 +281,7 @@ static int stage_rounds(probe_t *p, rank_state_t *s)
         }
         if (rc != ROUND_OK) {
             probe_fail(p, 1, "%s: %s", what, why);
-            probe_record(p, PROBE_STAGE_DATA, i ? PROBE_SKIPPED : PROBE_NOT_REACHED,
-                         "rounds 0..%d were bit-exact before the failure", i - 1);
+            if (i > 0) probe_record(p, PROBE_STAGE_DATA, PROBE_SKIPPED, "rounds 0..%d were bit-exact", i - 1);
             return 0;
         }
         probe_say(p, "round %d ok: %s, %llu bytes, offsets %llu -> %llu, context %u: signal %u reached %llu, %.1f us in "

@@ -36,7 +36,7 @@ typedef struct probe_opts {
 typedef struct kernel_result {
     int32_t post_status, wait_status, flush_status;
     uint32_t ops_posted;
-    unsigned long long signal_seen, elapsed_ns;
+    unsigned long long signal_before, signal_seen, elapsed_ns; /* our signal at the start and the end */
     volatile uint32_t done;
 } kernel_result_t;
 

@@ -87,7 +87,9 @@ static int stage_comm(probe_t *p, rank_state_t *s)
     }
     probe_ok(p, "%zu bytes", sizeof(id));
     probe_begin(p, PROBE_STAGE_COMM_INIT, "ncclCommInitRank");
-    NCCL_TRY(p, s, ncclCommInitRank(&s->comm, s->nranks, id, s->rank));
+    ncclComm_t comm = NULL; /* kept only once whole: a failed init leaves nothing to tear down */
+    NCCL_TRY(p, s, ncclCommInitRank(&comm, s->nranks, id, s->rank));
+    s->comm = comm;
     int rank = -1, count = -1;
     NCCL_TRY(p, s, ncclCommUserRank(s->comm, &rank));
     NCCL_TRY(p, s, ncclCommCount(s->comm, &count));
@@ -193,6 +195,8 @@ static int stage_handle(probe_t *p, rank_state_t *s)
     g.posted = s->posted;
     CUDA_TRY(p, cudaMalloc((void **)&s->g_dev, sizeof(g)));
     CUDA_TRY(p, cudaMemcpy(s->g_dev, &g, sizeof(g), cudaMemcpyHostToDevice));
+    /* NCCL's window and device-communicator copies run on its own streams; the probe's stream does not wait. */
+    CUDA_TRY(p, cudaDeviceSynchronize());
     memset(&s->net, 0, sizeof(s->net));
     s->net.transport = EPX_NET_TRANSPORT_GIN;
     s->net.rank = s->rank;
