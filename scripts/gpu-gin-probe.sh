@@ -124,7 +124,9 @@ probe() {
 # The NCCL INFO / WARN lines that show whether the plugin, its net table and its GIN table were taken.
 plugin_lines() {
     log "$1: NCCL's plugin and GIN lines (counted over all ranks)"
-    grep -E "NET/Plugin|Loaded (net|gin) plugin|Assigned (NET|GIN) plugin|Initialized NET plugin|external network plugin|EPX_GIN_TEST|GIN Proxy|GIN not supported|GIN|NCCL WARN" \
+    local pattern="NET/Plugin|Loaded (net|gin) plugin|Assigned (NET|GIN) plugin|Initialized NET plugin"
+    pattern+="|external network plugin|EPX_GIN_TEST|GIN|NCCL WARN"
+    grep -E "$pattern" \
         "$LOGDIR/$1.log" | sed -E 's/^[^ ]+:[0-9]+:[0-9]+ //; s/ \[[0-9]+\]//' | sort | uniq -c | sort -rn | head -40 |
         tee -a "$LOGDIR/summary.log"
     local want
@@ -170,14 +172,16 @@ if [ $first -ne 0 ]; then
     fi
 fi
 # The answer, from the first run.
+first_verdict=$(grep -m1 '^gin-probe verdict' "$LOGDIR/plugin-2ranks.log" | sed 's/^gin-probe verdict: //')
 if [ $first -eq 0 ]; then
-    answer="YES: NCCL $NCCL_VER loaded the plugin and its kernels' GIN puts and signals went through NCCL's proxy path, bit-exact (plugin-2ranks; plugin-4ranks: see above)"
+    answer="YES: NCCL $NCCL_VER loaded the plugin; the kernels' GIN puts and signals went through NCCL's proxy"
+    answer+=" path bit-exactly (plugin-2ranks; plugin-4ranks above)"
 elif ! grep -q "stage comm-init ok" "$LOGDIR/plugin-2ranks.log"; then
-    answer="UNDETERMINED: the run failed before NCCL's communicator existed: $(grep -m1 '^gin-probe verdict' "$LOGDIR/plugin-2ranks.log" | sed 's/^gin-probe verdict: //')"
+    answer="UNDETERMINED: the run failed before NCCL's communicator existed: $first_verdict"
 elif ! grep -q "Loaded gin plugin EPX_GIN_TEST" "$LOGDIR/plugin-2ranks.log"; then
-    answer="NO (evidence for blocked): NCCL $NCCL_VER did not take the plugin's GIN table; its NET/Plugin and GIN lines are above"
+    answer="NO (evidence for blocked): NCCL $NCCL_VER did not take the plugin's GIN table; see its lines above"
 else
-    answer="NOT YET: NCCL took the plugin's GIN table, but the run failed: $(grep -m1 '^gin-probe verdict' "$LOGDIR/plugin-2ranks.log" | sed 's/^gin-probe verdict: //')"
+    answer="NOT YET: NCCL took the plugin's GIN table, but the run failed: $first_verdict"
 fi
 verdict answer "$answer"
 log "done"

@@ -18,17 +18,32 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MSG_LEN         200
-#define HANG_LEN        320
-#define EXIT_HUNG       3  /* a rank's exit status when its watchdog fired */
-#define PARENT_GRACE_S  15 /* past the stage timeout, the parent kills a rank that made no progress */
-#define ID_BYTES        128
+#define MSG_LEN        200
+#define HANG_LEN       320
+#define EXIT_HUNG      3  /* a rank's exit status when its watchdog fired */
+#define PARENT_GRACE_S 15 /* past the stage timeout, the parent kills a rank that made no progress */
+#define ID_BYTES       128
 
 static const char *const stage_names[PROBE_STAGE_COUNT] = {
-    "env",           "cuda",         "unique-id",       "comm-init",         "plugin-loaded",
-    "mem-alloc",     "window-register", "devcomm-create", "net-handle",      "kernel",
-    "data-check",    "soak",         "devcomm-destroy", "window-deregister", "mem-free",
-    "teardown-barrier", "comm-finalize", "comm-destroy", "process-exit",
+    "env",
+    "cuda",
+    "unique-id",
+    "comm-init",
+    "plugin-loaded",
+    "mem-alloc",
+    "window-register",
+    "devcomm-create",
+    "net-handle",
+    "kernel",
+    "data-check",
+    "soak",
+    "devcomm-destroy",
+    "window-deregister",
+    "mem-free",
+    "teardown-barrier",
+    "comm-finalize",
+    "comm-destroy",
+    "process-exit",
 };
 static const char *const outcome_names[] = {"-", "RUNNING", "ok", "FAILED", "skipped"};
 
@@ -37,7 +52,8 @@ typedef struct rank_slot {
     char msg[PROBE_STAGE_COUNT][MSG_LEN];
     _Atomic int current; /* the running stage, -1 between stages */
     _Atomic uint64_t heartbeat_ns;
-    char hang[2][HANG_LEN]; /* the watchdog's line; written alternately so the handler never reads a torn one */
+    char hang[2]
+             [HANG_LEN]; /* the watchdog's line; written alternately so the handler never reads a torn one */
     _Atomic int hang_index;
     uint64_t sent_hash, received_hash, iterations;
     _Atomic int hashes_set;
@@ -93,8 +109,14 @@ static void write_all(const char *s, size_t n)
     }
 }
 
-int probe_rank(const probe_t *p) { return p->rank; }
-int probe_nranks(const probe_t *p) { return p->nranks; }
+int probe_rank(const probe_t *p)
+{
+    return p->rank;
+}
+int probe_nranks(const probe_t *p)
+{
+    return p->nranks;
+}
 
 /* One line, one write: lines of several ranks never interleave. */
 static void say_v(const probe_t *p, const char *fmt, va_list ap)
@@ -121,8 +143,9 @@ static void arm(probe_t *p, const char *what)
     rank_slot_t *s = &p->sh->slot[p->rank];
     const int cur = atomic_load(&s->current);
     const int next = 1 - atomic_load(&s->hang_index);
-    snprintf(s->hang[next], HANG_LEN, "gin-probe rank %d/%d: stage %s failed: no progress in %d s (watchdog) in: %s\n",
-             p->rank, p->nranks, cur >= 0 ? stage_names[cur] : "(between stages)", p->stage_timeout_s, what);
+    snprintf(s->hang[next], HANG_LEN,
+             "gin-probe rank %d/%d: stage %s failed: no progress in %d s (watchdog) in: %s\n", p->rank,
+             p->nranks, cur >= 0 ? stage_names[cur] : "(between stages)", p->stage_timeout_s, what);
     atomic_store(&s->hang_index, next);
     atomic_store(&s->heartbeat_ns, probe_now_ns());
     alarm((unsigned)p->stage_timeout_s);
@@ -160,7 +183,10 @@ void probe_begin(probe_t *p, probe_stage_t stage, const char *what)
     probe_say(p, "stage %s begins: %s", stage_names[stage], what);
 }
 
-void probe_progress(probe_t *p, const char *what) { arm(p, what); }
+void probe_progress(probe_t *p, const char *what)
+{
+    arm(p, what);
+}
 
 static void finish(probe_t *p, probe_stage_t stage, probe_outcome_t outcome, const char *fmt, va_list ap)
 {
@@ -169,8 +195,8 @@ static void finish(probe_t *p, probe_stage_t stage, probe_outcome_t outcome, con
     vsnprintf(text, sizeof(text), fmt, ap);
     memcpy(s->msg[stage], text, sizeof(text));
     atomic_store(&s->outcome[stage], (int)outcome);
-    probe_say(p, "stage %s %s: %s", stage_names[stage], outcome == PROBE_FAILED ? "failed" : outcome_names[outcome],
-              text);
+    probe_say(p, "stage %s %s: %s", stage_names[stage],
+              outcome == PROBE_FAILED ? "failed" : outcome_names[outcome], text);
 }
 
 /* Ends the running stage with an outcome; the watchdog stays armed for what follows. */
@@ -221,8 +247,14 @@ void probe_record(probe_t *p, probe_stage_t stage, probe_outcome_t outcome, cons
     va_end(ap);
 }
 
-int probe_aborted(const probe_t *p) { return atomic_load(&p->sh->abort) != 0; }
-int probe_peer_gone(const probe_t *p) { return atomic_load(&p->sh->gone) != 0; }
+int probe_aborted(const probe_t *p)
+{
+    return atomic_load(&p->sh->abort) != 0;
+}
+int probe_peer_gone(const probe_t *p)
+{
+    return atomic_load(&p->sh->gone) != 0;
+}
 
 int probe_publish_id(probe_t *p, const void *id, size_t bytes)
 {
@@ -280,8 +312,8 @@ int probe_barrier(probe_t *p, int which, int timeout_ms, int honor_abort, char *
             return 0;
         }
         if (probe_now_ns() > deadline) {
-            snprintf(why, why_len, "barrier %d: %u of %d ranks arrived within %d ms", which, atomic_load(arrived),
-                     p->nranks, timeout_ms);
+            snprintf(why, why_len, "barrier %d: %u of %d ranks arrived within %d ms", which,
+                     atomic_load(arrived), p->nranks, timeout_ms);
             return 0;
         }
         nap_us(50);
@@ -314,7 +346,8 @@ static void parent_say(const char *fmt, ...)
 }
 
 /* The rank process: watchdog, parent-death signal, the rank's work, exit under the watchdog. */
-static void child(shared_t *sh, int rank, const probe_run_opts_t *opts, probe_rank_fn fn, void *arg, pid_t parent)
+static void child(shared_t *sh, int rank, const probe_run_opts_t *opts, probe_rank_fn fn, void *arg,
+                  pid_t parent)
 {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != parent) _exit(EXIT_HUNG);
@@ -344,7 +377,8 @@ static void record_exit(shared_t *sh, int rank, int status)
         snprintf(what, sizeof(what), "exit status %d%s", WEXITSTATUS(status),
                  WEXITSTATUS(status) == EXIT_HUNG ? " (watchdog)" : "");
     else if (WIFSIGNALED(status))
-        snprintf(what, sizeof(what), "killed by signal %d (%s)", WTERMSIG(status), strsignal(WTERMSIG(status)));
+        snprintf(what, sizeof(what), "killed by signal %d (%s)", WTERMSIG(status),
+                 strsignal(WTERMSIG(status)));
     else
         snprintf(what, sizeof(what), "ended with wait status 0x%x", status);
     const int cur = atomic_load(&s->current);
@@ -382,7 +416,8 @@ static void watch(shared_t *sh, const pid_t *pids, int nranks, int stage_timeout
         const uint64_t now = probe_now_ns();
         for (int r = 0; r < nranks; r++) {
             rank_slot_t *s = &sh->slot[r];
-            if (exited[r] || now - atomic_load(&s->heartbeat_ns) <= limit_ns) continue;
+            const uint64_t beat = atomic_load(&s->heartbeat_ns); /* may be later than `now`: no wrap */
+            if (exited[r] || beat >= now || now - beat <= limit_ns) continue;
             parent_say("gin-probe parent: rank %d made no progress in %d s and its watchdog did not end it: "
                        "killing pid %d",
                        r, stage_timeout_s + PARENT_GRACE_S, (int)pids[r]);
@@ -431,13 +466,14 @@ static int summarize(shared_t *sh, const probe_run_opts_t *opts)
             continue;
         }
         const int match = s->received_hash == from->sent_hash && s->iterations == from->iterations;
-        parent_say("  soak: rank %d received hash 0x%016llx over %llu iterations; rank %d sent 0x%016llx: %s", r,
-                   (unsigned long long)s->received_hash, (unsigned long long)s->iterations, (r + n - 1) % n,
-                   (unsigned long long)from->sent_hash, match ? "match" : "MISMATCH");
+        parent_say("  soak: rank %d received hash 0x%016llx over %llu iterations; rank %d sent 0x%016llx: %s",
+                   r, (unsigned long long)s->received_hash, (unsigned long long)s->iterations,
+                   (r + n - 1) % n, (unsigned long long)from->sent_hash, match ? "match" : "MISMATCH");
         if (!match) hashes_ok = 0;
     }
     if (!failed && proven && hashes_ok) {
-        parent_say("gin-probe verdict: PASS (%d ranks): every stage ok, data bit-exact, soak hashes match across ranks",
+        parent_say("gin-probe verdict: PASS (%d ranks): every stage ok, data bit-exact, soak hashes match "
+                   "across ranks",
                    n);
         return 0;
     }
@@ -446,7 +482,8 @@ static int summarize(shared_t *sh, const probe_run_opts_t *opts)
                    stage_names[first_stage], sh->slot[first_rank].msg[first_stage]);
     else
         parent_say("gin-probe verdict: FAIL (%d ranks): %s", n,
-                   !proven ? "the proving stage did not pass on every rank" : "the soak hashes are missing or differ");
+                   !proven ? "the proving stage did not pass on every rank"
+                           : "the soak hashes are missing or differ");
     return 1;
 }
 
@@ -456,7 +493,8 @@ int probe_run(const probe_run_opts_t *opts, probe_rank_fn fn, void *arg)
         fprintf(stderr, "gin-probe: %d ranks: need 2..%d\n", opts->nranks, PROBE_MAX_RANKS);
         return 2;
     }
-    shared_t *sh = (shared_t *)mmap(NULL, sizeof(shared_t), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    shared_t *sh =
+        (shared_t *)mmap(NULL, sizeof(shared_t), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (sh == MAP_FAILED) {
         fprintf(stderr, "gin-probe: mmap of the shared page: %s\n", strerror(errno));
         return 2;

@@ -72,8 +72,9 @@ void probe_say(const probe_t *p, const char *fmt, ...) __attribute__((format(pri
 void probe_begin(probe_t *p, probe_stage_t stage, const char *what);
 /* Re-arms the watchdog inside a long stage (one round of many). */
 void probe_progress(probe_t *p, const char *what);
-/* End the running stage; the watchdog stays armed for what follows. probe_fail with fatal set also tells every rank to stop (barriers and kernel
- * waits of the others end early). Both return what a stage function returns: 1 ok, 0 failed. */
+/* End the running stage; the watchdog stays armed for what follows. probe_fail with fatal set also tells
+ * every rank to stop (barriers and kernel waits of the others end early). Both return what a stage function
+ * returns: 1 ok, 0 failed. */
 int probe_ok(probe_t *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 int probe_fail(probe_t *p, int fatal, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 /* Ends the running stage as skipped: it stopped because another rank failed. */

@@ -45,9 +45,11 @@ __global__ void probe_kernel(kernel_args_t a)
         const uint64_t len = a.bytes - off < chunk ? a.bytes - off : chunk;
         const uint64_t dst = a.dst_offset + off, src = a.src_offset + off;
         if (a.mode == MODE_WEAK)
-            post = epx_net_put_signal(&a.net, a.ctx, a.peer, 1, dst, 0, src, len, a.signal, 1, EPX_NET_SIGNAL_WEAK);
+            post = epx_net_put_signal(&a.net, a.ctx, a.peer, 1, dst, 0, src, len, a.signal, 1,
+                                      EPX_NET_SIGNAL_WEAK);
         else if (a.mode == MODE_STRONG && off + len == a.bytes)
-            post = epx_net_put_signal(&a.net, a.ctx, a.peer, 1, dst, 0, src, len, a.signal, 1, EPX_NET_SIGNAL_STRONG);
+            post = epx_net_put_signal(&a.net, a.ctx, a.peer, 1, dst, 0, src, len, a.signal, 1,
+                                      EPX_NET_SIGNAL_STRONG);
         else
             post = epx_net_put(&a.net, a.ctx, a.peer, 1, dst, 0, src, len);
     }
@@ -55,8 +57,9 @@ __global__ void probe_kernel(kernel_args_t a)
         post = epx_net_signal_add(&a.net, a.ctx, a.peer, a.signal, 1, EPX_NET_SIGNAL_STRONG);
         ops++;
     }
-    const epx_net_status_t wait =
-        post == EPX_NET_OK ? epx_net_wait_signal(&a.net, a.signal, a.signal_target, deadline) : EPX_NET_ABORTED;
+    const epx_net_status_t wait = post == EPX_NET_OK
+                                      ? epx_net_wait_signal(&a.net, a.signal, a.signal_target, deadline)
+                                      : EPX_NET_ABORTED;
     uint64_t seen = 0;
     epx_net_signal_read(&a.net, a.signal, &seen);
     const epx_net_status_t flush = epx_net_flush(&a.net, a.ctx, deadline);
@@ -103,7 +106,10 @@ static void pattern_fill(unsigned char *dst, uint64_t n, int sender, uint64_t ro
     }
 }
 
-static unsigned char guard_byte(uint64_t i, uint64_t round) { return (unsigned char)(0x5a ^ (i * 131) ^ round); }
+static unsigned char guard_byte(uint64_t i, uint64_t round)
+{
+    return (unsigned char)(0x5a ^ (i * 131) ^ round);
+}
 
 /* Waits for the round's kernel, bounded: past its deadline plus a grace (or when another rank failed) the
  * abort word is set, which ends every net.h wait; a kernel that still runs 5 s later is stuck in a post.
@@ -128,8 +134,9 @@ static int wait_kernel(const probe_t *p, rank_state_t *s, int *for_peer, char *w
             deadline = now + (uint64_t)HOST_GRACE_MS * 1000000ull;
         } else if (aborted && now > deadline) {
             s->kernel_stuck = 1;
-            snprintf(why, why_len, "the kernel still runs %d ms after the abort word was set: a post is blocked "
-                                   "inside NCCL (no descriptor credits: the proxy thread does not drain)",
+            snprintf(why, why_len,
+                     "the kernel still runs %d ms after the abort word was set: a post is blocked "
+                     "inside NCCL (no descriptor credits: the proxy thread does not drain)",
                      HOST_GRACE_MS);
             return 0;
         }
@@ -146,17 +153,18 @@ static void describe_kernel(const rank_state_t *s, const kernel_args_t *a, char 
         n = snprintf(why, why_len, "operation #%u of the round (counting from 1) returned %s", r->ops_posted,
                      epx_net_status_name((epx_net_status_t)r->post_status));
     else if (r->wait_status != EPX_NET_OK)
-        n = snprintf(why, why_len,
-                     "waiting for signal %u from rank %d: %s after %.1f ms: read %llu at the start, %llu at the end, "
-                     "target %llu",
-                     a->signal, s->from, epx_net_status_name((epx_net_status_t)r->wait_status), r->elapsed_ns / 1e6,
-                     r->signal_before, r->signal_seen, (unsigned long long)a->signal_target);
+        n = snprintf(
+            why, why_len,
+            "waiting for signal %u from rank %d: %s after %.1f ms: read %llu at the start, %llu at the end, "
+            "target %llu",
+            a->signal, s->from, epx_net_status_name((epx_net_status_t)r->wait_status), r->elapsed_ns / 1e6,
+            r->signal_before, r->signal_seen, (unsigned long long)a->signal_target);
     else
-        n = snprintf(why, why_len, "flush of context %u: %s (the puts' source reads were not reported)", a->ctx,
-                     epx_net_status_name((epx_net_status_t)r->flush_status));
+        n = snprintf(why, why_len, "flush of context %u: %s (the puts' source reads were not reported)",
+                     a->ctx, epx_net_status_name((epx_net_status_t)r->flush_status));
     ncclResult_t async = ncclSuccess;
-    if (ncclCommGetAsyncError(s->comm, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress &&
-        n > 0 && (size_t)n < why_len)
+    if (ncclCommGetAsyncError(s->comm, &async) == ncclSuccess && async != ncclSuccess &&
+        async != ncclInProgress && n > 0 && (size_t)n < why_len)
         snprintf(why + n, why_len - (size_t)n, "; NCCL async error: %s (%s)", ncclGetErrorString(async),
                  ncclGetLastError(s->comm));
 }
@@ -174,8 +182,8 @@ static int run_round(probe_t *p, rank_state_t *s, const round_spec_t *rs, uint64
     *sent_hash = probe_fnv(s->h_src, n, PROBE_FNV_SEED);
     for (uint64_t i = 0; i < span; i++) /* every byte the put must write starts as its complement */
         s->h_got[i] = i >= dst && i < dst + n ? (unsigned char)~s->h_expect[i - dst] : guard_byte(i, round);
-    if ((e = cudaMemcpyAsync((char *)s->buf[0] + rs->src_offset, s->h_src, n, cudaMemcpyHostToDevice, s->stream)) !=
-            cudaSuccess ||
+    if ((e = cudaMemcpyAsync((char *)s->buf[0] + rs->src_offset, s->h_src, n, cudaMemcpyHostToDevice,
+                             s->stream)) != cudaSuccess ||
         (e = cudaMemcpyAsync(s->buf[1], s->h_got, span, cudaMemcpyHostToDevice, s->stream)) != cudaSuccess ||
         (e = cudaStreamSynchronize(s->stream)) != cudaSuccess) {
         snprintf(why, why_len, "staging the round: %s", cudaGetErrorString(e));
@@ -185,7 +193,8 @@ static int run_round(probe_t *p, rank_state_t *s, const round_spec_t *rs, uint64
     s->expected_signal[rs->mode] += rs->mode == MODE_WEAK ? (n + chunk - 1) / chunk : 1; /* adds per round */
     memset((void *)s->res_host, 0, sizeof(*s->res_host));
     /* Every rank's destination is poisoned before any rank puts into it. */
-    if (!probe_barrier(p, PROBE_BARRIER_ROUNDS, (s->o->stage_timeout_s - 2) * 1000, 1, why, why_len)) return ROUND_STOPPED;
+    if (!probe_barrier(p, PROBE_BARRIER_ROUNDS, (s->o->stage_timeout_s - 2) * 1000, 1, why, why_len))
+        return ROUND_STOPPED;
     kernel_args_t a;
     memset(&a, 0, sizeof(a));
     a.net = s->net;
@@ -236,7 +245,8 @@ static int run_round(probe_t *p, rank_state_t *s, const round_spec_t *rs, uint64
     *got_hash = probe_fnv(s->h_got + dst, n, PROBE_FNV_SEED);
     if (bad || guard_bad) {
         snprintf(why, why_len,
-                 "%llu of %llu bytes from rank %d differ (first at offset %llu: got 0x%02x, expected 0x%02x); %llu bytes "
+                 "%llu of %llu bytes from rank %d differ (first at offset %llu: got 0x%02x, expected "
+                 "0x%02x); %llu bytes "
                  "outside the put changed (first at offset %llu)",
                  (unsigned long long)bad, (unsigned long long)n, s->from, (unsigned long long)(first - dst),
                  bad ? s->h_got[first] : 0, bad ? s->h_expect[first - dst] : 0, (unsigned long long)guard_bad,
@@ -249,9 +259,9 @@ static int run_round(probe_t *p, rank_state_t *s, const round_spec_t *rs, uint64
 /* Strong and weak put-signals and puts followed by a bare strong signal, 4 bytes to 4 MiB, with and without
  * offsets, over the contexts in turn. */
 static const round_spec_t rounds[] = {
-    {MODE_STRONG, 4, 0, 0, 1},     {MODE_STRONG, 4096, 0, 0, 4}, {MODE_STRONG, 65540, 8, 4100, 4},
-    {MODE_STRONG, 4ull << 20, 0, 0, 4}, {MODE_WEAK, 4, 0, 0, 1},  {MODE_WEAK, 4096, 0, 0, 4},
-    {MODE_WEAK, 65540, 8, 4100, 4}, {MODE_WEAK, 4ull << 20, 0, 0, 4}, {MODE_SIGNAL, 4096, 0, 0, 4},
+    {MODE_STRONG, 4, 0, 0, 1},          {MODE_STRONG, 4096, 0, 0, 4},     {MODE_STRONG, 65540, 8, 4100, 4},
+    {MODE_STRONG, 4ull << 20, 0, 0, 4}, {MODE_WEAK, 4, 0, 0, 1},          {MODE_WEAK, 4096, 0, 0, 4},
+    {MODE_WEAK, 65540, 8, 4100, 4},     {MODE_WEAK, 4ull << 20, 0, 0, 4}, {MODE_SIGNAL, 4096, 0, 0, 4},
     {MODE_SIGNAL, 65540, 8, 4100, 4},
 };
 #define NROUNDS ((int)(sizeof(rounds) / sizeof(rounds[0])))
@@ -259,7 +269,8 @@ static const round_spec_t rounds[] = {
 static int stage_rounds(probe_t *p, rank_state_t *s)
 {
     char what[160], why[512];
-    probe_begin(p, PROBE_STAGE_KERNEL, "put/signal rounds: 3 signal modes, 4 bytes to 4 MiB, contexts in turn");
+    probe_begin(p, PROBE_STAGE_KERNEL,
+                "put/signal rounds: 3 signal modes, 4 bytes to 4 MiB, contexts in turn");
     for (int i = 0; i < NROUNDS; i++) {
         const round_spec_t *rs = &rounds[i];
         const uint32_t ctx = (uint32_t)i % s->net.ncontexts;
@@ -284,15 +295,17 @@ static int stage_rounds(probe_t *p, rank_state_t *s)
             if (i > 0) probe_record(p, PROBE_STAGE_DATA, PROBE_SKIPPED, "rounds 0..%d were bit-exact", i - 1);
             return 0;
         }
-        probe_say(p, "round %d ok: %s, %llu bytes, offsets %llu -> %llu, context %u: signal %u reached %llu, %.1f us in "
-                     "the kernel, %.1f us on the host; rank %d's bytes bit-exact",
+        probe_say(p,
+                  "round %d ok: %s, %llu bytes, offsets %llu -> %llu, context %u: signal %u reached %llu, "
+                  "%.1f us in "
+                  "the kernel, %.1f us on the host; rank %d's bytes bit-exact",
                   i, mode_names[rs->mode], (unsigned long long)rs->bytes, (unsigned long long)rs->src_offset,
                   (unsigned long long)rs->dst_offset, ctx, (unsigned)rs->mode, s->res_host->signal_seen,
                   s->res_host->elapsed_ns / 1e3, us, s->from);
     }
     probe_ok(p, "%d rounds: every post, signal wait and flush returned EPX_NET_OK", NROUNDS);
-    probe_record(p, PROBE_STAGE_DATA, PROBE_OK, "%d rounds bit-exact from rank %d, bytes past each put untouched",
-                 NROUNDS, s->from);
+    probe_record(p, PROBE_STAGE_DATA, PROBE_OK,
+                 "%d rounds bit-exact from rank %d, bytes past each put untouched", NROUNDS, s->from);
     return 1;
 }
 
@@ -307,7 +320,8 @@ static int stage_soak(probe_t *p, rank_state_t *s)
         return 1;
     }
     char what[160], why[512];
-    snprintf(what, sizeof(what), "%d iterations of ~64 KiB, strong and weak in turn, every context, hashed", iters);
+    snprintf(what, sizeof(what), "%d iterations of ~64 KiB, strong and weak in turn, every context, hashed",
+             iters);
     probe_begin(p, PROBE_STAGE_SOAK, what);
     std::vector<double> host_us((size_t)iters);
     uint64_t sent_total = PROBE_FNV_SEED, got_total = PROBE_FNV_SEED;
@@ -319,8 +333,8 @@ static int stage_soak(probe_t *p, rank_state_t *s)
                  (unsigned long long)rs.bytes, ctx);
         probe_progress(p, what);
         uint64_t sent = 0, got = 0;
-        const int rc = run_round(p, s, &rs, 1000000ull + (uint64_t)it, ctx, &sent, &got, &host_us[(size_t)it], why,
-                                 sizeof(why));
+        const int rc = run_round(p, s, &rs, 1000000ull + (uint64_t)it, ctx, &sent, &got, &host_us[(size_t)it],
+                                 why, sizeof(why));
         if (rc == ROUND_STOPPED) {
             probe_skip(p, "%s: %s", what, why);
             return 0;
@@ -332,12 +346,13 @@ static int stage_soak(probe_t *p, rank_state_t *s)
     }
     probe_set_hashes(p, sent_total, got_total, (uint64_t)iters);
     std::sort(host_us.begin(), host_us.end());
-    return probe_ok(p, "%d iterations bit-exact; sent hash 0x%016llx, received 0x%016llx; round on the host min %.1f "
-                       "us, median %.1f us, max %.1f us",
-                    iters, (unsigned long long)sent_total, (unsigned long long)got_total, host_us.front(),
-                    host_us[host_us.size() / 2], host_us.back());
+    return probe_ok(
+        p,
+        "%d iterations bit-exact; sent hash 0x%016llx, received 0x%016llx; round on the host min %.1f "
+        "us, median %.1f us, max %.1f us",
+        iters, (unsigned long long)sent_total, (unsigned long long)got_total, host_us.front(),
+        host_us[host_us.size() / 2], host_us.back());
 }
-
 
 static int rank_main(probe_t *p, void *arg)
 {
@@ -405,19 +420,20 @@ int main(int argc, char **argv)
     /* A round may take the kernel's deadline, the host's grace and the abort's grace, under the watchdog. */
     const int round_s = (o.kernel_timeout_ms + 2 * HOST_GRACE_MS) / 1000 + 5;
     if (o.stage_timeout_s < round_s) {
-        fprintf(stderr, "gin-probe: -t %d is shorter than one bounded round (%d s with -k %d)\n", o.stage_timeout_s,
-                round_s, o.kernel_timeout_ms);
+        fprintf(stderr, "gin-probe: -t %d is shorter than one bounded round (%d s with -k %d)\n",
+                o.stage_timeout_s, round_s, o.kernel_timeout_ms);
         return 2;
     }
-    const char *plugin = o.no_plugin ? "none (NCCL_NET_PLUGIN unset)"
-                                     : o.plugin ? o.plugin
-                                                : getenv("NCCL_NET_PLUGIN") ? getenv("NCCL_NET_PLUGIN") : "(unset)";
+    const char *plugin = o.no_plugin                 ? "none (NCCL_NET_PLUGIN unset)"
+                         : o.plugin                  ? o.plugin
+                         : getenv("NCCL_NET_PLUGIN") ? getenv("NCCL_NET_PLUGIN")
+                                                     : "(unset)";
     char title[768];
-    snprintf(title, sizeof(title), "%d ranks, plugin %s, %s first, %d soak iterations, NCCL headers %d", o.nranks,
-             plugin, o.devcomm_first ? "device communicator" : "windows", o.iterations, NCCL_VERSION_CODE);
+    snprintf(title, sizeof(title), "%d ranks, plugin %s, %s first, %d soak iterations, NCCL headers %d",
+             o.nranks, plugin, o.devcomm_first ? "device communicator" : "windows", o.iterations,
+             NCCL_VERSION_CODE);
     printf("gin-probe: %s; watchdog %d s per stage, kernel deadline %d ms\n", title, o.stage_timeout_s,
            o.kernel_timeout_ms);
     const probe_run_opts_t run = {o.nranks, o.stage_timeout_s, title, PROBE_STAGE_DATA};
     return probe_run(&run, rank_main, &o);
 }
-

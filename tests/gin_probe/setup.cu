@@ -13,22 +13,24 @@
 
 #include "probe.h"
 
-#define CUDA_TRY(p, call)                                                                                      \
-    do {                                                                                                       \
-        cudaError_t e_ = (call);                                                                               \
-        if (e_ != cudaSuccess) return probe_fail(p, 1, "%s: %s", #call, cudaGetErrorString(e_));              \
+#define CUDA_TRY(p, call)                                                                        \
+    do {                                                                                         \
+        cudaError_t e_ = (call);                                                                 \
+        if (e_ != cudaSuccess) return probe_fail(p, 1, "%s: %s", #call, cudaGetErrorString(e_)); \
     } while (0)
-#define NCCL_TRY(p, s, call)                                                                                   \
-    do {                                                                                                       \
-        ncclResult_t r_ = (call);                                                                              \
-        if (r_ != ncclSuccess)                                                                                 \
-            return probe_fail(p, 1, "%s: %s (%s)", #call, ncclGetErrorString(r_), ncclGetLastError((s)->comm)); \
+#define NCCL_TRY(p, s, call)                                                      \
+    do {                                                                          \
+        ncclResult_t r_ = (call);                                                 \
+        if (r_ != ncclSuccess)                                                    \
+            return probe_fail(p, 1, "%s: %s (%s)", #call, ncclGetErrorString(r_), \
+                              ncclGetLastError((s)->comm));                       \
     } while (0)
 
 static int stage_env(probe_t *p, rank_state_t *s)
 {
     const probe_opts_t *o = s->o;
-    probe_begin(p, PROBE_STAGE_ENV, "NCCL_HOSTID, NCCL_NET_PLUGIN, NCCL_GIN_TYPE, NCCL_SOCKET_IFNAME, NCCL_NVLS_ENABLE");
+    probe_begin(p, PROBE_STAGE_ENV,
+                "NCCL_HOSTID, NCCL_NET_PLUGIN, NCCL_GIN_TYPE, NCCL_SOCKET_IFNAME, NCCL_NVLS_ENABLE");
     char host[64];
     snprintf(host, sizeof(host), "epx-gin-probe-node-%d", s->rank);
     setenv("NCCL_HOSTID", host, 1);
@@ -43,9 +45,10 @@ static int stage_env(probe_t *p, rank_state_t *s)
     setenv("NCCL_SOCKET_IFNAME", "lo", 0);
     setenv("NCCL_NVLS_ENABLE", "0", 0);
     const char *plugin = getenv("NCCL_NET_PLUGIN");
-    return probe_ok(p, "NCCL_HOSTID=%s NCCL_NET_PLUGIN=%s NCCL_GIN_TYPE=%s NCCL_SOCKET_IFNAME=%s NCCL_NVLS_ENABLE=%s",
-                    host, plugin ? plugin : "(unset)", getenv("NCCL_GIN_TYPE"), getenv("NCCL_SOCKET_IFNAME"),
-                    getenv("NCCL_NVLS_ENABLE"));
+    return probe_ok(
+        p, "NCCL_HOSTID=%s NCCL_NET_PLUGIN=%s NCCL_GIN_TYPE=%s NCCL_SOCKET_IFNAME=%s NCCL_NVLS_ENABLE=%s",
+        host, plugin ? plugin : "(unset)", getenv("NCCL_GIN_TYPE"), getenv("NCCL_SOCKET_IFNAME"),
+        getenv("NCCL_NVLS_ENABLE"));
 }
 
 static int stage_cuda(probe_t *p, rank_state_t *s)
@@ -58,8 +61,10 @@ static int stage_cuda(probe_t *p, rank_state_t *s)
     int version = 0;
     NCCL_TRY(p, s, ncclGetVersion(&version));
     if (version / 100 != NCCL_VERSION_CODE / 100)
-        return probe_fail(p, 1, "libnccl is %d but the probe was compiled against NCCL %d headers: the device "
-                                "communicator's layout differs between versions", version, NCCL_VERSION_CODE);
+        return probe_fail(p, 1,
+                          "libnccl is %d but the probe was compiled against NCCL %d headers: the device "
+                          "communicator's layout differs between versions",
+                          version, NCCL_VERSION_CODE);
     CUDA_TRY(p, cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
     CUDA_TRY(p, cudaHostAlloc((void **)&s->abort_host, sizeof(int32_t), cudaHostAllocMapped));
     CUDA_TRY(p, cudaHostAlloc((void **)&s->res_host, sizeof(kernel_result_t), cudaHostAllocMapped));
@@ -69,16 +74,17 @@ static int stage_cuda(probe_t *p, rank_state_t *s)
     CUDA_TRY(p, cudaMallocHost((void **)&s->h_src, WINDOW_BYTES));
     CUDA_TRY(p, cudaMallocHost((void **)&s->h_expect, WINDOW_BYTES));
     CUDA_TRY(p, cudaMallocHost((void **)&s->h_got, WINDOW_BYTES));
-    return probe_ok(p, "device 0 %s (sm_%d%d), libnccl %d, headers %d", prop.name, prop.major, prop.minor, version,
-                    NCCL_VERSION_CODE);
+    return probe_ok(p, "device 0 %s (sm_%d%d), libnccl %d, headers %d", prop.name, prop.major, prop.minor,
+                    version, NCCL_VERSION_CODE);
 }
 
 static int stage_comm(probe_t *p, rank_state_t *s)
 {
     ncclUniqueId id;
     char why[256];
-    probe_begin(p, PROBE_STAGE_UNIQUE_ID, s->rank == 0 ? "ncclGetUniqueId, published on the shared page"
-                                                      : "waiting for rank 0's unique id");
+    probe_begin(p, PROBE_STAGE_UNIQUE_ID,
+                s->rank == 0 ? "ncclGetUniqueId, published on the shared page"
+                             : "waiting for rank 0's unique id");
     if (s->rank == 0) {
         NCCL_TRY(p, s, ncclGetUniqueId(&id));
         probe_publish_id(p, &id, sizeof(id));
@@ -104,7 +110,8 @@ static void stage_plugin(probe_t *p, rank_state_t *s)
 {
     const char *plugin = getenv("NCCL_NET_PLUGIN");
     if (!plugin || !plugin[0]) {
-        probe_record(p, PROBE_STAGE_PLUGIN, PROBE_SKIPPED, "no NCCL_NET_PLUGIN: NCCL has only its built-in transports");
+        probe_record(p, PROBE_STAGE_PLUGIN, PROBE_SKIPPED,
+                     "no NCCL_NET_PLUGIN: NCCL has only its built-in transports");
         return;
     }
     probe_begin(p, PROBE_STAGE_PLUGIN, "looking for the plugin library in /proc/self/maps");
@@ -129,11 +136,16 @@ static void stage_plugin(probe_t *p, rank_state_t *s)
     }
     if (maps) fclose(maps);
     if (found[0]) {
-        probe_ok(p, "%s is mapped: NCCL opened it (its GIN table was taken if NCCL's INFO log says 'Loaded gin plugin "
-                    "EPX_GIN_TEST' and 'Assigned GIN plugin')", found);
+        probe_ok(p,
+                 "%s is mapped: NCCL opened it (its GIN table was taken if NCCL's INFO log says 'Loaded gin "
+                 "plugin "
+                 "EPX_GIN_TEST' and 'Assigned GIN plugin')",
+                 found);
     } else {
-        probe_fail(p, 0, "%s is not mapped after ncclCommInitRank: NCCL did not open it (NCCL's INFO lines "
-                         "'NET/Plugin' say why)", name);
+        probe_fail(p, 0,
+                   "%s is not mapped after ncclCommInitRank: NCCL did not open it (NCCL's INFO lines "
+                   "'NET/Plugin' say why)",
+                   name);
         s->failed = 1;
     }
 }
@@ -143,17 +155,20 @@ static int stage_memory(probe_t *p, rank_state_t *s)
     probe_begin(p, PROBE_STAGE_MEM_ALLOC, "ncclMemAlloc of two windows");
     for (; s->nbuf < 2; s->nbuf++) NCCL_TRY(p, s, ncclMemAlloc(&s->buf[s->nbuf], WINDOW_BYTES));
     probe_ok(p, "2 x %llu bytes at %p, %p", WINDOW_BYTES, s->buf[0], s->buf[1]);
-    probe_begin(p, PROBE_STAGE_WINDOWS, "ncclCommWindowRegister(NCCL_WIN_COLL_SYMMETRIC) of both (collective)");
+    probe_begin(p, PROBE_STAGE_WINDOWS,
+                "ncclCommWindowRegister(NCCL_WIN_COLL_SYMMETRIC) of both (collective)");
     for (; s->nwin < 2; s->nwin++)
-        NCCL_TRY(p, s, ncclCommWindowRegister(s->comm, s->buf[s->nwin], WINDOW_BYTES, &s->win[s->nwin],
-                                              NCCL_WIN_COLL_SYMMETRIC));
+        NCCL_TRY(p, s,
+                 ncclCommWindowRegister(s->comm, s->buf[s->nwin], WINDOW_BYTES, &s->win[s->nwin],
+                                        NCCL_WIN_COLL_SYMMETRIC));
     return probe_ok(p, "region 0 (source) window %p, region 1 (destination) window %p", (void *)s->win[0],
                     (void *)s->win[1]);
 }
 
 static int stage_devcomm(probe_t *p, rank_state_t *s)
 {
-    probe_begin(p, PROBE_STAGE_DEVCOMM, "ncclDevCommCreate with GIN: contexts, signals, counters, ginForceEnable");
+    probe_begin(p, PROBE_STAGE_DEVCOMM,
+                "ncclDevCommCreate with GIN: contexts, signals, counters, ginForceEnable");
     ncclDevCommRequirements reqs;
     memset(&reqs, 0, sizeof(reqs));
     reqs.ginForceEnable = true;
@@ -170,9 +185,10 @@ static int stage_devcomm(probe_t *p, rank_state_t *s)
     char types[64] = "";
     for (int c = 0, n = 0; c < d.ginContextCount && c < 4; c++)
         n += snprintf(types + n, sizeof(types) - (size_t)n, "%s%d", c ? "," : "", (int)d.ginTypes[c]);
-    return probe_ok(p, "rank %d of %d, %d GIN contexts (backend types %s; %d is the proxy), %d signals, %d counters",
-                    d.rank, d.nRanks, (int)d.ginContextCount, types, (int)NCCL_NET_DEVICE_GIN_PROXY,
-                    d.ginSignalCount, d.ginCounterCount);
+    return probe_ok(
+        p, "rank %d of %d, %d GIN contexts (backend types %s; %d is the proxy), %d signals, %d counters",
+        d.rank, d.nRanks, (int)d.ginContextCount, types, (int)NCCL_NET_DEVICE_GIN_PROXY, d.ginSignalCount,
+        d.ginCounterCount);
 }
 
 /* The net.h handle over the device communicator (docs/network.md, host setup step 5). */
@@ -195,7 +211,8 @@ static int stage_handle(probe_t *p, rank_state_t *s)
     g.posted = s->posted;
     CUDA_TRY(p, cudaMalloc((void **)&s->g_dev, sizeof(g)));
     CUDA_TRY(p, cudaMemcpy(s->g_dev, &g, sizeof(g), cudaMemcpyHostToDevice));
-    /* NCCL's window and device-communicator copies run on its own streams; the probe's stream does not wait. */
+    /* NCCL's window and device-communicator copies run on its own streams; the probe's stream does not wait.
+     */
     CUDA_TRY(p, cudaDeviceSynchronize());
     memset(&s->net, 0, sizeof(s->net));
     s->net.transport = EPX_NET_TRANSPORT_GIN;
@@ -205,8 +222,9 @@ static int stage_handle(probe_t *p, rank_state_t *s)
     s->net.nsignals = NSIGNALS;
     s->net.impl = s->g_dev;
     s->net.abort_word = s->abort_dev;
-    return probe_ok(p, "%u contexts, %d signals, 2 regions of %llu bytes; puts go to rank %d, signals come from rank %d",
-                    ncontexts, NSIGNALS, WINDOW_BYTES, s->peer, s->from);
+    return probe_ok(
+        p, "%u contexts, %d signals, 2 regions of %llu bytes; puts go to rank %d, signals come from rank %d",
+        ncontexts, NSIGNALS, WINDOW_BYTES, s->peer, s->from);
 }
 
 int probe_setup(probe_t *p, rank_state_t *s)
@@ -233,7 +251,8 @@ void probe_teardown(probe_t *p, rank_state_t *s)
     char why[256];
     if (s->kernel_stuck) {
         for (int st = PROBE_STAGE_DEVCOMM_DESTROY; st <= PROBE_STAGE_COMM_DESTROY; st++)
-            probe_record(p, (probe_stage_t)st, PROBE_SKIPPED, "a kernel still runs: the process exits without teardown");
+            probe_record(p, (probe_stage_t)st, PROBE_SKIPPED,
+                         "a kernel still runs: the process exits without teardown");
         s->failed = 1;
         return;
     }
@@ -250,13 +269,15 @@ void probe_teardown(probe_t *p, rank_state_t *s)
     if (s->nwin > 0) {
         probe_begin(p, PROBE_STAGE_WINDOWS_DEREG, "ncclCommWindowDeregister of each window");
         ncclResult_t r = ncclSuccess;
-        for (int i = s->nwin - 1; i >= 0 && r == ncclSuccess; i--) r = ncclCommWindowDeregister(s->comm, s->win[i]);
+        for (int i = s->nwin - 1; i >= 0 && r == ncclSuccess; i--)
+            r = ncclCommWindowDeregister(s->comm, s->win[i]);
         teardown_step(p, s, "ncclCommWindowDeregister", r);
     } else {
         probe_record(p, PROBE_STAGE_WINDOWS_DEREG, PROBE_SKIPPED, "no window registered");
     }
     if (s->nbuf > 0 || s->g_dev || s->posted) {
-        probe_begin(p, PROBE_STAGE_MEM_FREE, "ncclMemFree of each window's memory, the handle's device copy, posted[]");
+        probe_begin(p, PROBE_STAGE_MEM_FREE,
+                    "ncclMemFree of each window's memory, the handle's device copy, posted[]");
         ncclResult_t r = ncclSuccess;
         for (int i = s->nbuf - 1; i >= 0 && r == ncclSuccess; i--) r = ncclMemFree(s->buf[i]);
         const cudaError_t e1 = cudaFree(s->g_dev), e2 = cudaFree(s->posted);
@@ -291,7 +312,8 @@ void probe_teardown(probe_t *p, rank_state_t *s)
             teardown_step(p, s, "ncclCommAbort", ncclCommAbort(s->comm));
         }
     } else {
-        probe_record(p, PROBE_STAGE_COMM_FINALIZE, PROBE_SKIPPED, "a peer is gone or the barrier failed: force-close");
+        probe_record(p, PROBE_STAGE_COMM_FINALIZE, PROBE_SKIPPED,
+                     "a peer is gone or the barrier failed: force-close");
         probe_begin(p, PROBE_STAGE_COMM_DESTROY, "ncclCommAbort");
         teardown_step(p, s, "ncclCommAbort", ncclCommAbort(s->comm));
     }
