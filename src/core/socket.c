@@ -217,11 +217,13 @@ epx_result_t epx_socket_listen(struct sockaddr_in *sa, int backlog, int *fd_out)
     if (bind(fd, (const struct sockaddr *)sa, sizeof(*sa)) != 0) {
         int err = errno;
         close(fd);
-        /* A process other than rank 0 (and not its parent) that made the id still holds the port. */
+        /* Rank 0 binds the id's address itself when the id was made elsewhere: the process that made
+         * it still listens there, or it is gone and some other process took its port meanwhile. */
         return epx_error(
             EPX_ERR_SYSTEM, "cannot bind the rendezvous socket to %s: %s%s", where, strerror(err),
             err == EADDRINUSE ? " (is the process that created the unique id, when it is not rank 0 "
-                                "or its parent, still listening there?)"
+                                "or its parent, still listening there, or did another process take the "
+                                "port after it exited?)"
                               : "");
     }
     if (listen(fd, backlog) != 0) {

@@ -73,9 +73,16 @@ static epx_result_t connect_peers(share_t *sh)
         socklen_t len = socket_name(sh, p, &addr);
         /* Non-blocking: a backlog filled by strangers fails here instead of hanging. */
         sh->socks[p] = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-        if (sh->socks[p] < 0 || connect(sh->socks[p], (struct sockaddr *)&addr, len) != 0)
-            return epx_error(EPX_ERR_SYSTEM, "rank %d: cannot connect to peer %d's descriptor socket: %s",
-                             hb->rank, p, strerror(errno));
+        if (sh->socks[p] >= 0 && connect(sh->socks[p], (struct sockaddr *)&addr, len) == 0) continue;
+        /* Every listener was open when the step before was agreed: a refusal means peer p closed its
+         * own, by dying or by giving up on this creation after a failure elsewhere. */
+        if (sh->socks[p] >= 0 && errno == ECONNREFUSED)
+            return epx_error(EPX_ERR_REMOTE,
+                             "rank %d: peer %d (pid %d) %s before we connected to its descriptor socket",
+                             hb->rank, p, (int)hb->peers.pid[p],
+                             host_peer_exited(&hb->peers, p) ? "exited" : "left the buffer creation");
+        return epx_error(EPX_ERR_SYSTEM, "rank %d: cannot connect to peer %d's descriptor socket: %s",
+                         hb->rank, p, strerror(errno));
     }
     return EPX_SUCCESS;
 }
