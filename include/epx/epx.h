@@ -200,8 +200,7 @@ typedef struct epx_unique_id {
  * When the process that creates the id is also rank 0 (or forks rank 0), the listening socket
  * is reused; otherwise rank 0 binds the address itself, and the port is free for any process to
  * take between the creator's exit and that bind (rank 0 then fails with EPX_ERR_SYSTEM naming
- * the address): keep the creator alive until rank 0 is up, or set EPX_BOOTSTRAP_ADDR to a port
- * reserved for the job.
+ * the address); where that matters, set EPX_BOOTSTRAP_ADDR to a port reserved for the job.
  * [out] id_out. Returns EPX_ERR_SYSTEM if no address can be bound, EPX_ERR_INVALID_ARG for a
  * malformed env value. Not collective. */
 EPX_API epx_result_t epx_get_unique_id(epx_unique_id_t *id_out);
