@@ -1,13 +1,12 @@
 /*
- * Host backend: dispatch layout, HT dispatch (routed and cached) and HT combine. Each source
- * publishes its tokens in its IN area; every rank pulls the rows routed to it, in (source rank,
- * source token) order. Combine is the mirror image through the COMBINE areas. View mode puts the
- * dispatch outputs in a private per-buffer array and takes combine rows straight from the area.
+ * Host backend: dispatch layout and HT dispatch (routed and cached); the combine is in ht_combine.c.
+ * Each source publishes its tokens in its IN area; every rank pulls the rows routed to it, in (source
+ * rank, source token) order. View mode puts the dispatch outputs in a private per-buffer array.
  */
 #include <stdlib.h>
 #include <string.h>
 
-#include "host/host.h"
+#include "host/ht.h"
 
 /* Publication words of HT dispatch. */
 enum {
@@ -21,21 +20,6 @@ enum {
     W_VIEW,
     W_DISPATCH_COUNT
 };
-/* Publication words of HT combine. */
-enum { C_ROWS = 0, C_HAS_WEIGHTS, C_HANDLE_SEQ, C_WANTS_WEIGHTS, C_IN_BUFFER, C_COUNT };
-
-/* What an HT handle keeps on this rank: one allocation with its arrays (host_alloc_parts). */
-typedef struct host_ht_state {
-    uint64_t dispatch_seq; /* call that made the routing (same on every rank) */
-    int32_t nranks;
-    int64_t num_tokens;      /* T dispatched from this rank */
-    int64_t num_recv;        /* rows kept on this rank (N_r, or the static bound when lower) */
-    int64_t num_arriving;    /* N_r: rows past num_recv were dropped (a cached dispatch drops them too) */
-    int64_t *recv_prefix;    /* [R + 1]: first kept row of each source */
-    int32_t *recv_src_rank;  /* [num_recv] */
-    int32_t *recv_src_token; /* [num_recv] */
-    int32_t *token_rows;     /* [T * R]: row of own token t on rank r, -1 when not sent (or dropped) */
-} host_ht_state_t;
 
 /* Byte offsets of the HT dispatch payload in an IN area (sized by host_area_sizes). */
 typedef struct in_layout {
@@ -237,20 +221,18 @@ static void copy_rows(void *vctx, int64_t begin, int64_t end)
 
 /* ------------------------------------------------------------ agreement of the ranks ---- */
 
-/* Every rank sees the same publications, so every rank reaches the same verdict in these. */
+/* Every rank sees the same publications, so every rank reaches the same verdict in these (ht.h). */
 
-static epx_result_t check_pub_op(const host_buffer_t *hb, const host_pub_t *pub, int p, int32_t op,
-                                 const char *what)
+epx_result_t host_ht_check_op(const host_buffer_t *hb, const host_pub_t *pub, int p, int32_t op,
+                              const char *what)
 {
     if (pub->op == op) return EPX_SUCCESS;
     return epx_error(EPX_ERR_MISMATCH, "rank %d: call %llu is %s here but rank %d made operation %d",
                      hb->rank, (unsigned long long)pub->seq, what, p, pub->op);
 }
 
-/* Rank p published the same `word` as rank 0: a flag named `flag`, or (with `handle`) the dispatch
- * call its handle comes from. */
-static epx_result_t check_pub_same(const host_buffer_t *hb, const host_pub_t *pubs, int p, int word,
-                                   const char *flag, const char *handle)
+epx_result_t host_ht_check_same(const host_buffer_t *hb, const host_pub_t *pubs, int p, int word,
+                                const char *flag, const char *handle)
 {
     const long long mine = pubs[p].words[word], first = pubs[0].words[word];
     if (mine == first) return EPX_SUCCESS;
@@ -263,9 +245,8 @@ static epx_result_t check_pub_same(const host_buffer_t *hb, const host_pub_t *pu
                      hb->rank, flag, first, p, mine);
 }
 
-/* A rank that asks for `output` (word `wants`) needs every rank to pass topk_weights (word `has`). */
-static epx_result_t check_pub_weights(const host_buffer_t *hb, const host_pub_t *pubs, int wants, int has,
-                                      const char *output)
+epx_result_t host_ht_check_weights(const host_buffer_t *hb, const host_pub_t *pubs, int wants, int has,
+                                   const char *output)
 {
     int asks = -1, lacks = -1;
     for (int p = 0; p < hb->nranks; p++) {
@@ -284,7 +265,7 @@ static epx_result_t check_dispatch_pubs(const host_buffer_t *hb, const host_pub_
     const host_pub_t *z = &pubs[0];
     for (int p = 0; p < hb->nranks; p++) {
         const host_pub_t *a = &pubs[p];
-        EPX_CHECK(check_pub_op(hb, a, p, EPX_CALL_HT_DISPATCH, "an HT dispatch"));
+        EPX_CHECK(host_ht_check_op(hb, a, p, EPX_CALL_HT_DISPATCH, "an HT dispatch"));
         if (a->words[W_DTYPE] != z->words[W_DTYPE])
             return epx_error(EPX_ERR_MISMATCH,
                              "rank %d: ranks disagree on the dtype of x: rank 0 passes %s, rank %d %s", me,
@@ -294,20 +275,10 @@ static epx_result_t check_dispatch_pubs(const host_buffer_t *hb, const host_pub_
             return epx_error(EPX_ERR_MISMATCH, "rank %d: rank 0 %s a cached handle, rank %d %s", me,
                              z->words[W_CACHED] ? "passes" : "passes no", p,
                              a->words[W_CACHED] ? "does" : "does not");
-        if (a->words[W_CACHED]) EPX_CHECK(check_pub_same(hb, pubs, p, W_HANDLE_SEQ, NULL, "cached"));
-        EPX_CHECK(check_pub_same(hb, pubs, p, W_VIEW, "recv_in_buffer", NULL));
+        if (a->words[W_CACHED]) EPX_CHECK(host_ht_check_same(hb, pubs, p, W_HANDLE_SEQ, NULL, "cached"));
+        EPX_CHECK(host_ht_check_same(hb, pubs, p, W_VIEW, "recv_in_buffer", NULL));
     }
-    return check_pub_weights(hb, pubs, W_WANTS_WEIGHTS, W_HAS_WEIGHTS, "recv_topk_weights");
-}
-
-static epx_result_t check_combine_pubs(const host_buffer_t *hb, const host_pub_t *pubs)
-{
-    for (int p = 0; p < hb->nranks; p++) {
-        EPX_CHECK(check_pub_op(hb, &pubs[p], p, EPX_CALL_HT_COMBINE, "an HT combine"));
-        EPX_CHECK(check_pub_same(hb, pubs, p, C_HANDLE_SEQ, NULL, "combine"));
-        EPX_CHECK(check_pub_same(hb, pubs, p, C_IN_BUFFER, "x_in_buffer", NULL));
-    }
-    return check_pub_weights(hb, pubs, C_WANTS_WEIGHTS, C_HAS_WEIGHTS, "combined_topk_weights");
+    return host_ht_check_weights(hb, pubs, W_WANTS_WEIGHTS, W_HAS_WEIGHTS, "recv_topk_weights");
 }
 
 /* Fails when an output given with per-row shape has fewer than `rows` rows. */
@@ -597,146 +568,4 @@ out:
     host_area_done(hb, HOST_AREA_IN, seq);
     free(sc.block);
     return res;
-}
-
-/* ---------------------------------------------------------------------------- combine ---- */
-
-typedef struct combine_ctx {
-    host_buffer_t *hb;
-    const host_ht_state_t *st;
-    const epx_ht_combine_args_t *args;
-    const epx_ht_combine_outputs_t *out;
-    int R;
-    int64_t H, K;
-    size_t weights_offset;
-} combine_ctx_t;
-
-/* The pinned two-level sum: per node (ranks ascending within it) a partial, then the partials over
- * nodes ascending, remote ones through bf16; with one node, exactly the flat sum over ranks. */
-static void combine_tokens(void *vctx, int64_t begin, int64_t end)
-{
-    combine_ctx_t *c = vctx;
-    const int R = c->R, P = c->hb->buffer->comm->ranks_per_node, own = c->hb->buffer->comm->node;
-    const int64_t H = c->H, K = c->K;
-    const uint16_t *bias0 = c->args->bias0.data, *bias1 = c->args->bias1.data;
-    uint16_t *out = c->out->combined_x.data;
-    float *out_w = c->out->combined_topk_weights.data;
-    for (int64_t t = begin; t < end; t++) {
-        const int32_t *rows = c->st->token_rows + t * R;
-        for (int64_t h = 0; h < H; h++) {
-            float acc = 0.0f;
-            for (int first = 0; first < R; first += P) {
-                float part = 0.0f;
-                int any = 0;
-                for (int r = first; r < first + P; r++) {
-                    if (rows[r] < 0) continue;
-                    const uint16_t *x = (const uint16_t *)host_area_ptr(c->hb, r, HOST_AREA_COMBINE);
-                    part += epx_bf16_to_f32(x[(int64_t)rows[r] * H + h]);
-                    any = 1;
-                }
-                if (any) acc = epx_add_node_partial(acc, part, first / P != own);
-            }
-            if (bias0) acc += epx_bf16_to_f32(bias0[t * H + h]);
-            if (bias1) acc += epx_bf16_to_f32(bias1[t * H + h]);
-            out[t * H + h] = epx_f32_to_bf16(acc);
-        }
-        if (!out_w) continue;
-        /* Flat over ranks, whatever the nodes: with the dispatch's weights one rank adds each slot. */
-        for (int64_t k = 0; k < K; k++) {
-            float acc = 0.0f;
-            for (int r = 0; r < R; r++) {
-                if (rows[r] < 0) continue;
-                const float *w =
-                    (const float *)(host_area_ptr(c->hb, r, HOST_AREA_COMBINE) + c->weights_offset);
-                acc += w[(int64_t)rows[r] * K + k];
-            }
-            out_w[t * K + k] = acc;
-        }
-    }
-}
-
-typedef struct stage_ctx {
-    const epx_ht_combine_args_t *args;
-    uint8_t *area;
-    int64_t H, K;
-    size_t weights_offset;
-} stage_ctx_t;
-
-static void stage_rows(void *vctx, int64_t begin, int64_t end)
-{
-    stage_ctx_t *c = vctx;
-    const size_t row = (size_t)c->H * 2;
-    if (c->args->x_in_buffer != 1) /* 1: the caller wrote the rows into the area already */
-        memcpy(c->area + (size_t)begin * row, (const uint8_t *)c->args->x.data + (size_t)begin * row,
-               (size_t)(end - begin) * row);
-    if (c->args->topk_weights.data)
-        memcpy(c->area + c->weights_offset + (size_t)(begin * c->K) * 4,
-               (const float *)c->args->topk_weights.data + begin * c->K, (size_t)((end - begin) * c->K) * 4);
-}
-
-epx_result_t host_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht_combine_args_t *args,
-                             epx_ht_combine_outputs_t *outputs)
-{
-    host_buffer_t *hb = buffer->backend_state;
-    const epx_buffer_config_t *cfg = &buffer->config;
-    const host_ht_state_t *st = args->handle->backend_state;
-    const int R = hb->nranks;
-    const int64_t H = cfg->hidden, K = cfg->num_topk;
-    const size_t weights_offset = (size_t)R * (size_t)cfg->max_tokens * (size_t)H * 2;
-    epx_result_t res;
-
-    if (!st || args->handle->kind != EPX_HANDLE_HT)
-        return host_fail(hb, seq,
-                         epx_error(EPX_ERR_INVALID_ARG,
-                                   "rank %d: the combine handle is not an HT dispatch handle", hb->rank));
-    host_pub_t *pubs = calloc((size_t)R, sizeof(host_pub_t));
-    if (!pubs)
-        return host_fail(
-            hb, seq,
-            epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate %d publications", hb->rank, R));
-    res = host_area_acquire(hb, HOST_AREA_COMBINE);
-    if (res != EPX_SUCCESS) {
-        host_fail(hb, seq, res);
-        goto out;
-    }
-    stage_ctx_t sc = {args, host_area_ptr(hb, hb->rank, HOST_AREA_COMBINE), H, K, weights_offset};
-    host_parallel_for(hb, st->num_recv, 64, stage_rows, &sc);
-    int64_t words[C_COUNT] = {0};
-    words[C_ROWS] = st->num_recv;
-    words[C_HAS_WEIGHTS] = args->topk_weights.data != NULL;
-    words[C_HANDLE_SEQ] = (int64_t)st->dispatch_seq;
-    words[C_WANTS_WEIGHTS] = outputs->combined_topk_weights.data != NULL;
-    words[C_IN_BUFFER] = args->x_in_buffer != 0;
-    host_area_publish(hb, HOST_AREA_COMBINE, seq, EPX_CALL_HT_COMBINE, EPX_SUCCESS, words, C_COUNT);
-
-    res = host_area_wait_all(hb, HOST_AREA_COMBINE, seq, pubs);
-    if (res == EPX_SUCCESS) res = check_combine_pubs(hb, pubs);
-    if (res == EPX_SUCCESS) {
-        combine_ctx_t cc = {hb, st, args, outputs, R, H, K, weights_offset};
-        host_parallel_for(hb, st->num_tokens, 4, combine_tokens, &cc);
-    }
-out:
-    host_area_done(hb, HOST_AREA_COMBINE, seq);
-    free(pubs);
-    return res;
-}
-
-epx_result_t host_ht_get_combine_input(epx_buffer_t buffer, epx_handle_t handle, epx_tensor_t *view_out)
-{
-    host_buffer_t *hb = buffer->backend_state;
-    const host_ht_state_t *st = handle->backend_state;
-    const int64_t H = buffer->config.hidden;
-    if (!st) return epx_error(EPX_ERR_INVALID_ARG, "rank %d: the handle has no HT dispatch state", hb->rank);
-    /* The handle's rows: num_worst_tokens in static mode (of which the first N_r are read). */
-    const int64_t rows = handle->num_recv;
-    const int64_t cap = (int64_t)hb->nranks * buffer->config.max_tokens;
-    if (rows > cap)
-        return epx_error(EPX_ERR_INVALID_ARG,
-                         "rank %d: the handle has %lld rows (num_worst_tokens), above the %lld rows "
-                         "(R * max_tokens) of the combine input in the buffer",
-                         hb->rank, (long long)rows, (long long)cap);
-    /* Peers may still be reading the rows of our previous combine. */
-    EPX_CHECK(host_area_acquire(hb, HOST_AREA_COMBINE));
-    *view_out = epx_tensor_2d(host_area_ptr(hb, hb->rank, HOST_AREA_COMBINE), EPX_DTYPE_BF16, rows, H);
-    return EPX_SUCCESS;
 }

@@ -1,4 +1,4 @@
-/* Seed, buffer config, clock and hash helpers, and the tests' multi-rank launcher over the harness. */
+/* Seed, buffer config, HT call, clock and hash helpers, and the multi-rank launcher over the harness. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
@@ -27,6 +27,46 @@ epx_buffer_config_t epx_test_buffer_config(int64_t max_tokens, int64_t hidden, i
                                      .num_experts = num_experts,
                                      .modes = modes};
     return cfg;
+}
+
+epx_ht_dispatch_args_t epx_test_ht_dispatch_args(void *x, void *topk_idx, void *topk_weights, int64_t T,
+                                                 int64_t H, int64_t K)
+{
+    epx_ht_dispatch_args_t a = EPX_HT_DISPATCH_ARGS_INIT;
+    a.x = epx_tensor_2d(x, EPX_DTYPE_BF16, T, H);
+    a.topk_idx = epx_tensor_2d(topk_idx, EPX_DTYPE_INT64, T, K);
+    a.topk_weights = epx_tensor_2d(topk_weights, EPX_DTYPE_FP32, T, K);
+    return a;
+}
+
+epx_ht_dispatch_outputs_t epx_test_ht_dispatch_outputs(void *recv_x, void *recv_topk_idx,
+                                                       void *recv_topk_weights, int64_t N, int64_t H,
+                                                       int64_t K)
+{
+    epx_ht_dispatch_outputs_t o = EPX_HT_DISPATCH_OUTPUTS_INIT;
+    o.recv_x = epx_tensor_2d(recv_x, EPX_DTYPE_BF16, N, H);
+    o.recv_topk_idx = epx_tensor_2d(recv_topk_idx, EPX_DTYPE_INT64, N, K);
+    o.recv_topk_weights = epx_tensor_2d(recv_topk_weights, EPX_DTYPE_FP32, N, K);
+    return o;
+}
+
+epx_ht_combine_args_t epx_test_ht_combine_args(epx_handle_t handle, void *x, void *topk_weights, int64_t N,
+                                               int64_t H, int64_t K)
+{
+    epx_ht_combine_args_t a = EPX_HT_COMBINE_ARGS_INIT;
+    a.handle = handle;
+    a.x = epx_tensor_2d(x, EPX_DTYPE_BF16, N, H);
+    a.topk_weights = epx_tensor_2d(topk_weights, EPX_DTYPE_FP32, N, K);
+    return a;
+}
+
+epx_ht_combine_outputs_t epx_test_ht_combine_outputs(void *combined_x, void *combined_topk_weights, int64_t T,
+                                                     int64_t H, int64_t K)
+{
+    epx_ht_combine_outputs_t o = EPX_HT_COMBINE_OUTPUTS_INIT;
+    o.combined_x = epx_tensor_2d(combined_x, EPX_DTYPE_BF16, T, H);
+    o.combined_topk_weights = epx_tensor_2d(combined_topk_weights, EPX_DTYPE_FP32, T, K);
+    return o;
 }
 
 epx_result_t epx_test_host_comm(const epx_unique_id_t *id, int rank, int nranks, int timeout_ms,

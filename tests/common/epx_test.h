@@ -117,6 +117,21 @@ epx_buffer_config_t epx_test_buffer_config(int64_t max_tokens, int64_t hidden, i
 epx_result_t epx_test_host_comm(const epx_unique_id_t *id, int rank, int nranks, int timeout_ms,
                                 epx_comm_t *comm_out);
 
+/* HT calls of the common case, bf16 rows with int64 topk_idx and fp32 weights (other fields at their
+ * defaults): a dispatch of T tokens (x [T, H], topk_idx and topk_weights [T, K]) into N rows (recv_x
+ * [N, H], recv_topk_idx and recv_topk_weights [N, K]), and the combine of N rows (x [N, H],
+ * topk_weights [N, K]) under `handle` back into T tokens (combined_x [T, H], combined_topk_weights
+ * [T, K]). */
+epx_ht_dispatch_args_t epx_test_ht_dispatch_args(void *x, void *topk_idx, void *topk_weights, int64_t T,
+                                                 int64_t H, int64_t K);
+epx_ht_dispatch_outputs_t epx_test_ht_dispatch_outputs(void *recv_x, void *recv_topk_idx,
+                                                       void *recv_topk_weights, int64_t N, int64_t H,
+                                                       int64_t K);
+epx_ht_combine_args_t epx_test_ht_combine_args(epx_handle_t handle, void *x, void *topk_weights, int64_t N,
+                                               int64_t H, int64_t K);
+epx_ht_combine_outputs_t epx_test_ht_combine_outputs(void *combined_x, void *combined_topk_weights, int64_t T,
+                                                     int64_t H, int64_t K);
+
 /* CLOCK_MONOTONIC in seconds, for checks that a call returned in time. */
 double epx_test_now_s(void);
 

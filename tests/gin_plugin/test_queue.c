@@ -34,6 +34,16 @@ static int expect_has(const char *text, const char *needle)
     return 1;
 }
 
+/* The end of a test whose queue has nothing left to do: a clean close, then the queue and the fixture
+ * freed. */
+static int close_clean(fixture_t *f, ginq_t *q)
+{
+    EXPECT_EQ_INT(ginq_close(q, 100), GINQ_OK);
+    ginq_destroy(q);
+    free(f);
+    return 0;
+}
+
 /* ---- ordering ------------------------------------------------------------------------------------ */
 
 /* One seed: random puts, put-signals (strong or weak) and signals posted between progress passes;
@@ -112,10 +122,7 @@ static int ordering_case(uint64_t seed, int reorder, int *issue_inversions, int 
         EXPECT_EQ_INT(done, 1);
     }
     EXPECT_EQ_INT(f->mover.released, f->mover.nlog);
-    EXPECT_EQ_INT(ginq_close(q, 100), GINQ_OK);
-    ginq_destroy(q);
-    free(f);
-    return 0;
+    return close_clean(f, q);
 }
 
 static int test_ordering(void)
@@ -169,10 +176,7 @@ static int test_weak_signal(void)
     if (drain(q)) return 1;
     EXPECT_TRUE(chunk_landed(f, 1, 0));
     EXPECT_EQ_INT(f->sig[1][1], 7);
-    EXPECT_EQ_INT(ginq_close(q, 100), GINQ_OK);
-    ginq_destroy(q);
-    free(f);
-    return 0;
+    return close_clean(f, q);
 }
 
 /* ---- faults -------------------------------------------------------------------------------------- */
@@ -570,10 +574,7 @@ static int test_bad_input(void)
     ginq_message(q, msg, sizeof(msg));
     if (expect_has(msg, "is not outstanding")) return 1;
     EXPECT_EQ_INT(ginq_post(q, &d, &req), GINQ_OK);
-    EXPECT_EQ_INT(ginq_close(q, 100), GINQ_OK);
-    ginq_destroy(q);
-    free(f);
-    return 0;
+    return close_clean(f, q);
 }
 
 int main(void)

@@ -208,15 +208,9 @@ static int run_rank(int me, int R, const epx_unique_id_t *id, void *ctx)
     }
 
     /* 1. Routed dispatch, exact output size: rows, local ids, weights, counts. */
-    epx_ht_dispatch_args_t da = EPX_HT_DISPATCH_ARGS_INIT;
-    da.x = epx_tensor_2d(x, EPX_DTYPE_BF16, T, HID);
-    da.topk_idx = epx_tensor_2d(topk, EPX_DTYPE_INT64, T, TOPK);
-    da.topk_weights = epx_tensor_2d(weights, EPX_DTYPE_FP32, T, TOPK);
+    epx_ht_dispatch_args_t da = epx_test_ht_dispatch_args(x, topk, weights, T, HID, TOPK);
     da.expert_alignment = ALIGN;
-    epx_ht_dispatch_outputs_t dout = EPX_HT_DISPATCH_OUTPUTS_INIT;
-    dout.recv_x = epx_tensor_2d(recv_x, EPX_DTYPE_BF16, N, HID);
-    dout.recv_topk_idx = epx_tensor_2d(recv_idx, EPX_DTYPE_INT64, N, TOPK);
-    dout.recv_topk_weights = epx_tensor_2d(recv_w, EPX_DTYPE_FP32, N, TOPK);
+    epx_ht_dispatch_outputs_t dout = epx_test_ht_dispatch_outputs(recv_x, recv_idx, recv_w, N, HID, TOPK);
     dout.num_recv_tokens_per_expert = epx_tensor_1d(per_expert, EPX_DTYPE_INT32, LOCAL_EXPERTS);
     dout.num_recv_tokens = epx_tensor_1d(&num_recv, EPX_DTYPE_INT32, 1);
     EXPECT_OK(epx_ht_dispatch(buf, &da, &dout));
@@ -236,15 +230,10 @@ static int run_rank(int me, int R, const epx_unique_id_t *id, void *ctx)
 
     /* 2. Combine with weights and both biases. */
     fill_y(me, rs, N, y);
-    epx_ht_combine_args_t ca = EPX_HT_COMBINE_ARGS_INIT;
-    ca.handle = handle;
-    ca.x = epx_tensor_2d(y, EPX_DTYPE_BF16, N, HID);
-    ca.topk_weights = epx_tensor_2d(recv_w, EPX_DTYPE_FP32, N, TOPK);
+    epx_ht_combine_args_t ca = epx_test_ht_combine_args(handle, y, recv_w, N, HID, TOPK);
     ca.bias0 = epx_tensor_2d(bias0, EPX_DTYPE_BF16, T, HID);
     ca.bias1 = epx_tensor_2d(bias1, EPX_DTYPE_BF16, T, HID);
-    epx_ht_combine_outputs_t co = EPX_HT_COMBINE_OUTPUTS_INIT;
-    co.combined_x = epx_tensor_2d(out, EPX_DTYPE_BF16, T, HID);
-    co.combined_topk_weights = epx_tensor_2d(out_w, EPX_DTYPE_FP32, T, TOPK);
+    epx_ht_combine_outputs_t co = epx_test_ht_combine_outputs(out, out_w, T, HID, TOPK);
     EXPECT_OK(epx_ht_combine(buf, &ca, &co));
     if (check_combined(w, me, out, out_w, 1, NULL)) return 1;
 

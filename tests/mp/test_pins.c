@@ -212,9 +212,7 @@ static int static_body(int rank, int nranks, const epx_unique_id_t *id, void *ct
     ca.x_in_buffer = 1;
     /* Weights as given, every slot 1 (not masked by recv_topk_idx). */
     ca.topk_weights = epx_tensor_2d(ones, EPX_DTYPE_FP32, info.num_recv_tokens, K);
-    epx_ht_combine_outputs_t co = EPX_HT_COMBINE_OUTPUTS_INIT;
-    co.combined_x = epx_tensor_2d(out, EPX_DTYPE_BF16, T, H);
-    co.combined_topk_weights = epx_tensor_2d(out_w, EPX_DTYPE_FP32, T, K);
+    epx_ht_combine_outputs_t co = epx_test_ht_combine_outputs(out, out_w, T, H, K);
     EXPECT_OK(epx_ht_combine(buf, &ca, &co));
     for (int t = 0; t < T; t++) {
         int ranks = 0;

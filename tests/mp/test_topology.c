@@ -272,14 +272,8 @@ static int ht_rank(int rank, int R, const epx_unique_id_t *id, void *vctx, void 
     int32_t per_expert[HT_L], num_recv = -1;
     if (!recv_x || !recv_idx || !recv_w) return 1;
 
-    epx_ht_dispatch_args_t da = EPX_HT_DISPATCH_ARGS_INIT;
-    da.x = epx_tensor_2d(x, EPX_DTYPE_BF16, HT_TM, HT_H);
-    da.topk_idx = epx_tensor_2d(topk, EPX_DTYPE_INT64, HT_TM, HT_K);
-    da.topk_weights = epx_tensor_2d(w, EPX_DTYPE_FP32, HT_TM, HT_K);
-    epx_ht_dispatch_outputs_t dout = EPX_HT_DISPATCH_OUTPUTS_INIT;
-    dout.recv_x = epx_tensor_2d(recv_x, EPX_DTYPE_BF16, N, HT_H);
-    dout.recv_topk_idx = epx_tensor_2d(recv_idx, EPX_DTYPE_INT64, N, HT_K);
-    dout.recv_topk_weights = epx_tensor_2d(recv_w, EPX_DTYPE_FP32, N, HT_K);
+    epx_ht_dispatch_args_t da = epx_test_ht_dispatch_args(x, topk, w, HT_TM, HT_H, HT_K);
+    epx_ht_dispatch_outputs_t dout = epx_test_ht_dispatch_outputs(recv_x, recv_idx, recv_w, N, HT_H, HT_K);
     dout.num_recv_tokens_per_expert = epx_tensor_1d(per_expert, EPX_DTYPE_INT32, HT_L);
     dout.num_recv_tokens = epx_tensor_1d(&num_recv, EPX_DTYPE_INT32, 1);
     EXPECT_OK(epx_ht_dispatch(buf, &da, &dout));
@@ -292,13 +286,8 @@ static int ht_rank(int rank, int R, const epx_unique_id_t *id, void *vctx, void 
     /* Expert outputs: the received rows, each scaled by its rank, so the sum mixes sources. */
     for (int64_t i = 0; i < N * HT_H; i++)
         recv_x[i] = epx_f32_to_bf16(epx_bf16_to_f32(recv_x[i]) * (1.0f + 0.125f * (float)rank));
-    epx_ht_combine_args_t ca = EPX_HT_COMBINE_ARGS_INIT;
-    ca.handle = dout.handle;
-    ca.x = epx_tensor_2d(recv_x, EPX_DTYPE_BF16, N, HT_H);
-    ca.topk_weights = epx_tensor_2d(recv_w, EPX_DTYPE_FP32, N, HT_K);
-    epx_ht_combine_outputs_t co = EPX_HT_COMBINE_OUTPUTS_INIT;
-    co.combined_x = epx_tensor_2d(combined, EPX_DTYPE_BF16, HT_TM, HT_H);
-    co.combined_topk_weights = epx_tensor_2d(combined_w, EPX_DTYPE_FP32, HT_TM, HT_K);
+    epx_ht_combine_args_t ca = epx_test_ht_combine_args(dout.handle, recv_x, recv_w, N, HT_H, HT_K);
+    epx_ht_combine_outputs_t co = epx_test_ht_combine_outputs(combined, combined_w, HT_TM, HT_H, HT_K);
     EXPECT_OK(epx_ht_combine(buf, &ca, &co));
     /* combined_x follows the node tree (checked by hand below); the weights are the same on any split. */
     out->weights_hash = epx_test_fnv(combined_w, sizeof(combined_w), EPX_TEST_FNV_INIT);
@@ -383,28 +372,17 @@ static int tree_rank(int rank, int R, const epx_unique_id_t *id, void *ctx)
     int64_t recv_idx[2 * HT_R][K];
     for (int t = 0; t < T; t++)
         for (int k = 0; k < K; k++) w[t][k] = 0.125f * (float)(rank + 1) + 0.0625f * (float)(t * K + k);
-    epx_ht_dispatch_args_t da = EPX_HT_DISPATCH_ARGS_INIT;
-    da.x = epx_tensor_2d(x, EPX_DTYPE_BF16, T, H);
-    da.topk_idx = epx_tensor_2d((void *)topk, EPX_DTYPE_INT64, T, K);
-    da.topk_weights = epx_tensor_2d(w, EPX_DTYPE_FP32, T, K);
-    epx_ht_dispatch_outputs_t dout = EPX_HT_DISPATCH_OUTPUTS_INIT;
-    dout.recv_x = epx_tensor_2d(y, EPX_DTYPE_BF16, N, H);
-    dout.recv_topk_idx = epx_tensor_2d(recv_idx, EPX_DTYPE_INT64, N, K);
-    dout.recv_topk_weights = epx_tensor_2d(recv_w, EPX_DTYPE_FP32, N, K);
+    epx_ht_dispatch_args_t da = epx_test_ht_dispatch_args(x, (void *)topk, w, T, H, K);
+    epx_ht_dispatch_outputs_t dout = epx_test_ht_dispatch_outputs(y, recv_idx, recv_w, N, H, K);
     EXPECT_OK(epx_ht_dispatch(buf, &da, &dout));
     EXPECT_EQ_INT(dout.num_recv_tokens_host, N);
     for (int i = 0; i < N; i++)
         for (int c = 0; c < H; c++) y[i][c] = epx_f32_to_bf16(k_tree_y[rank]);
     for (int t = 0; t < T; t++)
         for (int c = 0; c < H; c++) bias0[t][c] = epx_f32_to_bf16(0.25f);
-    epx_ht_combine_args_t ca = EPX_HT_COMBINE_ARGS_INIT;
-    ca.handle = dout.handle;
-    ca.x = epx_tensor_2d(y, EPX_DTYPE_BF16, N, H);
-    ca.topk_weights = epx_tensor_2d(recv_w, EPX_DTYPE_FP32, N, K);
+    epx_ht_combine_args_t ca = epx_test_ht_combine_args(dout.handle, y, recv_w, N, H, K);
     ca.bias0 = epx_tensor_2d(bias0, EPX_DTYPE_BF16, T, H);
-    epx_ht_combine_outputs_t co = EPX_HT_COMBINE_OUTPUTS_INIT;
-    co.combined_x = epx_tensor_2d(combined, EPX_DTYPE_BF16, T, H);
-    co.combined_topk_weights = epx_tensor_2d(combined_w, EPX_DTYPE_FP32, T, K);
+    epx_ht_combine_outputs_t co = epx_test_ht_combine_outputs(combined, combined_w, T, H, K);
     EXPECT_OK(epx_ht_combine(buf, &ca, &co));
     for (int t = 0; t < T; t++) {
         for (int c = 0; c < H; c++)
