@@ -431,14 +431,24 @@ static int rm_tests(const world_t *w, int me, epx_buffer_t buf)
     /* 1. Without permute: HT order, probs [N, L]; unweighted combine of row * (r + 1). */
     {
         int64_t N = 0;
-        for (int s = 0; s < w->R; s++)
-            for (int t = 0; t < w->T[s]; t++) N += has_rank(w, s, t, me);
+        int any_short = 0; /* some rank receives a row, so its output one row short is refused */
+        for (int r = 0; r < w->R; r++) {
+            int64_t n = 0;
+            for (int s = 0; s < w->R; s++)
+                for (int t = 0; t < w->T[s]; t++) n += has_rank(w, s, t, r);
+            if (r == me) N = n;
+            any_short |= n > 0;
+        }
         epx_rm_dispatch_outputs_t o = EPX_RM_DISPATCH_OUTPUTS_INIT;
-        /* Without a bound, a too small output is refused with nothing written. */
+        /* Without a bound, a too small output is refused with nothing written; the call has one
+         * outcome, so a rank that receives nothing hears of the refusal as its peer's failure. */
         o.tokens = epx_tensor_2d(tokens, EPX_DTYPE_BF16, N > 0 ? N - 1 : 0, HID);
         tokens[0] = GARBAGE_BF16;
         if (N > 0) {
             EXPECT_RES(epx_rm_dispatch(buf, &da, &o), EPX_ERR_INVALID_ARG);
+            EXPECT_EQ_INT(tokens[0], GARBAGE_BF16);
+        } else if (any_short) {
+            EXPECT_RES(epx_rm_dispatch(buf, &da, &o), EPX_ERR_REMOTE);
             EXPECT_EQ_INT(tokens[0], GARBAGE_BF16);
         } else {
             EXPECT_OK(epx_rm_dispatch(buf, &da, &o));
