@@ -3,79 +3,15 @@
  * with C11 atomics inside a node, net.h (registered regions, weak put_signal) between nodes. The
  * numeric helpers (bf16 rounding, one fp32 add) are the pinned formats of tests/common/reference.c.
  */
-#include "proto.h"
+#include "proto_impl.h"
 
-#include <pthread.h>
 #include <sched.h>
 #include <stdarg.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "reference.h"
-
-enum { REGION_SEND = 0, REGION_RECV = 1 };
-enum { CTX_DISPATCH = 0, CTX_COMBINE = 1 };
-enum { SIG_NOTIFY = 0 };
-#define SIG_DISPATCH(m) (1u + (uint32_t)(m))
-#define SIG_COMBINE(m)  (1u + (uint32_t)run->N + (uint32_t)(m))
-#define SIG_DOORBELL    (1u + 2u * (uint32_t)run->N) /* PROTO_WRONG_OTHER_PEER only */
-
-/* What the ranks of one node share (stands for NVLink-visible memory). */
-typedef struct node_shared {
-    atomic_uint_fast64_t barrier; /* arrivals; barrier g is passed at g * P */
-    atomic_int doorbell;          /* PROTO_WRONG_OTHER_PEER */
-    int32_t *per_rank;            /* [R][P]: tokens of source s to local rank q */
-    int32_t *per_expert;          /* [R][P * L]: tokens of source s selecting each expert of the node */
-} node_shared_t;
-
-typedef struct run run_t;
-
-typedef struct rank {
-    run_t *run;
-    int r, m, l;
-    epx_net_t net;
-    uint8_t *send, *recv;
-    const proto_input_t *in;
-    proto_output_t *out;
-    uint16_t *y; /* [N_r, H] combine input, node-visible */
-    /* The source's layout. */
-    uint32_t *node_mask; /* [T][N] local ranks of node n that need token t */
-    int32_t *rank_index; /* [T][R] index of t among this rank's tokens to rank d */
-    int32_t *to_rank;    /* [R] */
-    int32_t *to_node;    /* [N] tokens with a destination on node n */
-    int32_t *per_expert; /* [E] */
-    int32_t *remote_packets; /* [N] packets from the source (n, l), from its count message */
-    float *own_part;         /* [T, H] own node's partial */
-    float *own_part_w;       /* [T, K] */
-    uint64_t deadline;
-    proto_stats_t stats;
-    pthread_t thread;
-} rank_t;
-
-struct run {
-    const proto_config_t *cfg;
-    int N, P, R, L, K, E;
-    int64_t H, T_max;
-    size_t cmsg, hdr, dpkt, cpkt; /* record sizes */
-    size_t off_dispatch, off_combine, region_bytes;
-    proto_make_y_fn make_y;
-    void *y_ctx;
-    epx_net_model_t *model;
-    int32_t abort_word;
-    pthread_mutex_t err_lock;
-    char *err;
-    size_t err_len;
-    int failed;
-    node_shared_t *nodes;
-    rank_t *ranks;
-};
-
-static size_t align8(size_t n)
-{
-    return (n + 7) & ~(size_t)7;
-}
 
 /* Region layout, the same in SEND and RECV: count messages [N], token packets [N][T_max], partials
  * [N][T_max]. */
@@ -126,10 +62,9 @@ __attribute__((format(printf, 2, 3))) static int fail(rank_t *rk, const char *fm
 static int net_put(rank_t *rk, const char *stage, uint32_t ctx, int peer, uint64_t dst, uint64_t src,
                    uint64_t bytes, int sig, epx_net_signal_mode_t mode)
 {
-    epx_net_status_t s =
-        sig < 0 ? epx_net_put(&rk->net, ctx, peer, REGION_RECV, dst, REGION_SEND, src, bytes)
-                : epx_net_put_signal(&rk->net, ctx, peer, REGION_RECV, dst, REGION_SEND, src, bytes,
-                                     (uint32_t)sig, 1, mode);
+    epx_net_status_t s = sig < 0 ? epx_net_put(&rk->net, ctx, peer, REGION_RECV, dst, REGION_SEND, src, bytes)
+                                 : epx_net_put_signal(&rk->net, ctx, peer, REGION_RECV, dst, REGION_SEND, src,
+                                                      bytes, (uint32_t)sig, 1, mode);
     if (s != EPX_NET_OK)
         return fail(rk, "%s: put of %llu bytes to peer %d: %s (%s)", stage, (unsigned long long)bytes, peer,
                     epx_net_status_name(s), epx_net_model_message());
@@ -258,9 +193,11 @@ static int send_all(rank_t *rk)
     const proto_variant_t v = run->cfg->variant;
     for (int n = 0; n < run->N; n++) {
         if (n == rk->m) continue;
-        if (v == PROTO_OK && (send_counts(rk, n, SIG_NOTIFY) || send_packets(rk, n, (int)SIG_DISPATCH(rk->m))))
+        if (v == PROTO_OK &&
+            (send_counts(rk, n, SIG_NOTIFY) || send_packets(rk, n, (int)SIG_DISPATCH(rk->m))))
             return 1;
-        if (v == PROTO_WRONG_PUT_ORDER && (send_packets(rk, n, -1) || send_counts(rk, n, SIG_NOTIFY))) return 1;
+        if (v == PROTO_WRONG_PUT_ORDER && (send_packets(rk, n, -1) || send_counts(rk, n, SIG_NOTIFY)))
+            return 1;
         if (v == PROTO_WRONG_OTHER_PEER && (send_packets(rk, n, -1) || send_counts(rk, n, -1))) return 1;
     }
     if (v != PROTO_WRONG_OTHER_PEER) return 0;
@@ -268,7 +205,8 @@ static int send_all(rank_t *rk)
         if (n == rk->m) continue;
         epx_net_status_t s =
             epx_net_signal_add(&rk->net, CTX_DISPATCH, n * run->P, SIG_DOORBELL, 1, EPX_NET_SIGNAL_STRONG);
-        if (s != EPX_NET_OK) return fail(rk, "notify: doorbell to peer %d: %s", n * run->P, epx_net_status_name(s));
+        if (s != EPX_NET_OK)
+            return fail(rk, "notify: doorbell to peer %d: %s", n * run->P, epx_net_status_name(s));
     }
     return 0;
 }
@@ -278,7 +216,8 @@ static void publish_counts(run_t *run, int m, int s, const int32_t *per_rank, co
 {
     node_shared_t *node = &run->nodes[m];
     memcpy(node->per_rank + (size_t)s * run->P, per_rank, sizeof(int32_t) * (size_t)run->P);
-    memcpy(node->per_expert + (size_t)s * run->P * run->L, per_expert, sizeof(int32_t) * (size_t)(run->P * run->L));
+    memcpy(node->per_expert + (size_t)s * run->P * run->L, per_expert,
+           sizeof(int32_t) * (size_t)(run->P * run->L));
 }
 
 /* Step 4: the count messages of the remote sources of this local index, checked, into the node table. */
@@ -288,7 +227,8 @@ static int counts_in(rank_t *rk)
     node_shared_t *node = &run->nodes[rk->m];
     if (run->cfg->variant == PROTO_WRONG_OTHER_PEER) {
         if (rk->l == 0 && run->N > 1) {
-            if (wait_signal(rk, "notify", SIG_DOORBELL, (uint64_t)((run->N - 1) * run->P), "every remote source"))
+            if (wait_signal(rk, "notify", SIG_DOORBELL, (uint64_t)((run->N - 1) * run->P),
+                            "every remote source"))
                 return 1;
             atomic_store_explicit(&node->doorbell, 1, memory_order_release);
         }
@@ -299,7 +239,8 @@ static int counts_in(rank_t *rk)
             epx_net_poll(&rk->net);
             sched_yield();
         }
-    } else if (run->N > 1 && wait_signal(rk, "notify", SIG_NOTIFY, (uint64_t)(run->N - 1), "the remote sources")) {
+    } else if (run->N > 1 &&
+               wait_signal(rk, "notify", SIG_NOTIFY, (uint64_t)(run->N - 1), "the remote sources")) {
         return 1;
     }
     int32_t per_rank[32], per_expert[32 * 64];
@@ -309,7 +250,8 @@ static int counts_in(rank_t *rk)
         const uint8_t *msg = rk->recv + off_notify(run, n);
         const int32_t packets = get32(msg, 0);
         if (packets < 0 || packets > run->T_max)
-            return fail(rk, "notify: peer %d announces %d packets (T_max %lld)", s, packets, (long long)run->T_max);
+            return fail(rk, "notify: peer %d announces %d packets (T_max %lld)", s, packets,
+                        (long long)run->T_max);
         for (int q = 0; q < run->P; q++) {
             per_rank[q] = get32(msg, 1 + (size_t)q);
             if (per_rank[q] < 0 || per_rank[q] > packets)
@@ -342,7 +284,8 @@ static void offsets(rank_t *rk)
     rk->out->n = row_base(run, rk->m, rk->l, run->R);
     for (int j = 0; j < run->L; j++) {
         int64_t c = 0;
-        for (int s = 0; s < run->R; s++) c += node->per_expert[(size_t)s * run->P * run->L + rk->l * run->L + j];
+        for (int s = 0; s < run->R; s++)
+            c += node->per_expert[(size_t)s * run->P * run->L + rk->l * run->L + j];
         const int a = run->cfg->alignment;
         rk->out->per_expert[j] = (int32_t)((c + a - 1) / a * a);
     }
@@ -382,7 +325,8 @@ static void local_legs(rank_t *rk)
         if (run->cfg->with_weights) memcpy(w, rk->in->weights + t * run->K, sizeof(float) * (size_t)run->K);
         for (int q = 0; q < run->P; q++)
             if (mask >> q & 1)
-                write_row(rk, q, row_base(run, rk->m, q, rk->r) + rk->rank_index[t * run->R + rk->m * run->P + q],
+                write_row(rk, q,
+                          row_base(run, rk->m, q, rk->r) + rk->rank_index[t * run->R + rk->m * run->P + q],
                           rk->r, t, topk, run->cfg->with_weights ? w : NULL, rk->in->x + t * run->H);
     }
 }
@@ -406,12 +350,13 @@ static int forward(rank_t *rk)
             const int32_t tok = get32(pkt, 0);
             const uint32_t mask = (uint32_t)get32(pkt, 1);
             if (tok < 0 || tok >= run->T_max || !mask || mask >> run->P)
-                return fail(rk, "forward: packet %lld from peer %d has token %d, mask 0x%x", (long long)j, s, tok,
-                            mask);
+                return fail(rk, "forward: packet %lld from peer %d has token %d, mask 0x%x", (long long)j, s,
+                            tok, mask);
             for (int k = 0; k < run->K; k++) {
                 topk[k] = get32(pkt, 2 + (size_t)run->P + (size_t)k);
                 if (topk[k] < -1 || topk[k] >= run->E)
-                    return fail(rk, "forward: packet %lld from peer %d has expert %d", (long long)j, s, topk[k]);
+                    return fail(rk, "forward: packet %lld from peer %d has expert %d", (long long)j, s,
+                                topk[k]);
             }
             if (run->cfg->with_weights)
                 memcpy(w, pkt + 4 * (2 + (size_t)run->P + (size_t)run->K), sizeof(float) * (size_t)run->K);
@@ -419,9 +364,10 @@ static int forward(rank_t *rk)
                 if (!(mask >> q & 1)) continue;
                 const int32_t ri = get32(pkt, 2 + (size_t)q);
                 if (ri < 0 || ri >= run->nodes[rk->m].per_rank[(size_t)s * run->P + q])
-                    return fail(rk, "forward: packet %lld from peer %d has index %d for local rank %d", (long long)j,
-                                s, ri, q);
-                write_row(rk, q, base[q] + ri, s, tok, topk, run->cfg->with_weights ? w : NULL, pkt + run->hdr);
+                    return fail(rk, "forward: packet %lld from peer %d has index %d for local rank %d",
+                                (long long)j, s, ri, q);
+                write_row(rk, q, base[q] + ri, s, tok, topk, run->cfg->with_weights ? w : NULL,
+                          pkt + run->hdr);
             }
         }
     }
@@ -475,8 +421,8 @@ static int combine_forward(rank_t *rk)
                 memcpy(dst + 2 * c, &b, 2);
             }
             if (run->cfg->with_weights) memcpy(dst + 2 * run->H, part_w, sizeof(float) * (size_t)run->K);
-            if (net_put(rk, "combine", CTX_COMBINE, s, off_partial(run, rk->m, tok), off_partial(run, n, j), run->cpkt,
-                        (int)SIG_COMBINE(rk->m), EPX_NET_SIGNAL_WEAK)) {
+            if (net_put(rk, "combine", CTX_COMBINE, s, off_partial(run, rk->m, tok), off_partial(run, n, j),
+                        run->cpkt, (int)SIG_COMBINE(rk->m), EPX_NET_SIGNAL_WEAK)) {
                 free(part);
                 return 1;
             }
@@ -497,13 +443,14 @@ static int combine_sum(rank_t *rk)
         const uint32_t mask = rk->node_mask[t * run->N + rk->m];
         if (!mask) continue;
         for (int q = 0; q < run->P; q++)
-            rows[q] = (mask >> q & 1) ? row_base(run, rk->m, q, rk->r) +
-                                            rk->rank_index[t * run->R + rk->m * run->P + q]
-                                      : 0;
+            rows[q] = (mask >> q & 1)
+                          ? row_base(run, rk->m, q, rk->r) + rk->rank_index[t * run->R + rk->m * run->P + q]
+                          : 0;
         node_partial(rk, mask, rows, rk->own_part + t * H, with_w ? rk->own_part_w + t * K : NULL);
     }
     for (int n = 0; n < run->N; n++)
-        if (n != rk->m && wait_signal(rk, "combine", SIG_COMBINE(n), (uint64_t)rk->to_node[n], "a remote forwarder"))
+        if (n != rk->m &&
+            wait_signal(rk, "combine", SIG_COMBINE(n), (uint64_t)rk->to_node[n], "a remote forwarder"))
             return 1;
     for (int64_t t = 0; t < T; t++) {
         for (int64_t c = 0; c < H; c++) {
@@ -543,7 +490,7 @@ static int combine_sum(rank_t *rk)
 
 /* ---- a rank -------------------------------------------------------------------------------------- */
 
-static void *rank_main(void *arg)
+void *proto_rank_main(void *arg)
 {
     rank_t *rk = arg;
     run_t *run = rk->run;
@@ -567,170 +514,4 @@ static void *rank_main(void *arg)
         flush(rk, "combine", CTX_COMBINE) || node_barrier(rk, "combine", 4))
         return NULL;
     return NULL;
-}
-
-/* ---- a run --------------------------------------------------------------------------------------- */
-
-void proto_output_free(proto_output_t *out, int R)
-{
-    for (int r = 0; r < R; r++) {
-        free(out[r].x);
-        free(out[r].src);
-        free(out[r].tok);
-        free(out[r].idx);
-        free(out[r].w);
-        free(out[r].per_expert);
-        free(out[r].combined);
-        free(out[r].combined_w);
-    }
-    memset(out, 0, sizeof(*out) * (size_t)R);
-}
-
-/* Garbage, so that a row nobody wrote cannot pass for a right one. */
-static void *garbage(size_t bytes)
-{
-    void *p = malloc(bytes ? bytes : 1);
-    if (p) memset(p, 0xa5, bytes);
-    return p;
-}
-
-static int setup_rank(run_t *run, rank_t *rk, int r, const proto_input_t *in, proto_output_t *out)
-{
-    const size_t rows = (size_t)run->R * (size_t)run->T_max, T = (size_t)in->T;
-    const size_t H = (size_t)run->H, K = (size_t)run->K;
-    *rk = (rank_t){.run = run, .r = r, .m = r / run->P, .l = r % run->P, .in = in, .out = out};
-    rk->send = garbage(run->region_bytes);
-    rk->recv = garbage(run->region_bytes);
-    rk->y = garbage(rows * H * 2);
-    rk->node_mask = calloc(T * (size_t)run->N + 1, sizeof(uint32_t));
-    rk->rank_index = calloc(T * (size_t)run->R + 1, sizeof(int32_t));
-    rk->to_rank = calloc((size_t)run->R, sizeof(int32_t));
-    rk->to_node = calloc((size_t)run->N, sizeof(int32_t));
-    rk->per_expert = calloc((size_t)run->E, sizeof(int32_t));
-    rk->remote_packets = calloc((size_t)run->N, sizeof(int32_t));
-    rk->own_part = calloc(T * H + 1, sizeof(float));
-    rk->own_part_w = calloc(T * K + 1, sizeof(float));
-    out->x = garbage(rows * H * 2);
-    out->src = garbage(rows * 4);
-    out->tok = garbage(rows * 8);
-    out->idx = garbage(rows * K * 8);
-    out->w = run->cfg->with_weights ? garbage(rows * K * 4) : NULL;
-    out->per_expert = garbage((size_t)run->L * 4);
-    out->combined = garbage(T * H * 2);
-    out->combined_w = run->cfg->with_weights ? garbage(T * K * 4) : NULL;
-    if (!rk->send || !rk->recv || !rk->y || !rk->node_mask || !rk->rank_index || !rk->to_rank || !rk->to_node ||
-        !rk->per_expert || !rk->remote_packets || !rk->own_part || !rk->own_part_w || !out->x || !out->src ||
-        !out->tok || !out->idx || (run->cfg->with_weights && (!out->w || !out->combined_w)) ||
-        !out->per_expert || !out->combined)
-        return 1;
-    uint32_t region;
-    if (epx_net_model_register(run->model, r, rk->send, run->region_bytes, &region) != EPX_NET_OK ||
-        region != REGION_SEND ||
-        epx_net_model_register(run->model, r, rk->recv, run->region_bytes, &region) != EPX_NET_OK ||
-        region != REGION_RECV || epx_net_model_handle(run->model, r, &rk->net) != EPX_NET_OK)
-        return 1;
-    return 0;
-}
-
-static void free_rank(rank_t *rk)
-{
-    free(rk->send);
-    free(rk->recv);
-    free(rk->y);
-    free(rk->node_mask);
-    free(rk->rank_index);
-    free(rk->to_rank);
-    free(rk->to_node);
-    free(rk->per_expert);
-    free(rk->remote_packets);
-    free(rk->own_part);
-    free(rk->own_part_w);
-}
-
-int proto_run(const proto_config_t *cfg, const proto_input_t *in, proto_make_y_fn make_y, void *y_ctx,
-              proto_output_t *out, proto_stats_t *stats, char *err, size_t err_len)
-{
-    run_t run = {.cfg = cfg, .N = cfg->nodes, .P = cfg->per_node, .E = cfg->E, .K = cfg->K, .H = cfg->H,
-                 .T_max = cfg->T_max, .make_y = make_y, .y_ctx = y_ctx, .err = err, .err_len = err_len};
-    run.R = run.N * run.P;
-    snprintf(err, err_len, "setup failed");
-    if (run.N < 1 || run.P < 1 || run.R > 16 || run.E % run.R || run.K < 1 || run.K > 64 || run.E > 2048 ||
-        run.H < 1 || run.T_max < 1 || cfg->alignment < 1) {
-        snprintf(err, err_len, "bad config: %d x %d ranks, E %d, K %d, H %lld, T_max %lld", run.N, run.P, run.E,
-                 run.K, (long long)run.H, (long long)run.T_max);
-        return 1;
-    }
-    run.L = run.E / run.R;
-    run.cmsg = align8(4 * (1 + (size_t)run.P + (size_t)(run.P * run.L)));
-    run.hdr = align8(4 * (2 + (size_t)run.P + (size_t)run.K * (cfg->with_weights ? 2 : 1)));
-    run.dpkt = align8(run.hdr + 2 * (size_t)run.H);
-    run.cpkt = align8(2 * (size_t)run.H + (cfg->with_weights ? 4 * (size_t)run.K : 0));
-    run.off_dispatch = run.cmsg * (size_t)run.N;
-    run.off_combine = run.off_dispatch + run.dpkt * (size_t)run.N * (size_t)run.T_max;
-    run.region_bytes = run.off_combine + run.cpkt * (size_t)run.N * (size_t)run.T_max;
-    epx_net_model_config_t mc = {.nranks = run.R,
-                                 .ncontexts = 2,
-                                 .nsignals = 2 + 2 * (uint32_t)run.N,
-                                 .mode = cfg->mode,
-                                 .seed = cfg->model_seed,
-                                 .progress_in_wait = 1,
-                                 .abort_word = &run.abort_word};
-    int rc = 1;
-    memset(out, 0, sizeof(*out) * (size_t)run.R);
-    run.nodes = calloc((size_t)run.N, sizeof(node_shared_t));
-    run.ranks = calloc((size_t)run.R, sizeof(rank_t));
-    if (!run.nodes || !run.ranks || pthread_mutex_init(&run.err_lock, NULL)) goto err_free;
-    for (int n = 0; n < run.N; n++) {
-        atomic_init(&run.nodes[n].barrier, 0);
-        atomic_init(&run.nodes[n].doorbell, 0);
-        run.nodes[n].per_rank = calloc((size_t)run.R * (size_t)run.P, sizeof(int32_t));
-        run.nodes[n].per_expert = calloc((size_t)run.R * (size_t)run.P * (size_t)run.L, sizeof(int32_t));
-        if (!run.nodes[n].per_rank || !run.nodes[n].per_expert) goto err_mutex;
-    }
-    if (epx_net_model_create(&mc, &run.model) != EPX_NET_OK) {
-        snprintf(err, err_len, "model: %s", epx_net_model_message());
-        goto err_mutex;
-    }
-    for (int r = 0; r < run.R; r++)
-        if (setup_rank(&run, &run.ranks[r], r, &in[r], &out[r])) goto err_model;
-    const uint64_t deadline = epx_net_now_ns() + cfg->timeout_ms * 1000000ull;
-    int started = 0;
-    for (; started < run.R; started++) {
-        run.ranks[started].deadline = deadline;
-        if (pthread_create(&run.ranks[started].thread, NULL, rank_main, &run.ranks[started])) {
-            fail(&run.ranks[started], "cannot start its thread");
-            break;
-        }
-    }
-    for (int r = 0; r < started; r++) pthread_join(run.ranks[r].thread, NULL);
-    rc = run.failed;
-    /* A finished run leaves nothing in flight: every put carried a signal someone waited for. */
-    const size_t pending = epx_net_model_pending(run.model);
-    if (!rc && pending) {
-        snprintf(err, err_len, "%zu operations still in flight after the run", pending);
-        rc = 1;
-    }
-    memset(stats, 0, sizeof(*stats));
-    for (int r = 0; r < run.R; r++) {
-        const proto_stats_t *s = &run.ranks[r].stats;
-        stats->net_bytes += s->net_bytes;
-        stats->nvlink_bytes += s->nvlink_bytes;
-        stats->self_bytes += s->self_bytes;
-        stats->flat_net_bytes += s->flat_net_bytes;
-        stats->dispatch_net_bytes += s->dispatch_net_bytes;
-    }
-err_model:
-    epx_net_model_destroy(run.model);
-err_mutex:
-    pthread_mutex_destroy(&run.err_lock);
-err_free:
-    for (int r = 0; run.ranks && r < run.R; r++) free_rank(&run.ranks[r]);
-    for (int n = 0; run.nodes && n < run.N; n++) {
-        free(run.nodes[n].per_rank);
-        free(run.nodes[n].per_expert);
-    }
-    free(run.ranks);
-    free(run.nodes);
-    if (rc && !run.failed && err_len && !err[0]) snprintf(err, err_len, "setup failed");
-    return rc;
 }

@@ -37,11 +37,11 @@ typedef struct proto_config {
 /* Rank r's inputs. */
 typedef struct proto_input {
     int64_t T;
-    const uint16_t *x;       /* [T, H] bf16 */
-    const int64_t *topk;     /* [T, K], -1 none */
-    const float *weights;    /* [T, K]; read when with_weights */
-    const uint16_t *bias0;   /* [T, H] or NULL */
-    const uint16_t *bias1;   /* [T, H] or NULL */
+    const uint16_t *x;     /* [T, H] bf16 */
+    const int64_t *topk;   /* [T, K], -1 none */
+    const float *weights;  /* [T, K]; read when with_weights */
+    const uint16_t *bias0; /* [T, H] or NULL */
+    const uint16_t *bias1; /* [T, H] or NULL */
 } proto_input_t;
 
 /* The combine input of rank r for the row that holds (source src, token tok): y [H] bf16. */
@@ -49,15 +49,15 @@ typedef void (*proto_make_y_fn)(void *ctx, int r, int32_t src, int64_t tok, uint
 
 /* Rank r's outputs; arrays sized for R * T_max rows, rows past n unspecified. */
 typedef struct proto_output {
-    int64_t n;             /* N_r */
-    uint16_t *x;           /* [rows, H] */
-    int32_t *src;          /* [rows] */
-    int64_t *tok;          /* [rows] */
-    int64_t *idx;          /* [rows, K] local expert or -1 */
-    float *w;              /* [rows, K] (with_weights) */
-    int32_t *per_expert;   /* [L] */
-    uint16_t *combined;    /* [T, H] */
-    float *combined_w;     /* [T, K] (with_weights) */
+    int64_t n;           /* N_r */
+    uint16_t *x;         /* [rows, H] */
+    int32_t *src;        /* [rows] */
+    int64_t *tok;        /* [rows] */
+    int64_t *idx;        /* [rows, K] local expert or -1 */
+    float *w;            /* [rows, K] (with_weights) */
+    int32_t *per_expert; /* [L] */
+    uint16_t *combined;  /* [T, H] */
+    float *combined_w;   /* [T, K] (with_weights) */
 } proto_output_t;
 
 typedef struct proto_stats {

@@ -19,8 +19,8 @@
 #endif
 #endif
 
-#define E_EXPERTS 24
-#define H_HIDDEN  40
+#define E_EXPERTS  24
+#define H_HIDDEN   40
 #define TIMEOUT_MS 20000
 
 static const ref_split_t splits[] = {{2, 2}, {2, 3}, {3, 2}, {4, 1}, {1, 4}};
@@ -67,7 +67,8 @@ static int make_inputs(const one_case_t *c, inputs_t *d)
     const int R = c->split.nodes * c->split.per_node;
     int64_t T[REF_MAX_RANKS];
     ref_gen_token_counts(c->seed, c->iter, R, c->T_max, T);
-    if (ref_problem_init(&d->p, R, E_EXPERTS, c->K, H_HIDDEN, c->T_max, EPX_DTYPE_BF16, c->seed, T, c->routing))
+    if (ref_problem_init(&d->p, R, E_EXPERTS, c->K, H_HIDDEN, c->T_max, EPX_DTYPE_BF16, c->seed, T,
+                         c->routing))
         return 1;
     d->p.ranks_per_node = c->split.per_node;
     d->yseed = c->seed ^ 0x5eedull;
@@ -122,8 +123,10 @@ static int check_outputs(const one_case_t *c, const inputs_t *d, const proto_out
             bad |= same(quiet, r, "recv_src", out[r].src, rv.src, rv.n, 4, 1);
             bad |= same(quiet, r, "recv_tok", out[r].tok, rv.tok, rv.n, 8, 1);
             bad |= same(quiet, r, "recv_topk_idx", out[r].idx, rv.idx, rv.n * p->K, 8, p->K);
-            if (c->with_weights) bad |= same(quiet, r, "recv_topk_weights", out[r].w, rv.w, rv.n * p->K, 4, p->K);
-            bad |= same(quiet, r, "num_recv_tokens_per_expert", out[r].per_expert, rv.per_expert, p->L, 4, p->L);
+            if (c->with_weights)
+                bad |= same(quiet, r, "recv_topk_weights", out[r].w, rv.w, rv.n * p->K, 4, p->K);
+            bad |=
+                same(quiet, r, "num_recv_tokens_per_expert", out[r].per_expert, rv.per_expert, p->L, 4, p->L);
             for (int64_t i = 0; i < rv.n && !bad; i++) {
                 ref_x_row(p, rv.src[i], rv.tok[i], REF_TAG_X, xrow);
                 bad |= same(quiet, r, "recv_x", out[r].x + i * H_HIDDEN, xrow, H_HIDDEN, 2, H_HIDDEN);
@@ -139,7 +142,8 @@ static int check_outputs(const one_case_t *c, const inputs_t *d, const proto_out
             ref_ht_combine(p, s, d->yseed, c->bias0, c->bias1, cx, c->with_weights ? cw : NULL);
             bad |= same(quiet, s, "combined_x", out[s].combined, cx, p->T[s] * H_HIDDEN, 2, H_HIDDEN);
             if (c->with_weights)
-                bad |= same(quiet, s, "combined_topk_weights", out[s].combined_w, cw, p->T[s] * p->K, 4, p->K);
+                bad |=
+                    same(quiet, s, "combined_topk_weights", out[s].combined_w, cw, p->T[s] * p->K, 4, p->K);
         }
         free(cx);
         free(cw);
@@ -159,9 +163,10 @@ static int run_case(const one_case_t *c, int quiet, proto_stats_t *stats_out)
 {
     inputs_t d;
     ref_set_seed(c->seed);
-    ref_set_case("%dx%d K %d T_max %lld iter %d %s weights %d align %d bias %d%d %s variant %d", c->split.nodes,
-                 c->split.per_node, c->K, (long long)c->T_max, c->iter, ref_routing_name(c->routing),
-                 c->with_weights, c->alignment, c->bias0, c->bias1, mode_name(c->mode), (int)c->variant);
+    ref_set_case("%dx%d K %d T_max %lld iter %d %s weights %d align %d bias %d%d %s variant %d",
+                 c->split.nodes, c->split.per_node, c->K, (long long)c->T_max, c->iter,
+                 ref_routing_name(c->routing), c->with_weights, c->alignment, c->bias0, c->bias1,
+                 mode_name(c->mode), (int)c->variant);
     if (make_inputs(c, &d)) {
         free_inputs(&d);
         fprintf(stderr, "cannot build the problem\n");
@@ -258,8 +263,8 @@ static int test_wrong_protocol(proto_variant_t variant, const char *name, uint64
            name, seeds);
     EXPECT_EQ_INT(normal_failed, 0);
 #else
-    printf("%s: %d of %d seeds fail in normal mode, %d of %d caught in strict mode\n", name, normal_failed, seeds,
-           strict_caught, seeds);
+    printf("%s: %d of %d seeds fail in normal mode, %d of %d caught in strict mode\n", name, normal_failed,
+           seeds, strict_caught, seeds);
     EXPECT_EQ_INT(normal_failed, 0);
     EXPECT_TRUE(strict_caught > 0);
 #endif
@@ -276,12 +281,13 @@ static int test_bytes(uint64_t seed)
     c.routing = REF_ROUTE_RANDOM;
     proto_stats_t st;
     EXPECT_EQ_INT(run_case(&c, 0, &st), 0);
-    printf("bytes, 2x3 ranks, 13 tokens each, H %d, K %d, weights: network %llu (dispatch %llu, combine %llu), "
-           "within nodes %llu (+ %llu to or from a rank's own rows); one packet per remote destination rank "
-           "would put %llu dispatch bytes\n",
-           H_HIDDEN, c.K, (unsigned long long)st.net_bytes, (unsigned long long)st.dispatch_net_bytes,
-           (unsigned long long)(st.net_bytes - st.dispatch_net_bytes), (unsigned long long)st.nvlink_bytes,
-           (unsigned long long)st.self_bytes, (unsigned long long)st.flat_net_bytes);
+    printf(
+        "bytes, 2x3 ranks, 13 tokens each, H %d, K %d, weights: network %llu (dispatch %llu, combine %llu), "
+        "within nodes %llu (+ %llu to or from a rank's own rows); one packet per remote destination rank "
+        "would put %llu dispatch bytes\n",
+        H_HIDDEN, c.K, (unsigned long long)st.net_bytes, (unsigned long long)st.dispatch_net_bytes,
+        (unsigned long long)(st.net_bytes - st.dispatch_net_bytes), (unsigned long long)st.nvlink_bytes,
+        (unsigned long long)st.self_bytes, (unsigned long long)st.flat_net_bytes);
     EXPECT_TRUE(st.net_bytes > 0 && st.nvlink_bytes > 0);
     EXPECT_TRUE(st.dispatch_net_bytes <= st.flat_net_bytes);
     return 0;
