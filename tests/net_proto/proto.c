@@ -39,21 +39,31 @@ static void put32(uint8_t *p, size_t word, int32_t v)
     memcpy(p + 4 * word, &v, 4);
 }
 
+/* Records this rank's first error (in its output) and the run's first, and aborts every wait of the run. */
 __attribute__((format(printf, 2, 3))) static int fail(rank_t *rk, const char *fmt, ...)
 {
     run_t *run = rk->run;
-    pthread_mutex_lock(&run->err_lock);
-    if (!run->failed) {
-        int n = snprintf(run->err, run->err_len, "rank %d: ", rk->r);
+    char *own = rk->out->error;
+    if (!own[0]) {
+        int n = snprintf(own, sizeof(rk->out->error), "rank %d: ", rk->r);
         va_list ap;
         va_start(ap, fmt);
-        if (n >= 0 && (size_t)n < run->err_len) vsnprintf(run->err + n, run->err_len - (size_t)n, fmt, ap);
+        if (n >= 0 && (size_t)n < sizeof(rk->out->error))
+            vsnprintf(own + n, sizeof(rk->out->error) - (size_t)n, fmt, ap);
         va_end(ap);
-        run->failed = 1;
     }
+    pthread_mutex_lock(&run->err_lock);
+    if (!run->failed) snprintf(run->err, run->err_len, "%s", own);
+    run->failed = 1;
     pthread_mutex_unlock(&run->err_lock);
     __atomic_store_n(&run->abort_word, 1, __ATOMIC_RELEASE);
     return 1;
+}
+
+/* Every wait ends this long after it began (EPX_TIMEOUT_MS's role). */
+static uint64_t deadline(const rank_t *rk)
+{
+    return epx_net_now_ns() + rk->run->cfg->timeout_ms * 1000000ull;
 }
 
 /* ---- the network legs ---------------------------------------------------------------------------- */
@@ -72,19 +82,27 @@ static int net_put(rank_t *rk, const char *stage, uint32_t ctx, int peer, uint64
     return 0;
 }
 
-static int wait_signal(rank_t *rk, const char *stage, uint32_t sig, uint64_t target, const char *from)
+/* Waits for signal `sig` to reach `target`; the puts it counts come from `peer`, or (peer < 0) from the
+ * ranks of this local index on the other nodes (peer -1) or from every rank of the other nodes (-2). */
+static int wait_signal(rank_t *rk, const char *stage, uint32_t sig, uint64_t target, int peer)
 {
-    epx_net_status_t s = epx_net_wait_signal(&rk->net, sig, target, rk->deadline);
+    run_t *run = rk->run;
+    epx_net_status_t s = epx_net_wait_signal(&rk->net, sig, target, deadline(rk));
     if (s == EPX_NET_OK) return 0;
     uint64_t v = 0;
     epx_net_signal_read(&rk->net, sig, &v);
+    char from[160];
+    int len = snprintf(from, sizeof(from), peer >= 0 ? "peer %d" : "peers", peer);
+    for (int d = 0; peer < 0 && d < run->R && len > 0 && (size_t)len < sizeof(from); d++)
+        if (d / run->P != rk->m && (peer == -2 || d % run->P == rk->l))
+            len += snprintf(from + len, sizeof(from) - (size_t)len, " %d", d);
     return fail(rk, "%s: waiting for signal %u to reach %llu (at %llu) from %s: %s", stage, sig,
                 (unsigned long long)target, (unsigned long long)v, from, epx_net_status_name(s));
 }
 
 static int flush(rank_t *rk, const char *stage, uint32_t ctx)
 {
-    epx_net_status_t s = epx_net_flush(&rk->net, ctx, rk->deadline);
+    epx_net_status_t s = epx_net_flush(&rk->net, ctx, deadline(rk));
     return s == EPX_NET_OK ? 0 : fail(rk, "%s: flush of context %u: %s", stage, ctx, epx_net_status_name(s));
 }
 
@@ -93,13 +111,14 @@ static int flush(rank_t *rk, const char *stage, uint32_t ctx)
 static int wait_local(rank_t *rk, const char *stage, atomic_uint_fast64_t *word, uint64_t target,
                       const char *what)
 {
+    const uint64_t end = deadline(rk);
     for (;;) {
         const uint64_t v = atomic_load_explicit(word, memory_order_acquire);
         if (v >= target) return 0;
         if (__atomic_load_n(&rk->run->abort_word, __ATOMIC_ACQUIRE))
             return fail(rk, "%s: waiting for %s (%llu of %llu): aborted", stage, what, (unsigned long long)v,
                         (unsigned long long)target);
-        if (epx_net_now_ns() > rk->deadline)
+        if (epx_net_now_ns() > end)
             return fail(rk, "%s: waiting for %s (%llu of %llu) of node %d: timed out", stage, what,
                         (unsigned long long)v, (unsigned long long)target, rk->m);
         epx_net_poll(&rk->net);
@@ -193,8 +212,9 @@ static int send_all(rank_t *rk)
     const proto_variant_t v = run->cfg->variant;
     for (int n = 0; n < run->N; n++) {
         if (n == rk->m) continue;
-        if (v == PROTO_OK &&
-            (send_counts(rk, n, SIG_NOTIFY) || send_packets(rk, n, (int)SIG_DISPATCH(rk->m))))
+        const int dropped = v == PROTO_DROP_NOTIFY && rk->r == 0 && n == run->N - 1;
+        if ((v == PROTO_OK || v == PROTO_DROP_NOTIFY) &&
+            ((!dropped && send_counts(rk, n, SIG_NOTIFY)) || send_packets(rk, n, (int)SIG_DISPATCH(rk->m))))
             return 1;
         if (v == PROTO_WRONG_PUT_ORDER && (send_packets(rk, n, -1) || send_counts(rk, n, SIG_NOTIFY)))
             return 1;
@@ -227,20 +247,12 @@ static int counts_in(rank_t *rk)
     node_shared_t *node = &run->nodes[rk->m];
     if (run->cfg->variant == PROTO_WRONG_OTHER_PEER) {
         if (rk->l == 0 && run->N > 1) {
-            if (wait_signal(rk, "notify", SIG_DOORBELL, (uint64_t)((run->N - 1) * run->P),
-                            "every remote source"))
-                return 1;
+            if (wait_signal(rk, "notify", SIG_DOORBELL, (uint64_t)((run->N - 1) * run->P), -2)) return 1;
             atomic_store_explicit(&node->doorbell, 1, memory_order_release);
         }
-        while (run->N > 1 && !atomic_load_explicit(&node->doorbell, memory_order_acquire)) {
-            if (__atomic_load_n(&run->abort_word, __ATOMIC_ACQUIRE) || epx_net_now_ns() > rk->deadline)
-                return fail(rk, "notify: waiting for the doorbell of node %d: %s", rk->m,
-                            epx_net_now_ns() > rk->deadline ? "timed out" : "aborted");
-            epx_net_poll(&rk->net);
-            sched_yield();
-        }
-    } else if (run->N > 1 &&
-               wait_signal(rk, "notify", SIG_NOTIFY, (uint64_t)(run->N - 1), "the remote sources")) {
+        if (run->N > 1 && wait_local(rk, "notify", &node->doorbell, 1, "the doorbell of local rank 0"))
+            return 1;
+    } else if (run->N > 1 && wait_signal(rk, "notify", SIG_NOTIFY, (uint64_t)(run->N - 1), -1)) {
         return 1;
     }
     int32_t per_rank[32], per_expert[32 * 64];
@@ -341,8 +353,8 @@ static int forward(rank_t *rk)
     for (int n = 0; n < run->N; n++) {
         if (n == rk->m) continue;
         const int s = n * run->P + rk->l;
-        if (run->cfg->variant == PROTO_OK &&
-            wait_signal(rk, "forward", SIG_DISPATCH(n), (uint64_t)rk->remote_packets[n], "its source"))
+        if ((run->cfg->variant == PROTO_OK || run->cfg->variant == PROTO_DROP_NOTIFY) &&
+            wait_signal(rk, "forward", SIG_DISPATCH(n), (uint64_t)rk->remote_packets[n], s))
             return 1;
         for (int q = 0; q < run->P; q++) base[q] = row_base(run, rk->m, q, s);
         for (int64_t j = 0; j < rk->remote_packets[n]; j++) {
@@ -450,7 +462,7 @@ static int combine_sum(rank_t *rk)
     }
     for (int n = 0; n < run->N; n++)
         if (n != rk->m &&
-            wait_signal(rk, "combine", SIG_COMBINE(n), (uint64_t)rk->to_node[n], "a remote forwarder"))
+            wait_signal(rk, "combine", SIG_COMBINE(n), (uint64_t)rk->to_node[n], n * run->P + rk->l))
             return 1;
     for (int64_t t = 0; t < T; t++) {
         for (int64_t c = 0; c < H; c++) {

@@ -20,6 +20,9 @@ typedef enum proto_variant {
     /* Packets and count messages as plain puts, then one STRONG signal per source to local rank 0 of
      * each remote node, which tells its node: relies on a strong signal covering puts to other peers. */
     PROTO_WRONG_OTHER_PEER = 2,
+    /* The protocol, but rank 0 never sends its count message to the last node: a wait must end at its
+     * deadline with an error naming rank, stage and peer, and every other rank must leave its wait. */
+    PROTO_DROP_NOTIFY = 3,
 } proto_variant_t;
 
 typedef struct proto_config {
@@ -58,6 +61,7 @@ typedef struct proto_output {
     int32_t *per_expert; /* [L] */
     uint16_t *combined;  /* [T, H] */
     float *combined_w;   /* [T, K] (with_weights) */
+    char error[256];     /* this rank's first error, "" when none */
 } proto_output_t;
 
 typedef struct proto_stats {

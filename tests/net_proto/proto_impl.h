@@ -19,10 +19,10 @@ enum { SIG_NOTIFY = 0 };
 
 /* What the ranks of one node share (stands for NVLink-visible memory). */
 typedef struct node_shared {
-    atomic_uint_fast64_t barrier; /* arrivals; barrier g is passed at g * P */
-    atomic_int doorbell;          /* PROTO_WRONG_OTHER_PEER */
-    int32_t *per_rank;            /* [R][P]: tokens of source s to local rank q */
-    int32_t *per_expert;          /* [R][P * L]: tokens of source s selecting each expert of the node */
+    atomic_uint_fast64_t barrier;  /* arrivals; barrier g is passed at g * P */
+    atomic_uint_fast64_t doorbell; /* PROTO_WRONG_OTHER_PEER */
+    int32_t *per_rank;             /* [R][P]: tokens of source s to local rank q */
+    int32_t *per_expert;           /* [R][P * L]: tokens of source s selecting each expert of the node */
 } node_shared_t;
 
 typedef struct run run_t;
@@ -44,7 +44,6 @@ typedef struct rank {
     int32_t *remote_packets; /* [N] packets from the source (n, l), from its count message */
     float *own_part;         /* [T, H] own node's partial */
     float *own_part_w;       /* [T, K] */
-    uint64_t deadline;
     proto_stats_t stats;
     pthread_t thread;
 } rank_t;

@@ -144,11 +144,9 @@ int proto_run(const proto_config_t *cfg, const proto_input_t *in, proto_make_y_f
     }
     for (int r = 0; r < run.R; r++)
         if (setup_rank(&run, &run.ranks[r], r, &in[r], &out[r])) goto err_model;
-    const uint64_t deadline = epx_net_now_ns() + cfg->timeout_ms * 1000000ull;
     int started = 0;
     err[0] = '\0';
     for (; started < run.R; started++) {
-        run.ranks[started].deadline = deadline;
         if (pthread_create(&run.ranks[started].thread, NULL, proto_rank_main, &run.ranks[started])) {
             pthread_mutex_lock(&run.err_lock);
             if (!run.failed) snprintf(err, err_len, "rank %d: cannot start its thread", started);
