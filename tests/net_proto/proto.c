@@ -82,15 +82,45 @@ static int net_put(rank_t *rk, const char *stage, uint32_t ctx, int peer, uint64
     return 0;
 }
 
+/* The one polling loop of every wait: until read() gives at least `target`, the abort word is set or the
+ * deadline passes. Each poll runs one model step (progress_in_wait) and yields, so that waiting ranks do
+ * not starve the ones with work on a loaded machine. [out] *last: the value last read. */
+typedef epx_net_status_t (*read_fn)(rank_t *rk, const void *what, uint64_t *value);
+
+static epx_net_status_t wait_value(rank_t *rk, read_fn read, const void *what, uint64_t target,
+                                   uint64_t *last)
+{
+    const uint64_t end = deadline(rk);
+    for (;;) {
+        const epx_net_status_t s = read(rk, what, last);
+        if (s != EPX_NET_OK) return s;
+        if (*last >= target) return EPX_NET_OK;
+        if (epx_net_aborted(&rk->net)) return EPX_NET_ABORTED;
+        if (epx_net_now_ns() > end) return EPX_NET_TIMEOUT;
+        epx_net_poll(&rk->net);
+        sched_yield();
+    }
+}
+
+static epx_net_status_t read_signal(rank_t *rk, const void *sig, uint64_t *value)
+{
+    return epx_net_signal_read(&rk->net, *(const uint32_t *)sig, value);
+}
+
+static epx_net_status_t read_word(rank_t *rk, const void *word, uint64_t *value)
+{
+    *value = atomic_load_explicit((atomic_uint_fast64_t *)word, memory_order_acquire);
+    return EPX_NET_OK;
+}
+
 /* Waits for signal `sig` to reach `target`; the puts it counts come from `peer`, or (peer < 0) from the
  * ranks of this local index on the other nodes (peer -1) or from every rank of the other nodes (-2). */
 static int wait_signal(rank_t *rk, const char *stage, uint32_t sig, uint64_t target, int peer)
 {
     run_t *run = rk->run;
-    epx_net_status_t s = epx_net_wait_signal(&rk->net, sig, target, deadline(rk));
-    if (s == EPX_NET_OK) return 0;
     uint64_t v = 0;
-    epx_net_signal_read(&rk->net, sig, &v);
+    const epx_net_status_t s = wait_value(rk, read_signal, &sig, target, &v);
+    if (s == EPX_NET_OK) return 0;
     char from[160];
     int len = snprintf(from, sizeof(from), peer >= 0 ? "peer %d" : "peers", peer);
     for (int d = 0; peer < 0 && d < run->R && len > 0 && (size_t)len < sizeof(from); d++)
@@ -106,24 +136,15 @@ static int flush(rank_t *rk, const char *stage, uint32_t ctx)
     return s == EPX_NET_OK ? 0 : fail(rk, "%s: flush of context %u: %s", stage, ctx, epx_net_status_name(s));
 }
 
-/* A bounded wait on node-shared memory: until *word >= target (acquire). The model progresses meanwhile
- * (progress_in_wait). */
+/* A wait on node-shared memory: until *word >= target (acquire). */
 static int wait_local(rank_t *rk, const char *stage, atomic_uint_fast64_t *word, uint64_t target,
                       const char *what)
 {
-    const uint64_t end = deadline(rk);
-    for (;;) {
-        const uint64_t v = atomic_load_explicit(word, memory_order_acquire);
-        if (v >= target) return 0;
-        if (__atomic_load_n(&rk->run->abort_word, __ATOMIC_ACQUIRE))
-            return fail(rk, "%s: waiting for %s (%llu of %llu): aborted", stage, what, (unsigned long long)v,
-                        (unsigned long long)target);
-        if (epx_net_now_ns() > end)
-            return fail(rk, "%s: waiting for %s (%llu of %llu) of node %d: timed out", stage, what,
-                        (unsigned long long)v, (unsigned long long)target, rk->m);
-        epx_net_poll(&rk->net);
-        sched_yield();
-    }
+    uint64_t v = 0;
+    const epx_net_status_t s = wait_value(rk, read_word, word, target, &v);
+    if (s == EPX_NET_OK) return 0;
+    return fail(rk, "%s: waiting for %s of node %d (%llu of %llu): %s", stage, what, rk->m,
+                (unsigned long long)v, (unsigned long long)target, epx_net_status_name(s));
 }
 
 static int node_barrier(rank_t *rk, const char *stage, uint64_t generation)
@@ -140,7 +161,7 @@ static void layout(rank_t *rk)
 {
     run_t *run = rk->run;
     const int64_t T = rk->in->T;
-    const uint64_t hdr_bytes = run->dpkt;
+    const uint64_t pkt_bytes = run->dpkt;
     for (int64_t t = 0; t < T; t++) {
         uint32_t dest = 0;
         for (int k = 0; k < run->K; k++) {
@@ -153,7 +174,7 @@ static void layout(rank_t *rk)
             if (!(dest >> d & 1)) continue;
             rk->rank_index[t * run->R + d] = rk->to_rank[d]++;
             rk->node_mask[t * run->N + d / run->P] |= 1u << (d % run->P);
-            if (d / run->P != rk->m) rk->stats.flat_net_bytes += hdr_bytes;
+            if (d / run->P != rk->m) rk->stats.flat_net_bytes += pkt_bytes;
         }
         for (int n = 0; n < run->N; n++) rk->to_node[n] += rk->node_mask[t * run->N + n] != 0;
     }
