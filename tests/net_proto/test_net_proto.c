@@ -285,6 +285,8 @@ static int test_lost_message(uint64_t seed)
 {
     one_case_t c = make_case((ref_split_t){2, 2}, 0, EPX_NET_MODEL_STRICT, seed);
     c.variant = PROTO_DROP_NOTIFY;
+    c.T_max = 13;
+    c.iter = 0;
     inputs_t d;
     if (make_inputs(&c, &d)) {
         free_inputs(&d);
@@ -299,18 +301,17 @@ static int test_lost_message(uint64_t seed)
     const int rc = proto_run(&cfg, d.in, make_y, &d, out, &stats, err, sizeof(err));
     const double took = epx_test_now_s() - t0;
     printf("lost count message: failed after %.2f s: %s\n", took, err);
-    int every_rank_failed = 1;
-    for (int r = 0; r < d.p.R; r++) every_rank_failed &= out[r].error[0] != 0;
-    /* Rank 2 (node 1, local 0) waits for it; its node's other rank may time out first at their barrier. */
+    /* Rank 2 (node 1, local 0) waits for the message: its error names the wait, whether its deadline or
+     * another rank's (one whose wait began earlier) ended it. The ranks of its node wait for it at the
+     * notify barrier; node 0's ranks fail too when a token of theirs needs node 1, else they finish. */
     const int named =
         strstr(out[2].error, "rank 2: notify: waiting for signal 0 to reach 1 (at 0) from peers 0: ") != NULL;
-    const int first_ok = strncmp(err, "rank 2: notify: waiting for signal 0", 36) == 0 ||
-                         strncmp(err, "rank 3: notify: waiting for the node's ranks", 44) == 0;
+    const int node1_failed = out[2].error[0] && out[3].error[0];
     const int timed_out = strstr(err, "EPX_NET_TIMEOUT") != NULL;
     proto_output_free(out, d.p.R);
     free_inputs(&d);
     EXPECT_EQ_INT(rc, 1);
-    EXPECT_TRUE(named && first_ok && timed_out && every_rank_failed);
+    EXPECT_TRUE(named && node1_failed && timed_out);
     EXPECT_TRUE(took >= 0.3 && took < 5.0);
     return 0;
 }
