@@ -1,0 +1,550 @@
+/*
+ * The internode HT protocol of README.md on the host model: one thread per rank, node-shared memory
+ * with C11 atomics inside a node, net.h (registered regions, weak put_signal) between nodes. The
+ * numeric helpers (bf16 rounding, one fp32 add) are the pinned formats of tests/common/reference.c.
+ */
+#include "proto_impl.h"
+
+#include <sched.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "reference.h"
+
+/* Region layout, the same in SEND and RECV: count messages [N], token packets [N][T_max], partials
+ * [N][T_max]. */
+static uint64_t off_notify(const run_t *run, int n)
+{
+    return (uint64_t)n * run->cmsg;
+}
+static uint64_t off_packet(const run_t *run, int n, int64_t j)
+{
+    return run->off_dispatch + ((uint64_t)n * (uint64_t)run->T_max + (uint64_t)j) * run->dpkt;
+}
+static uint64_t off_partial(const run_t *run, int n, int64_t j)
+{
+    return run->off_combine + ((uint64_t)n * (uint64_t)run->T_max + (uint64_t)j) * run->cpkt;
+}
+
+static int32_t get32(const uint8_t *p, size_t word)
+{
+    int32_t v;
+    memcpy(&v, p + 4 * word, 4);
+    return v;
+}
+static void put32(uint8_t *p, size_t word, int32_t v)
+{
+    memcpy(p + 4 * word, &v, 4);
+}
+
+/* Records this rank's first error (in its output) and the run's first, and aborts every wait of the run. */
+__attribute__((format(printf, 2, 3))) static int fail(rank_t *rk, const char *fmt, ...)
+{
+    run_t *run = rk->run;
+    char *own = rk->out->error;
+    if (!own[0]) {
+        int n = snprintf(own, sizeof(rk->out->error), "rank %d: ", rk->r);
+        va_list ap;
+        va_start(ap, fmt);
+        if (n >= 0 && (size_t)n < sizeof(rk->out->error))
+            vsnprintf(own + n, sizeof(rk->out->error) - (size_t)n, fmt, ap);
+        va_end(ap);
+    }
+    pthread_mutex_lock(&run->err_lock);
+    if (!run->failed) snprintf(run->err, run->err_len, "%s", own);
+    run->failed = 1;
+    pthread_mutex_unlock(&run->err_lock);
+    __atomic_store_n(&run->abort_word, 1, __ATOMIC_RELEASE);
+    return 1;
+}
+
+/* Every wait ends this long after it began (EPX_TIMEOUT_MS's role). */
+static uint64_t deadline(const rank_t *rk)
+{
+    return epx_net_now_ns() + rk->run->cfg->timeout_ms * 1000000ull;
+}
+
+/* ---- the network legs ---------------------------------------------------------------------------- */
+
+/* A put from SEND to peer's RECV, with a signal (sig >= 0) or without. */
+static int net_put(rank_t *rk, const char *stage, uint32_t ctx, int peer, uint64_t dst, uint64_t src,
+                   uint64_t bytes, int sig, epx_net_signal_mode_t mode)
+{
+    epx_net_status_t s = sig < 0 ? epx_net_put(&rk->net, ctx, peer, REGION_RECV, dst, REGION_SEND, src, bytes)
+                                 : epx_net_put_signal(&rk->net, ctx, peer, REGION_RECV, dst, REGION_SEND, src,
+                                                      bytes, (uint32_t)sig, 1, mode);
+    if (s != EPX_NET_OK)
+        return fail(rk, "%s: put of %llu bytes to peer %d: %s (%s)", stage, (unsigned long long)bytes, peer,
+                    epx_net_status_name(s), epx_net_model_message());
+    rk->stats.net_bytes += bytes;
+    return 0;
+}
+
+/* The one polling loop of every wait: until read() gives at least `target`, the abort word is set or the
+ * deadline passes. Each poll runs one model step (progress_in_wait) and yields, so that waiting ranks do
+ * not starve the ones with work on a loaded machine. [out] *last: the value last read. */
+typedef epx_net_status_t (*read_fn)(rank_t *rk, const void *what, uint64_t *value);
+
+static epx_net_status_t wait_value(rank_t *rk, read_fn read, const void *what, uint64_t target,
+                                   uint64_t *last)
+{
+    const uint64_t end = deadline(rk);
+    for (;;) {
+        const epx_net_status_t s = read(rk, what, last);
+        if (s != EPX_NET_OK) return s;
+        if (*last >= target) return EPX_NET_OK;
+        if (epx_net_aborted(&rk->net)) return EPX_NET_ABORTED;
+        if (epx_net_now_ns() > end) return EPX_NET_TIMEOUT;
+        epx_net_poll(&rk->net);
+        sched_yield();
+    }
+}
+
+static epx_net_status_t read_signal(rank_t *rk, const void *sig, uint64_t *value)
+{
+    return epx_net_signal_read(&rk->net, *(const uint32_t *)sig, value);
+}
+
+static epx_net_status_t read_word(rank_t *rk, const void *word, uint64_t *value)
+{
+    *value = atomic_load_explicit((atomic_uint_fast64_t *)word, memory_order_acquire);
+    return EPX_NET_OK;
+}
+
+/* Waits for signal `sig` to reach `target`; the puts it counts come from `peer`, or (peer < 0) from the
+ * ranks of this local index on the other nodes (peer -1) or from every rank of the other nodes (-2). */
+static int wait_signal(rank_t *rk, const char *stage, uint32_t sig, uint64_t target, int peer)
+{
+    run_t *run = rk->run;
+    uint64_t v = 0;
+    const epx_net_status_t s = wait_value(rk, read_signal, &sig, target, &v);
+    if (s == EPX_NET_OK) return 0;
+    char from[160];
+    int len = snprintf(from, sizeof(from), peer >= 0 ? "peer %d" : "peers", peer);
+    for (int d = 0; peer < 0 && d < run->R && len > 0 && (size_t)len < sizeof(from); d++)
+        if (d / run->P != rk->m && (peer == -2 || d % run->P == rk->l))
+            len += snprintf(from + len, sizeof(from) - (size_t)len, " %d", d);
+    return fail(rk, "%s: waiting for signal %u to reach %llu (at %llu) from %s: %s", stage, sig,
+                (unsigned long long)target, (unsigned long long)v, from, epx_net_status_name(s));
+}
+
+static int flush(rank_t *rk, const char *stage, uint32_t ctx)
+{
+    epx_net_status_t s = epx_net_flush(&rk->net, ctx, deadline(rk));
+    return s == EPX_NET_OK ? 0 : fail(rk, "%s: flush of context %u: %s", stage, ctx, epx_net_status_name(s));
+}
+
+/* A wait on node-shared memory: until *word >= target (acquire). */
+static int wait_local(rank_t *rk, const char *stage, atomic_uint_fast64_t *word, uint64_t target,
+                      const char *what)
+{
+    uint64_t v = 0;
+    const epx_net_status_t s = wait_value(rk, read_word, word, target, &v);
+    if (s == EPX_NET_OK) return 0;
+    return fail(rk, "%s: waiting for %s of node %d (%llu of %llu): %s", stage, what, rk->m,
+                (unsigned long long)v, (unsigned long long)target, epx_net_status_name(s));
+}
+
+static int node_barrier(rank_t *rk, const char *stage, uint64_t generation)
+{
+    node_shared_t *node = &rk->run->nodes[rk->m];
+    atomic_fetch_add_explicit(&node->barrier, 1, memory_order_acq_rel);
+    return wait_local(rk, stage, &node->barrier, generation * (uint64_t)rk->run->P, "the node's ranks");
+}
+
+/* ---- dispatch -------------------------------------------------------------------------------------- */
+
+/* Step 1: destinations, masks, per-destination indices and counts of this rank's tokens. */
+static void layout(rank_t *rk)
+{
+    run_t *run = rk->run;
+    const int64_t T = rk->in->T;
+    const uint64_t pkt_bytes = run->dpkt;
+    for (int64_t t = 0; t < T; t++) {
+        uint32_t dest = 0;
+        for (int k = 0; k < run->K; k++) {
+            const int64_t e = rk->in->topk[t * run->K + k];
+            if (e < 0) continue;
+            dest |= 1u << (e / run->L);
+            rk->per_expert[e]++;
+        }
+        for (int d = 0; d < run->R; d++) {
+            if (!(dest >> d & 1)) continue;
+            rk->rank_index[t * run->R + d] = rk->to_rank[d]++;
+            rk->node_mask[t * run->N + d / run->P] |= 1u << (d % run->P);
+            if (d / run->P != rk->m) rk->stats.flat_net_bytes += pkt_bytes;
+        }
+        for (int n = 0; n < run->N; n++) rk->to_node[n] += rk->node_mask[t * run->N + n] != 0;
+    }
+}
+
+/* The count message for node n, packed at SEND.notify[n]. */
+static void pack_counts(rank_t *rk, int n)
+{
+    run_t *run = rk->run;
+    uint8_t *msg = rk->send + off_notify(run, n);
+    put32(msg, 0, rk->to_node[n]);
+    for (int q = 0; q < run->P; q++) put32(msg, 1 + (size_t)q, rk->to_rank[n * run->P + q]);
+    for (int i = 0; i < run->P * run->L; i++)
+        put32(msg, 1 + (size_t)run->P + (size_t)i, rk->per_expert[n * run->P * run->L + i]);
+}
+
+static int send_counts(rank_t *rk, int n, int sig)
+{
+    run_t *run = rk->run;
+    pack_counts(rk, n);
+    return net_put(rk, "notify", CTX_DISPATCH, n * run->P + rk->l, off_notify(run, rk->m), off_notify(run, n),
+                   run->cmsg, sig, EPX_NET_SIGNAL_WEAK);
+}
+
+/* Step 3: the packets for node n, ascending tokens, packet j to RECV.dispatch[m][j] of (n, l). */
+static int send_packets(rank_t *rk, int n, int sig)
+{
+    run_t *run = rk->run;
+    int64_t j = 0;
+    for (int64_t t = 0; t < rk->in->T; t++) {
+        const uint32_t mask = rk->node_mask[t * run->N + n];
+        if (!mask) continue;
+        uint8_t *pkt = rk->send + off_packet(run, n, j);
+        put32(pkt, 0, (int32_t)t);
+        put32(pkt, 1, (int32_t)mask);
+        for (int q = 0; q < run->P; q++)
+            put32(pkt, 2 + (size_t)q, (mask >> q & 1) ? rk->rank_index[t * run->R + n * run->P + q] : -1);
+        for (int k = 0; k < run->K; k++)
+            put32(pkt, 2 + (size_t)run->P + (size_t)k, (int32_t)rk->in->topk[t * run->K + k]);
+        if (run->cfg->with_weights)
+            memcpy(pkt + 4 * (2 + (size_t)run->P + (size_t)run->K), rk->in->weights + t * run->K,
+                   sizeof(float) * (size_t)run->K);
+        memcpy(pkt + run->hdr, rk->in->x + t * run->H, 2 * (size_t)run->H);
+        if (net_put(rk, "dispatch", CTX_DISPATCH, n * run->P + rk->l, off_packet(run, rk->m, j),
+                    off_packet(run, n, j), run->dpkt, sig, EPX_NET_SIGNAL_WEAK))
+            return 1;
+        j++;
+    }
+    return 0;
+}
+
+/* Steps 2 and 3 for every remote node, in the order and with the signals of the variant. */
+static int send_all(rank_t *rk)
+{
+    run_t *run = rk->run;
+    const proto_variant_t v = run->cfg->variant;
+    for (int n = 0; n < run->N; n++) {
+        if (n == rk->m) continue;
+        const int dropped = v == PROTO_DROP_NOTIFY && rk->r == 0 && n == run->N - 1;
+        if ((v == PROTO_OK || v == PROTO_DROP_NOTIFY) &&
+            ((!dropped && send_counts(rk, n, SIG_NOTIFY)) || send_packets(rk, n, (int)SIG_DISPATCH(rk->m))))
+            return 1;
+        if (v == PROTO_WRONG_PUT_ORDER && (send_packets(rk, n, -1) || send_counts(rk, n, SIG_NOTIFY)))
+            return 1;
+        if (v == PROTO_WRONG_OTHER_PEER && (send_packets(rk, n, -1) || send_counts(rk, n, -1))) return 1;
+    }
+    if (v != PROTO_WRONG_OTHER_PEER) return 0;
+    for (int n = 0; n < run->N; n++) {
+        if (n == rk->m) continue;
+        epx_net_status_t s =
+            epx_net_signal_add(&rk->net, CTX_DISPATCH, n * run->P, SIG_DOORBELL, 1, EPX_NET_SIGNAL_STRONG);
+        if (s != EPX_NET_OK)
+            return fail(rk, "notify: doorbell to peer %d: %s", n * run->P, epx_net_status_name(s));
+    }
+    return 0;
+}
+
+/* Copies source s's counts for this node (from `msg`, count-message layout) into the node table. */
+static void publish_counts(run_t *run, int m, int s, const int32_t *per_rank, const int32_t *per_expert)
+{
+    node_shared_t *node = &run->nodes[m];
+    memcpy(node->per_rank + (size_t)s * run->P, per_rank, sizeof(int32_t) * (size_t)run->P);
+    memcpy(node->per_expert + (size_t)s * run->P * run->L, per_expert,
+           sizeof(int32_t) * (size_t)(run->P * run->L));
+}
+
+/* Step 4: the count messages of the remote sources of this local index, checked, into the node table. */
+static int counts_in(rank_t *rk)
+{
+    run_t *run = rk->run;
+    node_shared_t *node = &run->nodes[rk->m];
+    if (run->cfg->variant == PROTO_WRONG_OTHER_PEER) {
+        if (rk->l == 0 && run->N > 1) {
+            if (wait_signal(rk, "notify", SIG_DOORBELL, (uint64_t)((run->N - 1) * run->P), -2)) return 1;
+            atomic_store_explicit(&node->doorbell, 1, memory_order_release);
+        }
+        if (run->N > 1 && wait_local(rk, "notify", &node->doorbell, 1, "the doorbell of local rank 0"))
+            return 1;
+    } else if (run->N > 1 && wait_signal(rk, "notify", SIG_NOTIFY, (uint64_t)(run->N - 1), -1)) {
+        return 1;
+    }
+    int32_t per_rank[32], per_expert[32 * 64];
+    for (int n = 0; n < run->N; n++) {
+        if (n == rk->m) continue;
+        const int s = n * run->P + rk->l;
+        const uint8_t *msg = rk->recv + off_notify(run, n);
+        const int32_t packets = get32(msg, 0);
+        if (packets < 0 || packets > run->T_max)
+            return fail(rk, "notify: peer %d announces %d packets (T_max %lld)", s, packets,
+                        (long long)run->T_max);
+        for (int q = 0; q < run->P; q++) {
+            per_rank[q] = get32(msg, 1 + (size_t)q);
+            if (per_rank[q] < 0 || per_rank[q] > packets)
+                return fail(rk, "notify: peer %d announces %d tokens for local rank %d of %d packets", s,
+                            per_rank[q], q, packets);
+        }
+        for (int i = 0; i < run->P * run->L; i++) {
+            per_expert[i] = get32(msg, 1 + (size_t)run->P + (size_t)i);
+            if (per_expert[i] < 0 || per_expert[i] > per_rank[i / run->L])
+                return fail(rk, "notify: peer %d announces %d tokens for expert %d", s, per_expert[i], i);
+        }
+        rk->remote_packets[n] = packets;
+        publish_counts(run, rk->m, s, per_rank, per_expert);
+    }
+    return 0;
+}
+
+/* Step 5: row of source s's first token on local rank q of this node. */
+static int64_t row_base(const run_t *run, int m, int q, int s)
+{
+    int64_t base = 0;
+    for (int s2 = 0; s2 < s; s2++) base += run->nodes[m].per_rank[(size_t)s2 * run->P + q];
+    return base;
+}
+
+static void offsets(rank_t *rk)
+{
+    run_t *run = rk->run;
+    const node_shared_t *node = &run->nodes[rk->m];
+    rk->out->n = row_base(run, rk->m, rk->l, run->R);
+    for (int j = 0; j < run->L; j++) {
+        int64_t c = 0;
+        for (int s = 0; s < run->R; s++)
+            c += node->per_expert[(size_t)s * run->P * run->L + rk->l * run->L + j];
+        const int a = run->cfg->alignment;
+        rk->out->per_expert[j] = (int32_t)((c + a - 1) / a * a);
+    }
+}
+
+/* One received row on local rank q of this node: x, source, token, top-k remapped, weights. */
+static void write_row(rank_t *rk, int q, int64_t row, int s, int64_t tok, const int32_t *topk, const float *w,
+                      const void *x)
+{
+    run_t *run = rk->run;
+    const int d = rk->m * run->P + q;
+    proto_output_t *o = run->ranks[d].out;
+    memcpy(o->x + row * run->H, x, 2 * (size_t)run->H);
+    o->src[row] = s;
+    o->tok[row] = tok;
+    for (int k = 0; k < run->K; k++) {
+        const int here = topk[k] >= 0 && topk[k] / run->L == d;
+        o->idx[row * run->K + k] = here ? topk[k] - (int64_t)d * run->L : -1;
+        if (w) o->w[row * run->K + k] = here ? w[k] : 0.0f;
+    }
+    const uint64_t bytes = 2 * (uint64_t)run->H + 4 * (uint64_t)run->K * (w ? 2 : 1);
+    if (d == rk->r)
+        rk->stats.self_bytes += bytes;
+    else
+        rk->stats.nvlink_bytes += bytes;
+}
+
+/* Step 6: this rank's tokens for its own node, stored straight into the local ranks' outputs. */
+static void local_legs(rank_t *rk)
+{
+    run_t *run = rk->run;
+    int32_t topk[64];
+    float w[64];
+    for (int64_t t = 0; t < rk->in->T; t++) {
+        const uint32_t mask = rk->node_mask[t * run->N + rk->m];
+        for (int k = 0; k < run->K; k++) topk[k] = (int32_t)rk->in->topk[t * run->K + k];
+        if (run->cfg->with_weights) memcpy(w, rk->in->weights + t * run->K, sizeof(float) * (size_t)run->K);
+        for (int q = 0; q < run->P; q++)
+            if (mask >> q & 1)
+                write_row(rk, q,
+                          row_base(run, rk->m, q, rk->r) + rk->rank_index[t * run->R + rk->m * run->P + q],
+                          rk->r, t, topk, run->cfg->with_weights ? w : NULL, rk->in->x + t * run->H);
+    }
+}
+
+/* Step 7: every packet from the source (n, l) of each remote node n, checked, to the ranks of its mask. */
+static int forward(rank_t *rk)
+{
+    run_t *run = rk->run;
+    int32_t topk[64];
+    float w[64];
+    int64_t base[32];
+    for (int n = 0; n < run->N; n++) {
+        if (n == rk->m) continue;
+        const int s = n * run->P + rk->l;
+        if ((run->cfg->variant == PROTO_OK || run->cfg->variant == PROTO_DROP_NOTIFY) &&
+            wait_signal(rk, "forward", SIG_DISPATCH(n), (uint64_t)rk->remote_packets[n], s))
+            return 1;
+        for (int q = 0; q < run->P; q++) base[q] = row_base(run, rk->m, q, s);
+        for (int64_t j = 0; j < rk->remote_packets[n]; j++) {
+            const uint8_t *pkt = rk->recv + off_packet(run, n, j);
+            const int32_t tok = get32(pkt, 0);
+            const uint32_t mask = (uint32_t)get32(pkt, 1);
+            if (tok < 0 || tok >= run->T_max || !mask || mask >> run->P)
+                return fail(rk, "forward: packet %lld from peer %d has token %d, mask 0x%x", (long long)j, s,
+                            tok, mask);
+            for (int k = 0; k < run->K; k++) {
+                topk[k] = get32(pkt, 2 + (size_t)run->P + (size_t)k);
+                if (topk[k] < -1 || topk[k] >= run->E)
+                    return fail(rk, "forward: packet %lld from peer %d has expert %d", (long long)j, s,
+                                topk[k]);
+            }
+            if (run->cfg->with_weights)
+                memcpy(w, pkt + 4 * (2 + (size_t)run->P + (size_t)run->K), sizeof(float) * (size_t)run->K);
+            for (int q = 0; q < run->P; q++) {
+                if (!(mask >> q & 1)) continue;
+                const int32_t ri = get32(pkt, 2 + (size_t)q);
+                if (ri < 0 || ri >= run->nodes[rk->m].per_rank[(size_t)s * run->P + q])
+                    return fail(rk, "forward: packet %lld from peer %d has index %d for local rank %d",
+                                (long long)j, s, ri, q);
+                write_row(rk, q, base[q] + ri, s, tok, topk, run->cfg->with_weights ? w : NULL,
+                          pkt + run->hdr);
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- combine --------------------------------------------------------------------------------------- */
+
+/* The fp32 partial of this node for one token: 0 + y rows of the masked local ranks, ascending. */
+static void node_partial(rank_t *rk, uint32_t mask, const int64_t *rows, float *part, float *part_w)
+{
+    run_t *run = rk->run;
+    for (int64_t c = 0; c < run->H; c++) part[c] = 0.0f;
+    for (int k = 0; part_w && k < run->K; k++) part_w[k] = 0.0f;
+    for (int q = 0; q < run->P; q++) {
+        if (!(mask >> q & 1)) continue;
+        const rank_t *peer = &run->ranks[rk->m * run->P + q];
+        const uint16_t *y = peer->y + rows[q] * run->H;
+        for (int64_t c = 0; c < run->H; c++) part[c] = ref_fadd(part[c], ref_bf16_to_f32(y[c]));
+        for (int k = 0; part_w && k < run->K; k++)
+            part_w[k] = ref_fadd(part_w[k], peer->out->w[rows[q] * run->K + k]);
+        const uint64_t bytes = 2 * (uint64_t)run->H + (part_w ? 4 * (uint64_t)run->K : 0);
+        if (peer == rk)
+            rk->stats.self_bytes += bytes;
+        else
+            rk->stats.nvlink_bytes += bytes;
+    }
+}
+
+/* Combine step 2: per received packet the node's partial, as bf16, back to its source. */
+static int combine_forward(rank_t *rk)
+{
+    run_t *run = rk->run;
+    float *part = malloc(sizeof(float) * (size_t)run->H);
+    float part_w[64];
+    int64_t rows[32];
+    if (!part) return fail(rk, "combine: out of memory");
+    for (int n = 0; n < run->N; n++) {
+        if (n == rk->m) continue;
+        const int s = n * run->P + rk->l;
+        for (int64_t j = 0; j < rk->remote_packets[n]; j++) {
+            const uint8_t *pkt = rk->recv + off_packet(run, n, j);
+            const int32_t tok = get32(pkt, 0);
+            const uint32_t mask = (uint32_t)get32(pkt, 1);
+            for (int q = 0; q < run->P; q++)
+                rows[q] = (mask >> q & 1) ? row_base(run, rk->m, q, s) + get32(pkt, 2 + (size_t)q) : 0;
+            node_partial(rk, mask, rows, part, run->cfg->with_weights ? part_w : NULL);
+            uint8_t *dst = rk->send + off_partial(run, n, j);
+            for (int64_t c = 0; c < run->H; c++) {
+                const uint16_t b = ref_f32_to_bf16(part[c]);
+                memcpy(dst + 2 * c, &b, 2);
+            }
+            if (run->cfg->with_weights) memcpy(dst + 2 * run->H, part_w, sizeof(float) * (size_t)run->K);
+            if (net_put(rk, "combine", CTX_COMBINE, s, off_partial(run, rk->m, tok), off_partial(run, n, j),
+                        run->cpkt, (int)SIG_COMBINE(rk->m), EPX_NET_SIGNAL_WEAK)) {
+                free(part);
+                return 1;
+            }
+        }
+    }
+    free(part);
+    return 0;
+}
+
+/* Combine steps 3 and 4: own node's partials in fp32, then the sum over nodes ascending. */
+static int combine_sum(rank_t *rk)
+{
+    run_t *run = rk->run;
+    const int64_t T = rk->in->T, H = run->H;
+    const int K = run->K, with_w = run->cfg->with_weights;
+    int64_t rows[32];
+    for (int64_t t = 0; t < T; t++) {
+        const uint32_t mask = rk->node_mask[t * run->N + rk->m];
+        if (!mask) continue;
+        for (int q = 0; q < run->P; q++)
+            rows[q] = (mask >> q & 1)
+                          ? row_base(run, rk->m, q, rk->r) + rk->rank_index[t * run->R + rk->m * run->P + q]
+                          : 0;
+        node_partial(rk, mask, rows, rk->own_part + t * H, with_w ? rk->own_part_w + t * K : NULL);
+    }
+    for (int n = 0; n < run->N; n++)
+        if (n != rk->m &&
+            wait_signal(rk, "combine", SIG_COMBINE(n), (uint64_t)rk->to_node[n], n * run->P + rk->l))
+            return 1;
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t c = 0; c < H; c++) {
+            float acc = 0.0f;
+            for (int n = 0; n < run->N; n++) {
+                if (!rk->node_mask[t * run->N + n]) continue;
+                float part;
+                if (n == rk->m) {
+                    part = rk->own_part[t * H + c];
+                } else {
+                    uint16_t b;
+                    memcpy(&b, rk->recv + off_partial(run, n, t) + 2 * c, 2);
+                    part = ref_bf16_to_f32(b);
+                }
+                acc = ref_fadd(acc, part);
+            }
+            if (rk->in->bias0) acc = ref_fadd(acc, ref_bf16_to_f32(rk->in->bias0[t * H + c]));
+            if (rk->in->bias1) acc = ref_fadd(acc, ref_bf16_to_f32(rk->in->bias1[t * H + c]));
+            rk->out->combined[t * H + c] = ref_f32_to_bf16(acc);
+        }
+        for (int k = 0; with_w && k < K; k++) {
+            float acc = 0.0f;
+            for (int n = 0; n < run->N; n++) {
+                if (!rk->node_mask[t * run->N + n]) continue;
+                float part;
+                if (n == rk->m)
+                    part = rk->own_part_w[t * K + k];
+                else
+                    memcpy(&part, rk->recv + off_partial(run, n, t) + 2 * H + 4 * (size_t)k, 4);
+                acc = ref_fadd(acc, part);
+            }
+            rk->out->combined_w[t * K + k] = acc;
+        }
+    }
+    return 0;
+}
+
+/* ---- a rank -------------------------------------------------------------------------------------- */
+
+void *proto_rank_main(void *arg)
+{
+    rank_t *rk = arg;
+    run_t *run = rk->run;
+    layout(rk);
+    /* Own counts first: they need nothing from the network. */
+    for (int q = 0; q < run->P; q++) {
+        run->nodes[rk->m].per_rank[(size_t)rk->r * run->P + q] = rk->to_rank[rk->m * run->P + q];
+        for (int j = 0; j < run->L; j++)
+            run->nodes[rk->m].per_expert[((size_t)rk->r * run->P + q) * run->L + j] =
+                rk->per_expert[(rk->m * run->P + q) * run->L + j];
+    }
+    if (send_all(rk) || counts_in(rk) || node_barrier(rk, "notify", 1)) return NULL;
+    offsets(rk);
+    local_legs(rk);
+    if (forward(rk) || flush(rk, "dispatch", CTX_DISPATCH) || node_barrier(rk, "dispatch", 2)) return NULL;
+    rk->stats.dispatch_net_bytes = rk->stats.net_bytes;
+
+    for (int64_t i = 0; i < rk->out->n; i++)
+        run->make_y(run->y_ctx, rk->r, rk->out->src[i], rk->out->tok[i], rk->y + i * run->H);
+    if (node_barrier(rk, "combine", 3) || combine_forward(rk) || combine_sum(rk) ||
+        flush(rk, "combine", CTX_COMBINE) || node_barrier(rk, "combine", 4))
+        return NULL;
+    return NULL;
+}

@@ -1,0 +1,190 @@
+/*
+ * Setup and teardown of one prototype run (README.md): the host model, each rank's registered regions
+ * and outputs (filled with garbage first, so a row nobody wrote cannot pass), one thread per rank.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "proto_impl.h"
+
+static size_t align8(size_t n)
+{
+    return (n + 7) & ~(size_t)7;
+}
+
+void proto_output_free(proto_output_t *out, int R)
+{
+    for (int r = 0; r < R; r++) {
+        free(out[r].x);
+        free(out[r].src);
+        free(out[r].tok);
+        free(out[r].idx);
+        free(out[r].w);
+        free(out[r].per_expert);
+        free(out[r].combined);
+        free(out[r].combined_w);
+    }
+    memset(out, 0, sizeof(*out) * (size_t)R);
+}
+
+/* Garbage, so that a row nobody wrote cannot pass for a right one. */
+static void *garbage(size_t bytes)
+{
+    void *p = malloc(bytes ? bytes : 1);
+    if (p) memset(p, 0xa5, bytes);
+    return p;
+}
+
+static int setup_rank(run_t *run, rank_t *rk, int r, const proto_input_t *in, proto_output_t *out)
+{
+    const size_t rows = (size_t)run->R * (size_t)run->T_max, T = (size_t)in->T;
+    const size_t H = (size_t)run->H, K = (size_t)run->K;
+    *rk = (rank_t){.run = run, .r = r, .m = r / run->P, .l = r % run->P, .in = in, .out = out};
+    rk->send = garbage(run->region_bytes);
+    rk->recv = garbage(run->region_bytes);
+    rk->y = garbage(rows * H * 2);
+    rk->node_mask = calloc(T * (size_t)run->N + 1, sizeof(uint32_t));
+    rk->rank_index = calloc(T * (size_t)run->R + 1, sizeof(int32_t));
+    rk->to_rank = calloc((size_t)run->R, sizeof(int32_t));
+    rk->to_node = calloc((size_t)run->N, sizeof(int32_t));
+    rk->per_expert = calloc((size_t)run->E, sizeof(int32_t));
+    rk->remote_packets = calloc((size_t)run->N, sizeof(int32_t));
+    rk->own_part = calloc(T * H + 1, sizeof(float));
+    rk->own_part_w = calloc(T * K + 1, sizeof(float));
+    out->x = garbage(rows * H * 2);
+    out->src = garbage(rows * 4);
+    out->tok = garbage(rows * 8);
+    out->idx = garbage(rows * K * 8);
+    out->w = run->cfg->with_weights ? garbage(rows * K * 4) : NULL;
+    out->per_expert = garbage((size_t)run->L * 4);
+    out->combined = garbage(T * H * 2);
+    out->combined_w = run->cfg->with_weights ? garbage(T * K * 4) : NULL;
+    if (!rk->send || !rk->recv || !rk->y || !rk->node_mask || !rk->rank_index || !rk->to_rank ||
+        !rk->to_node || !rk->per_expert || !rk->remote_packets || !rk->own_part || !rk->own_part_w ||
+        !out->x || !out->src || !out->tok || !out->idx ||
+        (run->cfg->with_weights && (!out->w || !out->combined_w)) || !out->per_expert || !out->combined)
+        return 1;
+    uint32_t region;
+    if (epx_net_model_register(run->model, r, rk->send, run->region_bytes, &region) != EPX_NET_OK ||
+        region != REGION_SEND ||
+        epx_net_model_register(run->model, r, rk->recv, run->region_bytes, &region) != EPX_NET_OK ||
+        region != REGION_RECV || epx_net_model_handle(run->model, r, &rk->net) != EPX_NET_OK)
+        return 1;
+    return 0;
+}
+
+static void free_rank(rank_t *rk)
+{
+    free(rk->send);
+    free(rk->recv);
+    free(rk->y);
+    free(rk->node_mask);
+    free(rk->rank_index);
+    free(rk->to_rank);
+    free(rk->to_node);
+    free(rk->per_expert);
+    free(rk->remote_packets);
+    free(rk->own_part);
+    free(rk->own_part_w);
+}
+
+int proto_run(const proto_config_t *cfg, const proto_input_t *in, proto_make_y_fn make_y, void *y_ctx,
+              proto_output_t *out, proto_stats_t *stats, char *err, size_t err_len)
+{
+    run_t run = {.cfg = cfg,
+                 .N = cfg->nodes,
+                 .P = cfg->per_node,
+                 .E = cfg->E,
+                 .K = cfg->K,
+                 .H = cfg->H,
+                 .T_max = cfg->T_max,
+                 .make_y = make_y,
+                 .y_ctx = y_ctx,
+                 .err = err,
+                 .err_len = err_len};
+    run.R = run.N * run.P;
+    snprintf(err, err_len, "setup failed");
+    if (run.N < 1 || run.P < 1 || run.R > 16 || run.E % run.R || run.K < 1 || run.K > 64 || run.E > 2048 ||
+        run.H < 1 || run.T_max < 1 || cfg->alignment < 1) {
+        snprintf(err, err_len, "bad config: %d x %d ranks, E %d, K %d, H %lld, T_max %lld", run.N, run.P,
+                 run.E, run.K, (long long)run.H, (long long)run.T_max);
+        return 1;
+    }
+    run.L = run.E / run.R;
+    run.cmsg = align8(4 * (1 + (size_t)run.P + (size_t)(run.P * run.L)));
+    run.hdr = align8(4 * (2 + (size_t)run.P + (size_t)run.K * (cfg->with_weights ? 2 : 1)));
+    run.dpkt = align8(run.hdr + 2 * (size_t)run.H);
+    run.cpkt = align8(2 * (size_t)run.H + (cfg->with_weights ? 4 * (size_t)run.K : 0));
+    run.off_dispatch = run.cmsg * (size_t)run.N;
+    run.off_combine = run.off_dispatch + run.dpkt * (size_t)run.N * (size_t)run.T_max;
+    run.region_bytes = run.off_combine + run.cpkt * (size_t)run.N * (size_t)run.T_max;
+    epx_net_model_config_t mc = {.nranks = run.R,
+                                 .ncontexts = 2,
+                                 .nsignals = 2 + 2 * (uint32_t)run.N,
+                                 .mode = cfg->mode,
+                                 .seed = cfg->model_seed,
+                                 .progress_in_wait = 1,
+                                 .abort_word = &run.abort_word};
+    int rc = 1;
+    memset(out, 0, sizeof(*out) * (size_t)run.R);
+    run.nodes = calloc((size_t)run.N, sizeof(node_shared_t));
+    run.ranks = calloc((size_t)run.R, sizeof(rank_t));
+    if (!run.nodes || !run.ranks || pthread_mutex_init(&run.err_lock, NULL)) goto err_free;
+    for (int n = 0; n < run.N; n++) {
+        atomic_init(&run.nodes[n].barrier, 0);
+        atomic_init(&run.nodes[n].doorbell, 0);
+        run.nodes[n].per_rank = calloc((size_t)run.R * (size_t)run.P, sizeof(int32_t));
+        run.nodes[n].per_expert = calloc((size_t)run.R * (size_t)run.P * (size_t)run.L, sizeof(int32_t));
+        if (!run.nodes[n].per_rank || !run.nodes[n].per_expert) goto err_mutex;
+    }
+    if (epx_net_model_create(&mc, &run.model) != EPX_NET_OK) {
+        snprintf(err, err_len, "model: %s", epx_net_model_message());
+        goto err_mutex;
+    }
+    for (int r = 0; r < run.R; r++)
+        if (setup_rank(&run, &run.ranks[r], r, &in[r], &out[r])) goto err_model;
+    int started = 0;
+    err[0] = '\0';
+    for (; started < run.R; started++) {
+        if (pthread_create(&run.ranks[started].thread, NULL, proto_rank_main, &run.ranks[started])) {
+            pthread_mutex_lock(&run.err_lock);
+            if (!run.failed) snprintf(err, err_len, "rank %d: cannot start its thread", started);
+            run.failed = 1;
+            pthread_mutex_unlock(&run.err_lock);
+            __atomic_store_n(&run.abort_word, 1, __ATOMIC_RELEASE);
+            break;
+        }
+    }
+    for (int r = 0; r < started; r++) pthread_join(run.ranks[r].thread, NULL);
+    rc = run.failed;
+    /* A finished run leaves nothing in flight: every put carried a signal someone waited for. */
+    const size_t pending = epx_net_model_pending(run.model);
+    if (!rc && pending) {
+        snprintf(err, err_len, "%zu operations still in flight after the run", pending);
+        rc = 1;
+    }
+    memset(stats, 0, sizeof(*stats));
+    for (int r = 0; r < run.R; r++) {
+        const proto_stats_t *s = &run.ranks[r].stats;
+        stats->net_bytes += s->net_bytes;
+        stats->nvlink_bytes += s->nvlink_bytes;
+        stats->self_bytes += s->self_bytes;
+        stats->flat_net_bytes += s->flat_net_bytes;
+        stats->dispatch_net_bytes += s->dispatch_net_bytes;
+    }
+err_model:
+    epx_net_model_destroy(run.model);
+err_mutex:
+    pthread_mutex_destroy(&run.err_lock);
+err_free:
+    for (int r = 0; run.ranks && r < run.R; r++) free_rank(&run.ranks[r]);
+    for (int n = 0; run.nodes && n < run.N; n++) {
+        free(run.nodes[n].per_rank);
+        free(run.nodes[n].per_expert);
+    }
+    free(run.ranks);
+    free(run.nodes);
+    if (rc && !run.failed && err_len && !err[0]) snprintf(err, err_len, "setup failed");
+    return rc;
+}
