@@ -5,8 +5,6 @@
  */
 #include "proto_impl.h"
 
-#include <sched.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,132 +24,6 @@ static uint64_t off_packet(const run_t *run, int n, int64_t j)
 static uint64_t off_partial(const run_t *run, int n, int64_t j)
 {
     return run->off_combine + ((uint64_t)n * (uint64_t)run->T_max + (uint64_t)j) * run->cpkt;
-}
-
-static int32_t get32(const uint8_t *p, size_t word)
-{
-    int32_t v;
-    memcpy(&v, p + 4 * word, 4);
-    return v;
-}
-static void put32(uint8_t *p, size_t word, int32_t v)
-{
-    memcpy(p + 4 * word, &v, 4);
-}
-
-/* Records this rank's first error (in its output) and the run's first, and aborts every wait of the run. */
-__attribute__((format(printf, 2, 3))) static int fail(rank_t *rk, const char *fmt, ...)
-{
-    run_t *run = rk->run;
-    char *own = rk->out->error;
-    if (!own[0]) {
-        int n = snprintf(own, sizeof(rk->out->error), "rank %d: ", rk->r);
-        va_list ap;
-        va_start(ap, fmt);
-        if (n >= 0 && (size_t)n < sizeof(rk->out->error))
-            vsnprintf(own + n, sizeof(rk->out->error) - (size_t)n, fmt, ap);
-        va_end(ap);
-    }
-    pthread_mutex_lock(&run->err_lock);
-    if (!run->failed) snprintf(run->err, run->err_len, "%s", own);
-    run->failed = 1;
-    pthread_mutex_unlock(&run->err_lock);
-    __atomic_store_n(&run->abort_word, 1, __ATOMIC_RELEASE);
-    return 1;
-}
-
-/* Every wait ends this long after it began (EPX_TIMEOUT_MS's role). */
-static uint64_t deadline(const rank_t *rk)
-{
-    return epx_net_now_ns() + rk->run->cfg->timeout_ms * 1000000ull;
-}
-
-/* ---- the network legs ---------------------------------------------------------------------------- */
-
-/* A put from SEND to peer's RECV, with a signal (sig >= 0) or without. */
-static int net_put(rank_t *rk, const char *stage, uint32_t ctx, int peer, uint64_t dst, uint64_t src,
-                   uint64_t bytes, int sig, epx_net_signal_mode_t mode)
-{
-    epx_net_status_t s = sig < 0 ? epx_net_put(&rk->net, ctx, peer, REGION_RECV, dst, REGION_SEND, src, bytes)
-                                 : epx_net_put_signal(&rk->net, ctx, peer, REGION_RECV, dst, REGION_SEND, src,
-                                                      bytes, (uint32_t)sig, 1, mode);
-    if (s != EPX_NET_OK)
-        return fail(rk, "%s: put of %llu bytes to peer %d: %s (%s)", stage, (unsigned long long)bytes, peer,
-                    epx_net_status_name(s), epx_net_model_message());
-    rk->stats.net_bytes += bytes;
-    return 0;
-}
-
-/* The one polling loop of every wait: until read() gives at least `target`, the abort word is set or the
- * deadline passes. Each poll runs one model step (progress_in_wait) and yields, so that waiting ranks do
- * not starve the ones with work on a loaded machine. [out] *last: the value last read. */
-typedef epx_net_status_t (*read_fn)(rank_t *rk, const void *what, uint64_t *value);
-
-static epx_net_status_t wait_value(rank_t *rk, read_fn read, const void *what, uint64_t target,
-                                   uint64_t *last)
-{
-    const uint64_t end = deadline(rk);
-    for (;;) {
-        const epx_net_status_t s = read(rk, what, last);
-        if (s != EPX_NET_OK) return s;
-        if (*last >= target) return EPX_NET_OK;
-        if (epx_net_aborted(&rk->net)) return EPX_NET_ABORTED;
-        if (epx_net_now_ns() > end) return EPX_NET_TIMEOUT;
-        epx_net_poll(&rk->net);
-        sched_yield();
-    }
-}
-
-static epx_net_status_t read_signal(rank_t *rk, const void *sig, uint64_t *value)
-{
-    return epx_net_signal_read(&rk->net, *(const uint32_t *)sig, value);
-}
-
-static epx_net_status_t read_word(rank_t *rk, const void *word, uint64_t *value)
-{
-    *value = atomic_load_explicit((atomic_uint_fast64_t *)word, memory_order_acquire);
-    return EPX_NET_OK;
-}
-
-/* Waits for signal `sig` to reach `target`; the puts it counts come from `peer`, or (peer < 0) from the
- * ranks of this local index on the other nodes (peer -1) or from every rank of the other nodes (-2). */
-static int wait_signal(rank_t *rk, const char *stage, uint32_t sig, uint64_t target, int peer)
-{
-    run_t *run = rk->run;
-    uint64_t v = 0;
-    const epx_net_status_t s = wait_value(rk, read_signal, &sig, target, &v);
-    if (s == EPX_NET_OK) return 0;
-    char from[160];
-    int len = snprintf(from, sizeof(from), peer >= 0 ? "peer %d" : "peers", peer);
-    for (int d = 0; peer < 0 && d < run->R && len > 0 && (size_t)len < sizeof(from); d++)
-        if (d / run->P != rk->m && (peer == -2 || d % run->P == rk->l))
-            len += snprintf(from + len, sizeof(from) - (size_t)len, " %d", d);
-    return fail(rk, "%s: waiting for signal %u to reach %llu (at %llu) from %s: %s", stage, sig,
-                (unsigned long long)target, (unsigned long long)v, from, epx_net_status_name(s));
-}
-
-static int flush(rank_t *rk, const char *stage, uint32_t ctx)
-{
-    epx_net_status_t s = epx_net_flush(&rk->net, ctx, deadline(rk));
-    return s == EPX_NET_OK ? 0 : fail(rk, "%s: flush of context %u: %s", stage, ctx, epx_net_status_name(s));
-}
-
-/* A wait on node-shared memory: until *word >= target (acquire). */
-static int wait_local(rank_t *rk, const char *stage, atomic_uint_fast64_t *word, uint64_t target,
-                      const char *what)
-{
-    uint64_t v = 0;
-    const epx_net_status_t s = wait_value(rk, read_word, word, target, &v);
-    if (s == EPX_NET_OK) return 0;
-    return fail(rk, "%s: waiting for %s of node %d (%llu of %llu): %s", stage, what, rk->m,
-                (unsigned long long)v, (unsigned long long)target, epx_net_status_name(s));
-}
-
-static int node_barrier(rank_t *rk, const char *stage, uint64_t generation)
-{
-    node_shared_t *node = &rk->run->nodes[rk->m];
-    atomic_fetch_add_explicit(&node->barrier, 1, memory_order_acq_rel);
-    return wait_local(rk, stage, &node->barrier, generation * (uint64_t)rk->run->P, "the node's ranks");
 }
 
 /* ---- dispatch -------------------------------------------------------------------------------------- */
@@ -195,8 +67,8 @@ static int send_counts(rank_t *rk, int n, int sig)
 {
     run_t *run = rk->run;
     pack_counts(rk, n);
-    return net_put(rk, "notify", CTX_DISPATCH, n * run->P + rk->l, off_notify(run, rk->m), off_notify(run, n),
-                   run->cmsg, sig, EPX_NET_SIGNAL_WEAK);
+    return proto_net_put(rk, "notify", CTX_DISPATCH, n * run->P + rk->l, off_notify(run, rk->m),
+                         off_notify(run, n), run->cmsg, sig, EPX_NET_SIGNAL_WEAK);
 }
 
 /* Step 3: the packets for node n, ascending tokens, packet j to RECV.dispatch[m][j] of (n, l). */
@@ -218,8 +90,8 @@ static int send_packets(rank_t *rk, int n, int sig)
             memcpy(pkt + 4 * (2 + (size_t)run->P + (size_t)run->K), rk->in->weights + t * run->K,
                    sizeof(float) * (size_t)run->K);
         memcpy(pkt + run->hdr, rk->in->x + t * run->H, 2 * (size_t)run->H);
-        if (net_put(rk, "dispatch", CTX_DISPATCH, n * run->P + rk->l, off_packet(run, rk->m, j),
-                    off_packet(run, n, j), run->dpkt, sig, EPX_NET_SIGNAL_WEAK))
+        if (proto_net_put(rk, "dispatch", CTX_DISPATCH, n * run->P + rk->l, off_packet(run, rk->m, j),
+                          off_packet(run, n, j), run->dpkt, sig, EPX_NET_SIGNAL_WEAK))
             return 1;
         j++;
     }
@@ -247,7 +119,7 @@ static int send_all(rank_t *rk)
         epx_net_status_t s =
             epx_net_signal_add(&rk->net, CTX_DISPATCH, n * run->P, SIG_DOORBELL, 1, EPX_NET_SIGNAL_STRONG);
         if (s != EPX_NET_OK)
-            return fail(rk, "notify: doorbell to peer %d: %s", n * run->P, epx_net_status_name(s));
+            return proto_fail(rk, "notify: doorbell to peer %d: %s", n * run->P, epx_net_status_name(s));
     }
     return 0;
 }
@@ -268,12 +140,13 @@ static int counts_in(rank_t *rk)
     node_shared_t *node = &run->nodes[rk->m];
     if (run->cfg->variant == PROTO_WRONG_OTHER_PEER) {
         if (rk->l == 0 && run->N > 1) {
-            if (wait_signal(rk, "notify", SIG_DOORBELL, (uint64_t)((run->N - 1) * run->P), -2)) return 1;
+            if (proto_wait_signal(rk, "notify", SIG_DOORBELL, (uint64_t)((run->N - 1) * run->P), -2))
+                return 1;
             atomic_store_explicit(&node->doorbell, 1, memory_order_release);
         }
-        if (run->N > 1 && wait_local(rk, "notify", &node->doorbell, 1, "the doorbell of local rank 0"))
+        if (run->N > 1 && proto_wait_local(rk, "notify", &node->doorbell, 1, "the doorbell of local rank 0"))
             return 1;
-    } else if (run->N > 1 && wait_signal(rk, "notify", SIG_NOTIFY, (uint64_t)(run->N - 1), -1)) {
+    } else if (run->N > 1 && proto_wait_signal(rk, "notify", SIG_NOTIFY, (uint64_t)(run->N - 1), -1)) {
         return 1;
     }
     int32_t per_rank[32], per_expert[32 * 64];
@@ -283,18 +156,19 @@ static int counts_in(rank_t *rk)
         const uint8_t *msg = rk->recv + off_notify(run, n);
         const int32_t packets = get32(msg, 0);
         if (packets < 0 || packets > run->T_max)
-            return fail(rk, "notify: peer %d announces %d packets (T_max %lld)", s, packets,
-                        (long long)run->T_max);
+            return proto_fail(rk, "notify: peer %d announces %d packets (T_max %lld)", s, packets,
+                              (long long)run->T_max);
         for (int q = 0; q < run->P; q++) {
             per_rank[q] = get32(msg, 1 + (size_t)q);
             if (per_rank[q] < 0 || per_rank[q] > packets)
-                return fail(rk, "notify: peer %d announces %d tokens for local rank %d of %d packets", s,
-                            per_rank[q], q, packets);
+                return proto_fail(rk, "notify: peer %d announces %d tokens for local rank %d of %d packets",
+                                  s, per_rank[q], q, packets);
         }
         for (int i = 0; i < run->P * run->L; i++) {
             per_expert[i] = get32(msg, 1 + (size_t)run->P + (size_t)i);
             if (per_expert[i] < 0 || per_expert[i] > per_rank[i / run->L])
-                return fail(rk, "notify: peer %d announces %d tokens for expert %d", s, per_expert[i], i);
+                return proto_fail(rk, "notify: peer %d announces %d tokens for expert %d", s, per_expert[i],
+                                  i);
         }
         rk->remote_packets[n] = packets;
         publish_counts(run, rk->m, s, per_rank, per_expert);
@@ -375,7 +249,7 @@ static int forward(rank_t *rk)
         if (n == rk->m) continue;
         const int s = n * run->P + rk->l;
         if ((run->cfg->variant == PROTO_OK || run->cfg->variant == PROTO_DROP_NOTIFY) &&
-            wait_signal(rk, "forward", SIG_DISPATCH(n), (uint64_t)rk->remote_packets[n], s))
+            proto_wait_signal(rk, "forward", SIG_DISPATCH(n), (uint64_t)rk->remote_packets[n], s))
             return 1;
         for (int q = 0; q < run->P; q++) base[q] = row_base(run, rk->m, q, s);
         for (int64_t j = 0; j < rk->remote_packets[n]; j++) {
@@ -383,13 +257,13 @@ static int forward(rank_t *rk)
             const int32_t tok = get32(pkt, 0);
             const uint32_t mask = (uint32_t)get32(pkt, 1);
             if (tok < 0 || tok >= run->T_max || !mask || mask >> run->P)
-                return fail(rk, "forward: packet %lld from peer %d has token %d, mask 0x%x", (long long)j, s,
-                            tok, mask);
+                return proto_fail(rk, "forward: packet %lld from peer %d has token %d, mask 0x%x",
+                                  (long long)j, s, tok, mask);
             for (int k = 0; k < run->K; k++) {
                 topk[k] = get32(pkt, 2 + (size_t)run->P + (size_t)k);
                 if (topk[k] < -1 || topk[k] >= run->E)
-                    return fail(rk, "forward: packet %lld from peer %d has expert %d", (long long)j, s,
-                                topk[k]);
+                    return proto_fail(rk, "forward: packet %lld from peer %d has expert %d", (long long)j, s,
+                                      topk[k]);
             }
             if (run->cfg->with_weights)
                 memcpy(w, pkt + 4 * (2 + (size_t)run->P + (size_t)run->K), sizeof(float) * (size_t)run->K);
@@ -397,8 +271,8 @@ static int forward(rank_t *rk)
                 if (!(mask >> q & 1)) continue;
                 const int32_t ri = get32(pkt, 2 + (size_t)q);
                 if (ri < 0 || ri >= run->nodes[rk->m].per_rank[(size_t)s * run->P + q])
-                    return fail(rk, "forward: packet %lld from peer %d has index %d for local rank %d",
-                                (long long)j, s, ri, q);
+                    return proto_fail(rk, "forward: packet %lld from peer %d has index %d for local rank %d",
+                                      (long long)j, s, ri, q);
                 write_row(rk, q, base[q] + ri, s, tok, topk, run->cfg->with_weights ? w : NULL,
                           pkt + run->hdr);
             }
@@ -437,7 +311,7 @@ static int combine_forward(rank_t *rk)
     float *part = malloc(sizeof(float) * (size_t)run->H);
     float part_w[64];
     int64_t rows[32];
-    if (!part) return fail(rk, "combine: out of memory");
+    if (!part) return proto_fail(rk, "combine: out of memory");
     for (int n = 0; n < run->N; n++) {
         if (n == rk->m) continue;
         const int s = n * run->P + rk->l;
@@ -454,8 +328,9 @@ static int combine_forward(rank_t *rk)
                 memcpy(dst + 2 * c, &b, 2);
             }
             if (run->cfg->with_weights) memcpy(dst + 2 * run->H, part_w, sizeof(float) * (size_t)run->K);
-            if (net_put(rk, "combine", CTX_COMBINE, s, off_partial(run, rk->m, tok), off_partial(run, n, j),
-                        run->cpkt, (int)SIG_COMBINE(rk->m), EPX_NET_SIGNAL_WEAK)) {
+            if (proto_net_put(rk, "combine", CTX_COMBINE, s, off_partial(run, rk->m, tok),
+                              off_partial(run, n, j), run->cpkt, (int)SIG_COMBINE(rk->m),
+                              EPX_NET_SIGNAL_WEAK)) {
                 free(part);
                 return 1;
             }
@@ -483,7 +358,7 @@ static int combine_sum(rank_t *rk)
     }
     for (int n = 0; n < run->N; n++)
         if (n != rk->m &&
-            wait_signal(rk, "combine", SIG_COMBINE(n), (uint64_t)rk->to_node[n], n * run->P + rk->l))
+            proto_wait_signal(rk, "combine", SIG_COMBINE(n), (uint64_t)rk->to_node[n], n * run->P + rk->l))
             return 1;
     for (int64_t t = 0; t < T; t++) {
         for (int64_t c = 0; c < H; c++) {
@@ -535,16 +410,17 @@ void *proto_rank_main(void *arg)
             run->nodes[rk->m].per_expert[((size_t)rk->r * run->P + q) * run->L + j] =
                 rk->per_expert[(rk->m * run->P + q) * run->L + j];
     }
-    if (send_all(rk) || counts_in(rk) || node_barrier(rk, "notify", 1)) return NULL;
+    if (send_all(rk) || counts_in(rk) || proto_node_barrier(rk, "notify", 1)) return NULL;
     offsets(rk);
     local_legs(rk);
-    if (forward(rk) || flush(rk, "dispatch", CTX_DISPATCH) || node_barrier(rk, "dispatch", 2)) return NULL;
+    if (forward(rk) || proto_flush(rk, "dispatch", CTX_DISPATCH) || proto_node_barrier(rk, "dispatch", 2))
+        return NULL;
     rk->stats.dispatch_net_bytes = rk->stats.net_bytes;
 
     for (int64_t i = 0; i < rk->out->n; i++)
         run->make_y(run->y_ctx, rk->r, rk->out->src[i], rk->out->tok[i], rk->y + i * run->H);
-    if (node_barrier(rk, "combine", 3) || combine_forward(rk) || combine_sum(rk) ||
-        flush(rk, "combine", CTX_COMBINE) || node_barrier(rk, "combine", 4))
+    if (proto_node_barrier(rk, "combine", 3) || combine_forward(rk) || combine_sum(rk) ||
+        proto_flush(rk, "combine", CTX_COMBINE) || proto_node_barrier(rk, "combine", 4))
         return NULL;
     return NULL;
 }

@@ -1,12 +1,14 @@
 /*
- * Internals of the protocol prototype shared by its steps (proto.c) and its setup (proto_run.c): the
- * regions, signals, node-shared memory and per-rank state of README.md.
+ * Internals of the protocol prototypes (README.md): the regions, signals, node-shared memory and
+ * per-rank state of the HT protocol (proto.c), the run's setup and threads (proto_run.c), and the
+ * waits, puts and errors every prototype shares (proto_common.c), the LL protocol (ll_proto.c) included.
  */
 #ifndef EPX_NET_PROTO_IMPL_H
 #define EPX_NET_PROTO_IMPL_H
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <string.h>
 
 #include "proto.h"
 
@@ -45,6 +47,9 @@ typedef struct rank {
     float *own_part;         /* [T, H] own node's partial */
     float *own_part_w;       /* [T, K] */
     proto_stats_t stats;
+    char *error; /* this rank's first error, error_len bytes */
+    size_t error_len;
+    void *ll; /* the LL protocol's per-rank state */
     pthread_t thread;
 } rank_t;
 
@@ -54,19 +59,68 @@ struct run {
     int64_t H, T_max;
     size_t cmsg, hdr, dpkt, cpkt; /* record sizes */
     size_t off_dispatch, off_combine, region_bytes;
+    uint64_t timeout_ms; /* every wait */
     proto_make_y_fn make_y;
     void *y_ctx;
     epx_net_model_t *model;
     int32_t abort_word;
     pthread_mutex_t err_lock;
+    int mutex_ready;
     char *err;
     size_t err_len;
     int failed;
     node_shared_t *nodes;
     rank_t *ranks;
+    void *ll; /* the LL protocol's run */
 };
 
 /* A rank's thread: dispatch, then combine (README.md); errors go to the run. */
 void *proto_rank_main(void *arg);
+
+/* ---- the run (proto_run.c) ----------------------------------------------------------------------- */
+
+/* Garbage, so that a row nobody wrote cannot pass for a right one; NULL when out of memory. */
+void *proto_garbage(size_t bytes);
+/* The model (progress_in_wait, the run's abort word), the node-shared barriers and every rank's SEND and
+ * RECV regions of run->region_bytes (garbage), registered in that order, and its handle. run->N, P, R,
+ * cfg, err and region_bytes are set. Returns 0, or 1 with the reason in run->err. */
+int proto_run_open(run_t *run, uint32_t ncontexts, uint32_t nsignals, epx_net_model_mode_t mode,
+                   uint64_t seed);
+/* One thread per rank running rank_main, joined; then nothing may be left in flight. Returns 0, or 1
+ * with the run's first error in run->err. Sums the ranks' stats into *stats. */
+int proto_run_threads(run_t *run, void *(*rank_main)(void *), proto_stats_t *stats);
+/* Frees what proto_run_open made (a partly opened run too). */
+void proto_run_close(run_t *run);
+
+/* ---- shared by the protocols (proto_common.c) ---------------------------------------------------- */
+
+static inline int32_t get32(const uint8_t *p, size_t word)
+{
+    int32_t v;
+    memcpy(&v, p + 4 * word, 4);
+    return v;
+}
+static inline void put32(uint8_t *p, size_t word, int32_t v)
+{
+    memcpy(p + 4 * word, &v, 4);
+}
+
+/* Records this rank's first error and the run's first, and sets the abort word so that every wait of
+ * the run ends. Returns 1. */
+__attribute__((format(printf, 2, 3))) int proto_fail(rank_t *rk, const char *fmt, ...);
+/* Every wait ends this long after it began (EPX_TIMEOUT_MS's role). */
+uint64_t proto_deadline(const rank_t *rk);
+/* A put from SEND at src to peer's RECV at dst, with a signal (sig >= 0) or without; counts net bytes. */
+int proto_net_put(rank_t *rk, const char *stage, uint32_t ctx, int peer, uint64_t dst, uint64_t src,
+                  uint64_t bytes, int sig, epx_net_signal_mode_t mode);
+/* Waits for signal `sig` to reach `target`; the puts it counts come from `peer`, or (peer < 0) from the
+ * ranks of this local index on the other nodes (peer -1) or from every rank of the other nodes (-2). */
+int proto_wait_signal(rank_t *rk, const char *stage, uint32_t sig, uint64_t target, int peer);
+int proto_flush(rank_t *rk, const char *stage, uint32_t ctx);
+/* A wait on node-shared memory: until *word >= target (acquire); `what` names the word. */
+int proto_wait_local(rank_t *rk, const char *stage, atomic_uint_fast64_t *word, uint64_t target,
+                     const char *what);
+/* Node barrier number `generation` (1, 2, ...) of this rank's node. */
+int proto_node_barrier(rank_t *rk, const char *stage, uint64_t generation);
 
 #endif
