@@ -2,8 +2,9 @@
  * The internode LL protocol of README.md on the host model: one thread per rank, node-shared memory with
  * C11 atomics inside a node, net.h between nodes. Every (token, selected expert) goes straight to slot
  * [local expert][source][index] of its owner, a count per (source, local expert) follows; every expert
- * output goes straight back to its source, which reduces over k ascending. The numeric helpers (bf16,
- * the fp8 cast, one fp32 product or add) are the pinned formats of tests/common/reference.c.
+ * output goes straight back to its source, which reduces over k ascending. Two buffers alternate, so two
+ * batches are in flight; an owner's credit frees a buffer for the batch after next. The numeric helpers
+ * (bf16, the fp8 cast, one fp32 product or add) are the pinned formats of tests/common/reference.c.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,10 +14,12 @@
 #include "proto_impl.h"
 #include "reference.h"
 
-/* Signals of a rank: COUNT(j, s) for each local expert and source, then the combine's. */
-#define SIG_COUNT(j, s) ((uint32_t)(j) * (uint32_t)run->R + (uint32_t)(s))
-#define SIG_LL_COMBINE  ((uint32_t)run->L * (uint32_t)run->R)
-#define COUNT_ANNOUNCED (1ull << 32) /* a count signal's high word holds count + 1 once announced */
+/* Signals of a rank, per buffer u: COUNT(u, j, s) for each local expert and source, COMBINE(u), CREDIT(u). */
+#define SIG_COUNT(u, j, s) \
+    (((uint32_t)(u) * (uint32_t)run->L + (uint32_t)(j)) * (uint32_t)run->R + (uint32_t)(s))
+#define SIG_LL_COMBINE(u) (2u * (uint32_t)run->L * (uint32_t)run->R + (uint32_t)(u))
+#define SIG_CREDIT(u)     (2u * (uint32_t)run->L * (uint32_t)run->R + 2u + (uint32_t)(u))
+#define COUNT_ANNOUNCED   (1ull << 32) /* a count's high word grows by count + 1 once announced */
 
 typedef struct ll_run {
     const ll_config_t *cfg;
@@ -24,17 +27,24 @@ typedef struct ll_run {
     void *y_ctx;
     int64_t M;        /* rows per local expert: R * T_max */
     size_t msg;       /* one token message: int32 token, then x (bf16, or e4m3 and H/128 fp32 scales) */
-    size_t off_slots; /* [L][R][T_max] messages (RECV) */
-    size_t off_y;     /* [L][M][H] bf16 combine input (SEND) */
-    size_t off_back;  /* [E][T_max][H] bf16 expert outputs back at the source (RECV) */
+    size_t off_slots; /* [2][L][R][T_max] messages (RECV) */
+    size_t off_y;     /* [2][L][M][H] bf16 combine input (SEND) */
+    size_t off_back;  /* [2][E][T_max][H] bf16 expert outputs back at the source (RECV) */
+    size_t buf_stage, buf_slots, buf_y, buf_back; /* one buffer's part */
+    const ll_input_t *in;
+    ll_output_t *out;
 } ll_run_t;
 
 typedef struct ll_rank {
-    const ll_input_t *in;
+    const ll_input_t *in; /* the current batch's */
     ll_output_t *out;
-    int32_t *slot;                     /* [T, K] index of t among this rank's tokens to topk[t, k] */
-    int32_t *to_expert;                /* [E] tokens of this rank to each expert */
-    atomic_uint_fast64_t *local_count; /* [L][R] count + 1 from each source of this node (node-shared) */
+    int b, u;                             /* the current batch and its buffer b % 2 */
+    int32_t *slot;                        /* [T_max, K] index of t among this rank's tokens to topk[t, k] */
+    int32_t *to_expert;                   /* [E] tokens of this rank to each expert */
+    uint64_t *count_seen;                 /* [2][L][R] what the count signals held after their last use */
+    uint64_t combine_seen[2];             /* the same for COMBINE(u) */
+    atomic_uint_fast64_t *local_count;    /* [2][L][R] (use << 32) | count from each source of the node */
+    atomic_uint_fast64_t local_credit[2]; /* credits for buffer u from the ranks of the node */
 } ll_rank_t;
 
 static ll_run_t *llr(const run_t *run)
@@ -46,24 +56,29 @@ static ll_rank_t *llk(const rank_t *rk)
     return rk->ll;
 }
 
-/* Slot i of source s for local expert j; the staging of this rank's token t; an expert output's place. */
-static uint64_t off_slot(const run_t *run, int j, int s, int64_t i)
+/* In buffer u: slot i of source s for local expert j; the staging of this rank's token t; the combine
+ * input row of local expert j; expert e's output for this rank's token t. */
+static uint64_t off_slot(const run_t *run, int u, int j, int s, int64_t i)
 {
-    return llr(run)->off_slots +
-           (((uint64_t)j * (uint64_t)run->R + (uint64_t)s) * (uint64_t)run->T_max + (uint64_t)i) *
-               llr(run)->msg;
+    const ll_run_t *lr = llr(run);
+    return lr->off_slots + (uint64_t)u * lr->buf_slots +
+           (((uint64_t)j * (uint64_t)run->R + (uint64_t)s) * (uint64_t)run->T_max + (uint64_t)i) * lr->msg;
 }
-static uint64_t off_stage(const run_t *run, int64_t t)
+static uint64_t off_stage(const run_t *run, int u, int64_t t)
 {
-    return (uint64_t)t * llr(run)->msg;
+    return (uint64_t)u * llr(run)->buf_stage + (uint64_t)t * llr(run)->msg;
 }
-static uint64_t off_y(const run_t *run, int j, int64_t row)
+static uint64_t off_y(const run_t *run, int u, int j, int64_t row)
 {
-    return llr(run)->off_y + ((uint64_t)j * (uint64_t)llr(run)->M + (uint64_t)row) * 2 * (uint64_t)run->H;
+    const ll_run_t *lr = llr(run);
+    return lr->off_y + (uint64_t)u * lr->buf_y +
+           ((uint64_t)j * (uint64_t)lr->M + (uint64_t)row) * 2 * (uint64_t)run->H;
 }
-static uint64_t off_back(const run_t *run, int64_t e, int64_t t)
+static uint64_t off_back(const run_t *run, int u, int64_t e, int64_t t)
 {
-    return llr(run)->off_back + ((uint64_t)e * (uint64_t)run->T_max + (uint64_t)t) * 2 * (uint64_t)run->H;
+    const ll_run_t *lr = llr(run);
+    return lr->off_back + (uint64_t)u * lr->buf_back +
+           ((uint64_t)e * (uint64_t)run->T_max + (uint64_t)t) * 2 * (uint64_t)run->H;
 }
 
 static int same_node(const rank_t *rk, int peer)
@@ -101,7 +116,7 @@ static int layout(rank_t *rk)
                                       (long long)e);
             lk->slot[t * run->K + k] = lk->to_expert[e]++;
         }
-        uint8_t *msg = rk->send + off_stage(run, t);
+        uint8_t *msg = rk->send + off_stage(run, lk->u, t);
         put32(msg, 0, (int32_t)t);
         if (cfg->fp8)
             ref_ll_cast(lk->in->x + t * run->H, run->H, cfg->round_scale != 0, msg + 4,
@@ -119,7 +134,7 @@ static int send_slots(rank_t *rk)
     run_t *run = rk->run;
     ll_rank_t *lk = llk(rk);
     const uint64_t msg = llr(run)->msg;
-    const int weak_slots = llr(run)->cfg->variant == LL_WEAK_SLOTS;
+    const int weak_slots = llr(run)->cfg->variant == LL_WEAK_SLOTS, u = lk->u;
     for (int64_t t = 0; t < lk->in->T; t++)
         for (int k = 0; k < run->K; k++) {
             const int32_t i = lk->slot[t * run->K + k];
@@ -127,10 +142,11 @@ static int send_slots(rank_t *rk)
             const int64_t e = lk->in->topk[t * run->K + k];
             const int d = (int)(e / run->L), j = (int)(e % run->L);
             if (same_node(rk, d)) {
-                memcpy(run->ranks[d].recv + off_slot(run, j, rk->r, i), rk->send + off_stage(run, t), msg);
+                memcpy(run->ranks[d].recv + off_slot(run, u, j, rk->r, i), rk->send + off_stage(run, u, t),
+                       msg);
                 count_local(rk, d, msg);
-            } else if (proto_net_put(rk, "dispatch", CTX_DISPATCH, d, off_slot(run, j, rk->r, i),
-                                     off_stage(run, t), msg, weak_slots ? (int)SIG_COUNT(j, rk->r) : -1,
+            } else if (proto_net_put(rk, "dispatch", CTX_DISPATCH, d, off_slot(run, u, j, rk->r, i),
+                                     off_stage(run, u, t), msg, weak_slots ? (int)SIG_COUNT(u, j, rk->r) : -1,
                                      EPX_NET_SIGNAL_WEAK)) {
                 return 1;
             }
@@ -139,8 +155,8 @@ static int send_slots(rank_t *rk)
 }
 
 /* The count of this rank's tokens to every expert, after its slots: inside the node a release store of
- * count + 1; across nodes a signal whose high word becomes count + 1 and whose low word ends at count
- * (README.md, "Counts"). */
+ * (use << 32) | count, use = b / 2 + 1; across nodes a signal whose high word grows by count + 1 and
+ * whose low word by count (README.md, "Counts"). */
 static int send_counts(rank_t *rk)
 {
     run_t *run = rk->run;
@@ -150,17 +166,17 @@ static int send_counts(rank_t *rk)
         const int d = e / run->L, j = e % run->L;
         const uint64_t c = (uint64_t)lk->to_expert[e];
         if (same_node(rk, d)) {
-            atomic_store_explicit(&llk(&run->ranks[d])->local_count[j * run->R + rk->r], c + 1,
-                                  memory_order_release);
+            atomic_store_explicit(&llk(&run->ranks[d])->local_count[(lk->u * run->L + j) * run->R + rk->r],
+                                  (uint64_t)(lk->b / 2 + 1) * COUNT_ANNOUNCED + c, memory_order_release);
             continue;
         }
         if (v == LL_DROP_COUNT && rk->r == 0 && e == run->E - 1) continue;
         /* In LL_WEAK_SLOTS the slots' own signals bring the low word to c. */
         const uint64_t add = (c + 1) * COUNT_ANNOUNCED + (v == LL_WEAK_SLOTS ? 0 : c);
         const epx_net_signal_mode_t mode =
-            v == LL_STRONG_COUNT || v == LL_DROP_COUNT ? EPX_NET_SIGNAL_STRONG : EPX_NET_SIGNAL_WEAK;
+            v == LL_WEAK_SLOTS || v == LL_WRONG_WEAK_COUNT ? EPX_NET_SIGNAL_WEAK : EPX_NET_SIGNAL_STRONG;
         const epx_net_status_t s =
-            epx_net_signal_add(&rk->net, CTX_DISPATCH, d, SIG_COUNT(j, rk->r), add, mode);
+            epx_net_signal_add(&rk->net, CTX_DISPATCH, d, SIG_COUNT(lk->u, j, rk->r), add, mode);
         if (s != EPX_NET_OK)
             return proto_fail(rk, "dispatch: count of expert %d to peer %d: %s", e, d,
                               epx_net_status_name(s));
@@ -168,32 +184,41 @@ static int send_counts(rank_t *rk)
     return 0;
 }
 
-/* The count from source s for local expert j, once every slot it covers is visible here. */
+/* The count from source s for local expert j, once every slot it covers is visible here. A remote count
+ * signal is read relative to what it held after the buffer's last use. */
 static int count_in(rank_t *rk, int j, int s, int32_t *count)
 {
     run_t *run = rk->run;
+    ll_rank_t *lk = llk(rk);
+    const size_t at = ((size_t)lk->u * run->L + j) * run->R + s;
+    const uint32_t sig = SIG_COUNT(lk->u, j, s);
     char stage[64];
-    snprintf(stage, sizeof(stage), "dispatch: count of local expert %d", j);
+    snprintf(stage, sizeof(stage), "dispatch %d: count of local expert %d", lk->b, j);
     uint64_t v;
     if (same_node(rk, s)) {
-        atomic_uint_fast64_t *word = &llk(rk)->local_count[j * run->R + s];
+        const uint64_t use = (uint64_t)(lk->b / 2 + 1);
         char what[48];
         snprintf(what, sizeof(what), "the count of rank %d", s);
-        if (proto_wait_local(rk, stage, word, 1, what)) return 1;
-        v = atomic_load_explicit(word, memory_order_acquire) - 1;
+        if (proto_wait_local(rk, stage, &lk->local_count[at], use * COUNT_ANNOUNCED, what)) return 1;
+        v = atomic_load_explicit(&lk->local_count[at], memory_order_acquire);
+        if (v >> 32 != use)
+            return proto_fail(rk, "%s: rank %d's count is of use %llu, not %llu", stage, s,
+                              (unsigned long long)(v >> 32), (unsigned long long)use);
+        v &= 0xffffffffu;
     } else {
         epx_net_status_t st;
-        if (proto_wait_signal(rk, stage, SIG_COUNT(j, s), COUNT_ANNOUNCED, s)) return 1;
-        if ((st = epx_net_signal_read(&rk->net, SIG_COUNT(j, s), &v)) != EPX_NET_OK)
-            return proto_fail(rk, "%s: reading signal %u: %s", stage, SIG_COUNT(j, s),
-                              epx_net_status_name(st));
-        v = (v >> 32) - 1;
+        if (proto_wait_signal(rk, stage, sig, lk->count_seen[at] + COUNT_ANNOUNCED, s)) return 1;
+        if ((st = epx_net_signal_read(&rk->net, sig, &v)) != EPX_NET_OK)
+            return proto_fail(rk, "%s: reading signal %u: %s", stage, sig, epx_net_status_name(st));
+        v = ((v - lk->count_seen[at]) >> 32) - 1;
     }
     if (v > (uint64_t)run->T_max)
         return proto_fail(rk, "%s: peer %d announces %llu tokens (T_max %lld)", stage, s,
                           (unsigned long long)v, (long long)run->T_max);
-    if (!same_node(rk, s) && proto_wait_signal(rk, stage, SIG_COUNT(j, s), (v + 1) * COUNT_ANNOUNCED + v, s))
-        return 1;
+    if (!same_node(rk, s)) {
+        lk->count_seen[at] += (v + 1) * COUNT_ANNOUNCED + v;
+        if (proto_wait_signal(rk, stage, sig, lk->count_seen[at], s)) return 1;
+    }
     *count = (int32_t)v;
     return 0;
 }
@@ -211,7 +236,7 @@ static int receive(rank_t *rk)
             int32_t c = 0;
             if (count_in(rk, j, s, &c)) return 1;
             for (int64_t i = 0; i < c; i++) {
-                const uint8_t *msg = rk->recv + off_slot(run, j, s, i);
+                const uint8_t *msg = rk->recv + off_slot(run, llk(rk)->u, j, s, i);
                 const int32_t tok = get32(msg, 0);
                 if (tok < 0 || tok >= run->T_max)
                     return proto_fail(rk,
@@ -236,6 +261,39 @@ static int receive(rank_t *rk)
     return 0;
 }
 
+/* Buffer u is read: a credit to every rank (every rank is a source of every owner), unless no later batch
+ * uses the buffer. Across nodes a WEAK signal without bytes: it orders nothing, it only says so. */
+static int give_credits(rank_t *rk)
+{
+    run_t *run = rk->run;
+    ll_rank_t *lk = llk(rk);
+    if (lk->b + 2 >= llr(run)->cfg->batches) return 0;
+    for (int s = 0; s < run->R; s++) {
+        if (same_node(rk, s)) {
+            atomic_fetch_add_explicit(&llk(&run->ranks[s])->local_credit[lk->u], 1, memory_order_release);
+            continue;
+        }
+        const epx_net_status_t st =
+            epx_net_signal_add(&rk->net, CTX_DISPATCH, s, SIG_CREDIT(lk->u), 1, EPX_NET_SIGNAL_WEAK);
+        if (st != EPX_NET_OK)
+            return proto_fail(rk, "dispatch %d: credit to peer %d: %s", lk->b, s, epx_net_status_name(st));
+    }
+    return 0;
+}
+
+/* Before batch b reuses buffer u: every owner has read it for batch b - 2 (its credit arrived). */
+static int take_credits(rank_t *rk)
+{
+    run_t *run = rk->run;
+    ll_rank_t *lk = llk(rk);
+    if (lk->b < 2 || llr(run)->cfg->variant == LL_WRONG_NO_CREDIT) return 0;
+    const uint64_t uses = (uint64_t)(lk->b / 2);
+    char stage[48];
+    snprintf(stage, sizeof(stage), "dispatch %d: credits of buffer %d", lk->b, lk->u);
+    return proto_wait_local(rk, stage, &lk->local_credit[lk->u], uses * (uint64_t)run->P, "the credits") ||
+           proto_wait_signal(rk, stage, SIG_CREDIT(lk->u), uses * (uint64_t)(run->R - run->P), -2);
+}
+
 /* ---- combine --------------------------------------------------------------------------------------- */
 
 /* Every received row's expert output straight back to its source, at [expert][token] there. */
@@ -250,13 +308,15 @@ static int send_back(rank_t *rk)
             const int s = o->src[j * lr->M + i];
             const int32_t t = o->tok[j * lr->M + i];
             const int64_t e = (int64_t)rk->r * run->L + j;
-            uint16_t *y = (uint16_t *)(void *)(rk->send + off_y(run, j, i));
-            lr->make_y(lr->y_ctx, rk->r, j, s, t, y);
+            const int u = llk(rk)->u;
+            uint16_t *y = (uint16_t *)(void *)(rk->send + off_y(run, u, j, i));
+            lr->make_y(lr->y_ctx, llk(rk)->b, rk->r, j, s, t, y);
             if (same_node(rk, s)) {
-                memcpy(run->ranks[s].recv + off_back(run, e, t), y, bytes);
+                memcpy(run->ranks[s].recv + off_back(run, u, e, t), y, bytes);
                 count_local(rk, s, bytes);
-            } else if (proto_net_put(rk, "combine", CTX_COMBINE, s, off_back(run, e, t), off_y(run, j, i),
-                                     bytes, (int)SIG_LL_COMBINE, EPX_NET_SIGNAL_WEAK)) {
+            } else if (proto_net_put(rk, "combine", CTX_COMBINE, s, off_back(run, u, e, t),
+                                     off_y(run, u, j, i), bytes, (int)SIG_LL_COMBINE(u),
+                                     EPX_NET_SIGNAL_WEAK)) {
                 return 1;
             }
         }
@@ -267,7 +327,7 @@ static int send_back(rank_t *rk)
 static int reduce(rank_t *rk)
 {
     run_t *run = rk->run;
-    const ll_rank_t *lk = llk(rk);
+    ll_rank_t *lk = llk(rk);
     const int64_t T = lk->in->T, H = run->H;
     uint64_t remote = 0;
     for (int64_t t = 0; t < T; t++)
@@ -275,8 +335,10 @@ static int reduce(rank_t *rk)
             const int64_t e = lk->in->topk[t * run->K + k];
             remote += e >= 0 && !same_node(rk, (int)(e / run->L));
         }
-    /* Node barrier 1: every rank of the node stored its outputs for this node's sources. */
-    if (proto_node_barrier(rk, "combine", 1) || proto_wait_signal(rk, "combine", SIG_LL_COMBINE, remote, -2))
+    /* Node barrier b + 1: every rank of the node stored its outputs for this node's sources. */
+    lk->combine_seen[lk->u] += remote;
+    if (proto_node_barrier(rk, "combine", (uint64_t)lk->b + 1) ||
+        proto_wait_signal(rk, "combine", SIG_LL_COMBINE(lk->u), lk->combine_seen[lk->u], -2))
         return 1;
     for (int64_t t = 0; t < T; t++)
         for (int64_t c = 0; c < H; c++) {
@@ -285,7 +347,7 @@ static int reduce(rank_t *rk)
                 const int64_t e = lk->in->topk[t * run->K + k];
                 if (e < 0) continue;
                 uint16_t y;
-                memcpy(&y, rk->recv + off_back(run, e, t) + 2 * c, 2);
+                memcpy(&y, rk->recv + off_back(run, lk->u, e, t) + 2 * c, 2);
                 acc = ref_fadd(acc, ref_fmul(lk->in->weights[t * run->K + k], ref_bf16_to_f32(y)));
             }
             lk->out->combined[t * H + c] = ref_f32_to_bf16(acc);
@@ -293,14 +355,44 @@ static int reduce(rank_t *rk)
     return 0;
 }
 
+/* Makes batch b the current one. */
+static void batch(rank_t *rk, int b)
+{
+    const run_t *run = rk->run;
+    ll_rank_t *lk = llk(rk);
+    lk->b = b;
+    lk->u = b % 2;
+    lk->in = &llr(run)->in[b * run->R + rk->r];
+    lk->out = &llr(run)->out[b * run->R + rk->r];
+}
+
+/* The send half of batch b's dispatch (the slots and counts), once the buffer is free. */
+static int dispatch_send(rank_t *rk, int b)
+{
+    batch(rk, b);
+    memset(llk(rk)->to_expert, 0, sizeof(int32_t) * (size_t)rk->run->E);
+    const uint64_t before = rk->stats.net_bytes;
+    const int rc = take_credits(rk) || layout(rk) || send_slots(rk) || send_counts(rk);
+    rk->stats.dispatch_net_bytes += rk->stats.net_bytes - before;
+    return rc;
+}
+
+/* The receive half of batch b's dispatch, its credits, and its combine. */
+static int receive_combine(rank_t *rk, int b)
+{
+    batch(rk, b);
+    return receive(rk) || give_credits(rk) || proto_flush(rk, "dispatch", CTX_DISPATCH) || send_back(rk) ||
+           reduce(rk) || proto_flush(rk, "combine", CTX_COMBINE);
+}
+
+/* Two batches in flight: batch b + 1 is sent before batch b is received and combined. */
 static void *ll_rank_main(void *arg)
 {
     rank_t *rk = arg;
-    if (layout(rk) || send_slots(rk) || send_counts(rk) || receive(rk) ||
-        proto_flush(rk, "dispatch", CTX_DISPATCH))
-        return NULL;
-    rk->stats.dispatch_net_bytes = rk->stats.net_bytes;
-    if (send_back(rk) || reduce(rk) || proto_flush(rk, "combine", CTX_COMBINE)) return NULL;
+    const int B = llr(rk->run)->cfg->batches;
+    for (int b = 0; b < B; b++)
+        if (dispatch_send(rk, b) || (b > 0 && receive_combine(rk, b - 1))) return NULL;
+    receive_combine(rk, B - 1);
     return NULL;
 }
 
@@ -321,18 +413,11 @@ void ll_output_free(ll_output_t *out, int R)
     memset(out, 0, sizeof(*out) * (size_t)R);
 }
 
-static int setup_rank(run_t *run, rank_t *rk, ll_rank_t *lk, const ll_input_t *in, ll_output_t *out)
+/* Batch b's outputs of one rank, garbage until written. */
+static int setup_output(const run_t *run, const ll_input_t *in, ll_output_t *out)
 {
     const ll_config_t *cfg = llr(run)->cfg;
     const size_t rows = (size_t)run->L * (size_t)llr(run)->M, H = (size_t)run->H;
-    rk->ll = lk;
-    rk->error = out->error;
-    rk->error_len = sizeof(out->error);
-    lk->in = in;
-    lk->out = out;
-    lk->slot = calloc((size_t)in->T * (size_t)run->K + 1, sizeof(int32_t));
-    lk->to_expert = calloc((size_t)run->E, sizeof(int32_t));
-    lk->local_count = calloc((size_t)run->L * (size_t)run->R, sizeof(atomic_uint_fast64_t));
     out->count = proto_garbage((size_t)run->L * 4);
     out->x = cfg->fp8 ? NULL : proto_garbage(rows * H * 2);
     out->x8 = cfg->fp8 ? proto_garbage(rows * H) : NULL;
@@ -341,10 +426,25 @@ static int setup_rank(run_t *run, rank_t *rk, ll_rank_t *lk, const ll_input_t *i
     out->tok = proto_garbage(rows * 4);
     out->range = proto_garbage((size_t)run->L * (size_t)run->R * 8);
     out->combined = proto_garbage((size_t)in->T * H * 2);
-    if (!lk->slot || !lk->to_expert || !lk->local_count || !out->count || (!cfg->fp8 && !out->x) ||
-        (cfg->fp8 && (!out->x8 || !out->scales)) || !out->src || !out->tok || !out->range || !out->combined)
-        return 1;
-    for (int i = 0; i < run->L * run->R; i++) atomic_init(&lk->local_count[i], 0);
+    return !out->count || (!cfg->fp8 && !out->x) || (cfg->fp8 && (!out->x8 || !out->scales)) || !out->src ||
+           !out->tok || !out->range || !out->combined || in->T < 0 || in->T > run->T_max;
+}
+
+/* A rank's state; its first error goes to batch 0's output. */
+static int setup_rank(run_t *run, rank_t *rk, ll_rank_t *lk)
+{
+    const size_t counts = 2 * (size_t)run->L * (size_t)run->R;
+    rk->ll = lk;
+    rk->error = llr(run)->out[rk->r].error;
+    rk->error_len = sizeof(llr(run)->out[rk->r].error);
+    lk->slot = calloc((size_t)run->T_max * (size_t)run->K, sizeof(int32_t));
+    lk->to_expert = calloc((size_t)run->E, sizeof(int32_t));
+    lk->count_seen = calloc(counts, sizeof(uint64_t));
+    lk->local_count = calloc(counts, sizeof(atomic_uint_fast64_t));
+    if (!lk->slot || !lk->to_expert || !lk->count_seen || !lk->local_count) return 1;
+    for (size_t i = 0; i < counts; i++) atomic_init(&lk->local_count[i], 0);
+    atomic_init(&lk->local_credit[0], 0);
+    atomic_init(&lk->local_credit[1], 0);
     return 0;
 }
 
@@ -355,14 +455,17 @@ int ll_run(const ll_config_t *cfg, const ll_input_t *in, ll_make_y_fn make_y, vo
     err[0] = '\0';
     if (cfg->nodes < 1 || cfg->per_node < 1 || R > 16 || cfg->E < 1 || cfg->E % R || cfg->K < 1 ||
         cfg->K > 64 || cfg->H < 1 || cfg->T_max < 1 || cfg->T_max > 0x7fffffff / R ||
-        (cfg->fp8 && cfg->H % 128)) {
-        snprintf(err, err_len, "bad config: %d x %d ranks, E %d, K %d, H %lld, T_max %lld, fp8 %d",
-                 cfg->nodes, cfg->per_node, cfg->E, cfg->K, (long long)cfg->H, (long long)cfg->T_max,
-                 cfg->fp8);
+        (cfg->fp8 && cfg->H % 128) || cfg->batches < 1 || cfg->batches > 8) {
+        snprintf(err, err_len,
+                 "bad config: %d x %d ranks, E %d, K %d, H %lld, T_max %lld, fp8 %d, %d batches", cfg->nodes,
+                 cfg->per_node, cfg->E, cfg->K, (long long)cfg->H, (long long)cfg->T_max, cfg->fp8,
+                 cfg->batches);
         return 1;
     }
-    memset(out, 0, sizeof(*out) * (size_t)R);
-    ll_run_t lr = {.cfg = cfg, .make_y = make_y, .y_ctx = y_ctx, .M = (int64_t)R * cfg->T_max};
+    const int outs = cfg->batches * R;
+    memset(out, 0, sizeof(*out) * (size_t)outs);
+    ll_run_t lr = {
+        .cfg = cfg, .make_y = make_y, .y_ctx = y_ctx, .M = (int64_t)R * cfg->T_max, .in = in, .out = out};
     run_t run = {.N = cfg->nodes,
                  .P = cfg->per_node,
                  .R = R,
@@ -377,18 +480,24 @@ int ll_run(const ll_config_t *cfg, const ll_input_t *in, ll_make_y_fn make_y, vo
                  .ll = &lr};
     const size_t H = (size_t)cfg->H, T_max = (size_t)cfg->T_max;
     lr.msg = (4 + (cfg->fp8 ? H + 4 * (H / 128) : 2 * H) + 7) & ~(size_t)7;
-    lr.off_slots = lr.msg * T_max;
-    lr.off_y = lr.off_slots + lr.msg * (size_t)run.L * (size_t)R * T_max;
-    lr.off_back = lr.off_y + 2 * H * (size_t)run.L * (size_t)lr.M;
-    run.region_bytes = lr.off_back + 2 * H * (size_t)run.E * T_max;
+    lr.buf_stage = lr.msg * T_max;
+    lr.buf_slots = lr.msg * (size_t)run.L * (size_t)R * T_max;
+    lr.buf_y = 2 * H * (size_t)run.L * (size_t)lr.M;
+    lr.buf_back = 2 * H * (size_t)run.E * T_max;
+    lr.off_slots = 2 * lr.buf_stage;
+    lr.off_y = lr.off_slots + 2 * lr.buf_slots;
+    lr.off_back = lr.off_y + 2 * lr.buf_y;
+    run.region_bytes = lr.off_back + 2 * lr.buf_back;
     ll_rank_t *lk = calloc((size_t)R, sizeof(ll_rank_t));
-    int rc = !lk || proto_run_open(&run, 2, (uint32_t)(run.L * R) + 1, cfg->mode, cfg->model_seed);
-    for (int r = 0; !rc && r < R; r++) rc = setup_rank(&run, &run.ranks[r], &lk[r], &in[r], &out[r]);
+    int rc = !lk || proto_run_open(&run, 2, 2 * (uint32_t)(run.L * R) + 4, cfg->mode, cfg->model_seed);
+    for (int r = 0; !rc && r < R; r++) rc = setup_rank(&run, &run.ranks[r], &lk[r]);
+    for (int i = 0; !rc && i < outs; i++) rc = setup_output(&run, &in[i], &out[i]);
     if (rc && !err[0]) snprintf(err, err_len, "setup failed");
     if (!rc) rc = proto_run_threads(&run, ll_rank_main, stats);
     for (int r = 0; lk && r < R; r++) {
         free(lk[r].slot);
         free(lk[r].to_expert);
+        free(lk[r].count_seen);
         free(lk[r].local_count);
     }
     free(lk);

@@ -3,7 +3,7 @@
  * N nodes of P ranks, each rank a thread; ranks of one node share memory, ranks of different nodes
  * talk only through net.h on the host model. No forwarding: every (token, selected expert) goes
  * straight to the slot of its owner, every expert output straight back to its source. One call runs
- * one dispatch and one combine.
+ * a few batches, two in flight on two buffers.
  */
 #ifndef EPX_NET_LL_PROTO_H
 #define EPX_NET_LL_PROTO_H
@@ -23,6 +23,9 @@ typedef enum ll_variant {
     /* Rank 0 never signals its count for the last expert: the owner's wait must end at its deadline
      * with an error naming rank, expert and peer, and every other rank must leave its wait. */
     LL_DROP_COUNT = 3,
+    /* Wrong: LL_STRONG_COUNT, but a batch reuses a buffer without waiting for the owners' credits, so
+     * its counts and slots may land before an owner read the batch two back. */
+    LL_WRONG_NO_CREDIT = 4,
 } ll_variant_t;
 
 typedef struct ll_config {
@@ -30,6 +33,7 @@ typedef struct ll_config {
     int E, K;
     int64_t H, T_max; /* H a multiple of 128 with fp8 */
     int fp8, round_scale;
+    int batches; /* 1..8 dispatch + combine pairs; two buffers alternate, two batches in flight */
     epx_net_model_mode_t mode;
     uint64_t model_seed;
     ll_variant_t variant;
@@ -44,8 +48,9 @@ typedef struct ll_input {
     const float *weights; /* [T, K] combine weights */
 } ll_input_t;
 
-/* Rank r's combine input for local expert j and the row that holds (source src, token tok): y [H]. */
-typedef void (*ll_make_y_fn)(void *ctx, int r, int j, int32_t src, int64_t tok, uint16_t *y);
+/* Rank r's combine input in batch b for local expert j and the row that holds (source src, token tok):
+ * y [H]. */
+typedef void (*ll_make_y_fn)(void *ctx, int b, int r, int j, int32_t src, int64_t tok, uint16_t *y);
 
 /* Rank r's outputs (M = R * T_max rows per local expert; rows past count[j] unspecified). */
 typedef struct ll_output {
@@ -60,8 +65,9 @@ typedef struct ll_output {
     char error[256];    /* this rank's first error, "" when none */
 } ll_output_t;
 
-/* Runs one dispatch and one combine. out[R] is filled (free with ll_output_free); returns 0, or 1 with
- * the first error (rank, peer, stage) in err. */
+/* Runs cfg->batches dispatches and combines, batch b's inputs and outputs at in[b * R + r] and
+ * out[b * R + r] (free with ll_output_free(out, batches * R)); returns 0, or 1 with the first error
+ * (rank, peer, stage) in err. */
 int ll_run(const ll_config_t *cfg, const ll_input_t *in, ll_make_y_fn make_y, void *y_ctx, ll_output_t *out,
            proto_stats_t *stats, char *err, size_t err_len);
 void ll_output_free(ll_output_t *out, int R);

@@ -1,8 +1,10 @@
 /*
  * The internode LL protocol (README.md, "The LL protocol") on the host model, bit for bit against the
  * reference (ref_ll_dispatch, ref_ll_cast, ref_ll_combine): node splits, ragged token counts, routings,
- * bf16 and fp8 (with and without round_scale), both correct forms of the count, normal mode and strict
- * mode over many seeds; a wrong count signal that only strict mode catches; a lost count.
+ * bf16 and fp8 (with and without round_scale), both correct forms of the count, one to three batches
+ * (two in flight, the third reusing the first one's buffer), normal mode and strict mode over many
+ * seeds; a wrong count signal that only strict mode catches; buffers reused without credits; a lost
+ * count.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,6 +23,7 @@
 #endif
 
 #define E_EXPERTS  24
+#define MAX_BATCH  3
 #define TIMEOUT_MS 20000
 
 static const ref_split_t splits[] = {{2, 2}, {2, 3}, {3, 2}, {4, 1}, {1, 4}};
@@ -33,6 +36,8 @@ typedef struct one_case {
     int iter; /* token counts (ref_gen_token_counts): 1 gives the first and last rank none */
     ref_routing_t routing;
     int fp8, round_scale;
+    int batches;
+    uint64_t timeout_ms; /* 0: TIMEOUT_MS */
     epx_net_model_mode_t mode;
     ll_variant_t variant;
     uint64_t seed;
@@ -45,9 +50,10 @@ typedef struct inputs {
     uint16_t *x[REF_MAX_RANKS];
 } inputs_t;
 
-static void make_y(void *ctx, int r, int j, int32_t src, int64_t tok, uint16_t *y)
+/* ctx: the inputs of every batch. */
+static void make_y(void *ctx, int b, int r, int j, int32_t src, int64_t tok, uint16_t *y)
 {
-    const inputs_t *d = ctx;
+    const inputs_t *d = (const inputs_t *)ctx + b;
     for (int64_t c = 0; c < d->p.H; c++) y[c] = ref_y_bf16(d->yseed, r, j, src, tok, c);
 }
 
@@ -57,16 +63,18 @@ static void free_inputs(inputs_t *d)
     ref_problem_free(&d->p);
 }
 
-static int make_inputs(const one_case_t *c, inputs_t *d)
+/* Batch b's problem: its own seed, token counts and routing draw. */
+static int make_inputs(const one_case_t *c, int b, inputs_t *d)
 {
     memset(d, 0, sizeof(*d));
     const int R = c->split.nodes * c->split.per_node;
+    const uint64_t seed = c->seed + (uint64_t)b * 7919u;
     int64_t T[REF_MAX_RANKS];
-    ref_gen_token_counts(c->seed, c->iter, R, c->T_max, T);
-    if (ref_problem_init(&d->p, R, E_EXPERTS, c->K, c->H, c->T_max, EPX_DTYPE_BF16, c->seed, T, c->routing))
+    ref_gen_token_counts(seed, (c->iter + b) % 4, R, c->T_max, T);
+    if (ref_problem_init(&d->p, R, E_EXPERTS, c->K, c->H, c->T_max, EPX_DTYPE_BF16, seed, T, c->routing))
         return 1;
     d->p.ranks_per_node = c->split.per_node;
-    d->yseed = c->seed ^ 0x11eedull;
+    d->yseed = seed ^ 0x11eedull;
     for (int s = 0; s < R; s++) {
         d->x[s] = calloc((size_t)(T[s] * c->H) + 1, 2);
         if (!d->x[s]) return 1;
@@ -150,40 +158,50 @@ static ll_config_t config_of(const one_case_t *c)
                          .T_max = c->T_max,
                          .fp8 = c->fp8,
                          .round_scale = c->round_scale,
+                         .batches = c->batches,
                          .mode = c->mode,
                          .model_seed = c->seed,
                          .variant = c->variant,
-                         .timeout_ms = TIMEOUT_MS};
+                         .timeout_ms = c->timeout_ms ? c->timeout_ms : TIMEOUT_MS};
 }
 
 /* Runs one case. Returns 0 when the protocol ran and matched, 1 when it failed (reported unless quiet),
  * 2 when the test itself could not run. */
 static int run_case(const one_case_t *c, int quiet, proto_stats_t *stats_out)
 {
-    inputs_t d;
+    static inputs_t d[MAX_BATCH];
+    static ll_input_t in[MAX_BATCH * REF_MAX_RANKS];
+    static ll_output_t out[MAX_BATCH * REF_MAX_RANKS];
+    const int R = c->split.nodes * c->split.per_node;
     ref_set_seed(c->seed);
-    ref_set_case("ll %dx%d K %d H %lld T_max %lld iter %d %s fp8 %d round_scale %d %s variant %d",
+    ref_set_case("ll %dx%d K %d H %lld T_max %lld iter %d %s fp8 %d round_scale %d batches %d %s variant %d",
                  c->split.nodes, c->split.per_node, c->K, (long long)c->H, (long long)c->T_max, c->iter,
-                 ref_routing_name(c->routing), c->fp8, c->round_scale,
+                 ref_routing_name(c->routing), c->fp8, c->round_scale, c->batches,
                  c->mode == EPX_NET_MODEL_STRICT ? "strict" : "normal", (int)c->variant);
-    if (make_inputs(c, &d)) {
-        free_inputs(&d);
-        fprintf(stderr, "cannot build the problem\n");
-        return 2;
+    int rc = 0, made = 0;
+    for (; made < c->batches && !rc; made++) {
+        rc = make_inputs(c, made, &d[made]) ? 2 : 0;
+        memcpy(&in[made * R], d[made].in, sizeof(ll_input_t) * (size_t)R);
     }
-    const ll_config_t cfg = config_of(c);
-    ll_output_t out[REF_MAX_RANKS];
-    proto_stats_t stats;
-    char err[512] = "";
-    int rc = ll_run(&cfg, d.in, make_y, &d, out, &stats, err, sizeof(err));
     if (rc) {
-        if (!quiet) ref_fail(-1, "protocol failed: %s", err);
+        fprintf(stderr, "cannot build the problem\n");
     } else {
-        rc = check_outputs(c, &d, out, quiet);
-        if (stats_out) *stats_out = stats;
+        const ll_config_t cfg = config_of(c);
+        proto_stats_t stats;
+        char err[512] = "";
+        rc = ll_run(&cfg, in, make_y, d, out, &stats, err, sizeof(err));
+        if (rc) {
+            if (!quiet) ref_fail(-1, "protocol failed: %s", err);
+        } else {
+            for (int b = 0; b < c->batches && !rc; b++) {
+                rc = check_outputs(c, &d[b], &out[b * R], quiet);
+                if (rc && !quiet) ref_fail(-1, "in batch %d of %d", b, c->batches);
+            }
+            if (stats_out) *stats_out = stats;
+        }
+        ll_output_free(out, c->batches * R);
     }
-    ll_output_free(out, d.p.R);
-    free_inputs(&d);
+    for (int b = 0; b < made; b++) free_inputs(&d[b]);
     return rc;
 }
 
@@ -200,6 +218,7 @@ static one_case_t make_case(ref_split_t split, int i, epx_net_model_mode_t mode,
                         .routing = (ref_routing_t)((i / 2) % REF_ROUTE_COUNT),
                         .fp8 = fp8,
                         .round_scale = (i / 3) % 2,
+                        .batches = 1 + (i / 2) % MAX_BATCH,
                         .mode = mode,
                         .variant = i % 2 ? LL_WEAK_SLOTS : LL_STRONG_COUNT,
                         .seed = seed};
@@ -265,6 +284,41 @@ static int test_wrong_count(uint64_t seed, int seeds)
     return 0;
 }
 
+/* Buffers reused without the owners' credits: a source that ran ahead adds the count of the batch after
+ * next before an owner read the batch's own, or overwrites slots it has not read. Timing decides whether it
+ * happens; the check must see it in some runs, and the correct protocol (credits) in none. */
+static int test_no_credit(uint64_t seed, int seeds)
+{
+#ifdef LL_TSAN
+    (void)seed;
+    printf("buffers reused without credits: %d seeds skipped under ThreadSanitizer (their bug is a data race "
+           "it reports)\n",
+           seeds);
+    return 0;
+#else
+    int caught[2] = {0, 0};
+    for (int i = 0; i < seeds; i++)
+        for (int strict = 0; strict < 2; strict++) {
+            one_case_t c =
+                make_case((ref_split_t){2, 3}, i, strict ? EPX_NET_MODEL_STRICT : EPX_NET_MODEL_NORMAL,
+                          seed + (uint64_t)i);
+            c.variant = LL_WRONG_NO_CREDIT;
+            c.timeout_ms = 200; /* a run it breaks may also hang: a count it consumed early never comes */
+            c.batches = MAX_BATCH;
+            c.iter = 1; /* ranks without tokens run ahead: nothing of theirs comes back to wait for */
+            c.fp8 = 0;
+            c.H = 40;
+            const int rc = run_case(&c, 1, NULL);
+            if (rc == 2) return 1;
+            caught[strict] += rc;
+        }
+    printf("buffers reused without credits: caught in %d of %d normal and %d of %d strict runs\n", caught[0],
+           seeds, caught[1], seeds);
+    EXPECT_TRUE(caught[0] + caught[1] > 0);
+    return 0;
+#endif
+}
+
 /* A lost count: the owner's wait ends at its deadline with an error naming rank, expert, signal and peer;
  * every other rank leaves its wait (the abort word) instead of waiting out its own. */
 static int test_lost_count(uint64_t seed)
@@ -273,7 +327,7 @@ static int test_lost_count(uint64_t seed)
     c.variant = LL_DROP_COUNT;
     c.iter = 0;
     inputs_t d;
-    if (make_inputs(&c, &d)) {
+    if (make_inputs(&c, 0, &d)) {
         free_inputs(&d);
         return 1;
     }
@@ -288,7 +342,7 @@ static int test_lost_count(uint64_t seed)
     printf("lost count: failed after %.2f s: %s\n", took, err);
     /* Rank 3 owns expert 23 (local 5, signal 5 * 4 + 0 for source 0). */
     const int named =
-        strstr(out[3].error, "rank 3: dispatch: count of local expert 5: waiting for signal 20 to "
+        strstr(out[3].error, "rank 3: dispatch 0: count of local expert 5: waiting for signal 20 to "
                              "reach 4294967296 (at 0) from peer 0: ") != NULL;
     const int timed_out = strstr(err, "EPX_NET_TIMEOUT") != NULL;
     ll_output_free(out, d.p.R);
@@ -324,7 +378,7 @@ int main(void)
     const uint64_t seed = epx_test_seed();
     const int fast = ref_fast_mode();
     if (test_bytes(seed) || test_lost_count(seed) || test_protocol(seed, 4, fast ? 8 : 24) ||
-        test_wrong_count(seed, 48))
+        test_wrong_count(seed, 48) || test_no_credit(seed, 48))
         return 1;
     printf("ok\n");
     return 0;
