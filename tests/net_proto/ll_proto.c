@@ -267,7 +267,7 @@ static int give_credits(rank_t *rk)
 {
     run_t *run = rk->run;
     ll_rank_t *lk = llk(rk);
-    if (lk->b + 2 >= llr(run)->cfg->batches) return 0;
+    if (lk->b + 2 >= llr(run)->cfg->batches || llr(run)->cfg->variant == LL_WRONG_NO_CREDIT) return 0;
     for (int s = 0; s < run->R; s++) {
         if (same_node(rk, s)) {
             atomic_fetch_add_explicit(&llk(&run->ranks[s])->local_credit[lk->u], 1, memory_order_release);

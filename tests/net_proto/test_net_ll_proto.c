@@ -285,8 +285,10 @@ static int test_wrong_count(uint64_t seed, int seeds)
 }
 
 /* Buffers reused without the owners' credits: a source that ran ahead adds the count of the batch after
- * next before an owner read the batch's own, or overwrites slots it has not read. Timing decides whether it
- * happens; the check must see it in some runs, and the correct protocol (credits) in none. */
+ * next to the signal an owner has not read for this batch yet (the owner then reads a count that mixes two
+ * batches and waits until its deadline for slots that never come), or stores over a slot not yet read.
+ * Timing decides whether a source gets ahead: the wrong protocol must fail in some runs, and the same runs
+ * with credits (the control, same short timeout) in none. */
 static int test_no_credit(uint64_t seed, int seeds)
 {
 #ifdef LL_TSAN
@@ -296,25 +298,31 @@ static int test_no_credit(uint64_t seed, int seeds)
            seeds);
     return 0;
 #else
-    int caught[2] = {0, 0};
+    int caught[2] = {0, 0}, control = 0;
     for (int i = 0; i < seeds; i++)
         for (int strict = 0; strict < 2; strict++) {
             one_case_t c =
                 make_case((ref_split_t){2, 3}, i, strict ? EPX_NET_MODEL_STRICT : EPX_NET_MODEL_NORMAL,
                           seed + (uint64_t)i);
-            c.variant = LL_WRONG_NO_CREDIT;
-            c.timeout_ms = 200; /* a run it breaks may also hang: a count it consumed early never comes */
+            c.timeout_ms = 200; /* a run it breaks usually hangs (above) */
             c.batches = MAX_BATCH;
             c.iter = 1; /* ranks without tokens run ahead: nothing of theirs comes back to wait for */
             c.fp8 = 0;
             c.H = 40;
-            const int rc = run_case(&c, 1, NULL);
+            c.variant = LL_WRONG_NO_CREDIT;
+            int rc = run_case(&c, 1, NULL);
             if (rc == 2) return 1;
             caught[strict] += rc;
+            c.variant = LL_STRONG_COUNT;
+            rc = run_case(&c, 0, NULL);
+            if (rc == 2) return 1;
+            control += rc;
         }
-    printf("buffers reused without credits: caught in %d of %d normal and %d of %d strict runs\n", caught[0],
-           seeds, caught[1], seeds);
+    printf("buffers reused without credits: caught in %d of %d normal and %d of %d strict runs; with credits "
+           "%d of %d failed\n",
+           caught[0], seeds, caught[1], seeds, control, 2 * seeds);
     EXPECT_TRUE(caught[0] + caught[1] > 0);
+    EXPECT_EQ_INT(control, 0);
     return 0;
 #endif
 }
