@@ -427,7 +427,7 @@ static int setup_output(const run_t *run, const ll_input_t *in, ll_output_t *out
     out->range = proto_garbage((size_t)run->L * (size_t)run->R * 8);
     out->combined = proto_garbage((size_t)in->T * H * 2);
     return !out->count || (!cfg->fp8 && !out->x) || (cfg->fp8 && (!out->x8 || !out->scales)) || !out->src ||
-           !out->tok || !out->range || !out->combined || in->T < 0 || in->T > run->T_max;
+           !out->tok || !out->range || !out->combined;
 }
 
 /* A rank's state; its first error goes to batch 0's output. */
@@ -463,6 +463,12 @@ int ll_run(const ll_config_t *cfg, const ll_input_t *in, ll_make_y_fn make_y, vo
         return 1;
     }
     const int outs = cfg->batches * R;
+    for (int i = 0; i < outs; i++)
+        if (in[i].T < 0 || in[i].T > cfg->T_max) {
+            snprintf(err, err_len, "bad input: batch %d, rank %d has %lld tokens (T_max %lld)", i / R, i % R,
+                     (long long)in[i].T, (long long)cfg->T_max);
+            return 1;
+        }
     memset(out, 0, sizeof(*out) * (size_t)outs);
     ll_run_t lr = {
         .cfg = cfg, .make_y = make_y, .y_ctx = y_ctx, .M = (int64_t)R * cfg->T_max, .in = in, .out = out};

@@ -62,7 +62,7 @@ typedef struct ll_output {
     int32_t *tok;       /* [L, M] src_info: source token */
     int64_t *range;     /* [L, R] layout_range: (begin << 32) | count */
     uint16_t *combined; /* [T, H] */
-    char error[256];    /* this rank's first error, "" when none */
+    char error[256];    /* batch 0's: this rank's first error, "" when none; later batches' stay "" */
 } ll_output_t;
 
 /* Runs cfg->batches dispatches and combines, batch b's inputs and outputs at in[b * R + r] and

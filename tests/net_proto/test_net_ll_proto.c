@@ -373,7 +373,7 @@ static int test_bytes(uint64_t seed)
     EXPECT_EQ_INT(run_case(&c, 0, &st), 0);
     printf("LL bytes, 2x3 ranks, 13 tokens each, H %lld, K %d, bf16: network %llu (dispatch %llu, combine "
            "%llu), "
-           "within nodes %llu (+ %llu to a rank's own slots)\n",
+           "within nodes %llu (+ %llu to a rank's own slots and outputs)\n",
            (long long)c.H, c.K, (unsigned long long)st.net_bytes, (unsigned long long)st.dispatch_net_bytes,
            (unsigned long long)(st.net_bytes - st.dispatch_net_bytes), (unsigned long long)st.nvlink_bytes,
            (unsigned long long)st.self_bytes);
