@@ -298,7 +298,7 @@ static int test_no_credit(uint64_t seed, int seeds)
            seeds);
     return 0;
 #else
-    int caught[2] = {0, 0}, control = 0;
+    int caught[2] = {0, 0}, control = 0, control_slow = 0;
     for (int i = 0; i < seeds; i++)
         for (int strict = 0; strict < 2; strict++) {
             one_case_t c =
@@ -316,12 +316,20 @@ static int test_no_credit(uint64_t seed, int seeds)
             c.variant = LL_STRONG_COUNT;
             rc = run_case(&c, 0, NULL);
             if (rc == 2) return 1;
-            control += rc;
+            if (rc) {
+                /* On a loaded machine the short deadline alone can end a correct run: such a run must
+                 * pass with the default deadline, and stay rarer than the wrong protocol's failures. */
+                control_slow++;
+                c.timeout_ms = 0;
+                rc = run_case(&c, 0, NULL);
+                if (rc == 2) return 1;
+                control += rc;
+            }
         }
     printf("buffers reused without credits: caught in %d of %d normal and %d of %d strict runs; with credits "
-           "%d of %d failed\n",
-           caught[0], seeds, caught[1], seeds, control, 2 * seeds);
-    EXPECT_TRUE(caught[0] + caught[1] > 0);
+           "%d of %d failed (%d more passed only with the default deadline)\n",
+           caught[0], seeds, caught[1], seeds, control, 2 * seeds, control_slow - control);
+    EXPECT_TRUE(caught[0] + caught[1] > control_slow);
     EXPECT_EQ_INT(control, 0);
     return 0;
 #endif
