@@ -78,4 +78,10 @@ int proto_run(const proto_config_t *cfg, const proto_input_t *in, proto_make_y_f
               proto_output_t *out, proto_stats_t *stats, char *err, size_t err_len);
 void proto_output_free(proto_output_t *out, int R);
 
+/* For the tests: n elements of `elem` bytes compared bit for bit, 0 when equal; the first mismatches
+ * printed (rank, what, row of `row` elements) unless quiet (a wrong protocol's mismatches are
+ * expected). */
+int proto_same_bits(int quiet, int rank, const char *what, const void *got, const void *expected, int64_t n,
+                    size_t elem, int64_t row);
+
 #endif

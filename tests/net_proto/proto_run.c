@@ -8,6 +8,14 @@
 #include <string.h>
 
 #include "proto_impl.h"
+#include "reference.h"
+
+int proto_same_bits(int quiet, int rank, const char *what, const void *got, const void *expected, int64_t n,
+                    size_t elem, int64_t row)
+{
+    if (!quiet) return ref_check_bits(rank, what, got, expected, n, elem, row);
+    return memcmp(got, expected, (size_t)n * elem) != 0;
+}
 
 static size_t align8(size_t n)
 {

@@ -84,14 +84,6 @@ static int make_inputs(const one_case_t *c, int b, inputs_t *d)
     return 0;
 }
 
-/* Bit-exact comparison; quiet for the wrong protocol (its mismatches are expected). */
-static int same(int quiet, int rank, const char *what, const void *got, const void *expected, int64_t n,
-                size_t elem, int64_t row)
-{
-    if (!quiet) return ref_check_bits(rank, what, got, expected, n, elem, row);
-    return memcmp(got, expected, (size_t)n * elem) != 0;
-}
-
 /* Rank r's rows of local expert j: x (bf16, or e4m3 and scales) against the reference's cast. */
 static int check_rows(const one_case_t *c, const ref_problem_t *p, const ll_output_t *o,
                       const ref_ll_recv_t *rv, int r, int j, int quiet)
@@ -105,13 +97,14 @@ static int check_rows(const one_case_t *c, const ref_problem_t *p, const ll_outp
         const int64_t at = j * M + i;
         ref_x_row(p, rv->src[at], rv->tok[at], REF_TAG_X, row);
         if (!c->fp8) {
-            bad |= same(quiet, r, "recv_x", o->x + at * H, row, H, 2, H);
+            bad |= proto_same_bits(quiet, r, "recv_x", o->x + at * H, row, H, 2, H);
             continue;
         }
         ref_ll_cast(row, H, c->round_scale != 0, q, scale);
-        bad |= same(quiet, r, "recv_x (fp8)", o->x8 + at * H, q, H, 1, H);
+        bad |= proto_same_bits(quiet, r, "recv_x (fp8)", o->x8 + at * H, q, H, 1, H);
         for (int64_t g = 0; g < G && !bad; g++)
-            bad |= same(quiet, r, "recv_x_scales", o->scales + (j * G + g) * M + i, &scale[g], 1, 4, 1);
+            bad |= proto_same_bits(quiet, r, "recv_x_scales", o->scales + (j * G + g) * M + i, &scale[g], 1,
+                                   4, 1);
     }
     free(row);
     free(q);
@@ -127,11 +120,14 @@ static int check_outputs(const one_case_t *c, const inputs_t *d, const ll_output
     for (int r = 0; r < p->R && !bad; r++) {
         ref_ll_recv_t rv;
         if (ref_ll_dispatch(p, r, &rv)) return 1;
-        bad |= same(quiet, r, "recv_count", out[r].count, rv.count, p->L, 4, p->L);
-        bad |= same(quiet, r, "layout_range", out[r].range, rv.range, (int64_t)p->L * p->R, 8, p->R);
+        bad |= proto_same_bits(quiet, r, "recv_count", out[r].count, rv.count, p->L, 4, p->L);
+        bad |=
+            proto_same_bits(quiet, r, "layout_range", out[r].range, rv.range, (int64_t)p->L * p->R, 8, p->R);
         for (int j = 0; j < p->L && !bad; j++) {
-            bad |= same(quiet, r, "recv_src", out[r].src + j * M, rv.src + j * M, rv.count[j], 4, M);
-            bad |= same(quiet, r, "src_info", out[r].tok + j * M, rv.tok + j * M, rv.count[j], 4, M);
+            bad |=
+                proto_same_bits(quiet, r, "recv_src", out[r].src + j * M, rv.src + j * M, rv.count[j], 4, M);
+            bad |=
+                proto_same_bits(quiet, r, "src_info", out[r].tok + j * M, rv.tok + j * M, rv.count[j], 4, M);
             if (!bad) bad |= check_rows(c, p, &out[r], &rv, r, j, quiet);
         }
         ref_ll_recv_free(&rv);
@@ -141,7 +137,7 @@ static int check_outputs(const one_case_t *c, const inputs_t *d, const ll_output
         bad = !cx;
         if (!bad) {
             ref_ll_combine(p, s, d->yseed, cx);
-            bad |= same(quiet, s, "combined_x", out[s].combined, cx, p->T[s] * p->H, 2, p->H);
+            bad |= proto_same_bits(quiet, s, "combined_x", out[s].combined, cx, p->T[s] * p->H, 2, p->H);
         }
         free(cx);
     }

@@ -95,14 +95,6 @@ static int make_inputs(const one_case_t *c, inputs_t *d)
     return 0;
 }
 
-/* Bit-exact comparison; quiet for the wrong protocols (their mismatches are expected). */
-static int same(int quiet, int rank, const char *what, const void *got, const void *expected, int64_t n,
-                size_t elem, int64_t row)
-{
-    if (!quiet) return ref_check_bits(rank, what, got, expected, n, elem, row);
-    return memcmp(got, expected, (size_t)n * elem) != 0;
-}
-
 /* Every output of every rank against the reference; 0 when all equal. */
 static int check_outputs(const one_case_t *c, const inputs_t *d, const proto_output_t *out, int quiet)
 {
@@ -120,16 +112,17 @@ static int check_outputs(const one_case_t *c, const inputs_t *d, const proto_out
             if (!quiet) ref_fail(r, "N_r %lld, reference %lld", (long long)out[r].n, (long long)rv.n);
             bad = 1;
         } else {
-            bad |= same(quiet, r, "recv_src", out[r].src, rv.src, rv.n, 4, 1);
-            bad |= same(quiet, r, "recv_tok", out[r].tok, rv.tok, rv.n, 8, 1);
-            bad |= same(quiet, r, "recv_topk_idx", out[r].idx, rv.idx, rv.n * p->K, 8, p->K);
+            bad |= proto_same_bits(quiet, r, "recv_src", out[r].src, rv.src, rv.n, 4, 1);
+            bad |= proto_same_bits(quiet, r, "recv_tok", out[r].tok, rv.tok, rv.n, 8, 1);
+            bad |= proto_same_bits(quiet, r, "recv_topk_idx", out[r].idx, rv.idx, rv.n * p->K, 8, p->K);
             if (c->with_weights)
-                bad |= same(quiet, r, "recv_topk_weights", out[r].w, rv.w, rv.n * p->K, 4, p->K);
-            bad |=
-                same(quiet, r, "num_recv_tokens_per_expert", out[r].per_expert, rv.per_expert, p->L, 4, p->L);
+                bad |= proto_same_bits(quiet, r, "recv_topk_weights", out[r].w, rv.w, rv.n * p->K, 4, p->K);
+            bad |= proto_same_bits(quiet, r, "num_recv_tokens_per_expert", out[r].per_expert, rv.per_expert,
+                                   p->L, 4, p->L);
             for (int64_t i = 0; i < rv.n && !bad; i++) {
                 ref_x_row(p, rv.src[i], rv.tok[i], REF_TAG_X, xrow);
-                bad |= same(quiet, r, "recv_x", out[r].x + i * H_HIDDEN, xrow, H_HIDDEN, 2, H_HIDDEN);
+                bad |=
+                    proto_same_bits(quiet, r, "recv_x", out[r].x + i * H_HIDDEN, xrow, H_HIDDEN, 2, H_HIDDEN);
             }
         }
         ref_ht_recv_free(&rv);
@@ -140,10 +133,11 @@ static int check_outputs(const one_case_t *c, const inputs_t *d, const proto_out
         if (!cx || !cw) bad = 1;
         if (!bad) {
             ref_ht_combine(p, s, d->yseed, c->bias0, c->bias1, cx, c->with_weights ? cw : NULL);
-            bad |= same(quiet, s, "combined_x", out[s].combined, cx, p->T[s] * H_HIDDEN, 2, H_HIDDEN);
+            bad |=
+                proto_same_bits(quiet, s, "combined_x", out[s].combined, cx, p->T[s] * H_HIDDEN, 2, H_HIDDEN);
             if (c->with_weights)
-                bad |=
-                    same(quiet, s, "combined_topk_weights", out[s].combined_w, cw, p->T[s] * p->K, 4, p->K);
+                bad |= proto_same_bits(quiet, s, "combined_topk_weights", out[s].combined_w, cw,
+                                       p->T[s] * p->K, 4, p->K);
         }
         free(cx);
         free(cw);
