@@ -20,8 +20,8 @@ static inline epx_boot_id_t boot_id_fields(const epx_unique_id_t *id)
     return b;
 }
 
-/* A blocking connection to rank 0's rendezvous address; -1 when refused. */
-static inline int boot_connect(const epx_unique_id_t *id)
+/* Rank 0's rendezvous address in an id. */
+static inline struct sockaddr_in boot_addr(const epx_unique_id_t *id)
 {
     const epx_boot_id_t b = boot_id_fields(id);
     struct sockaddr_in sa;
@@ -29,6 +29,13 @@ static inline int boot_connect(const epx_unique_id_t *id)
     sa.sin_family = AF_INET;
     sa.sin_addr.s_addr = b.addr;
     sa.sin_port = b.port;
+    return sa;
+}
+
+/* A blocking connection to rank 0's rendezvous address; -1 when refused. */
+static inline int boot_connect(const epx_unique_id_t *id)
+{
+    const struct sockaddr_in sa = boot_addr(id);
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0) return fd;
     if (fd >= 0) close(fd);

@@ -260,12 +260,7 @@ static int test_domain_cap(void)
  * bind and listen succeed all the same. -1 (errno set) when another process has the port already. */
 static int reserve_address(const epx_unique_id_t *id)
 {
-    const epx_boot_id_t b = boot_id_fields(id);
-    struct sockaddr_in sa;
-    memset(&sa, 0, sizeof(sa));
-    sa.sin_family = AF_INET;
-    sa.sin_addr.s_addr = b.addr;
-    sa.sin_port = b.port;
+    const struct sockaddr_in sa = boot_addr(id);
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1;
     if (fd >= 0 && setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) == 0 &&
         bind(fd, (const struct sockaddr *)&sa, sizeof(sa)) == 0)
