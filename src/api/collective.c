@@ -59,6 +59,7 @@ static epx_result_t ht_dispatch(epx_buffer_t buffer, const epx_ht_dispatch_args_
     if (!handle)
         EPX_CHECK(
             epx_api_handle_new(buffer, seq, EPX_HANDLE_HT, a.x.shape[0], a.x.dtype, 0, a.stream, &handle));
+    if (!a.cached_handle) handle->is_static = a.num_worst_tokens > 0;
     /* The call may rewrite its view area whatever its outcome. */
     if (a.recv_in_buffer) buffer->view_areas[a.view_area].x = NULL;
     epx_result_t res = buffer->ops->ht_dispatch(buffer, seq, &a, &o, handle);

@@ -67,6 +67,14 @@ EPX_API_CHECK_FN(ht_dispatch)
     if (a->num_worst_tokens < 0)
         return ARG_ERR("args.num_worst_tokens = %lld must be >= 0 (0: not static)",
                        (long long)a->num_worst_tokens);
+    if (cached && cached->is_static) {
+        /* A static handle's cached dispatch is static too: the same rows, no host synchronisation. */
+        if (a->num_worst_tokens == 0) a->num_worst_tokens = cached->num_recv;
+        if (a->num_worst_tokens != cached->num_recv)
+            return ARG_ERR("args.num_worst_tokens = %lld differs from the %lld that args.cached_handle's "
+                           "(static) dispatch used: pass 0 or the same bound",
+                           (long long)a->num_worst_tokens, (long long)cached->num_recv);
+    }
     if (cached) {
         memset(&a->topk_idx, 0, sizeof(a->topk_idx));
         memset(&a->topk_weights, 0, sizeof(a->topk_weights));

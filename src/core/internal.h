@@ -253,6 +253,7 @@ struct epx_handle {
     int64_t num_tokens;     /* T of the dispatch on this rank */
     int64_t num_recv;       /* N_r (HT, RM) or P (RM with permute); bound-capped for RM */
     int32_t permute;        /* RM only */
+    int32_t is_static;      /* HT: dispatched with num_worst_tokens (num_recv is that bound) */
     epx_dtype_t x_dtype;    /* dtype dispatched */
     uint64_t id;            /* the buffer's sequence number of the dispatch that made it */
     void *backend_state;    /* freed by ops->handle_free */

@@ -408,16 +408,30 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
             const epx_tensor_t none = {0};
             epx_ht_dispatch_args_t cargs = dispatch_args(&p, rank, &in2, none, false, 0);
             cargs.cached_handle = handle;
-            cargs.num_worst_tokens = is_static ? W : 0;
+            /* A static handle's cached call is static whether it names the bound again or passes 0. */
+            cargs.num_worst_tokens = is_static && it != 3 ? W : 0;
             cargs.recv_in_buffer = 1;
             cargs.view_area = (area + 1) % k_areas; /* another area: the first call's views stay */
             epx_ht_dispatch_outputs_t couts = EPX_HT_DISPATCH_OUTPUTS_INIT;
+            if (is_static && it == 3) {
+                /* Another bound with a static handle: refused on every rank, nothing written. */
+                cargs.num_worst_tokens = W - 1;
+                epx_result_t r = epx_ht_dispatch(buf, &cargs, &couts);
+                CHECK(r == EPX_ERR_INVALID_ARG && strstr(epx_last_error_message(), "num_worst_tokens"),
+                      "cached static dispatch with num_worst_tokens %lld (handle's %lld): %s (%s), expected "
+                      "ERR_INVALID_ARG naming num_worst_tokens",
+                      (long long)(W - 1), (long long)W, epx_result_name(r), epx_last_error_message());
+                CHECK(couts.recv_x.data == NULL, "a refused cached dispatch wrote outputs");
+                cargs.num_worst_tokens = 0;
+            }
             CALL(epx_ht_dispatch(buf, &cargs, &couts));
-            CHECK(couts.recv_x.data && couts.recv_x.shape[0] >= N && couts.recv_topk_idx.data == NULL &&
-                      couts.recv_x.data != outs.recv_x.data,
-                  "cached view outputs: recv_x %p rows %lld (first call's %p), recv_topk_idx %p",
-                  couts.recv_x.data, (long long)couts.recv_x.shape[0], outs.recv_x.data,
-                  couts.recv_topk_idx.data);
+            CHECK(couts.recv_x.data && couts.recv_x.shape[0] == rows && couts.recv_topk_idx.data == NULL &&
+                      couts.recv_x.data != outs.recv_x.data &&
+                      couts.num_recv_tokens_host == (is_static ? -1 : N),
+                  "cached view outputs: recv_x %p rows %lld (want %lld; first call's %p), recv_topk_idx %p, "
+                  "num_recv_tokens_host %lld",
+                  couts.recv_x.data, (long long)couts.recv_x.shape[0], (long long)rows, outs.recv_x.data,
+                  couts.recv_topk_idx.data, (long long)couts.num_recv_tokens_host);
             if (rc) goto out;
             rc |= ref_check_bits(rank, "cached view recv_x", couts.recv_x.data, in2.e_x, N * H, esz, H);
             if (fp8)

@@ -472,15 +472,8 @@ class HTPath:
         with epx.collective(state.buffer, epx.HT_DISPATCH):
             x, scales = split_x(x)
             out = state.buffer.dispatch(x, x_scales=scales, handle=state.epx)
+        # A static-mode handle's cached dispatch is static too: num_worst_tokens rows, as DeepEP's.
         recv_x, recv_scales = out.recv_x, out.recv_x_scales
-        if recv_x.shape[0] < state.rows:
-            # A cached dispatch in view mode may give N_r rows for a static-mode handle; DeepEP gives (and the
-            # combine takes) num_worst_tokens rows, the rows past N_r unspecified.
-            torch = _torch()
-            recv_x = torch.cat([recv_x, recv_x.new_empty((state.rows - recv_x.shape[0], recv_x.shape[1]))])
-            if recv_scales is not None:
-                recv_scales = torch.cat([recv_scales, recv_scales.new_empty(
-                    (state.rows - recv_scales.shape[0], recv_scales.shape[1]))])
         return (recv_x, recv_scales) if scales is not None else recv_x
 
     def combine(self, x, handle, topk_weights, bias):
