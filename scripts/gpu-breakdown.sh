@@ -7,6 +7,8 @@
 #  2. LL, 128 tokens per rank: ranks 1, 2, 4, 8 sharing the GPU under MPS at 16 SMs each (what sharing
 #     costs), then 8 ranks at 32 to 512 tokens (fixed cost against cost per byte).
 #  3. SM sweep at 8 ranks: LL and HT view mode with 4, 8, 16 and 24 SMs per rank.
+#  4. (EPX_BREAKDOWN_COMPAT=1) bench/compat_profile.py at 2 and 8 ranks: where the time of the DeepEP
+#     front's full dispatch goes (layout, notify exchange, data dispatch), with the profiler's kernel list.
 # Every step under `timeout`; the whole within EPX_BREAKDOWN_BUDGET_S (default 300). Builds in
 # EPX_BUILD_DIR (default build-gpu, shared with gpu-test.sh) unless EPX_BREAKDOWN_NOBUILD=1.
 set -u -o pipefail
@@ -68,4 +70,22 @@ row ll-r8-tsweep 90 -o ll -r 8 -b 32 -e 512 -f 4 -S 16 -n 30 -w 5 -d fp8
 # 3. SM sweep, 8 ranks.
 for s in 4 8 16 24; do row "ll-r8-s$s" 45 -o ll -r 8 -t 128 -S "$s" -n 30 -w 5 -d fp8; done
 for s in 4 8 16 24; do row "view-r8-s$s" 60 -o view -r 8 -t 4096 -S "$s" -n 10 -w 2 -d bf16; done
+# 4. The compat front's full dispatch, part by part.
+if [ "${EPX_BREAKDOWN_COMPAT:-0}" = 1 ]; then
+    PY=/opt/torch/.venv/bin/python3
+    log "EPX_PYTHON_CUDA=1 pip install (the torch venv)"
+    if timeout 200 env EPX_PYTHON_CUDA=1 "$PY" -m pip install --no-build-isolation --no-deps --no-index . \
+        >"$LOGDIR/pip-install.log" 2>&1; then
+        for r in 2 8; do
+            [ "$(left)" -lt 40 ] && { log "compat-r$r: skipped (budget)"; continue; }
+            log "compat_profile R=$r"
+            timeout -k 5 $(($(left) - 10 < 120 ? $(left) - 10 : 120)) "$PY" "$ROOT/bench/compat_profile.py" \
+                --ranks "$r" --iters 20 --warmup 5 --native-views 1 --deadline 100 \
+                >"$LOGDIR/compat-r$r.log" 2>&1 || log "compat-r$r: exit $?"
+            tail -45 "$LOGDIR/compat-r$r.log" | tee -a "$LOGDIR/summary.log"
+        done
+    else
+        log "pip install FAILED (pip-install.log)"
+    fi
+fi
 log "done"

@@ -114,6 +114,15 @@ def _static_fp8(rank, nranks, uid):
     assert is_view(cst.recv_x) and cst.recv_x.shape == (worst, p.H) and cst.num_recv_tokens == worst
     assert_equal(cst.recv_x[:n], ob.dispatch(x2, handle=own.handle, num_worst_tokens=worst).recv_x[:n],
          "static cached recv_x", rank)
+    # Without the bound, a static handle's cached dispatch takes the handle's; another bound is refused.
+    inh = vb.dispatch(x2, handle=st.handle)
+    assert is_view(inh.recv_x) and inh.recv_x.shape == (worst, p.H)
+    assert_equal(inh.recv_x[:n], cst.recv_x[:n], "static cached recv_x, bound taken from the handle", rank)
+    try:
+        vb.dispatch(x2, handle=st.handle, num_worst_tokens=worst - 1)
+        raise AssertionError("a cached dispatch with another bound than its static handle's was accepted")
+    except ValueError as exc:
+        assert "num_worst_tokens" in str(exc), str(exc)
     cin = vb.combine_input(st.handle)
     assert cin.shape == (worst, p.H)
     cin[:n] = p.expert_fn(own.recv_x[:n], rank + 1)
