@@ -251,6 +251,21 @@ def native_rows(ctx, epx, inputs, views):
         del out
         row(ctx, tag + "combine", lambda mark: (buf.combine(recv_x, handle), mark()))
         del recv_x, handle
+        if value is True:
+            # Static mode (num_worst_tokens = R * T, no host wait), as epx-bench's C view rows are timed.
+            worst = ctx.dist.get_world_size() * T
+            row(ctx, tag + "static dispatch", lambda mark: (buf.dispatch(x, idx, w, num_worst_tokens=worst),
+                                                            mark()))
+            out = buf.dispatch(x, idx, w, num_worst_tokens=worst)
+            recv_x, handle = out.recv_x, out.handle
+            del out
+            # The combine first: a later dispatch into the one view area makes recv_x stale.
+            row(ctx, tag + "static combine", lambda mark: (buf.combine(recv_x, handle), mark()))
+            row(ctx, tag + "static cached bf16", lambda mark: (buf.dispatch(x, handle=handle), mark()))
+            if fp8 is not None:
+                row(ctx, tag + "static cached fp8", lambda mark: (buf.dispatch(fp8[0], x_scales=fp8[1],
+                                                                               handle=handle), mark()))
+            del recv_x, handle
     finally:
         if buf is not None:
             buf.destroy()  # handles are gone with the rows' frames; a view still alive defers the free
