@@ -415,12 +415,13 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
             epx_ht_dispatch_outputs_t couts = EPX_HT_DISPATCH_OUTPUTS_INIT;
             if (is_static && it == 3) {
                 /* Another bound with a static handle: refused on every rank, nothing written. */
-                cargs.num_worst_tokens = W - 1;
+                const int64_t other = W > 1 ? W - 1 : W + 1; /* 0 would mean "the handle's" */
+                cargs.num_worst_tokens = other;
                 epx_result_t r = epx_ht_dispatch(buf, &cargs, &couts);
                 CHECK(r == EPX_ERR_INVALID_ARG && strstr(epx_last_error_message(), "num_worst_tokens"),
                       "cached static dispatch with num_worst_tokens %lld (handle's %lld): %s (%s), expected "
                       "ERR_INVALID_ARG naming num_worst_tokens",
-                      (long long)(W - 1), (long long)W, epx_result_name(r), epx_last_error_message());
+                      (long long)other, (long long)W, epx_result_name(r), epx_last_error_message());
                 CHECK(couts.recv_x.data == NULL, "a refused cached dispatch wrote outputs");
                 cargs.num_worst_tokens = 0;
             }
