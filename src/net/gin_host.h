@@ -22,7 +22,9 @@ extern "C" {
 
 typedef struct epx_gin_open_args {
     /* A caller's ncclComm_t over the same ranks in the same order, used as is and never finalized,
-     * destroyed or aborted by epx; NULL: epx creates one (unique id from rank 0 over the bootstrap). */
+     * destroyed or aborted by epx; NULL: epx creates one (unique id from rank 0 over the bootstrap, non-
+     * blocking). A caller's blocking communicator makes its collective steps only as bounded as NCCL
+     * makes them: the deadline is checked between them. */
     void *nccl_comm;
     int32_t nregions;                          /* 1 .. EPX_GIN_MAX_REGIONS */
     uint64_t region_bytes[EPX_GIN_MAX_REGIONS]; /* each >= 1, equal on every rank */
