@@ -1,12 +1,15 @@
 /*
  * The network engine as this build has it: the NCCL version the discovery found (EPX_HAVE_NCCL,
- * EPX_NCCL_MAJOR/MINOR/PATCH/VERSION_CODE from the build) and the message a caller gets when it
- * asks for ranks on other nodes of a backend that cannot reach them.
+ * EPX_NCCL_MAJOR/MINOR/PATCH/VERSION_CODE from the build), whether the GIN host setup
+ * (src/net/gin_host.c, EPX_HAVE_GIN_HOST: NCCL and the cuda backend) is built, the message a caller
+ * gets when it asks for ranks on other nodes of a backend that cannot reach them, and the GIN host
+ * calls' argument checks (and their refusal in a build without the host setup).
  */
 #include <stdio.h>
 #include <string.h>
 
 #include "core/network.h"
+#include "net/gin_host.h"
 
 #define EPX_NET_STR2_(x) #x
 #define EPX_NET_STR_(x)  EPX_NET_STR2_(x)
@@ -27,16 +30,22 @@ void epx_net_build_info(epx_build_info_t *info)
     info->nccl_version_code = 0;
     memset(info->nccl_version, 0, sizeof(info->nccl_version));
 #endif
-    /* NCCL is found but nothing drives it yet: no GIN transport in this version. */
+    /* The GIN host setup may be built (EPX_HAVE_GIN_HOST), but no kernel moves tokens over it yet: the
+     * network transport is not there until the internode kernels are. */
     info->network = 0;
 }
 
 const char *epx_net_gin_unavailable(char *why, size_t n)
 {
     if (n == 0) return why;
-#ifdef EPX_HAVE_NCCL
+#if defined(EPX_HAVE_GIN_HOST)
     snprintf(why, n,
-             "built with NCCL " EPX_NET_NCCL_VERSION ", but the GIN network transport is not built yet");
+             "built with NCCL " EPX_NET_NCCL_VERSION " and its GIN host setup, but the internode kernels of the "
+             "network transport are not built yet");
+#elif defined(EPX_HAVE_NCCL)
+    snprintf(why, n,
+             "built with NCCL " EPX_NET_NCCL_VERSION " but without the cuda backend, which the GIN host setup "
+             "needs (and the internode kernels are not built yet)");
 #else
     snprintf(why, n,
              "built without NCCL: install NCCL >= 2.28 (pip install nvidia-nccl-cu13, or point "
@@ -44,3 +53,43 @@ const char *epx_net_gin_unavailable(char *why, size_t n)
 #endif
     return why;
 }
+
+epx_result_t epx_gin_check_args(epx_comm_t comm, const epx_gin_open_args_t *args, epx_gin_t **out)
+{
+    EPX_CHECK(epx_comm_check(comm, "epx_gin_open"));
+    const int rank = comm->rank;
+    if (!args) return epx_error(EPX_ERR_INVALID_ARG, "rank %d: epx_gin_open: args is NULL", rank);
+    if (!out) return epx_error(EPX_ERR_INVALID_ARG, "rank %d: epx_gin_open: out is NULL", rank);
+    if (args->nregions < 1 || args->nregions > EPX_GIN_MAX_REGIONS)
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: epx_gin_open: nregions %d is outside [1, %d]", rank,
+                         (int)args->nregions, EPX_GIN_MAX_REGIONS);
+    for (int i = 0; i < args->nregions; i++)
+        if (args->region_bytes[i] == 0)
+            return epx_error(EPX_ERR_INVALID_ARG, "rank %d: epx_gin_open: region_bytes[%d] is 0", rank, i);
+    if (args->contexts < 1)
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: epx_gin_open: contexts %d is below 1", rank,
+                         (int)args->contexts);
+    if (args->nsignals < 1)
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: epx_gin_open: nsignals %d is below 1", rank,
+                         (int)args->nsignals);
+    return EPX_SUCCESS;
+}
+
+#ifndef EPX_HAVE_GIN_HOST
+/* Without NCCL or the cuda backend there is no GIN host setup: the arguments are checked as in a build
+ * that has it, then the call is refused with what the build lacks. */
+epx_result_t epx_gin_open(epx_comm_t comm, const epx_gin_open_args_t *args, epx_gin_t **out)
+{
+    EPX_CHECK(epx_gin_check_args(comm, args, out));
+    char why[256];
+    return epx_error(EPX_ERR_UNSUPPORTED, "rank %d: epx_gin_open: %s", comm->rank,
+                     epx_net_gin_unavailable(why, sizeof(why)));
+}
+
+/* No handle can exist in this build: only NULL reaches here. */
+epx_result_t epx_gin_close(epx_gin_t *g)
+{
+    return g ? epx_error(EPX_ERR_INVALID_ARG, "epx_gin_close: %p is not a GIN handle of this build", (void *)g)
+             : EPX_SUCCESS;
+}
+#endif

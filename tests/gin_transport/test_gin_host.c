@@ -1,0 +1,418 @@
+/*
+ * gpu.gin_host: libepx's own GIN host setup (src/net/gin_host.c) end to end on one machine. R forked
+ * ranks, each its own emulated node (NCCL_HOSTID, EPX_NODE_ID), NCCL loading the test GIN plugin
+ * (tests/gin_plugin) for its proxy path. Each rank makes a cuda-backend epx comm over the TCP bootstrap and
+ * calls epx_gin_open; kernels (kernels.cu) then use net.h over the handle: ring rounds (strong, weak and
+ * bare signals, odd sizes and offsets) checked bit-exact by the host against a CPU-computed pattern, and a
+ * soak of 1000 iterations whose hashes the parent compares across ranks; epx_gin_close within its
+ * deadline. The dead-peer case: the last rank exits without closing; the survivors' signal wait must end
+ * with EPX_ERR_REMOTE naming it within the timeout (EPX_TIMEOUT_MS, 20 s by default), and epx_gin_close
+ * must return within its deadline. Ranks: EPX_GPU_TEST_RANKS (2,4); soak: EPX_GIN_TEST_ITERATIONS (1000);
+ * plugin: EPX_GIN_TEST_PLUGIN (the built one). Skipped without a GPU or the plugin. Compiled, not yet run on a GPU.
+ */
+#include <cuda_runtime.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core/internal.h"
+#include "gin_test.h"
+#include "gpu_test.h"
+#include "net/gin_host.h"
+
+#ifndef EPX_GIN_TEST_PLUGIN_PATH
+#error "tests/gin_transport/CMakeLists.txt passes the plugin's path"
+#endif
+
+#define SLACK_MS 3000 /* what a bounded call may take past its deadline on a loaded machine */
+
+typedef struct run_ctx {
+    gpu_ctx_t gpu;
+    const char *plugin;
+    int dead_peer;      /* the last rank exits after the first round */
+    int64_t timeout_ms; /* the comm's: every wait of open, the kernels and close */
+    uint64_t iterations;
+} run_ctx_t;
+
+typedef struct rank_result {
+    uint64_t sent_hash, recv_hash, iterations;
+    double open_ms, soak_ms, wait_ms, close_ms;
+} rank_result_t;
+
+typedef struct rank_state {
+    int rank, nranks, left, right;
+    const run_ctx_t *c;
+    epx_comm_t comm;
+    epx_gin_t *gin;
+    epx_net_t net;
+    cudaStream_t stream;
+    gin_kernel_result_t *res_host, *res_dev;
+    unsigned char *host; /* GIN_REGION_BYTES of staging */
+} rank_state_t;
+
+static int fail(const rank_state_t *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int fail(const rank_state_t *s, const char *fmt, ...)
+{
+    char line[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof(line), fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "gin host rank %d/%d: FAILED: %s\n", s->rank, s->nranks, line);
+    return 1;
+}
+
+/* In a function of a rank_state_t *s returning int: a failed CUDA call reports and returns 1. */
+#define CUDA_TRY(call)                                                                 \
+    do {                                                                               \
+        cudaError_t e_ = (call);                                                       \
+        if (e_ != cudaSuccess) return fail(s, "%s: %s", #call, cudaGetErrorString(e_)); \
+    } while (0)
+#define EPX_TRY(call)                                                                                 \
+    do {                                                                                              \
+        epx_result_t r_ = (call);                                                                     \
+        if (r_ != EPX_SUCCESS) return fail(s, "%s: %s (%s)", #call, epx_result_name(r_), epx_last_error_message()); \
+    } while (0)
+
+static double ms_since(uint64_t t0)
+{
+    return (double)(epx_time_ns() - t0) / 1e6;
+}
+
+/* Each rank its own emulated node, NCCL's proxy GIN through the test plugin, on loopback. */
+static void rank_env(int rank, const run_ctx_t *c)
+{
+    char name[64];
+    snprintf(name, sizeof(name), "epx-gin-host-node-%d", rank);
+    setenv("NCCL_HOSTID", name, 1);
+    setenv("EPX_NODE_ID", name, 1);
+    setenv("NCCL_NET_PLUGIN", c->plugin, 1);
+    setenv("NCCL_GIN_TYPE", "2", 0);
+    setenv("NCCL_SOCKET_IFNAME", "lo", 0);
+    setenv("NCCL_NVLS_ENABLE", "0", 0);
+    epx_params_reload();
+}
+
+enum { KERNEL_OK = 0, KERNEL_FAILED = 1, KERNEL_STUCK = 2 };
+
+/* Waits for the stream's kernel at most limit_ms, asking epx_gin_poll about the peers meanwhile (it sets
+ * the abort word when one is gone). Past the limit the abort word ends every wait; a kernel still running
+ * 5 s later is stuck in a post and the rank must leave without teardown. */
+static int wait_kernel(rank_state_t *s, int64_t limit_ms, double *ms_out)
+{
+    const uint64_t t0 = epx_time_ns();
+    uint64_t deadline = t0 + (uint64_t)limit_ms * 1000000ull;
+    int aborted = 0;
+    for (uint32_t i = 0;; i++) {
+        const cudaError_t e = cudaStreamQuery(s->stream);
+        if (e == cudaSuccess) break;
+        if (e != cudaErrorNotReady) return fail(s, "the kernel failed: %s", cudaGetErrorString(e));
+        if ((i & 15) == 0 && epx_gin_poll(s->gin) != EPX_SUCCESS && !aborted) {
+            printf("gin host rank %d: %s\n", s->rank, epx_last_error_message());
+            aborted = 1;
+        }
+        if (epx_time_ns() > deadline) {
+            if (aborted) {
+                fail(s, "the kernel still runs 5 s after the abort word was set: stuck in a post");
+                return KERNEL_STUCK;
+            }
+            epx_gin_abort(s->gin);
+            aborted = 1;
+            deadline = epx_time_ns() + 5000000000ull;
+        }
+        struct timespec nap = {0, 200000};
+        nanosleep(&nap, NULL);
+    }
+    if (ms_out) *ms_out = ms_since(t0);
+    return s->res_host->done ? KERNEL_OK : fail(s, "the kernel ended without writing its result");
+}
+
+static unsigned char guard_byte(uint64_t i, uint64_t round)
+{
+    return (unsigned char)(0x5a ^ (i * 131) ^ round);
+}
+
+typedef struct ring_round {
+    uint32_t mode, chunks;
+    uint64_t bytes, src_offset, dst_offset;
+} ring_round_t;
+
+static const ring_round_t ring_rounds[] = {
+    {GIN_MODE_STRONG, 1, 4, 0, 0},
+    {GIN_MODE_WEAK, 3, 4097, 8, 3},
+    {GIN_MODE_SIGNAL, 4, 1u << 20, 0, 4096},
+    {GIN_MODE_STRONG, 8, (2u << 20) - 8192, 64, 4103},
+    {GIN_MODE_WEAK, 2, 65541, 1, 0},
+};
+
+/* Signal adds one round brings: one per chunk for weak put-signals, else one. */
+static uint64_t round_adds(const ring_round_t *r)
+{
+    if (r->mode != GIN_MODE_WEAK) return 1;
+    const uint64_t chunk = (r->bytes + r->chunks - 1) / r->chunks;
+    return (r->bytes + chunk - 1) / chunk;
+}
+
+/* The kernel's statuses, all EPX_NET_OK, or the error epx_gin_wait_result makes of the first other. */
+static int kernel_statuses(rank_state_t *s, const char *what)
+{
+    const gin_kernel_result_t *k = s->res_host;
+    const int32_t st[3] = {k->post_status, k->wait_status, k->flush_status};
+    static const char *const names[3] = {"post", "signal wait", "flush"};
+    for (int i = 0; i < 3; i++)
+        if (st[i] != EPX_NET_OK) {
+            char op[128];
+            snprintf(op, sizeof(op), "%s: %s", what, names[i]);
+            const epx_result_t r = epx_gin_wait_result(s->gin, (epx_net_status_t)st[i], op);
+            return fail(s, "%s (%s; signal seen %" PRIu64 ")", epx_last_error_message(), epx_result_name(r),
+                        k->signal_seen);
+        }
+    return 0;
+}
+
+/* One ring round: our pattern to the right, the left's into our destination, whose every byte is then
+ * compared with the CPU's expectation (outside the put: untouched guard bytes). */
+static int ring_round(rank_state_t *s, int round, uint64_t *target)
+{
+    const ring_round_t *r = &ring_rounds[round];
+    const uint64_t seed = s->c->gpu.seed;
+    unsigned char *src = epx_gin_region(s->gin, GIN_SRC), *dst = epx_gin_region(s->gin, GIN_DST);
+    for (uint64_t k = 0; k < r->bytes; k++) s->host[k] = gin_pattern_byte(seed, s->rank, (uint64_t)round, k);
+    CUDA_TRY(cudaMemcpy(src + r->src_offset, s->host, r->bytes, cudaMemcpyHostToDevice));
+    for (uint64_t k = 0; k < GIN_REGION_BYTES; k++) s->host[k] = guard_byte(k, (uint64_t)round);
+    for (uint64_t k = 0; k < r->bytes; k++)
+        s->host[r->dst_offset + k] = (unsigned char)~gin_pattern_byte(seed, s->left, (uint64_t)round, k);
+    CUDA_TRY(cudaMemcpy(dst, s->host, GIN_REGION_BYTES, cudaMemcpyHostToDevice));
+    /* No rank puts before its right neighbour has prepared the destination. */
+    EPX_TRY(epx_comm_barrier(s->comm));
+    *target += round_adds(r);
+    gin_ring_args_t a = {s->right, (uint32_t)round % s->net.ncontexts, r->mode, r->chunks, r->bytes,
+                         r->src_offset, r->dst_offset, *target, (uint64_t)s->c->timeout_ms * 1000000ull};
+    memset(s->res_host, 0, sizeof(*s->res_host));
+    CUDA_TRY((cudaError_t)gin_launch_ring(&s->net, s->stream, &a, s->res_dev));
+    double ms = 0;
+    const int k = wait_kernel(s, s->c->timeout_ms + SLACK_MS, &ms);
+    if (k != KERNEL_OK) return k;
+    char what[96];
+    snprintf(what, sizeof(what), "ring round %d", round);
+    if (kernel_statuses(s, what)) return 1;
+    CUDA_TRY(cudaMemcpy(s->host, dst, GIN_REGION_BYTES, cudaMemcpyDeviceToHost));
+    uint64_t bad = 0, first = UINT64_MAX;
+    for (uint64_t i = 0; i < GIN_REGION_BYTES; i++) {
+        const int inside = i >= r->dst_offset && i < r->dst_offset + r->bytes;
+        const unsigned char want = inside ? gin_pattern_byte(seed, s->left, (uint64_t)round, i - r->dst_offset)
+                                          : guard_byte(i, (uint64_t)round);
+        if (s->host[i] != want) {
+            if (!bad) first = i;
+            bad++;
+        }
+    }
+    if (bad)
+        return fail(s,
+                    "ring round %d: %" PRIu64 " of %d bytes differ from rank %d's pattern or the guard; first at "
+                    "byte %" PRIu64 " (the put covers %" PRIu64 " .. %" PRIu64 ")",
+                    round, bad, (int)GIN_REGION_BYTES, s->left, first, r->dst_offset, r->dst_offset + r->bytes);
+    printf("gin host rank %d/%d: ring round %d ok: %" PRIu64 " bytes from rank %d bit-exact, mode %u, %.2f ms\n",
+           s->rank, s->nranks, round, r->bytes, s->left, r->mode, ms);
+    return 0;
+}
+
+/* The soak's hash of `sender`'s bytes over every iteration, on the CPU. */
+static uint64_t soak_hash(uint64_t seed, int sender, uint64_t iterations)
+{
+    uint64_t h = 0;
+    for (uint64_t i = 0; i < iterations; i++) {
+        const uint64_t n = gin_soak_bytes(seed, i);
+        for (uint64_t k = 0; k < n; k++) h += gin_byte_hash(i, k, gin_pattern_byte(seed, sender, i, k));
+    }
+    return h;
+}
+
+static int soak(rank_state_t *s, rank_result_t *out)
+{
+    EPX_TRY(epx_comm_barrier(s->comm));
+    gin_soak_args_t a = {epx_gin_region(s->gin, GIN_SRC), epx_gin_region(s->gin, GIN_DST), s->right, s->left,
+                         s->c->gpu.seed, s->c->iterations, (uint64_t)s->c->timeout_ms * 1000000ull};
+    memset(s->res_host, 0, sizeof(*s->res_host));
+    CUDA_TRY((cudaError_t)gin_launch_soak(&s->net, s->stream, &a, s->res_dev));
+    /* Meanwhile the CPU computes what must have gone and come. */
+    const uint64_t want_sent = soak_hash(a.seed, s->rank, a.iterations);
+    const uint64_t want_recv = soak_hash(a.seed, s->left, a.iterations);
+    const int k = wait_kernel(s, 2 * s->c->timeout_ms + 120000, &out->soak_ms);
+    if (k != KERNEL_OK) return k;
+    const gin_kernel_result_t *r = s->res_host;
+    if (kernel_statuses(s, "the soak")) return fail(s, "the soak stopped at iteration %" PRIu64, r->failed_at);
+    out->sent_hash = r->sent_hash;
+    out->recv_hash = r->recv_hash;
+    out->iterations = r->iterations;
+    if (r->iterations != a.iterations)
+        return fail(s, "the soak ran %" PRIu64 " of %" PRIu64 " iterations", r->iterations, a.iterations);
+    if (r->mismatches)
+        return fail(s, "the soak received %" PRIu64 " bytes that differ from rank %d's pattern", r->mismatches,
+                    s->left);
+    if (r->sent_hash != want_sent || r->recv_hash != want_recv)
+        return fail(s,
+                    "soak hashes: sent %016" PRIx64 " (the CPU's %016" PRIx64 "), received %016" PRIx64
+                    " (the CPU's for rank %d %016" PRIx64 ")",
+                    r->sent_hash, want_sent, r->recv_hash, s->left, want_recv);
+    printf("gin host rank %d/%d: soak ok: %" PRIu64 " iterations in %.0f ms, sent %016" PRIx64
+           ", received %016" PRIx64 " (both as the CPU computed)\n",
+           s->rank, s->nranks, r->iterations, out->soak_ms, r->sent_hash, r->recv_hash);
+    return 0;
+}
+
+/* The survivors' view of a dead peer: the wait for a signal only it would send must end with
+ * EPX_ERR_REMOTE naming it, within the timeout. */
+static int dead_peer_wait(rank_state_t *s, rank_result_t *out)
+{
+    const int victim = s->nranks - 1;
+    memset(s->res_host, 0, sizeof(*s->res_host));
+    CUDA_TRY((cudaError_t)gin_launch_wait(&s->net, s->stream, (uint64_t)s->c->timeout_ms * 1000000ull, s->res_dev));
+    const int k = wait_kernel(s, s->c->timeout_ms + SLACK_MS, &out->wait_ms);
+    if (k != KERNEL_OK) return k;
+    const epx_net_status_t st = (epx_net_status_t)s->res_host->wait_status;
+    const epx_result_t r = epx_gin_wait_result(s->gin, st, "the wait for a signal from the dead rank");
+    char name[32];
+    snprintf(name, sizeof(name), "rank %d ", victim);
+    if (r != EPX_ERR_REMOTE || !strstr(epx_last_error_message(), name) || !strstr(epx_last_error_message(), "exited"))
+        return fail(s, "the wait ended with %s, epx_gin_wait_result gave %s (%s); expected EPX_ERR_REMOTE naming %s",
+                    epx_net_status_name(st), epx_result_name(r), epx_last_error_message(), name);
+    if (out->wait_ms > (double)(s->c->timeout_ms + SLACK_MS))
+        return fail(s, "the wait took %.0f ms, past the %lld ms timeout", out->wait_ms, (long long)s->c->timeout_ms);
+    printf("gin host rank %d/%d: dead peer seen in %.0f ms (%s): %s\n", s->rank, s->nranks, out->wait_ms,
+           epx_net_status_name(st), epx_last_error_message());
+    return 0;
+}
+
+static int rank_run(rank_state_t *s, rank_result_t *out)
+{
+    const size_t bytes[2] = {GIN_REGION_BYTES, GIN_REGION_BYTES};
+    epx_gin_open_args_t args;
+    memset(&args, 0, sizeof(args));
+    args.nregions = 2;
+    for (int i = 0; i < 2; i++) args.region_bytes[i] = bytes[i];
+    args.contexts = 2;
+    args.nsignals = GIN_NSIGNALS;
+    uint64_t t0 = epx_time_ns();
+    EPX_TRY(epx_gin_open(s->comm, &args, &s->gin));
+    out->open_ms = ms_since(t0);
+    s->net = epx_gin_net(s->gin);
+    printf("gin host rank %d/%d: epx_gin_open ok in %.0f ms: %u contexts, %u signals\n", s->rank, s->nranks,
+           out->open_ms, s->net.ncontexts, s->net.nsignals);
+    uint64_t target = 0;
+    int rc = ring_round(s, 0, &target);
+    const int rounds = s->c->dead_peer ? 1 : (int)(sizeof(ring_rounds) / sizeof(ring_rounds[0]));
+    for (int round = 1; rc == 0 && round < rounds; round++) rc = ring_round(s, round, &target);
+    if (rc == 0 && !s->c->dead_peer) rc = soak(s, out);
+    if (rc == 0 && s->c->dead_peer) {
+        EPX_TRY(epx_comm_barrier(s->comm));
+        if (s->rank == s->nranks - 1) {
+            printf("gin host rank %d/%d: exits without epx_gin_close\n", s->rank, s->nranks);
+            fflush(stdout);
+            _exit(0);
+        }
+        rc = dead_peer_wait(s, out);
+    }
+    if (rc == KERNEL_STUCK) {
+        fflush(NULL);
+        _exit(3); /* a kernel still uses the handle: no teardown is safe */
+    }
+    t0 = epx_time_ns();
+    const epx_result_t closed = epx_gin_close(s->gin);
+    out->close_ms = ms_since(t0);
+    s->gin = NULL;
+    const epx_result_t want = s->c->dead_peer ? EPX_ERR_REMOTE : EPX_SUCCESS;
+    if (rc == 0 && closed != want)
+        rc = fail(s, "epx_gin_close returned %s (%s), expected %s", epx_result_name(closed), epx_last_error_message(),
+                  epx_result_name(want));
+    if (rc == 0 && out->close_ms > (double)(s->c->timeout_ms + SLACK_MS))
+        rc = fail(s, "epx_gin_close took %.0f ms, past its %lld ms deadline", out->close_ms,
+                  (long long)s->c->timeout_ms);
+    if (rc == 0)
+        printf("gin host rank %d/%d: epx_gin_close %s in %.0f ms\n", s->rank, s->nranks, epx_result_name(closed),
+               out->close_ms);
+    return rc;
+}
+
+static int rank_body(int rank, int nranks, const epx_unique_id_t *id, void *arg, void *result)
+{
+    const run_ctx_t *c = arg;
+    rank_state_t st = {rank, nranks, (rank + nranks - 1) % nranks, (rank + 1) % nranks, c, NULL, NULL};
+    rank_state_t *s = &st;
+    rank_env(rank, c);
+    int device = 0;
+    if (gpu_test_comm(&c->gpu, id, rank, nranks, (int)c->timeout_ms, &s->comm, &device)) return 1;
+    CUDA_TRY(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
+    CUDA_TRY(cudaHostAlloc((void **)&s->res_host, sizeof(*s->res_host), cudaHostAllocMapped));
+    CUDA_TRY(cudaHostGetDevicePointer((void **)&s->res_dev, s->res_host, 0));
+    CUDA_TRY(cudaMallocHost((void **)&s->host, GIN_REGION_BYTES));
+    const int rc = rank_run(s, result);
+    if (s->gin) epx_gin_close(s->gin); /* a failed step left it open: bounded like any close */
+    cudaFreeHost(s->host);
+    cudaFreeHost(s->res_host);
+    cudaStreamDestroy(s->stream);
+    epx_comm_destroy(s->comm);
+    return rc;
+}
+
+/* R ranks: the main case, then the dead-peer case; the parent compares the soak hashes around the ring. */
+static int run_nranks(int nranks, void *arg)
+{
+    run_ctx_t *c = arg;
+    for (int dead = 0; dead < 2; dead++) {
+        if (dead && nranks < 2) continue;
+        c->dead_peer = dead;
+        epx_harness_opts_t o = {dead ? "gin host dead peer" : "gin host", nranks, rank_body, c,
+                                sizeof(rank_result_t), 200, NULL};
+        epx_harness_report_t report;
+        const int rc = epx_harness_run(&o, &report);
+        int bad = rc != 0;
+        for (int r = 0; !bad && !dead && r < nranks; r++) {
+            const rank_result_t *me = epx_harness_result(&report, r);
+            const rank_result_t *left = epx_harness_result(&report, (r + nranks - 1) % nranks);
+            if (me->recv_hash != left->sent_hash) {
+                fprintf(stderr, "gin host: rank %d received hash %016" PRIx64 ", rank %d sent %016" PRIx64 "\n", r,
+                        me->recv_hash, (r + nranks - 1) % nranks, left->sent_hash);
+                bad = 1;
+            }
+        }
+        for (int r = 0; r < nranks && report.results; r++) {
+            const rank_result_t *x = epx_harness_result(&report, r);
+            printf("gin host%s: %d ranks, rank %d: open %.0f ms, soak %.0f ms, dead-peer wait %.0f ms, close %.0f ms\n",
+                   dead ? " dead peer" : "", nranks, r, x->open_ms, x->soak_ms, x->wait_ms, x->close_ms);
+        }
+        epx_harness_report_free(&report);
+        printf("gin host%s: %d ranks: %s\n", dead ? " dead peer" : "", nranks, bad ? "FAILED" : "ok");
+        if (bad) return 1;
+    }
+    return 0;
+}
+
+int main(void)
+{
+    run_ctx_t c;
+    memset(&c, 0, sizeof(c));
+    const int g = gpu_test_init(&c.gpu);
+    if (g) return g;
+    c.plugin = getenv("EPX_GIN_TEST_PLUGIN");
+    if (!c.plugin || !c.plugin[0]) c.plugin = EPX_GIN_TEST_PLUGIN_PATH;
+    if (access(c.plugin, R_OK) != 0) {
+        printf("no test GIN plugin at %s (%s; build the target nccl-net-epxtest or set EPX_GIN_TEST_PLUGIN): "
+               "skipped\n",
+               c.plugin, strerror(errno));
+        return EPX_TEST_SKIP;
+    }
+    const char *it = getenv("EPX_GIN_TEST_ITERATIONS");
+    c.iterations = it && atoll(it) > 0 ? (uint64_t)atoll(it) : 1000;
+    /* The comm's timeout, hence open's, every kernel wait's and close's deadline. */
+    const char *t = getenv("EPX_TIMEOUT_MS");
+    c.timeout_ms = t && atoll(t) > 0 ? atoll(t) : 20000;
+    printf("gin host: plugin %s, seed %" PRIu64 ", %" PRIu64 " soak iterations, timeout %lld ms\n", c.plugin,
+           c.gpu.seed, c.iterations, (long long)c.timeout_ms);
+    return epx_harness_each_nranks("gin host", "EPX_GPU_TEST_RANKS", "2,4", 16, run_nranks, &c);
+}
