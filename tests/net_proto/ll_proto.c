@@ -86,13 +86,16 @@ static int same_node(const rank_t *rk, int peer)
     return peer / rk->run->P == rk->m;
 }
 
-/* Bytes one rank copies into another's memory inside the node (or its own). */
-static void count_local(rank_t *rk, int peer, uint64_t bytes)
+/* `bytes` from this rank's SEND at src to peer's RECV at dst: a store inside the node, a put with a WEAK
+ * signal (sig >= 0) or without across nodes. */
+static int deliver(rank_t *rk, const char *stage, uint32_t ctx, int peer, uint64_t dst, uint64_t src,
+                   uint64_t bytes, int sig)
 {
-    if (peer == rk->r)
-        rk->stats.self_bytes += bytes;
-    else
-        rk->stats.nvlink_bytes += bytes;
+    if (!same_node(rk, peer))
+        return proto_net_put(rk, stage, ctx, peer, dst, src, bytes, sig, EPX_NET_SIGNAL_WEAK);
+    memcpy(rk->run->ranks[peer].recv + dst, rk->send + src, bytes);
+    proto_count_local(rk, peer, bytes);
+    return 0;
 }
 
 /* ---- dispatch -------------------------------------------------------------------------------------- */
@@ -141,15 +144,9 @@ static int send_slots(rank_t *rk)
             if (i < 0) continue;
             const int64_t e = lk->in->topk[t * run->K + k];
             const int d = (int)(e / run->L), j = (int)(e % run->L);
-            if (same_node(rk, d)) {
-                memcpy(run->ranks[d].recv + off_slot(run, u, j, rk->r, i), rk->send + off_stage(run, u, t),
-                       msg);
-                count_local(rk, d, msg);
-            } else if (proto_net_put(rk, "dispatch", CTX_DISPATCH, d, off_slot(run, u, j, rk->r, i),
-                                     off_stage(run, u, t), msg, weak_slots ? (int)SIG_COUNT(u, j, rk->r) : -1,
-                                     EPX_NET_SIGNAL_WEAK)) {
+            if (deliver(rk, "dispatch", CTX_DISPATCH, d, off_slot(run, u, j, rk->r, i), off_stage(run, u, t),
+                        msg, weak_slots ? (int)SIG_COUNT(u, j, rk->r) : -1))
                 return 1;
-            }
         }
     return 0;
 }
@@ -309,16 +306,11 @@ static int send_back(rank_t *rk)
             const int32_t t = o->tok[j * lr->M + i];
             const int64_t e = (int64_t)rk->r * run->L + j;
             const int u = llk(rk)->u;
-            uint16_t *y = (uint16_t *)(void *)(rk->send + off_y(run, u, j, i));
-            lr->make_y(lr->y_ctx, llk(rk)->b, rk->r, j, s, t, y);
-            if (same_node(rk, s)) {
-                memcpy(run->ranks[s].recv + off_back(run, u, e, t), y, bytes);
-                count_local(rk, s, bytes);
-            } else if (proto_net_put(rk, "combine", CTX_COMBINE, s, off_back(run, u, e, t),
-                                     off_y(run, u, j, i), bytes, (int)SIG_LL_COMBINE(u),
-                                     EPX_NET_SIGNAL_WEAK)) {
+            lr->make_y(lr->y_ctx, llk(rk)->b, rk->r, j, s, t,
+                       (uint16_t *)(void *)(rk->send + off_y(run, u, j, i)));
+            if (deliver(rk, "combine", CTX_COMBINE, s, off_back(run, u, e, t), off_y(run, u, j, i), bytes,
+                        (int)SIG_LL_COMBINE(u)))
                 return 1;
-            }
         }
     return 0;
 }

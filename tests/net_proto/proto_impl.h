@@ -117,6 +117,8 @@ int proto_net_put(rank_t *rk, const char *stage, uint32_t ctx, int peer, uint64_
  * ranks of this local index on the other nodes (peer -1) or from every rank of the other nodes (-2). */
 int proto_wait_signal(rank_t *rk, const char *stage, uint32_t sig, uint64_t target, int peer);
 int proto_flush(rank_t *rk, const char *stage, uint32_t ctx);
+/* Bytes this rank copied into the memory of `peer`, a rank of its node (itself included). */
+void proto_count_local(rank_t *rk, int peer, uint64_t bytes);
 /* A wait on node-shared memory: until *word >= target (acquire); `what` names the word. */
 int proto_wait_local(rank_t *rk, const char *stage, atomic_uint_fast64_t *word, uint64_t target,
                      const char *what);
