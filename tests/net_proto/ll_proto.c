@@ -443,40 +443,25 @@ static int setup_rank(run_t *run, rank_t *rk, ll_rank_t *lk)
 int ll_run(const ll_config_t *cfg, const ll_input_t *in, ll_make_y_fn make_y, void *y_ctx, ll_output_t *out,
            proto_stats_t *stats, char *err, size_t err_len)
 {
-    const int R = cfg->nodes * cfg->per_node;
-    err[0] = '\0';
-    if (cfg->nodes < 1 || cfg->per_node < 1 || R > 16 || cfg->E < 1 || cfg->E % R || cfg->K < 1 ||
-        cfg->K > 64 || cfg->H < 1 || cfg->T_max < 1 || cfg->T_max > 0x7fffffff / R ||
-        (cfg->fp8 && cfg->H % 128) || cfg->batches < 1 || cfg->batches > 8) {
-        snprintf(err, err_len,
-                 "bad config: %d x %d ranks, E %d, K %d, H %lld, T_max %lld, fp8 %d, %d batches", cfg->nodes,
-                 cfg->per_node, cfg->E, cfg->K, (long long)cfg->H, (long long)cfg->T_max, cfg->fp8,
+    ll_run_t lr = {.cfg = cfg, .make_y = make_y, .y_ctx = y_ctx, .in = in, .out = out};
+    run_t run = {.ll = &lr};
+    if (proto_run_init(&run, &cfg->frame, err, err_len)) return 1;
+    const int R = run.R;
+    if ((cfg->fp8 && run.H % 128) || cfg->batches < 1 || cfg->batches > 8) {
+        snprintf(err, err_len, "bad config: fp8 %d with H %lld, %d batches", cfg->fp8, (long long)run.H,
                  cfg->batches);
         return 1;
     }
     const int outs = cfg->batches * R;
     for (int i = 0; i < outs; i++)
-        if (in[i].T < 0 || in[i].T > cfg->T_max) {
+        if (in[i].T < 0 || in[i].T > run.T_max) {
             snprintf(err, err_len, "bad input: batch %d, rank %d has %lld tokens (T_max %lld)", i / R, i % R,
-                     (long long)in[i].T, (long long)cfg->T_max);
+                     (long long)in[i].T, (long long)run.T_max);
             return 1;
         }
     memset(out, 0, sizeof(*out) * (size_t)outs);
-    ll_run_t lr = {
-        .cfg = cfg, .make_y = make_y, .y_ctx = y_ctx, .M = (int64_t)R * cfg->T_max, .in = in, .out = out};
-    run_t run = {.N = cfg->nodes,
-                 .P = cfg->per_node,
-                 .R = R,
-                 .E = cfg->E,
-                 .L = cfg->E / R,
-                 .K = cfg->K,
-                 .H = cfg->H,
-                 .T_max = cfg->T_max,
-                 .timeout_ms = cfg->timeout_ms,
-                 .err = err,
-                 .err_len = err_len,
-                 .ll = &lr};
-    const size_t H = (size_t)cfg->H, T_max = (size_t)cfg->T_max;
+    lr.M = (int64_t)R * run.T_max;
+    const size_t H = (size_t)run.H, T_max = (size_t)run.T_max;
     lr.msg = (4 + (cfg->fp8 ? H + 4 * (H / 128) : 2 * H) + 7) & ~(size_t)7;
     lr.buf_stage = lr.msg * T_max;
     lr.buf_slots = lr.msg * (size_t)run.L * (size_t)R * T_max;
@@ -487,7 +472,7 @@ int ll_run(const ll_config_t *cfg, const ll_input_t *in, ll_make_y_fn make_y, vo
     lr.off_back = lr.off_y + 2 * lr.buf_y;
     run.region_bytes = lr.off_back + 2 * lr.buf_back;
     ll_rank_t *lk = calloc((size_t)R, sizeof(ll_rank_t));
-    int rc = !lk || proto_run_open(&run, 2, 2 * (uint32_t)(run.L * R) + 4, cfg->mode, cfg->model_seed);
+    int rc = !lk || proto_run_open(&run, 2, 2 * (uint32_t)(run.L * R) + 4);
     for (int r = 0; !rc && r < R; r++) rc = setup_rank(&run, &run.ranks[r], &lk[r]);
     for (int i = 0; !rc && i < outs; i++) rc = setup_output(&run, &in[i], &out[i]);
     if (rc && !err[0]) snprintf(err, err_len, "setup failed");

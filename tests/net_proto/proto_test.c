@@ -21,6 +21,20 @@ int proto_test_problem(ref_problem_t *p, ref_split_t split, int K, int64_t H, in
     return 0;
 }
 
+proto_frame_t proto_test_frame(ref_split_t split, int K, int64_t H, int64_t T_max, epx_net_model_mode_t mode,
+                               uint64_t seed, uint64_t timeout_ms)
+{
+    return (proto_frame_t){.nodes = split.nodes,
+                           .per_node = split.per_node,
+                           .E = PROTO_TEST_E,
+                           .K = K,
+                           .H = H,
+                           .T_max = T_max,
+                           .mode = mode,
+                           .model_seed = seed,
+                           .timeout_ms = timeout_ms};
+}
+
 const char *proto_mode_name(epx_net_model_mode_t mode)
 {
     return mode == EPX_NET_MODEL_STRICT ? "strict" : "normal";

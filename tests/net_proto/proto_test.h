@@ -29,6 +29,10 @@ typedef int (*proto_case_fn)(const void *arg, ref_split_t split, int i, epx_net_
 int proto_test_problem(ref_problem_t *p, ref_split_t split, int K, int64_t H, int64_t T_max, int iter,
                        ref_routing_t routing, uint64_t seed);
 
+/* The frame of one case: E = PROTO_TEST_E, the model seeded with the case's seed. */
+proto_frame_t proto_test_frame(ref_split_t split, int K, int64_t H, int64_t T_max, epx_net_model_mode_t mode,
+                               uint64_t seed, uint64_t timeout_ms);
+
 const char *proto_mode_name(epx_net_model_mode_t mode);
 
 /* Cases 0..normal_cases-1 in normal mode, then strict_seeds in strict mode, on every split; none may fail.

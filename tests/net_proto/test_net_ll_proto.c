@@ -131,19 +131,12 @@ static int check_outputs(const one_case_t *c, const inputs_t *d, const ll_output
 
 static ll_config_t config_of(const one_case_t *c)
 {
-    return (ll_config_t){.nodes = c->split.nodes,
-                         .per_node = c->split.per_node,
-                         .E = PROTO_TEST_E,
-                         .K = c->K,
-                         .H = c->H,
-                         .T_max = c->T_max,
+    return (ll_config_t){.frame = proto_test_frame(c->split, c->K, c->H, c->T_max, c->mode, c->seed,
+                                                   c->timeout_ms ? c->timeout_ms : TIMEOUT_MS),
                          .fp8 = c->fp8,
                          .round_scale = c->round_scale,
                          .batches = c->batches,
-                         .mode = c->mode,
-                         .model_seed = c->seed,
-                         .variant = c->variant,
-                         .timeout_ms = c->timeout_ms ? c->timeout_ms : TIMEOUT_MS};
+                         .variant = c->variant};
 }
 
 /* Runs one case. Returns 0 when the protocol ran and matched, 1 when it failed (reported unless quiet),
@@ -291,7 +284,7 @@ static int test_lost_count(uint64_t seed)
         return 1;
     }
     ll_config_t cfg = config_of(&c);
-    cfg.timeout_ms = PROTO_LOST_TIMEOUT;
+    cfg.frame.timeout_ms = PROTO_LOST_TIMEOUT;
     ll_output_t out[REF_MAX_RANKS];
     proto_stats_t stats;
     char err[512] = "";

@@ -130,18 +130,11 @@ static int check_outputs(const one_case_t *c, const inputs_t *d, const proto_out
 
 static proto_config_t config_of(const one_case_t *c)
 {
-    return (proto_config_t){.nodes = c->split.nodes,
-                            .per_node = c->split.per_node,
-                            .E = PROTO_TEST_E,
-                            .K = c->K,
-                            .H = H_HIDDEN,
-                            .T_max = c->T_max,
-                            .with_weights = c->with_weights,
-                            .alignment = c->alignment,
-                            .mode = c->mode,
-                            .model_seed = c->seed,
-                            .variant = c->variant,
-                            .timeout_ms = TIMEOUT_MS};
+    return (proto_config_t){
+        .frame = proto_test_frame(c->split, c->K, H_HIDDEN, c->T_max, c->mode, c->seed, TIMEOUT_MS),
+        .with_weights = c->with_weights,
+        .alignment = c->alignment,
+        .variant = c->variant};
 }
 
 /* Runs one case. Returns 0 when the protocol ran and matched, 1 when it failed (reported unless quiet),
@@ -227,7 +220,7 @@ static int test_lost_message(uint64_t seed)
         return 1;
     }
     proto_config_t cfg = config_of(&c);
-    cfg.timeout_ms = PROTO_LOST_TIMEOUT;
+    cfg.frame.timeout_ms = PROTO_LOST_TIMEOUT;
     proto_output_t out[REF_MAX_RANKS];
     proto_stats_t stats;
     char err[512] = "";
