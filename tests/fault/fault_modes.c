@@ -170,22 +170,19 @@ static void mem_free(rank_state_t *st, mem_t *m)
     m->h = m->d = NULL;
 }
 
-static void mem_up(const rank_state_t *st, const mem_t *m)
-{
-#ifdef EPX_HAVE_CUDA
-    if (st->cuda) cudaMemcpy(m->d, m->h, m->bytes, cudaMemcpyHostToDevice);
-#endif
-    (void)st;
-    (void)m;
-}
+enum { MEM_DOWN = 0, MEM_UP = 1 };
 
-static void mem_down(const rank_state_t *st, const mem_t *m)
+/* The host copy to the device (MEM_UP) or back (MEM_DOWN); on the host backend both are one copy. */
+static void mem_sync(const rank_state_t *st, const mem_t *m, int up)
 {
 #ifdef EPX_HAVE_CUDA
-    if (st->cuda) cudaMemcpy(m->h, m->d, m->bytes, cudaMemcpyDeviceToHost);
+    if (st->cuda)
+        cudaMemcpy(up ? m->d : m->h, up ? m->h : m->d, m->bytes,
+                   up ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost);
 #endif
     (void)st;
     (void)m;
+    (void)up;
 }
 
 static epx_tensor_t tensor(const rank_state_t *st, const mem_t *m, epx_dtype_t dtype, int ndim, int64_t d0,
@@ -237,11 +234,11 @@ static int call_end(rank_state_t *st, int k, int needs, epx_result_t res, const 
 
 /* Runs one dispatch as call number k_, keeping the handle it made (*handle_ = out_.handle) even
  * when the device fails the call after it returned (static mode on cuda): teardown frees it. */
-#define RUN_DISPATCH(st, what, expr, out_, handle_, k_)                         \
-    do {                                                                        \
-        k_ = call_begin(st);                                                    \
-        const epx_result_t run_res_ = (expr);                                   \
-        if (run_res_ == EPX_SUCCESS) *(handle_) = (out_).handle;                \
+#define RUN_DISPATCH(st, what, expr, out_, handle_, k_)                            \
+    do {                                                                           \
+        k_ = call_begin(st);                                                       \
+        const epx_result_t run_res_ = (expr);                                      \
+        if (run_res_ == EPX_SUCCESS) *(handle_) = (out_).handle;                   \
         if (call_end(st, k_, NEEDS_SELF, run_res_, what)) return FAULT_LOOP_ENDED; \
     } while (0)
 
@@ -314,7 +311,7 @@ static int check_rows(rank_state_t *st, const char *what, const uint16_t *recv, 
 /* out [T, H] is this rank's x of xtag times the contributors' factor. */
 static int check_combined(rank_state_t *st, const char *what, uint64_t rtag, uint64_t xtag, int per_expert)
 {
-    mem_down(st, &st->out);
+    mem_sync(st, &st->out, MEM_DOWN);
     const uint16_t *out = st->out.h;
     for (int t = 0; t < num_tokens(st, st->rank, rtag); t++) {
         const float f = factor(st, st->rank, t, rtag, per_expert);
@@ -343,23 +340,23 @@ static int fill_inputs(rank_state_t *st, uint64_t rtag, uint64_t xtag)
             if (topk[t * K + k] >= 0) map[t * st->E + topk[t * K + k]] = 1;
         }
     }
-    mem_up(st, &st->x);
-    mem_up(st, &st->topk);
-    mem_up(st, &st->w);
-    mem_up(st, &st->map);
+    mem_sync(st, &st->x, MEM_UP);
+    mem_sync(st, &st->topk, MEM_UP);
+    mem_sync(st, &st->w, MEM_UP);
+    mem_sync(st, &st->map, MEM_UP);
     return T;
 }
 
 /* y = the first `rows` received rows times rank + 1, zeros after. */
 static void make_y(rank_state_t *st, int64_t rows)
 {
-    mem_down(st, &st->recv);
+    mem_sync(st, &st->recv, MEM_DOWN);
     const uint16_t *recv = st->recv.h;
     uint16_t *y = st->y.h;
     memset(y, 0, st->y.bytes);
     for (int64_t i = 0; i < rows * H; i++)
         y[i] = ref_f32_to_bf16(ref_bf16_to_f32(recv[i]) * (float)(st->rank + 1));
-    mem_up(st, &st->y);
+    mem_sync(st, &st->y, MEM_UP);
 }
 
 /* ------------------------------------------------------------------------- loops ---- */
@@ -379,13 +376,13 @@ static int ht_round(rank_state_t *st, uint64_t rtag, uint64_t xtag, int cached, 
     epx_ht_dispatch_outputs_t o = EPX_HT_DISPATCH_OUTPUTS_INIT;
     o.recv_x = tensor(st, &st->recv, EPX_DTYPE_BF16, 2, cap, H, 0);
     epx_handle_t unused = NULL;
-    RUN_DISPATCH(st, cached ? "epx_ht_dispatch (cached)" : "epx_ht_dispatch", epx_ht_dispatch(st->buf, &a, &o),
-                 o, cached ? &unused : &st->handle, k);
+    RUN_DISPATCH(st, cached ? "epx_ht_dispatch (cached)" : "epx_ht_dispatch",
+                 epx_ht_dispatch(st->buf, &a, &o), o, cached ? &unused : &st->handle, k);
     const int64_t n = expected_rows(st, rtag, -1, NULL, NULL);
     if (!is_static && !cached && o.num_recv_tokens_host != n)
         return bad(st, "ht dispatch: N_r %lld, expected %lld", (long long)o.num_recv_tokens_host,
                    (long long)n);
-    mem_down(st, &st->recv);
+    mem_sync(st, &st->recv, MEM_DOWN);
     int rc = check_rows(st, "ht dispatch", st->recv.h, 0, n, rtag, xtag, -1);
     if (rc) return rc;
     make_y(st, n);
@@ -431,9 +428,9 @@ static int ll_loop(rank_state_t *st, int hooks)
         } else {
             RUN(st, NEEDS_SELF, "epx_ll_dispatch", epx_ll_dispatch(st->buf, &a, &o), k);
         }
-        mem_down(st, &st->recv);
-        mem_down(st, &st->count);
-        mem_down(st, &st->src);
+        mem_sync(st, &st->recv, MEM_DOWN);
+        mem_sync(st, &st->count, MEM_DOWN);
+        mem_sync(st, &st->src, MEM_DOWN);
         const int32_t *count = st->count.h, *src = st->src.h;
         for (int j = 0; j < L; j++) {
             const int64_t e = (int64_t)st->rank * L + j;
@@ -485,8 +482,8 @@ static int rm_loop(rank_state_t *st, int permute)
         if (permute) o.tokens_per_expert = tensor(st, &st->tpe, EPX_DTYPE_INT32, 1, L, 0, 0);
         RUN_DISPATCH(st, permute ? "epx_rm_dispatch (permute)" : "epx_rm_dispatch",
                      epx_rm_dispatch(st->buf, &a, &o), o, &st->handle, k);
-        mem_down(st, &st->recv);
-        mem_down(st, &st->tpe);
+        mem_sync(st, &st->recv, MEM_DOWN);
+        mem_sync(st, &st->tpe, MEM_DOWN);
         int64_t rows = 0;
         for (int j = 0; j < (permute ? L : 1); j++) {
             const int64_t e = permute ? (int64_t)st->rank * L + j : -1;

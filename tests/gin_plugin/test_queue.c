@@ -27,6 +27,21 @@ static int drain(ginq_t *q)
     return 0;
 }
 
+/* Posts d[0..n) in order (request i to reqs[i]), then `rounds` progress calls; each must succeed. */
+static int post_progress(ginq_t *q, const ginq_desc_t *d, int n, ginq_req_t **reqs, int rounds)
+{
+    for (int i = 0; i < n; i++) EXPECT_EQ_INT(ginq_post(q, &d[i], &reqs[i]), GINQ_OK);
+    for (int i = 0; i < rounds; i++) EXPECT_EQ_INT(ginq_progress(q), GINQ_OK);
+    return 0;
+}
+
+/* A fixture of `seed` (not lazy) and a queue on it (queue_new's arguments); NULL when either failed. */
+static ginq_t *fixture_queue(fixture_t **f, uint64_t seed, int context, int capacity, const char *faults)
+{
+    *f = fixture_new(seed, 0);
+    return *f ? queue_new(*f, context, capacity, faults) : NULL;
+}
+
 static int expect_has(const char *text, const char *needle)
 {
     if (strstr(text, needle)) return 0;
@@ -151,18 +166,15 @@ static int test_ordering(void)
 /* A stalled put: a later weak put-signal lands without it, a later strong signal waits for it. */
 static int test_weak_signal(void)
 {
-    fixture_t *f = fixture_new(1, 0);
-    ginq_t *q = f ? queue_new(f, 0, 8, "") : NULL;
+    fixture_t *f;
+    ginq_t *q = fixture_queue(&f, 1, 0, 8, "");
     EXPECT_TRUE(q != NULL);
     ginq_req_t *reqs[3];
-    ginq_desc_t d1 = put_desc(f, 1, 0), d2 = put_desc(f, 1, 1), d3 = {.peer = 1};
-    add_signal(f, &d2, 0, GINQ_SIGNAL_INC, 0, 1);
-    add_signal(f, &d3, 1, GINQ_SIGNAL_ADD, 7, 0);
+    ginq_desc_t d[3] = {put_desc(f, 1, 0), put_desc(f, 1, 1), {.peer = 1}};
+    add_signal(f, &d[1], 0, GINQ_SIGNAL_INC, 0, 1);
+    add_signal(f, &d[2], 1, GINQ_SIGNAL_ADD, 7, 0);
     f->mover.stall_ordinal = 1;
-    EXPECT_EQ_INT(ginq_post(q, &d1, &reqs[0]), GINQ_OK);
-    EXPECT_EQ_INT(ginq_post(q, &d2, &reqs[1]), GINQ_OK);
-    EXPECT_EQ_INT(ginq_post(q, &d3, &reqs[2]), GINQ_OK);
-    for (int i = 0; i < 20; i++) EXPECT_EQ_INT(ginq_progress(q), GINQ_OK);
+    if (post_progress(q, d, 3, reqs, 20)) return 1;
     EXPECT_EQ_INT(__atomic_load_n(&f->sig[1][0], __ATOMIC_ACQUIRE), 1);
     EXPECT_TRUE(chunk_landed(f, 1, 1));
     EXPECT_TRUE(!chunk_landed(f, 1, 0));
@@ -183,14 +195,13 @@ static int test_weak_signal(void)
 
 static int test_delay(void)
 {
-    fixture_t *f = fixture_new(2, 0);
-    ginq_t *q = f ? queue_new(f, 0, 8, "delay_us=30000") : NULL;
+    fixture_t *f;
+    ginq_t *q = fixture_queue(&f, 2, 0, 8, "delay_us=30000");
     EXPECT_TRUE(q != NULL);
     ginq_req_t *req;
     ginq_desc_t d = put_desc(f, 2, 3);
     double t0 = epx_test_now_s();
-    EXPECT_EQ_INT(ginq_post(q, &d, &req), GINQ_OK);
-    for (int i = 0; i < 5; i++) EXPECT_EQ_INT(ginq_progress(q), GINQ_OK);
+    if (post_progress(q, &d, 1, &req, 5)) return 1;
     if (epx_test_now_s() - t0 < 0.025) EXPECT_TRUE(!chunk_landed(f, 2, 3));
     if (drain(q)) return 1;
     double waited = epx_test_now_s() - t0;
@@ -205,10 +216,8 @@ static int test_delay(void)
     q = queue_new(f, 0, 8, "delay_us=10000000,delay_nth=2");
     EXPECT_TRUE(q != NULL);
     ginq_req_t *reqs[2];
-    ginq_desc_t d1 = put_desc(f, 1, 4), d2 = put_desc(f, 1, 5);
-    EXPECT_EQ_INT(ginq_post(q, &d1, &reqs[0]), GINQ_OK);
-    EXPECT_EQ_INT(ginq_post(q, &d2, &reqs[1]), GINQ_OK);
-    for (int i = 0; i < 5; i++) EXPECT_EQ_INT(ginq_progress(q), GINQ_OK);
+    const ginq_desc_t d2[2] = {put_desc(f, 1, 4), put_desc(f, 1, 5)};
+    if (post_progress(q, d2, 2, reqs, 5)) return 1;
     EXPECT_TRUE(chunk_landed(f, 1, 4));
     EXPECT_TRUE(!chunk_landed(f, 1, 5));
     EXPECT_EQ_INT(ginq_outstanding(q), 1);
@@ -227,22 +236,15 @@ static int test_delay(void)
 
 static int test_fail_nth(void)
 {
-    fixture_t *f = fixture_new(3, 0);
-    ginq_t *q = f ? queue_new(f, 2, 16, "fail_nth=3") : NULL;
+    fixture_t *f;
+    ginq_t *q = fixture_queue(&f, 3, 2, 16, "fail_nth=3");
     EXPECT_TRUE(q != NULL);
     ginq_req_t *reqs[6];
-    for (int i = 0; i < 2; i++) {
-        ginq_desc_t d = put_desc(f, 1, i);
-        EXPECT_EQ_INT(ginq_post(q, &d, &reqs[i]), GINQ_OK);
-    }
-    if (drain(q)) return 1;
-    for (int i = 2; i < 5; i++) {
-        ginq_desc_t d = put_desc(f, 1, i);
-        EXPECT_EQ_INT(ginq_post(q, &d, &reqs[i]), GINQ_OK);
-    }
-    ginq_desc_t sig = {.peer = 1};
-    add_signal(f, &sig, 2, GINQ_SIGNAL_INC, 0, 0);
-    EXPECT_EQ_INT(ginq_post(q, &sig, &reqs[5]), GINQ_OK);
+    ginq_desc_t d[6] = {[5] = {.peer = 1}};
+    for (int i = 0; i < 5; i++) d[i] = put_desc(f, 1, i);
+    add_signal(f, &d[5], 2, GINQ_SIGNAL_INC, 0, 0);
+    /* Two puts land; then puts 3 to 5 and a signal, the first of them failing. */
+    if (post_progress(q, d, 2, reqs, 0) || drain(q) || post_progress(q, d + 2, 4, reqs + 2, 0)) return 1;
     EXPECT_EQ_INT(ginq_progress(q), GINQ_EFAILED);
     EXPECT_EQ_INT(ginq_outstanding(q), 0);
     EXPECT_EQ_INT(f->sig[1][2], 0); /* the signal covering the failed put is never applied */
@@ -259,9 +261,9 @@ static int test_fail_nth(void)
     for (int i = 3; i < 5; i++) EXPECT_EQ_INT(ginq_test(q, reqs[i], &done, NULL, 0), GINQ_EFAILED);
     EXPECT_EQ_INT(ginq_failed(q, msg, sizeof(msg)), 1);
     if (expect_has(msg, "put #3 to peer 1 on context 2 failed")) return 1;
-    ginq_desc_t d = put_desc(f, 1, 9);
+    const ginq_desc_t after = put_desc(f, 1, 9);
     ginq_req_t *late = NULL;
-    EXPECT_EQ_INT(ginq_post(q, &d, &late), GINQ_EFAILED);
+    EXPECT_EQ_INT(ginq_post(q, &after, &late), GINQ_EFAILED);
     EXPECT_TRUE(late == NULL);
     ginq_message(q, msg, sizeof(msg));
     if (expect_has(msg, "the context is in error")) return 1;

@@ -86,13 +86,16 @@ static int same_node(const rank_t *rk, int peer)
     return peer / rk->run->P == rk->m;
 }
 
-/* Bytes one rank copies into another's memory inside the node (or its own). */
-static void count_local(rank_t *rk, int peer, uint64_t bytes)
+/* `bytes` from this rank's SEND at src to peer's RECV at dst: a store inside the node, a put with a WEAK
+ * signal (sig >= 0) or without across nodes. */
+static int deliver(rank_t *rk, const char *stage, uint32_t ctx, int peer, uint64_t dst, uint64_t src,
+                   uint64_t bytes, int sig)
 {
-    if (peer == rk->r)
-        rk->stats.self_bytes += bytes;
-    else
-        rk->stats.nvlink_bytes += bytes;
+    if (!same_node(rk, peer))
+        return proto_net_put(rk, stage, ctx, peer, dst, src, bytes, sig, EPX_NET_SIGNAL_WEAK);
+    memcpy(rk->run->ranks[peer].recv + dst, rk->send + src, bytes);
+    proto_count_local(rk, peer, bytes);
+    return 0;
 }
 
 /* ---- dispatch -------------------------------------------------------------------------------------- */
@@ -141,15 +144,9 @@ static int send_slots(rank_t *rk)
             if (i < 0) continue;
             const int64_t e = lk->in->topk[t * run->K + k];
             const int d = (int)(e / run->L), j = (int)(e % run->L);
-            if (same_node(rk, d)) {
-                memcpy(run->ranks[d].recv + off_slot(run, u, j, rk->r, i), rk->send + off_stage(run, u, t),
-                       msg);
-                count_local(rk, d, msg);
-            } else if (proto_net_put(rk, "dispatch", CTX_DISPATCH, d, off_slot(run, u, j, rk->r, i),
-                                     off_stage(run, u, t), msg, weak_slots ? (int)SIG_COUNT(u, j, rk->r) : -1,
-                                     EPX_NET_SIGNAL_WEAK)) {
+            if (deliver(rk, "dispatch", CTX_DISPATCH, d, off_slot(run, u, j, rk->r, i), off_stage(run, u, t),
+                        msg, weak_slots ? (int)SIG_COUNT(u, j, rk->r) : -1))
                 return 1;
-            }
         }
     return 0;
 }
@@ -309,16 +306,11 @@ static int send_back(rank_t *rk)
             const int32_t t = o->tok[j * lr->M + i];
             const int64_t e = (int64_t)rk->r * run->L + j;
             const int u = llk(rk)->u;
-            uint16_t *y = (uint16_t *)(void *)(rk->send + off_y(run, u, j, i));
-            lr->make_y(lr->y_ctx, llk(rk)->b, rk->r, j, s, t, y);
-            if (same_node(rk, s)) {
-                memcpy(run->ranks[s].recv + off_back(run, u, e, t), y, bytes);
-                count_local(rk, s, bytes);
-            } else if (proto_net_put(rk, "combine", CTX_COMBINE, s, off_back(run, u, e, t),
-                                     off_y(run, u, j, i), bytes, (int)SIG_LL_COMBINE(u),
-                                     EPX_NET_SIGNAL_WEAK)) {
+            lr->make_y(lr->y_ctx, llk(rk)->b, rk->r, j, s, t,
+                       (uint16_t *)(void *)(rk->send + off_y(run, u, j, i)));
+            if (deliver(rk, "combine", CTX_COMBINE, s, off_back(run, u, e, t), off_y(run, u, j, i), bytes,
+                        (int)SIG_LL_COMBINE(u)))
                 return 1;
-            }
         }
     return 0;
 }
@@ -451,40 +443,25 @@ static int setup_rank(run_t *run, rank_t *rk, ll_rank_t *lk)
 int ll_run(const ll_config_t *cfg, const ll_input_t *in, ll_make_y_fn make_y, void *y_ctx, ll_output_t *out,
            proto_stats_t *stats, char *err, size_t err_len)
 {
-    const int R = cfg->nodes * cfg->per_node;
-    err[0] = '\0';
-    if (cfg->nodes < 1 || cfg->per_node < 1 || R > 16 || cfg->E < 1 || cfg->E % R || cfg->K < 1 ||
-        cfg->K > 64 || cfg->H < 1 || cfg->T_max < 1 || cfg->T_max > 0x7fffffff / R ||
-        (cfg->fp8 && cfg->H % 128) || cfg->batches < 1 || cfg->batches > 8) {
-        snprintf(err, err_len,
-                 "bad config: %d x %d ranks, E %d, K %d, H %lld, T_max %lld, fp8 %d, %d batches", cfg->nodes,
-                 cfg->per_node, cfg->E, cfg->K, (long long)cfg->H, (long long)cfg->T_max, cfg->fp8,
+    ll_run_t lr = {.cfg = cfg, .make_y = make_y, .y_ctx = y_ctx, .in = in, .out = out};
+    run_t run = {.ll = &lr};
+    if (proto_run_init(&run, &cfg->frame, err, err_len)) return 1;
+    const int R = run.R;
+    if ((cfg->fp8 && run.H % 128) || cfg->batches < 1 || cfg->batches > 8) {
+        snprintf(err, err_len, "bad config: fp8 %d with H %lld, %d batches", cfg->fp8, (long long)run.H,
                  cfg->batches);
         return 1;
     }
     const int outs = cfg->batches * R;
     for (int i = 0; i < outs; i++)
-        if (in[i].T < 0 || in[i].T > cfg->T_max) {
+        if (in[i].T < 0 || in[i].T > run.T_max) {
             snprintf(err, err_len, "bad input: batch %d, rank %d has %lld tokens (T_max %lld)", i / R, i % R,
-                     (long long)in[i].T, (long long)cfg->T_max);
+                     (long long)in[i].T, (long long)run.T_max);
             return 1;
         }
     memset(out, 0, sizeof(*out) * (size_t)outs);
-    ll_run_t lr = {
-        .cfg = cfg, .make_y = make_y, .y_ctx = y_ctx, .M = (int64_t)R * cfg->T_max, .in = in, .out = out};
-    run_t run = {.N = cfg->nodes,
-                 .P = cfg->per_node,
-                 .R = R,
-                 .E = cfg->E,
-                 .L = cfg->E / R,
-                 .K = cfg->K,
-                 .H = cfg->H,
-                 .T_max = cfg->T_max,
-                 .timeout_ms = cfg->timeout_ms,
-                 .err = err,
-                 .err_len = err_len,
-                 .ll = &lr};
-    const size_t H = (size_t)cfg->H, T_max = (size_t)cfg->T_max;
+    lr.M = (int64_t)R * run.T_max;
+    const size_t H = (size_t)run.H, T_max = (size_t)run.T_max;
     lr.msg = (4 + (cfg->fp8 ? H + 4 * (H / 128) : 2 * H) + 7) & ~(size_t)7;
     lr.buf_stage = lr.msg * T_max;
     lr.buf_slots = lr.msg * (size_t)run.L * (size_t)R * T_max;
@@ -495,7 +472,7 @@ int ll_run(const ll_config_t *cfg, const ll_input_t *in, ll_make_y_fn make_y, vo
     lr.off_back = lr.off_y + 2 * lr.buf_y;
     run.region_bytes = lr.off_back + 2 * lr.buf_back;
     ll_rank_t *lk = calloc((size_t)R, sizeof(ll_rank_t));
-    int rc = !lk || proto_run_open(&run, 2, 2 * (uint32_t)(run.L * R) + 4, cfg->mode, cfg->model_seed);
+    int rc = !lk || proto_run_open(&run, 2, 2 * (uint32_t)(run.L * R) + 4);
     for (int r = 0; !rc && r < R; r++) rc = setup_rank(&run, &run.ranks[r], &lk[r]);
     for (int i = 0; !rc && i < outs; i++) rc = setup_output(&run, &in[i], &out[i]);
     if (rc && !err[0]) snprintf(err, err_len, "setup failed");

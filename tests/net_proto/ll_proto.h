@@ -29,15 +29,10 @@ typedef enum ll_variant {
 } ll_variant_t;
 
 typedef struct ll_config {
-    int nodes, per_node; /* N, P; N * P <= 16 */
-    int E, K;
-    int64_t H, T_max; /* H a multiple of 128 with fp8 */
+    proto_frame_t frame; /* H a multiple of 128 with fp8 */
     int fp8, round_scale;
     int batches; /* 1..8 dispatch + combine pairs; two buffers alternate, two batches in flight */
-    epx_net_model_mode_t mode;
-    uint64_t model_seed;
     ll_variant_t variant;
-    uint64_t timeout_ms; /* every wait */
 } ll_config_t;
 
 /* Rank r's inputs. */

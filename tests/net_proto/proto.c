@@ -213,11 +213,7 @@ static void write_row(rank_t *rk, int q, int64_t row, int s, int64_t tok, const 
         o->idx[row * run->K + k] = here ? topk[k] - (int64_t)d * run->L : -1;
         if (w) o->w[row * run->K + k] = here ? w[k] : 0.0f;
     }
-    const uint64_t bytes = 2 * (uint64_t)run->H + 4 * (uint64_t)run->K * (w ? 2 : 1);
-    if (d == rk->r)
-        rk->stats.self_bytes += bytes;
-    else
-        rk->stats.nvlink_bytes += bytes;
+    proto_count_local(rk, d, 2 * (uint64_t)run->H + 4 * (uint64_t)run->K * (w ? 2 : 1));
 }
 
 /* Step 6: this rank's tokens for its own node, stored straight into the local ranks' outputs. */
@@ -296,11 +292,7 @@ static void node_partial(rank_t *rk, uint32_t mask, const int64_t *rows, float *
         for (int64_t c = 0; c < run->H; c++) part[c] = ref_fadd(part[c], ref_bf16_to_f32(y[c]));
         for (int k = 0; part_w && k < run->K; k++)
             part_w[k] = ref_fadd(part_w[k], peer->out->w[rows[q] * run->K + k]);
-        const uint64_t bytes = 2 * (uint64_t)run->H + (part_w ? 4 * (uint64_t)run->K : 0);
-        if (peer == rk)
-            rk->stats.self_bytes += bytes;
-        else
-            rk->stats.nvlink_bytes += bytes;
+        proto_count_local(rk, rk->m * run->P + q, 2 * (uint64_t)run->H + (part_w ? 4 * (uint64_t)run->K : 0));
     }
 }
 

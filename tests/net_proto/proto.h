@@ -25,16 +25,21 @@ typedef enum proto_variant {
     PROTO_DROP_NOTIFY = 3,
 } proto_variant_t;
 
-typedef struct proto_config {
+/* What a run of either protocol (this one, ll_proto.h's) is made of. */
+typedef struct proto_frame {
     int nodes, per_node; /* N, P; N * P <= 16 */
-    int E, K;
+    int E, K;            /* E a multiple of N * P, at most 2048; K at most 64 */
     int64_t H, T_max;
-    int with_weights;
-    int alignment; /* of the per-expert counts */
     epx_net_model_mode_t mode;
     uint64_t model_seed;
-    proto_variant_t variant;
     uint64_t timeout_ms; /* every wait */
+} proto_frame_t;
+
+typedef struct proto_config {
+    proto_frame_t frame;
+    int with_weights;
+    int alignment; /* of the per-expert counts */
+    proto_variant_t variant;
 } proto_config_t;
 
 /* Rank r's inputs. */

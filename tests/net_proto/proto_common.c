@@ -35,6 +35,14 @@ uint64_t proto_deadline(const rank_t *rk)
     return epx_net_now_ns() + rk->run->timeout_ms * 1000000ull;
 }
 
+void proto_count_local(rank_t *rk, int peer, uint64_t bytes)
+{
+    if (peer == rk->r)
+        rk->stats.self_bytes += bytes;
+    else
+        rk->stats.nvlink_bytes += bytes;
+}
+
 /* ---- the network legs ---------------------------------------------------------------------------- */
 
 /* A put from SEND to peer's RECV, with a signal (sig >= 0) or without. */

@@ -54,7 +54,8 @@ typedef struct rank {
 } rank_t;
 
 struct run {
-    const proto_config_t *cfg;
+    const proto_config_t *cfg; /* the HT protocol's */
+    const proto_frame_t *frame;
     int N, P, R, L, K, E;
     int64_t H, T_max;
     size_t cmsg, hdr, dpkt, cpkt; /* record sizes */
@@ -81,11 +82,13 @@ void *proto_rank_main(void *arg);
 
 /* Garbage, so that a row nobody wrote cannot pass for a right one; NULL when out of memory. */
 void *proto_garbage(size_t bytes);
-/* The model (progress_in_wait, the run's abort word), the node-shared barriers and every rank's SEND and
- * RECV regions of run->region_bytes (garbage), registered in that order, and its handle. run->N, P, R,
- * cfg, err and region_bytes are set. Returns 0, or 1 with the reason in run->err. */
-int proto_run_open(run_t *run, uint32_t ncontexts, uint32_t nsignals, epx_net_model_mode_t mode,
-                   uint64_t seed);
+/* The run's frame: its sizes (L = E / R), ranks and deadline, and where its error goes. Returns 0, or 1
+ * naming a bad frame in err. */
+int proto_run_init(run_t *run, const proto_frame_t *frame, char *err, size_t err_len);
+/* The model (the frame's mode and seed, progress_in_wait, the run's abort word), the node-shared barriers
+ * and every rank's SEND and RECV regions of run->region_bytes (garbage), registered in that order, and
+ * its handle. After proto_run_init, with region_bytes set. Returns 0, or 1 with the reason in run->err. */
+int proto_run_open(run_t *run, uint32_t ncontexts, uint32_t nsignals);
 /* One thread per rank running rank_main, joined; then nothing may be left in flight. Returns 0, or 1
  * with the run's first error in run->err. Sums the ranks' stats into *stats. */
 int proto_run_threads(run_t *run, void *(*rank_main)(void *), proto_stats_t *stats);
@@ -117,6 +120,8 @@ int proto_net_put(rank_t *rk, const char *stage, uint32_t ctx, int peer, uint64_
  * ranks of this local index on the other nodes (peer -1) or from every rank of the other nodes (-2). */
 int proto_wait_signal(rank_t *rk, const char *stage, uint32_t sig, uint64_t target, int peer);
 int proto_flush(rank_t *rk, const char *stage, uint32_t ctx);
+/* Bytes this rank copied into the memory of `peer`, a rank of its node (itself included). */
+void proto_count_local(rank_t *rk, int peer, uint64_t bytes);
 /* A wait on node-shared memory: until *word >= target (acquire); `what` names the word. */
 int proto_wait_local(rank_t *rk, const char *stage, atomic_uint_fast64_t *word, uint64_t target,
                      const char *what);

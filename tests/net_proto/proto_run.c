@@ -31,8 +31,31 @@ void *proto_garbage(size_t bytes)
 
 /* ---- the frame of every run ------------------------------------------------------------------------ */
 
-int proto_run_open(run_t *run, uint32_t ncontexts, uint32_t nsignals, epx_net_model_mode_t mode,
-                   uint64_t seed)
+int proto_run_init(run_t *run, const proto_frame_t *f, char *err, size_t err_len)
+{
+    run->frame = f;
+    run->N = f->nodes;
+    run->P = f->per_node;
+    run->R = f->nodes * f->per_node;
+    run->E = f->E;
+    run->K = f->K;
+    run->H = f->H;
+    run->T_max = f->T_max;
+    run->timeout_ms = f->timeout_ms;
+    run->err = err;
+    run->err_len = err_len;
+    err[0] = '\0';
+    if (run->N < 1 || run->P < 1 || run->R > 16 || run->E < 1 || run->E % run->R || run->E > 2048 ||
+        run->K < 1 || run->K > 64 || run->H < 1 || run->T_max < 1 || run->T_max > 0x7fffffff / run->R) {
+        snprintf(err, err_len, "bad config: %d x %d ranks, E %d, K %d, H %lld, T_max %lld", run->N, run->P,
+                 run->E, run->K, (long long)run->H, (long long)run->T_max);
+        return 1;
+    }
+    run->L = run->E / run->R;
+    return 0;
+}
+
+int proto_run_open(run_t *run, uint32_t ncontexts, uint32_t nsignals)
 {
     run->err[0] = '\0';
     run->nodes = calloc((size_t)run->N, sizeof(node_shared_t));
@@ -53,8 +76,8 @@ int proto_run_open(run_t *run, uint32_t ncontexts, uint32_t nsignals, epx_net_mo
     const epx_net_model_config_t mc = {.nranks = run->R,
                                        .ncontexts = ncontexts,
                                        .nsignals = nsignals,
-                                       .mode = mode,
-                                       .seed = seed,
+                                       .mode = run->frame->mode,
+                                       .seed = run->frame->model_seed,
                                        .progress_in_wait = 1,
                                        .abort_word = &run->abort_word};
     if (epx_net_model_create(&mc, &run->model) != EPX_NET_OK) {
@@ -193,27 +216,14 @@ static void free_rank(rank_t *rk)
 int proto_run(const proto_config_t *cfg, const proto_input_t *in, proto_make_y_fn make_y, void *y_ctx,
               proto_output_t *out, proto_stats_t *stats, char *err, size_t err_len)
 {
-    run_t run = {.cfg = cfg,
-                 .N = cfg->nodes,
-                 .P = cfg->per_node,
-                 .E = cfg->E,
-                 .K = cfg->K,
-                 .H = cfg->H,
-                 .T_max = cfg->T_max,
-                 .timeout_ms = cfg->timeout_ms,
-                 .make_y = make_y,
-                 .y_ctx = y_ctx,
-                 .err = err,
-                 .err_len = err_len};
-    run.R = run.N * run.P;
-    memset(out, 0, sizeof(*out) * (size_t)(run.R > 0 && run.R <= 16 ? run.R : 0));
-    if (run.N < 1 || run.P < 1 || run.R > 16 || run.E % run.R || run.K < 1 || run.K > 64 || run.E > 2048 ||
-        run.H < 1 || run.T_max < 1 || cfg->alignment < 1) {
-        snprintf(err, err_len, "bad config: %d x %d ranks, E %d, K %d, H %lld, T_max %lld", run.N, run.P,
-                 run.E, run.K, (long long)run.H, (long long)run.T_max);
+    run_t run = {.cfg = cfg, .make_y = make_y, .y_ctx = y_ctx};
+    const int R = cfg->frame.nodes * cfg->frame.per_node;
+    memset(out, 0, sizeof(*out) * (size_t)(R > 0 && R <= 16 ? R : 0));
+    if (proto_run_init(&run, &cfg->frame, err, err_len)) return 1;
+    if (cfg->alignment < 1) {
+        snprintf(err, err_len, "bad config: alignment %d", cfg->alignment);
         return 1;
     }
-    run.L = run.E / run.R;
     run.cmsg = align8(4 * (1 + (size_t)run.P + (size_t)(run.P * run.L)));
     run.hdr = align8(4 * (2 + (size_t)run.P + (size_t)run.K * (cfg->with_weights ? 2 : 1)));
     run.dpkt = align8(run.hdr + 2 * (size_t)run.H);
@@ -221,7 +231,7 @@ int proto_run(const proto_config_t *cfg, const proto_input_t *in, proto_make_y_f
     run.off_dispatch = run.cmsg * (size_t)run.N;
     run.off_combine = run.off_dispatch + run.dpkt * (size_t)run.N * (size_t)run.T_max;
     run.region_bytes = run.off_combine + run.cpkt * (size_t)run.N * (size_t)run.T_max;
-    int rc = proto_run_open(&run, 2, 2 + 2 * (uint32_t)run.N, cfg->mode, cfg->model_seed);
+    int rc = proto_run_open(&run, 2, 2 + 2 * (uint32_t)run.N);
     for (int n = 0; !rc && n < run.N; n++) {
         run.nodes[n].per_rank = calloc((size_t)run.R * (size_t)run.P, sizeof(int32_t));
         run.nodes[n].per_expert = calloc((size_t)run.R * (size_t)run.P * (size_t)run.L, sizeof(int32_t));

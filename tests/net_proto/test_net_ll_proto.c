@@ -12,22 +12,10 @@
 
 #include "epx_test.h"
 #include "ll_proto.h"
-#include "reference.h"
+#include "proto_test.h"
 
-#if defined(__SANITIZE_THREAD__)
-#define LL_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define LL_TSAN 1
-#endif
-#endif
-
-#define E_EXPERTS  24
 #define MAX_BATCH  3
 #define TIMEOUT_MS 20000
-
-static const ref_split_t splits[] = {{2, 2}, {2, 3}, {3, 2}, {4, 1}, {1, 4}};
-#define NSPLITS ((int)(sizeof(splits) / sizeof(splits[0])))
 
 typedef struct one_case {
     ref_split_t split;
@@ -67,15 +55,12 @@ static void free_inputs(inputs_t *d)
 static int make_inputs(const one_case_t *c, int b, inputs_t *d)
 {
     memset(d, 0, sizeof(*d));
-    const int R = c->split.nodes * c->split.per_node;
     const uint64_t seed = c->seed + (uint64_t)b * 7919u;
-    int64_t T[REF_MAX_RANKS];
-    ref_gen_token_counts(seed, (c->iter + b) % 4, R, c->T_max, T);
-    if (ref_problem_init(&d->p, R, E_EXPERTS, c->K, c->H, c->T_max, EPX_DTYPE_BF16, seed, T, c->routing))
+    if (proto_test_problem(&d->p, c->split, c->K, c->H, c->T_max, (c->iter + b) % 4, c->routing, seed))
         return 1;
-    d->p.ranks_per_node = c->split.per_node;
+    const int64_t *T = d->p.T;
     d->yseed = seed ^ 0x11eedull;
-    for (int s = 0; s < R; s++) {
+    for (int s = 0; s < d->p.R; s++) {
         d->x[s] = calloc((size_t)(T[s] * c->H) + 1, 2);
         if (!d->x[s]) return 1;
         for (int64_t t = 0; t < T[s]; t++) ref_x_row(&d->p, s, t, REF_TAG_X, d->x[s] + t * c->H);
@@ -146,19 +131,12 @@ static int check_outputs(const one_case_t *c, const inputs_t *d, const ll_output
 
 static ll_config_t config_of(const one_case_t *c)
 {
-    return (ll_config_t){.nodes = c->split.nodes,
-                         .per_node = c->split.per_node,
-                         .E = E_EXPERTS,
-                         .K = c->K,
-                         .H = c->H,
-                         .T_max = c->T_max,
+    return (ll_config_t){.frame = proto_test_frame(c->split, c->K, c->H, c->T_max, c->mode, c->seed,
+                                                   c->timeout_ms ? c->timeout_ms : TIMEOUT_MS),
                          .fp8 = c->fp8,
                          .round_scale = c->round_scale,
                          .batches = c->batches,
-                         .mode = c->mode,
-                         .model_seed = c->seed,
-                         .variant = c->variant,
-                         .timeout_ms = c->timeout_ms ? c->timeout_ms : TIMEOUT_MS};
+                         .variant = c->variant};
 }
 
 /* Runs one case. Returns 0 when the protocol ran and matched, 1 when it failed (reported unless quiet),
@@ -172,8 +150,8 @@ static int run_case(const one_case_t *c, int quiet, proto_stats_t *stats_out)
     ref_set_seed(c->seed);
     ref_set_case("ll %dx%d K %d H %lld T_max %lld iter %d %s fp8 %d round_scale %d batches %d %s variant %d",
                  c->split.nodes, c->split.per_node, c->K, (long long)c->H, (long long)c->T_max, c->iter,
-                 ref_routing_name(c->routing), c->fp8, c->round_scale, c->batches,
-                 c->mode == EPX_NET_MODEL_STRICT ? "strict" : "normal", (int)c->variant);
+                 ref_routing_name(c->routing), c->fp8, c->round_scale, c->batches, proto_mode_name(c->mode),
+                 (int)c->variant);
     int rc = 0, made = 0;
     for (; made < c->batches && !rc; made++) {
         rc = make_inputs(c, made, &d[made]) ? 2 : 0;
@@ -220,64 +198,26 @@ static one_case_t make_case(ref_split_t split, int i, epx_net_model_mode_t mode,
                         .seed = seed};
 }
 
-static int test_protocol(uint64_t seed, int normal_cases, int strict_seeds)
+static int sweep_case(const void *arg, ref_split_t split, int i, epx_net_model_mode_t mode, uint64_t seed,
+                      int quiet)
 {
-    int failed = 0, runs = 0;
-    for (int sp = 0; sp < NSPLITS; sp++) {
-        for (int i = 0; i < normal_cases + strict_seeds; i++) {
-            const epx_net_model_mode_t mode = i < normal_cases ? EPX_NET_MODEL_NORMAL : EPX_NET_MODEL_STRICT;
-            const one_case_t c = make_case(splits[sp], i, mode, seed + (uint64_t)(sp * 1000 + i));
-            const int rc = run_case(&c, 0, NULL);
-            if (rc == 2) return 1;
-            failed += rc;
-            runs++;
-        }
-    }
-    printf(
-        "LL protocol: %d runs over %d splits (%d normal, %d strict seeds each; strong count and weak slots "
-        "alternate, every third fp8), %d failed\n",
-        runs, NSPLITS, normal_cases, strict_seeds, failed);
-    EXPECT_EQ_INT(failed, 0);
-    return 0;
+    (void)arg;
+    const one_case_t c = make_case(split, i, mode, seed);
+    return run_case(&c, quiet, NULL);
 }
 
-/* The count as a WEAK signal after plain slot puts: passes in normal mode (in-order delivery hides the
- * bug), fails in strict mode, where the count may land before the slots it counts. */
-static int test_wrong_count(uint64_t seed, int seeds)
+/* The count as a WEAK signal after plain slot puts: in strict mode the count may land before the slots it
+ * counts. */
+static int wrong_count_case(const void *arg, ref_split_t split, int i, epx_net_model_mode_t mode,
+                            uint64_t seed, int quiet)
 {
-    int normal_failed = 0;
-#ifndef LL_TSAN
-    int strict_caught = 0;
-#endif
-    for (int i = 0; i < seeds; i++) {
-        one_case_t c = make_case((ref_split_t){2, 3}, i, EPX_NET_MODEL_NORMAL, seed + (uint64_t)i);
-        c.variant = LL_WRONG_WEAK_COUNT;
-        c.iter = 0;   /* every rank holds T_max tokens */
-        c.T_max = 24; /* more slots behind each count: more chances to read one too early */
-        c.routing = REF_ROUTE_RANDOM;
-        int rc = run_case(&c, 1, NULL);
-        if (rc == 2) return 1;
-        normal_failed += rc;
-#ifndef LL_TSAN
-        c.mode = EPX_NET_MODEL_STRICT;
-        rc = run_case(&c, 1, NULL);
-        if (rc == 2) return 1;
-        strict_caught += rc;
-#endif
-    }
-#ifdef LL_TSAN
-    printf("weak count after plain puts: passes normal mode over %d seeds; strict runs skipped under "
-           "ThreadSanitizer (their bug is a data race it reports)\n",
-           seeds);
-    EXPECT_EQ_INT(normal_failed, 0);
-#else
-    printf(
-        "weak count after plain puts: %d of %d seeds fail in normal mode, %d of %d caught in strict mode\n",
-        normal_failed, seeds, strict_caught, seeds);
-    EXPECT_EQ_INT(normal_failed, 0);
-    EXPECT_TRUE(strict_caught > 0);
-#endif
-    return 0;
+    (void)arg;
+    one_case_t c = make_case(split, i, mode, seed);
+    c.variant = LL_WRONG_WEAK_COUNT;
+    c.iter = 0;   /* every rank holds T_max tokens */
+    c.T_max = 24; /* more slots behind each count: more chances to read one too early */
+    c.routing = REF_ROUTE_RANDOM;
+    return run_case(&c, quiet, NULL);
 }
 
 /* Buffers reused without the owners' credits: a source that ran ahead adds the count of the batch after
@@ -287,7 +227,7 @@ static int test_wrong_count(uint64_t seed, int seeds)
  * with credits (the control, same short timeout) in none. */
 static int test_no_credit(uint64_t seed, int seeds)
 {
-#ifdef LL_TSAN
+#ifdef PROTO_TSAN
     (void)seed;
     printf("buffers reused without credits: %d seeds skipped under ThreadSanitizer (their bug is a data race "
            "it reports)\n",
@@ -344,7 +284,7 @@ static int test_lost_count(uint64_t seed)
         return 1;
     }
     ll_config_t cfg = config_of(&c);
-    cfg.timeout_ms = 300;
+    cfg.frame.timeout_ms = PROTO_LOST_TIMEOUT;
     ll_output_t out[REF_MAX_RANKS];
     proto_stats_t stats;
     char err[512] = "";
@@ -356,13 +296,9 @@ static int test_lost_count(uint64_t seed)
     const int named =
         strstr(out[3].error, "rank 3: dispatch 0: count of local expert 5: waiting for signal 20 to "
                              "reach 4294967296 (at 0) from peer 0: ") != NULL;
-    const int timed_out = strstr(err, "EPX_NET_TIMEOUT") != NULL;
     ll_output_free(out, d.p.R);
     free_inputs(&d);
-    EXPECT_EQ_INT(rc, 1);
-    EXPECT_TRUE(named && timed_out);
-    EXPECT_TRUE(took >= 0.3 && took < 5.0);
-    return 0;
+    return proto_expect_lost(rc, took, err, named);
 }
 
 /* Bytes on the network and inside nodes for one case. */
@@ -389,8 +325,11 @@ int main(void)
 {
     const uint64_t seed = epx_test_seed();
     const int fast = ref_fast_mode();
-    if (test_bytes(seed) || test_lost_count(seed) || test_protocol(seed, 4, fast ? 8 : 24) ||
-        test_wrong_count(seed, 48) || test_no_credit(seed, 48))
+    if (test_bytes(seed) || test_lost_count(seed) ||
+        proto_sweep("LL protocol", "; strong count and weak slots alternate, every third fp8", sweep_case,
+                    seed, 4, fast ? 8 : 24) ||
+        proto_wrong_sweep("weak count after plain puts", wrong_count_case, NULL, seed, 48) ||
+        test_no_credit(seed, 48))
         return 1;
     printf("ok\n");
     return 0;

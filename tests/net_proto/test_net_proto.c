@@ -8,23 +8,10 @@
 #include <string.h>
 
 #include "epx_test.h"
-#include "proto.h"
-#include "reference.h"
+#include "proto_test.h"
 
-#if defined(__SANITIZE_THREAD__)
-#define PROTO_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define PROTO_TSAN 1
-#endif
-#endif
-
-#define E_EXPERTS  24
 #define H_HIDDEN   40
 #define TIMEOUT_MS 20000
-
-static const ref_split_t splits[] = {{2, 2}, {2, 3}, {3, 2}, {4, 1}, {1, 4}};
-#define NSPLITS ((int)(sizeof(splits) / sizeof(splits[0])))
 
 typedef struct one_case {
     ref_split_t split;
@@ -64,15 +51,10 @@ static void free_inputs(inputs_t *d)
 static int make_inputs(const one_case_t *c, inputs_t *d)
 {
     memset(d, 0, sizeof(*d));
-    const int R = c->split.nodes * c->split.per_node;
-    int64_t T[REF_MAX_RANKS];
-    ref_gen_token_counts(c->seed, c->iter, R, c->T_max, T);
-    if (ref_problem_init(&d->p, R, E_EXPERTS, c->K, H_HIDDEN, c->T_max, EPX_DTYPE_BF16, c->seed, T,
-                         c->routing))
-        return 1;
-    d->p.ranks_per_node = c->split.per_node;
+    if (proto_test_problem(&d->p, c->split, c->K, H_HIDDEN, c->T_max, c->iter, c->routing, c->seed)) return 1;
+    const int64_t *T = d->p.T;
     d->yseed = c->seed ^ 0x5eedull;
-    for (int s = 0; s < R; s++) {
+    for (int s = 0; s < d->p.R; s++) {
         const size_t n = (size_t)(T[s] * H_HIDDEN) + 1;
         d->x[s] = calloc(n, 2);
         d->b0[s] = c->bias0 ? calloc(n, 2) : NULL;
@@ -148,23 +130,11 @@ static int check_outputs(const one_case_t *c, const inputs_t *d, const proto_out
 
 static proto_config_t config_of(const one_case_t *c)
 {
-    return (proto_config_t){.nodes = c->split.nodes,
-                            .per_node = c->split.per_node,
-                            .E = E_EXPERTS,
-                            .K = c->K,
-                            .H = H_HIDDEN,
-                            .T_max = c->T_max,
-                            .with_weights = c->with_weights,
-                            .alignment = c->alignment,
-                            .mode = c->mode,
-                            .model_seed = c->seed,
-                            .variant = c->variant,
-                            .timeout_ms = TIMEOUT_MS};
-}
-
-static const char *mode_name(epx_net_model_mode_t m)
-{
-    return m == EPX_NET_MODEL_STRICT ? "strict" : "normal";
+    return (proto_config_t){
+        .frame = proto_test_frame(c->split, c->K, H_HIDDEN, c->T_max, c->mode, c->seed, TIMEOUT_MS),
+        .with_weights = c->with_weights,
+        .alignment = c->alignment,
+        .variant = c->variant};
 }
 
 /* Runs one case. Returns 0 when the protocol ran and matched, 1 when it failed (reported unless quiet),
@@ -176,7 +146,7 @@ static int run_case(const one_case_t *c, int quiet, proto_stats_t *stats_out)
     ref_set_case("%dx%d K %d T_max %lld iter %d %s weights %d align %d bias %d%d %s variant %d",
                  c->split.nodes, c->split.per_node, c->K, (long long)c->T_max, c->iter,
                  ref_routing_name(c->routing), c->with_weights, c->alignment, c->bias0, c->bias1,
-                 mode_name(c->mode), (int)c->variant);
+                 proto_mode_name(c->mode), (int)c->variant);
     if (make_inputs(c, &d)) {
         free_inputs(&d);
         fprintf(stderr, "cannot build the problem\n");
@@ -216,61 +186,24 @@ static one_case_t make_case(ref_split_t split, int i, epx_net_model_mode_t mode,
                         .seed = seed};
 }
 
-static int test_protocol(uint64_t seed, int normal_cases, int strict_seeds)
+static int sweep_case(const void *arg, ref_split_t split, int i, epx_net_model_mode_t mode, uint64_t seed,
+                      int quiet)
 {
-    int failed = 0, runs = 0;
-    for (int sp = 0; sp < NSPLITS; sp++) {
-        for (int i = 0; i < normal_cases + strict_seeds; i++) {
-            const epx_net_model_mode_t mode = i < normal_cases ? EPX_NET_MODEL_NORMAL : EPX_NET_MODEL_STRICT;
-            const one_case_t c = make_case(splits[sp], i, mode, seed + (uint64_t)(sp * 1000 + i));
-            const int rc = run_case(&c, 0, NULL);
-            if (rc == 2) return 1;
-            failed += rc;
-            runs++;
-        }
-    }
-    printf("protocol: %d runs over %d splits (%d normal, %d strict seeds each), %d failed\n", runs, NSPLITS,
-           normal_cases, strict_seeds, failed);
-    EXPECT_EQ_INT(failed, 0);
-    return 0;
+    (void)arg;
+    const one_case_t c = make_case(split, i, mode, seed);
+    return run_case(&c, quiet, NULL);
 }
 
-/* A wrong protocol passes in normal mode (in-order delivery hides its bug) and fails in strict mode. */
-static int test_wrong_protocol(proto_variant_t variant, const char *name, uint64_t seed, int seeds)
+/* arg: the wrong variant. */
+static int wrong_case(const void *arg, ref_split_t split, int i, epx_net_model_mode_t mode, uint64_t seed,
+                      int quiet)
 {
-    const ref_split_t split = {2, 3};
-    int normal_failed = 0;
-#ifndef PROTO_TSAN
-    int strict_caught = 0;
-#endif
-    for (int i = 0; i < seeds; i++) {
-        one_case_t c = make_case(split, i, EPX_NET_MODEL_NORMAL, seed + (uint64_t)i);
-        c.variant = variant;
-        c.iter = 0;   /* every rank holds T_max tokens */
-        c.T_max = 40; /* more packets behind each count message: more chances to read one too early */
-        c.routing = REF_ROUTE_RANDOM;
-        int rc = run_case(&c, 1, NULL);
-        if (rc == 2) return 1;
-        normal_failed += rc;
-#ifndef PROTO_TSAN
-        c.mode = EPX_NET_MODEL_STRICT;
-        rc = run_case(&c, 1, NULL);
-        if (rc == 2) return 1;
-        strict_caught += rc;
-#endif
-    }
-#ifdef PROTO_TSAN
-    printf("%s: passes normal mode over %d seeds; strict runs skipped under ThreadSanitizer (their bug is a "
-           "data race it reports)\n",
-           name, seeds);
-    EXPECT_EQ_INT(normal_failed, 0);
-#else
-    printf("%s: %d of %d seeds fail in normal mode, %d of %d caught in strict mode\n", name, normal_failed,
-           seeds, strict_caught, seeds);
-    EXPECT_EQ_INT(normal_failed, 0);
-    EXPECT_TRUE(strict_caught > 0);
-#endif
-    return 0;
+    one_case_t c = make_case(split, i, mode, seed);
+    c.variant = *(const proto_variant_t *)arg;
+    c.iter = 0;   /* every rank holds T_max tokens */
+    c.T_max = 40; /* more packets behind each count message: more chances to read one too early */
+    c.routing = REF_ROUTE_RANDOM;
+    return run_case(&c, quiet, NULL);
 }
 
 /* A lost count message: the forwarder's wait ends at its deadline with an error naming rank, stage and
@@ -287,7 +220,7 @@ static int test_lost_message(uint64_t seed)
         return 1;
     }
     proto_config_t cfg = config_of(&c);
-    cfg.timeout_ms = 300;
+    cfg.frame.timeout_ms = PROTO_LOST_TIMEOUT;
     proto_output_t out[REF_MAX_RANKS];
     proto_stats_t stats;
     char err[512] = "";
@@ -301,13 +234,9 @@ static int test_lost_message(uint64_t seed)
     const int named =
         strstr(out[2].error, "rank 2: notify: waiting for signal 0 to reach 1 (at 0) from peers 0: ") != NULL;
     const int node1_failed = out[2].error[0] && out[3].error[0];
-    const int timed_out = strstr(err, "EPX_NET_TIMEOUT") != NULL;
     proto_output_free(out, d.p.R);
     free_inputs(&d);
-    EXPECT_EQ_INT(rc, 1);
-    EXPECT_TRUE(named && node1_failed && timed_out);
-    EXPECT_TRUE(took >= 0.3 && took < 5.0);
-    return 0;
+    return proto_expect_lost(rc, took, err, named && node1_failed);
 }
 
 /* Bytes on the network and inside nodes for one case, against one put per remote destination rank. */
@@ -336,9 +265,11 @@ int main(void)
 {
     const uint64_t seed = epx_test_seed();
     const int fast = ref_fast_mode();
-    if (test_bytes(seed) || test_lost_message(seed) || test_protocol(seed, 4, fast ? 8 : 24) ||
-        test_wrong_protocol(PROTO_WRONG_PUT_ORDER, "relying on put order", seed, 48) ||
-        test_wrong_protocol(PROTO_WRONG_OTHER_PEER, "relying on a strong signal to another peer", seed, 96))
+    static const proto_variant_t put_order = PROTO_WRONG_PUT_ORDER, other_peer = PROTO_WRONG_OTHER_PEER;
+    if (test_bytes(seed) || test_lost_message(seed) ||
+        proto_sweep("protocol", "", sweep_case, seed, 4, fast ? 8 : 24) ||
+        proto_wrong_sweep("relying on put order", wrong_case, &put_order, seed, 48) ||
+        proto_wrong_sweep("relying on a strong signal to another peer", wrong_case, &other_peer, seed, 96))
         return 1;
     printf("ok\n");
     return 0;
