@@ -3,6 +3,7 @@
  * ceiling of an HT dispatch and the floor of an LL dispatch or combine, on the cuda backend's
  * internal state.
  */
+#include <cuda_runtime.h>
 #include <string.h>
 
 #include "bench/bench.h"
@@ -54,4 +55,34 @@ epx_result_t epx_cuda_ll_floor(epx_buffer_t buffer, int kind, const epx_ll_dispa
     EPX_CHECK(epx_cuda_ll_check_handle(cb, handle, "ll floor"));
     a.y = epx_cuda_ll_zc_ptr(cb, slot);
     return epx_cuda_check(epx_cuda_launch_ll_combine_send(&a, stream), "ll floor launch", buffer->comm->rank);
+}
+
+epx_result_t epx_cuda_ll_stamps_arm(epx_buffer_t buffer, void *stream)
+{
+    cuda_buffer_t *cb = buffer->backend_state;
+    if (!cb || !cb->ll) return epx_error(EPX_ERR_INVALID_ARG, "ll stamps need a cuda buffer with EPX_MODE_LL");
+    const int me = buffer->comm->rank;
+    static const unsigned long long fresh[2 * EPX_LL_STAMP_KERNELS] = {~0ull, 0, ~0ull, 0, ~0ull, 0, ~0ull, 0};
+    if (!cb->ll_stamps)
+        EPX_CHECK(epx_cuda_check(cudaMalloc((void **)&cb->ll_stamps, sizeof(fresh)), "cudaMalloc(ll stamps)", me));
+    return epx_cuda_check(cudaMemcpyAsync(cb->ll_stamps, fresh, sizeof(fresh), cudaMemcpyHostToDevice,
+                                          (cudaStream_t)stream),
+                          "ll stamps reset", me);
+}
+
+epx_result_t epx_cuda_ll_stamps_read(epx_buffer_t buffer, unsigned long long out[8])
+{
+    cuda_buffer_t *cb = buffer->backend_state;
+    if (!cb || !cb->ll_stamps) return epx_error(EPX_ERR_INVALID_ARG, "ll stamps were not armed on this buffer");
+    const int me = buffer->comm->rank;
+    unsigned long long *dev = cb->ll_stamps;
+    cb->ll_stamps = NULL; /* later calls stamp nothing */
+    epx_result_t res = epx_cuda_check(cudaDeviceSynchronize(), "ll stamps: device synchronisation", me);
+    if (res == EPX_SUCCESS)
+        res = epx_cuda_check(cudaMemcpy(out, dev, 2 * EPX_LL_STAMP_KERNELS * sizeof(*out), cudaMemcpyDeviceToHost),
+                             "ll stamps read", me);
+    (void)cudaFree(dev);
+    for (int k = 0; k < EPX_LL_STAMP_KERNELS && res == EPX_SUCCESS; k++)
+        if (out[2 * k] == ~0ull) out[2 * k] = out[2 * k + 1] = 0;
+    return res;
 }

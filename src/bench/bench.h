@@ -22,6 +22,14 @@ epx_result_t epx_cuda_ht_ceiling(epx_buffer_t buffer, epx_handle_t handle, const
 epx_result_t epx_cuda_ll_floor(epx_buffer_t buffer, int kind, const epx_ll_dispatch_args_t *dargs,
                                const epx_ll_handle_t *handle, void *stream);
 
+/* The LL timeline: arm makes (once) and resets the buffer's stamp area on `stream`; from then on
+ * every LL kernel of the buffer stamps its first block's start and its last warp's end (%globaltimer
+ * ns, one clock for all ranks of a GPU). read waits for the device, copies the EPX_LL_STAMP_KERNELS
+ * pairs into out[2k], out[2k + 1] (start, end; 0 where the kernel did not run) and turns the stamps
+ * off. Not collective. */
+epx_result_t epx_cuda_ll_stamps_arm(epx_buffer_t buffer, void *stream);
+epx_result_t epx_cuda_ll_stamps_read(epx_buffer_t buffer, unsigned long long out[8]);
+
 #ifdef __cplusplus
 }
 #endif

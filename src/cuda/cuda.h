@@ -56,6 +56,7 @@ typedef struct cuda_buffer {
     _Atomic uint64_t dead_mask;            /* bit r: peer r's process exited */
     _Atomic uint64_t dead_at_ns;           /* when the poller first saw a peer gone (0: never) */
     void *ll;                              /* LL state (src/cuda/ll.c), NULL without EPX_MODE_LL */
+    unsigned long long *ll_stamps;         /* the benchmark's LL timeline (device), NULL: off */
     struct cuda_buffer *next_live;         /* the process's live buffers (src/cuda/backend.c) */
 } cuda_buffer_t;
 

@@ -98,6 +98,8 @@ void epx_cuda_ll_fini(cuda_buffer_t *cb)
     for (int i = 0; i < 2; i++) (void)cudaEventDestroy(ll->slots[i].sent);
     free(ll);
     cb->ll = NULL;
+    if (cb->ll_stamps) (void)cudaFree(cb->ll_stamps);
+    cb->ll_stamps = NULL;
 }
 
 void epx_cuda_ll_fill(cuda_buffer_t *cb, int slot, epx_cuda_ll_args_t *a)
@@ -108,6 +110,7 @@ void epx_cuda_ll_fill(cuda_buffer_t *cb, int slot, epx_cuda_ll_args_t *a)
     a->ll = ll->lay;
     a->slot = slot;
     a->num_experts = cb->buffer->config.num_experts;
+    a->stamps = cb->ll_stamps;
 }
 
 /* Starts an LL call. A device failure of an earlier LL call reaches the comm now rather than at

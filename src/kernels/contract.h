@@ -347,6 +347,9 @@ typedef struct epx_cuda_ll_args {
     int32_t drop_comb;  /* release this slot's combine rows whose receive half never ran */
     int32_t floor_only; /* benchmark floor: the same stores, no waits, flags or epochs */
     int32_t use_fp8, round_scale, use_ue8m0;
+    /* Benchmark timeline (NULL: off): per kernel k (EPX_LL_STAMP_*), [2k] the earliest block start
+     * and [2k + 1] the latest warp end, in %globaltimer ns (one clock for every rank of a GPU). */
+    unsigned long long *stamps;
     int64_t num_tokens;
     const void *topk_idx; /* [T][K] */
     int32_t idx_is_64;
@@ -363,6 +366,9 @@ typedef struct epx_cuda_ll_args {
     const float *topk_weights; /* [T][K] */
     uint16_t *combined_x; /* [T][H] */
 } epx_cuda_ll_args_t;
+
+enum { EPX_LL_STAMP_DISP_SEND, EPX_LL_STAMP_DISP_RECV, EPX_LL_STAMP_COMB_SEND, EPX_LL_STAMP_COMB_RECV,
+       EPX_LL_STAMP_KERNELS };
 
 int epx_cuda_launch_ll_dispatch_send(const epx_cuda_ll_args_t *args, void *stream);
 int epx_cuda_launch_ll_dispatch_recv(const epx_cuda_ll_args_t *args, void *stream);

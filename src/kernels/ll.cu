@@ -26,6 +26,21 @@ __device__ __forceinline__ int64_t ll_topk(const epx_cuda_ll_args_t &a, int64_t 
     return topk_at(a.topk_idx, a.idx_is_64, i);
 }
 
+/* The benchmark timeline of one kernel (a.stamps set): thread 0 of each block lowers the start at
+ * entry, lane 0 of each warp raises the end on every way out (the destructor). */
+struct ll_stamp {
+    unsigned long long *p;
+    __device__ __forceinline__ ll_stamp(const epx_cuda_ll_args_t &a, int kernel)
+        : p(a.stamps ? a.stamps + 2 * kernel : nullptr)
+    {
+        if (p && threadIdx.x == 0) atomicMin(p, (unsigned long long)globaltimer_ns());
+    }
+    __device__ __forceinline__ ~ll_stamp()
+    {
+        if (p && (threadIdx.x & 31) == 0) atomicMax(p + 1, (unsigned long long)globaltimer_ns());
+    }
+};
+
 /* Dispatch slice of (slot, local expert j, source s) in rank r's region. */
 __device__ __forceinline__ uint8_t *ll_slice(const epx_cuda_ll_args_t &a, int r, int j, int s)
 {
@@ -226,6 +241,7 @@ __device__ __forceinline__ bool ll_refused(const epx_cuda_ll_args_t &a, uint64_t
 __global__ void __launch_bounds__(kBlockThreads)
     ll_dispatch_send_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
+    const ll_stamp stamp(a, EPX_LL_STAMP_DISP_SEND);
     if (a.floor_only) {
         ll_dispatch_floor(a);
         return;
@@ -335,6 +351,7 @@ __device__ __forceinline__ void ll_poison_recv(const epx_cuda_ll_args_t &a)
 __global__ void __launch_bounds__(kBlockThreads)
     ll_dispatch_recv_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
+    const ll_stamp stamp(a, EPX_LL_STAMP_DISP_RECV);
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, L = c->num_local_experts, me = c->rank;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -421,6 +438,7 @@ EPX_DEFINE_LAUNCHER(ll_dispatch_recv, epx_cuda_ll_args_t)
 __global__ void __launch_bounds__(kBlockThreads)
     ll_combine_send_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
+    const ll_stamp stamp(a, EPX_LL_STAMP_COMB_SEND);
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, me = c->rank;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -466,6 +484,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 __global__ void __launch_bounds__(kBlockThreads)
     ll_combine_recv_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
 {
+    const ll_stamp stamp(a, EPX_LL_STAMP_COMB_RECV);
     const epx_cuda_common_t *c = &a.c;
     const int K = c->num_topk, me = c->rank, E = a.num_experts;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

@@ -56,6 +56,8 @@ static void usage(FILE *f)
                "  --nodes N   split the ranks into N emulated nodes of consecutive ranks (the comm config's\n"
                "              node id; EPX_NODE_ID, when set, wins; default: the host's identity); rows\n"
                "              then show the bytes per leg (network, NVLink)\n"
+               "  --timeline  ll on the GPU: after the rows, 3 samples of every rank's LL kernels on the GPU's\n"
+               "              clock (start and end of each half, and of the dispatch floor alone)\n"
                "  -o LIST     operations: ht,view,ll,permute (default all)\n"
                "  -d DTYPE    dispatch dtype: bf16 or fp8 (default bf16)\n"
                "  -B BACKEND  auto, host or cuda (default auto: cuda when built with it and a GPU is there)\n"
@@ -114,6 +116,7 @@ static int parse_args(int argc, char **argv, bench_opts_t *opt, int *print_env)
 {
     static const struct option longs[] = {
         {"env", no_argument, NULL, 'V'}, {"help", no_argument, NULL, 'h'}, {"nodes", required_argument, NULL, 'N'},
+        {"timeline", no_argument, NULL, 'M'},
         {NULL, 0, NULL, 0}};
     int64_t v = 0, begin = 0, end = 0;
     *opt = (bench_opts_t){.tok_factor = 2,
@@ -157,6 +160,7 @@ static int parse_args(int argc, char **argv, bench_opts_t *opt, int *print_env)
         case 'w': rc = parse_int32(optarg, flag, 0, 1000000, &opt->warmup); break;
         case 'r': rc = parse_int32(optarg, flag, 1, BENCH_MAX_RANKS, &opt->nranks); break;
         case 'N': rc = parse_int32(optarg, "--nodes", 1, BENCH_MAX_RANKS, &opt->nodes); break;
+        case 'M': opt->timeline = 1; break;
         case 's':
             rc = parse_int(optarg, flag, 0, INT64_MAX, &v);
             opt->seed = (uint64_t)v;
@@ -279,6 +283,45 @@ typedef struct bench_table {
 } bench_table_t;
 
 static bench_table_t table;
+
+/* The LL timeline samples: every rank's kernels on one clock (the GPU's %globaltimer), in us from
+ * the sample's earliest dispatch-send start over the ranks; "floor" is the dispatch floor's kernel,
+ * launched alone after a barrier, from its own earliest start. */
+static void print_timeline(const epx_harness_report_t *rep)
+{
+    const int R = table.opt->nranks;
+    const bench_result_t *r0 = epx_harness_result(rep, 0);
+    if (!table.opt->timeline || !r0 || r0->timeline_n == 0) return;
+    printf("# ll timeline (us on the GPU's clock from the earliest dispatch-send start of the sample; per\n"
+           "#   kernel: start-end; events_us: the rank's dispatch + combine by CUDA events; floor: the\n"
+           "#   dispatch floor launched alone after a barrier, from its earliest start)\n");
+    for (int s = 0; s < r0->timeline_n; s++) {
+        unsigned long long t0 = ~0ull, f0 = ~0ull;
+        for (int r = 0; r < R; r++) {
+            const bench_result_t *rr = epx_harness_result(rep, r);
+            if (rr->timeline_n <= s) return;
+            if (rr->timeline[s].call[0] && rr->timeline[s].call[0] < t0) t0 = rr->timeline[s].call[0];
+            if (rr->timeline[s].floor[0] && rr->timeline[s].floor[0] < f0) f0 = rr->timeline[s].floor[0];
+        }
+        printf("# sample %d   disp-send        disp-recv        comb-send        comb-recv        events_us  floor\n", s);
+        for (int r = 0; r < R; r++) {
+            const bench_result_t *rr = epx_harness_result(rep, r);
+            const bench_timeline_t *tl = &rr->timeline[s];
+            printf("# rank %3d", r);
+            for (int k = 0; k < 4; k++) {
+                const unsigned long long a = tl->call[2 * k], e = tl->call[2 * k + 1];
+                if (a && e >= a)
+                    printf("  %7.1f-%-7.1f", (double)(a - t0) / 1e3, (double)(e - t0) / 1e3);
+                else
+                    printf("  %15s", "-");
+            }
+            printf("  %9.1f", tl->event_us);
+            if (tl->floor[0] && tl->floor[1] >= tl->floor[0])
+                printf("  %.1f-%.1f", (double)(tl->floor[0] - f0) / 1e3, (double)(tl->floor[1] - f0) / 1e3);
+            printf("\n");
+        }
+    }
+}
 
 static const bench_cell_t *cell_at(const void *results, int rank, int row)
 {
@@ -460,6 +503,7 @@ int main(int argc, char **argv)
     const int rc = epx_harness_run(&run, &rep);
     if (rc < 0) return 2;
     while (table.next < opt.nrows) print_row(rep.results, table.next++);
+    print_timeline(&rep);
     const bench_result_t *r0 = epx_harness_result(&rep, 0);
     if (opt.gpu && r0->device_sms)
         printf("# rank 0: cuda device 0 with %d SMs; %d ranks per NVLink domain, %d domain(s)\n",

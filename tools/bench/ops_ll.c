@@ -103,6 +103,33 @@ static void ll_report(ll_run_t *l, double *samples, bench_check_t *ck)
     }
 }
 
+/* Timeline samples (--timeline): after a barrier, one LL dispatch and combine (whole calls, timed by
+ * events too) with the kernels stamping their start and end, then the dispatch floor alone. */
+static int ll_timeline(ll_run_t *l)
+{
+    bench_rank_t *b = l->o.b;
+    const bench_loop_t loop = {ll_call, NULL, l};
+    int rc = 0;
+    b->res->timeline_n = 0;
+    for (int s = 0; s < BENCH_TIMELINE_SAMPLES && rc == 0; s++) {
+        bench_timeline_t *tl = &b->res->timeline[s];
+        double us_d = 0, us_c = 0;
+        rc = op_ll_stamps_arm(&l->o);
+        if (rc == 0) rc = time_once(b, &loop, K_LL_DISPATCH, &us_d);
+        if (rc == 0) rc = time_once(b, &loop, K_LL_COMBINE, &us_c);
+        if (rc == 0) rc = op_ll_stamps_read(&l->o, tl->call);
+        tl->event_us = us_d + us_c;
+        if (rc == 0) rc = bench_call(b, "epx_comm_barrier", epx_comm_barrier(b->comm));
+        if (rc == 0) rc = op_ll_stamps_arm(&l->o);
+        if (rc == 0) rc = ll_call(l, K_LL_DISPATCH_FLOOR);
+        unsigned long long fl[8] = {0};
+        if (rc == 0) rc = op_ll_stamps_read(&l->o, fl);
+        tl->floor[0] = fl[0], tl->floor[1] = fl[1];
+        if (rc == 0) b->res->timeline_n = s + 1;
+    }
+    return rc;
+}
+
 int run_ll(bench_rank_t *b, epx_buffer_t buf, const bench_routing_t *rt, int64_t T_max)
 {
     const bench_opts_t *opt = b->opt;
@@ -170,6 +197,7 @@ int run_ll(bench_rank_t *b, epx_buffer_t buf, const bench_routing_t *rt, int64_t
         }
     if (rc == 0) rc = bench_call(b, "epx_get_async_error", epx_get_async_error(b->comm));
     if (rc == 0) ll_report(&l, samples, ck);
+    if (rc == 0 && opt->timeline && opt->ceilings) rc = ll_timeline(&l);
 out:
     mem_release_all(b, &m);
     return rc;

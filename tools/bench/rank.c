@@ -47,6 +47,26 @@ int op_ll_floor(const bench_op_t *o, int combine, const epx_ll_dispatch_args_t *
 #endif
 }
 
+int op_ll_stamps_arm(const bench_op_t *o)
+{
+#ifdef EPX_BENCH_HOOKS
+    return bench_call(o->b, "epx_cuda_ll_stamps_arm", epx_cuda_ll_stamps_arm(o->buf, o->b->stream));
+#else
+    (void)o;
+    return -1;
+#endif
+}
+
+int op_ll_stamps_read(const bench_op_t *o, unsigned long long out[8])
+{
+#ifdef EPX_BENCH_HOOKS
+    return bench_call(o->b, "epx_cuda_ll_stamps_read", epx_cuda_ll_stamps_read(o->buf, out));
+#else
+    (void)o, (void)out;
+    return -1;
+#endif
+}
+
 int time_once(bench_rank_t *b, const bench_loop_t *loop, int kind, double *us)
 {
     if (timed_begin(b)) return -1;

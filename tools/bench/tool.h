@@ -68,6 +68,7 @@ typedef struct bench_opts {
     int64_t tok_factor, hidden;
     int topk, experts, local_experts, pad, sms, iters, warmup, nranks;
     int nodes; /* --nodes: EPX_NODE_ID set per rank to split the ranks into this many nodes (0: not set) */
+    int timeline; /* --timeline: LL calls whose kernels stamp their start and end (bench hooks, GPU) */
     int groups[GROUP_COUNT], ngroups, ht_rows, view_rows;
     epx_dtype_t dtype;
     epx_backend_t backend;
@@ -86,8 +87,20 @@ typedef struct bench_cell {
 } bench_cell_t;
 
 /* One rank's slot of the shared result block. */
+enum { BENCH_TIMELINE_SAMPLES = 3 };
+
+/* One LL timeline sample of a rank: per kernel (EPX_LL_STAMP_* order: dispatch send, dispatch
+ * receive, combine send, combine receive) the first block's start and the last warp's end in
+ * %globaltimer ns, then the dispatch floor's pair; event_us: the pair's time by CUDA events. */
+typedef struct bench_timeline {
+    unsigned long long call[8], floor[2];
+    double event_us;
+} bench_timeline_t;
+
 typedef struct bench_result {
     int32_t device_sms, ranks_per_domain, num_domains, num_nodes;
+    int32_t timeline_n; /* samples in timeline */
+    bench_timeline_t timeline[BENCH_TIMELINE_SAMPLES];
     bench_cell_t cells[];
 } bench_result_t;
 
@@ -268,6 +281,9 @@ bench_op_t op_start(bench_rank_t *b, epx_buffer_t buf, const bench_routing_t *rt
 int op_ht_ceiling(const bench_op_t *o, epx_handle_t handle, const epx_tensor_t *x);
 int op_ll_floor(const bench_op_t *o, int combine, const epx_ll_dispatch_args_t *args,
                 const epx_ll_handle_t *handle);
+/* The LL timeline hooks (epx_cuda_ll_stamps_arm / _read); -1 in builds without them. */
+int op_ll_stamps_arm(const bench_op_t *o);
+int op_ll_stamps_read(const bench_op_t *o, unsigned long long out[8]);
 
 /* This rank's inputs in tensor memory (inputs.c): x [T, H] in `dtype` with fp8 scales
  * [T, H/128] (NULL for bf16), topk_idx and weights [T, K], and their host copies. */
