@@ -211,14 +211,39 @@ __device__ __forceinline__ void ll_dispatch_floor(const epx_cuda_ll_args_t &a)
     }
 }
 
+/* topk_idx entries a send kernel stages in shared memory (a call with more reads global memory). */
+constexpr int kLlStage = 2048;
+
+/* Stages the call's topk_idx in `buf` as int32 (an id outside [-1, E) becomes -2, which is as bad),
+ * so that the id checks, the counts and the row positions read shared memory instead of chains of
+ * global loads. Returns buf, or NULL (the same in every thread) when the call has more than
+ * kLlStage entries. All threads. */
+__device__ __forceinline__ const int32_t *ll_stage_topk(const epx_cuda_ll_args_t &a, int32_t *buf)
+{
+    const int64_t n = a.num_tokens * a.c.num_topk;
+    if (n > kLlStage) return nullptr;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const int64_t v = ll_topk(a, i);
+        buf[i] = v < -1 || v >= a.num_experts ? -2 : (int32_t)v;
+    }
+    __syncthreads();
+    return buf;
+}
+
 /* Refuses an LL call whose topk_idx holds a bad id (block_first_bad: every block checks every row,
- * so all agree): the call's error record (EPX_ERR_INVALID_ARG naming the slot), our fail word to
- * every peer, and the slot's refused word that our receive half reads (ll_refused). Returns the
- * gate of the call's waits, shut on a refusal. */
-__device__ __forceinline__ gate_unless ll_refuse(const epx_cuda_ll_args_t &a, uint64_t epoch, int half)
+ * so all agree; over the staged copy when there is one): the call's error record
+ * (EPX_ERR_INVALID_ARG naming the slot), our fail word to every peer, and the slot's refused word
+ * that our receive half reads (ll_refused). Returns the gate of the call's waits, shut on a
+ * refusal. */
+__device__ __forceinline__ gate_unless ll_refuse(const epx_cuda_ll_args_t &a, uint64_t epoch, int half,
+                                                 const int32_t *staged)
 {
     int64_t value = 0;
-    const int64_t where = block_first_bad(a.topk_idx, a.idx_is_64, a.num_tokens, a.c.num_topk, a.num_experts, &value);
+    const int64_t where = staged ? block_first_bad(staged, 0, a.num_tokens, a.c.num_topk, a.num_experts, &value)
+                                 : block_first_bad(a.topk_idx, a.idx_is_64, a.num_tokens, a.c.num_topk,
+                                                   a.num_experts, &value);
+    if (where && staged) /* the id as the caller passed it, not its staged stand-in */
+        value = ll_topk(a, (where - 1) / EPX_MAX_TOPK * a.c.num_topk + (where - 1) % EPX_MAX_TOPK);
     const bool refused = refuse_at(&a.c, where, value, epoch, EPX_CUDA_WAIT_BAD_EXPERT);
     if (refused && blockIdx.x == 0 && threadIdx.x == 0)
         st_volatile_u64(&ll_ctrl(a, a.c.rank)->refused[a.slot][half], epoch);
@@ -257,9 +282,13 @@ __global__ void __launch_bounds__(kBlockThreads)
     __shared__ int sel[kBlockWarps][EPX_MAX_TOPK]; /* the token's experts, first occurrence only (else -1) */
     __shared__ int pos[kBlockWarps][EPX_MAX_TOPK]; /* earlier tokens selecting sel[k] */
     __shared__ uint8_t *rows[kBlockWarps][EPX_MAX_TOPK];
+    __shared__ int32_t staged_buf[kLlStage];
     post_call(c, f.epoch);
     ll_drops(a);
-    const gate_unless gate = ll_refuse(a, f.epoch, 0);
+    const int32_t *staged = ll_stage_topk(a, staged_buf);
+    /* Past the check every id is in [-1, E): the staged copy holds them as they are. */
+    auto topk = [&](int64_t i) -> int64_t { return staged ? (int64_t)staged[i] : ll_topk(a, i); };
+    const gate_unless gate = ll_refuse(a, f.epoch, 0, staged);
     const int &ok = wait_peers(
         c, [&](int r) { return &lown->disp_ack[a.slot][r]; }, prev, f.epoch, EPX_CUDA_WAIT_DISPATCH_ACK,
         no_arrival(), gate);
@@ -269,7 +298,7 @@ __global__ void __launch_bounds__(kBlockThreads)
             int n = 0;
             for (int64_t t = lane; t < T; t += 32) {
                 bool hit = false;
-                for (int k = 0; k < K && !hit; k++) hit = ll_topk(a, t * K + k) == e;
+                for (int k = 0; k < K && !hit; k++) hit = topk(t * K + k) == e;
                 n += hit;
             }
 #pragma unroll
@@ -287,9 +316,9 @@ __global__ void __launch_bounds__(kBlockThreads)
             const int64_t lo = steps * part / parts * 512, hi_ = steps * (part + 1) / parts * 512;
             const int64_t hi = hi_ < H ? hi_ : H;
             for (int k = lane; k < K; k += 32) {
-                const int64_t v = ll_topk(a, t * K + k);
+                const int64_t v = topk(t * K + k);
                 bool first = v >= 0 && v < E;
-                for (int q = 0; q < k && first; q++) first = ll_topk(a, t * K + q) != v;
+                for (int q = 0; q < k && first; q++) first = topk(t * K + q) != v;
                 sel[warp][k] = first ? (int)v : -1;
                 pos[warp][k] = 0;
             }
@@ -298,7 +327,7 @@ __global__ void __launch_bounds__(kBlockThreads)
             for (int64_t u = lane; u < t; u += 32) {
                 uint64_t mask = 0;
                 for (int q = 0; q < K; q++) {
-                    const int64_t v = ll_topk(a, u * K + q);
+                    const int64_t v = topk(u * K + q);
                     if (v < 0) continue;
                     for (int k = 0; k < K; k++)
                         if (sel[warp][k] == v) mask |= 1ull << k;
@@ -447,10 +476,11 @@ __global__ void __launch_bounds__(kBlockThreads)
     epx_cuda_ll_ctrl_t *lown = ll_ctrl(a, me);
     const uint64_t prev = ld_volatile_u64(&lown->comb_epoch[a.slot]);
     gate_unless gate{false}; /* the benchmark floor checks nothing */
+    __shared__ int32_t staged_buf[kLlStage];
     if (!a.floor_only) {
         post_call(c, f.epoch);
         ll_drops(a);
-        gate = ll_refuse(a, f.epoch, 1);
+        gate = ll_refuse(a, f.epoch, 1, ll_stage_topk(a, staged_buf));
     }
     /* The benchmark floor neither waits nor publishes: its gate stays shut, its rows go anyway. */
     const int &ok = wait_peers(
