@@ -6,6 +6,7 @@
 #     single rank (its own only peer) is what can be replayed.
 #  2. LL, 128 tokens per rank: ranks 1, 2, 4, 8 sharing the GPU under MPS at 16 SMs each (what sharing
 #     costs), then 8 ranks at 32 to 512 tokens (fixed cost against cost per byte).
+#  2b. --timeline at 8 and 4 ranks: every rank's LL kernels (start, end) on the GPU's clock.
 #  3. SM sweep at 8 ranks: LL and HT view mode with 4, 8, 16 and 24 SMs per rank.
 #  4. (EPX_BREAKDOWN_COMPAT=1) bench/compat_profile.py at 2 and 8 ranks: where the time of the DeepEP
 #     front's full dispatch goes (layout, notify exchange, data dispatch), with the profiler's kernel list.
@@ -46,7 +47,8 @@ row() {
     [ "$secs" -gt "$(($(left) - 5))" ] && secs=$(($(left) - 5))
     timeout -k 5 "$secs" "$BENCH" "${COMMON[@]}" "$@" >"$LOGDIR/$name.log" 2>&1 ||
         log "$name: FAILED or timed out (exit $?; $name.log)"
-    grep -E '^(ll|view)-' "$LOGDIR/$name.log" | sed "s/^/$name  /" | tee -a "$LOGDIR/summary.log"
+    grep -E '^(ll|view)-|^# (ll timeline|sample|rank +[0-9])|^#   ' "$LOGDIR/$name.log" | sed "s/^/$name  /" |
+        tee -a "$LOGDIR/summary.log"
 }
 
 # 1. ncu, one rank, no MPS.
@@ -67,6 +69,9 @@ mps_start 1
 # 2. LL: ranks sharing the GPU, then tokens per rank.
 for r in 1 2 4 8; do row "ll-r$r-t128" 60 -o ll -r "$r" -t 128 -S 16 -n 50 -w 5 -d fp8; done
 row ll-r8-tsweep 90 -o ll -r 8 -b 32 -e 512 -f 4 -S 16 -n 30 -w 5 -d fp8
+# Every rank's LL kernels on the GPU's clock (--timeline), 8 and 4 ranks.
+row ll-r8-timeline 60 -o ll -r 8 -t 128 -S 16 -n 10 -w 3 -d fp8 --timeline
+row ll-r4-timeline 60 -o ll -r 4 -t 128 -S 16 -n 10 -w 3 -d fp8 --timeline
 # 3. SM sweep, 8 ranks.
 for s in 4 8 16 24; do row "ll-r8-s$s" 45 -o ll -r 8 -t 128 -S "$s" -n 30 -w 5 -d fp8; done
 for s in 4 8 16 24; do row "view-r8-s$s" 60 -o view -r 8 -t 4096 -S "$s" -n 10 -w 2 -d bf16; done
