@@ -23,6 +23,8 @@ left() { echo $((BUDGET - ($(date +%s) - START))); }
 
 # shellcheck source=scripts/mps.sh
 . "$ROOT/scripts/mps.sh"
+# shellcheck source=scripts/pip-nccl.sh
+. "$ROOT/scripts/pip-nccl.sh"
 mps_init epx-gin-mps
 finish() {
     mps_stop
@@ -34,28 +36,13 @@ finish() {
 trap finish EXIT
 
 # ---- NCCL from the venv's pip package: the root holding include/nccl.h and lib/libnccl.so* ----------
-NCCL_ROOT=$(timeout 60 "$PY" - <<'EOF' 2>>"$LOGDIR/nccl-find.log"
-import glob, importlib.util, os, site
-roots = []
-try:
-    spec = importlib.util.find_spec("nvidia.nccl")
-    roots += list(spec.submodule_search_locations or []) if spec else []
-except Exception:
-    pass
-for sp in site.getsitepackages():
-    roots += glob.glob(os.path.join(sp, "nvidia", "*nccl*")) + glob.glob(os.path.join(sp, "nvidia", "cu*"))
-for r in roots:
-    if os.path.exists(os.path.join(r, "include", "nccl.h")) and glob.glob(os.path.join(r, "lib", "libnccl.so*")):
-        print(r)
-        break
-EOF
-)
+NCCL_ROOT=$(pip_nccl "$PY" "$LOGDIR/nccl-find.log")
 if [ -z "$NCCL_ROOT" ]; then
     verdict nccl "FAILED: no pip NCCL (include/nccl.h + lib/libnccl.so*) under $PY's site-packages"
     exit 1
 fi
 NCCL_LIB=$NCCL_ROOT/lib
-NCCL_VER=$(sed -n 's/^#define NCCL_\(MAJOR\|MINOR\|PATCH\) *\([0-9]*\).*/\2/p' "$NCCL_ROOT/include/nccl.h" | paste -sd.)
+NCCL_VER=$(pip_nccl_version "$NCCL_ROOT")
 log "pip NCCL $NCCL_VER in $NCCL_ROOT (nccl_device.h: $([ -f "$NCCL_ROOT/include/nccl_device.h" ] && echo yes || echo no))"
 nvidia-smi >"$LOGDIR/nvidia-smi.log" 2>&1
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')

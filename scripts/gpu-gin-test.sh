@@ -35,6 +35,8 @@ secs_for() {  # want keep
 
 # shellcheck source=scripts/mps.sh
 . "$ROOT/scripts/mps.sh"
+# shellcheck source=scripts/pip-nccl.sh
+. "$ROOT/scripts/pip-nccl.sh"
 mps_init epx-gin-test-mps
 finish() {
     mps_stop
@@ -57,27 +59,12 @@ trap finish EXIT
 
 # ---- NCCL from the venv's pip package: the root holding include/nccl.h and lib/libnccl.so* ----------
 t0=$(date +%s)
-NCCL_ROOT=$(timeout 60 "$PY" - <<'EOF' 2>>"$LOGDIR/nccl-find.log"
-import glob, importlib.util, os, site
-roots = []
-try:
-    spec = importlib.util.find_spec("nvidia.nccl")
-    roots += list(spec.submodule_search_locations or []) if spec else []
-except Exception:
-    pass
-for sp in site.getsitepackages():
-    roots += glob.glob(os.path.join(sp, "nvidia", "*nccl*")) + glob.glob(os.path.join(sp, "nvidia", "cu*"))
-for r in roots:
-    if os.path.exists(os.path.join(r, "include", "nccl.h")) and glob.glob(os.path.join(r, "lib", "libnccl.so*")):
-        print(r)
-        break
-EOF
-)
+NCCL_ROOT=$(pip_nccl "$PY" "$LOGDIR/nccl-find.log")
 if [ -z "$NCCL_ROOT" ]; then
     step nccl "FAILED: no pip NCCL (include/nccl.h + lib/libnccl.so*) under $PY's site-packages" $(($(date +%s) - t0))
     exit 1
 fi
-NCCL_VER=$(sed -n 's/^#define NCCL_\(MAJOR\|MINOR\|PATCH\) *\([0-9]*\).*/\2/p' "$NCCL_ROOT/include/nccl.h" | paste -sd.)
+NCCL_VER=$(pip_nccl_version "$NCCL_ROOT")
 step nccl "ok: pip NCCL $NCCL_VER in $NCCL_ROOT" $(($(date +%s) - t0))
 timeout 30 nvidia-smi >"$LOGDIR/nvidia-smi.log" 2>&1
 NGPU=$(timeout 30 nvidia-smi -L 2>/dev/null | grep -c '^GPU')
