@@ -61,6 +61,8 @@ typedef struct fault_plan {
     epx_backend_t backend;
     int ngpu;                               /* cuda: GPUs shared round-robin */
     int timeout_ms;                         /* the communicators' EPX_TIMEOUT_MS */
+    int per_node;                           /* ranks per emulated node (node id "fault-node<rank / per_node>");
+                                               0: one node, the default identity */
     int boot_procs;                         /* FAULT_MODE_BOOT: processes (R, or R + 1 with a duplicate) */
     int boot_rank[FAULT_MAX_RANKS + 1];     /* FAULT_MODE_BOOT: the rank each process claims */
     int boot_delay_ms[FAULT_MAX_RANKS + 1]; /* FAULT_MODE_BOOT: before the init */

@@ -331,6 +331,17 @@ static fault_plan_t make_plan(const opts_t *op, int trial)
     p.backend = op->backend;
     p.ngpu = 1;
     p.timeout_ms = op->timeout_ms;
+    /* Host backend: a node split with equal nodes (a divisor of R; R itself is one node), so that the
+     * victim and the survivors also sit on different emulated nodes. The cuda backend refuses buffers
+     * across nodes: one node. Drawn last, so earlier draws replay as before. */
+    const uint64_t draw = epx_test_rand(&st);
+    if (op->backend == EPX_BACKEND_HOST) {
+        int divisors[FAULT_MAX_RANKS], n = 0;
+        for (int d = 1; d <= p.R; d++)
+            if (p.R % d == 0) divisors[n++] = d;
+        const int per = divisors[draw % (uint64_t)n];
+        p.per_node = per < p.R ? per : 0;
+    }
     return p;
 }
 
@@ -427,6 +438,7 @@ int main(int argc, char **argv)
     const int attacks = cuda ? 0 : FAULT_ATTACK_COUNT;
     tally_t total = {0}, by_mode[FAULT_MODE_COUNT] = {{0}}, by_kill[FAULT_KILL_COUNT + 3] = {{0}};
     tally_t by_phase[FAULT_PHASE_DONE + 1] = {{0}}; /* the victim's phase when it died */
+    tally_t by_split[2] = {{0}};                     /* one node, or the ranks split into nodes */
     const double t0 = fault_now();
     int held = 0, held_live = 0; /* trials that left the id's socket; those still open */
     for (int trial = 0; trial < op.trials; trial++) {
@@ -452,8 +464,9 @@ int main(int argc, char **argv)
             fault_run_t run;
             if (fault_run_ranks(&plan, NULL, recs, &run)) return 1;
             classify(&op, &plan, recs, &run, &o);
-            snprintf(desc, sizeof(desc), "%s, %d ranks, victim %d, %s %s%d, died in call %d (phase %d)",
-                     mode_names[plan.mode], plan.R, plan.victim, kill_names[plan.kill],
+            snprintf(desc, sizeof(desc), "%s, %d ranks in %d node(s), victim %d, %s %s%d, died in call %d (phase %d)",
+                     mode_names[plan.mode], plan.R, plan.per_node ? plan.R / plan.per_node : 1, plan.victim,
+                     kill_names[plan.kill],
                      plan.kill == FAULT_KILL_SHM_POINT ? "step " : "+",
                      plan.kill == FAULT_KILL_SHM_POINT ? plan.shm_step : plan.delay_us / 1000,
                      recs[plan.victim].entered, recs[plan.victim].phase);
@@ -478,6 +491,7 @@ int main(int argc, char **argv)
                                                        : (int)plan.kill],
             &o);
         if (plan.mode != FAULT_MODE_BOOT) add(&by_phase[recs[plan.victim].phase], &o);
+        if (plan.mode != FAULT_MODE_BOOT) add(&by_split[plan.per_node > 0], &o);
         int any = 0;
         for (int p = 0; p < P_COUNT; p++) any |= o.problem[p];
         if (any || op.verbose)
@@ -529,6 +543,8 @@ int main(int argc, char **argv)
         snprintf(name, sizeof(name), "victim died in %s", phase_names[ph]);
         print_row(name, &by_phase[ph]);
     }
+    print_row("one node", &by_split[0]);
+    print_row("split into nodes", &by_split[1]);
     print_row("total", &total);
     printf("survivor errors:");
     for (int r = 0; r <= EPX_ERR_INVALID_USAGE; r++)

@@ -586,11 +586,25 @@ int fault_rank_main(const fault_plan_t *plan, int rank, const epx_unique_id_t *i
     cc.backend = plan->backend;
     cc.cuda_device = st.cuda ? st.device : -1;
     cc.timeout_ms = plan->timeout_ms;
+    char node[32];
+    if (plan->per_node > 0) {
+        snprintf(node, sizeof(node), "fault-node%d", rank / plan->per_node);
+        cc.node_id = node;
+    }
     rec->phase = FAULT_PHASE_INIT;
     k = call_begin(&st);
     if (call_end(&st, k, NEEDS_SELF, epx_comm_init(id, rank, plan->R, &cc, &st.comm), "epx_comm_init")) {
         st.comm = NULL;
         goto teardown;
+    }
+    if (plan->per_node > 0) {
+        /* The split took: this rank's node as the library reports it (a local query, no peer). */
+        epx_node_topology_t nt = EPX_NODE_TOPOLOGY_INIT;
+        if (epx_comm_get_node_topology(st.comm, &nt) != EPX_SUCCESS || nt.node != rank / plan->per_node ||
+            nt.num_nodes != plan->R / plan->per_node) {
+            rc = FAULT_LOOP_SETUP;
+            goto teardown;
+        }
     }
     rec->phase = FAULT_PHASE_CREATE;
     epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
