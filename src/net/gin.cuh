@@ -2,8 +2,8 @@
  * The GIN transport of net.h, device side: every net.h operation on NCCL's GPU-Initiated Networking
  * through NCCL's public device API only (ncclGin put / signal / readSignal / readCounter, windows,
  * the world team), never a backend's internal memory, so the same code runs on the GPU-direct
- * backend (GDAKI) and the CPU-assisted one (proxy). Compiled, not yet run: there is no GPU or NIC
- * where it was written. net.h includes this file only when EPX_NET_HAVE_GIN is defined in a CUDA
+ * backend (GDAKI) and the CPU-assisted one (proxy). Run on one H200 through the proxy path and the
+ * test GIN plugin (tests/gin_probe, gpu.gin_host); the GDAKI path needs ConnectX NICs and has not run. net.h includes this file only when EPX_NET_HAVE_GIN is defined in a CUDA
  * compile with NCCL's headers (2.28); every other translation unit never sees NCCL.
  *
  * Host setup (a later step; see docs/network.md for the whole sequence):

@@ -1,7 +1,7 @@
 /*
  * The device half of the GIN host setup (src/net/gin_dev.h): ncclDevCommCreate / ncclDevCommDestroy and
  * the handle's state (src/net/gin.cuh's epx_net_gin_t) in device memory. Host code only, compiled with
- * NCCL's device headers because the device communicator is their type. Compiled, not yet run on a GPU.
+ * NCCL's device headers because the device communicator is their type. Run by gpu.gin_host.
  */
 #include <cuda_runtime.h>
 #include <stdlib.h>

@@ -4,7 +4,7 @@
  * kernels calling epx's net.h GIN transport (src/net/gin.cuh); NCCL's public host and device API only.
  * Every stage prints one line (harness.c); the parent prints the per-stage summary and the verdict.
  * A test instrument, not part of libepx, and not a CTest test: it needs a GPU and the plugin.
- * Compiled, not yet run: it was written where there is no GPU.
+ * Passed on one H200 at 2 and 4 ranks (docs/benchmarks.md).
  */
 #include <algorithm>
 #include <getopt.h>

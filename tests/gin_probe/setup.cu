@@ -3,7 +3,7 @@
  * emulated node), CUDA, the unique id over the shared page, ncclCommInitRank, whether NCCL opened the
  * plugin, ncclMemAlloc + ncclCommWindowRegister, ncclDevCommCreate with GIN, the net.h handle; then
  * ncclDevCommDestroy, window deregistration, ncclMemFree, a barrier, finalize + destroy or abort.
- * Compiled, not yet run.
+ * Run on one H200 (docs/benchmarks.md).
  */
 #include <errno.h>
 #include <stdio.h>
