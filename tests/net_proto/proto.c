@@ -73,11 +73,13 @@ static int send_all(rank_t *rk)
         if (n == rk->m) continue;
         const int dropped = v == PROTO_DROP_NOTIFY && rk->r == 0 && n == run->N - 1;
         if ((v == PROTO_OK || v == PROTO_DROP_NOTIFY) &&
-            ((!dropped && proto_send_counts(rk, n, SIG_NOTIFY)) || send_packets(rk, n, (int)SIG_DISPATCH(rk->m))))
+            ((!dropped && proto_send_counts(rk, n, SIG_NOTIFY)) ||
+             send_packets(rk, n, (int)SIG_DISPATCH(rk->m))))
             return 1;
         if (v == PROTO_WRONG_PUT_ORDER && (send_packets(rk, n, -1) || proto_send_counts(rk, n, SIG_NOTIFY)))
             return 1;
-        if (v == PROTO_WRONG_OTHER_PEER && (send_packets(rk, n, -1) || proto_send_counts(rk, n, -1))) return 1;
+        if (v == PROTO_WRONG_OTHER_PEER && (send_packets(rk, n, -1) || proto_send_counts(rk, n, -1)))
+            return 1;
     }
     if (v != PROTO_WRONG_OTHER_PEER) return 0;
     for (int n = 0; n < run->N; n++) {
@@ -156,7 +158,8 @@ static void local_legs(rank_t *rk)
         for (int q = 0; q < run->P; q++)
             if (mask >> q & 1)
                 write_row(rk, q,
-                          proto_row_base(run, rk->m, q, rk->r) + rk->rank_index[t * run->R + rk->m * run->P + q],
+                          proto_row_base(run, rk->m, q, rk->r) +
+                              rk->rank_index[t * run->R + rk->m * run->P + q],
                           rk->r, t, topk, run->cfg->with_weights ? w : NULL, rk->in->x + t * run->H);
     }
 }
@@ -270,9 +273,9 @@ static int combine_sum(rank_t *rk)
         const uint32_t mask = rk->node_mask[t * run->N + rk->m];
         if (!mask) continue;
         for (int q = 0; q < run->P; q++)
-            rows[q] = (mask >> q & 1)
-                          ? proto_row_base(run, rk->m, q, rk->r) + rk->rank_index[t * run->R + rk->m * run->P + q]
-                          : 0;
+            rows[q] = (mask >> q & 1) ? proto_row_base(run, rk->m, q, rk->r) +
+                                            rk->rank_index[t * run->R + rk->m * run->P + q]
+                                      : 0;
         node_partial(rk, mask, rows, rk->own_part + t * H, with_w ? rk->own_part_w + t * K : NULL);
     }
     for (int n = 0; n < run->N; n++)

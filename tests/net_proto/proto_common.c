@@ -147,7 +147,8 @@ static void publish_counts(run_t *run, int m, int s, const int32_t *per_rank, co
 void proto_publish_own_counts(rank_t *rk)
 {
     const run_t *run = rk->run;
-    publish_counts(rk->run, rk->m, rk->r, rk->to_rank + rk->m * run->P, rk->per_expert + rk->m * run->P * run->L);
+    publish_counts(rk->run, rk->m, rk->r, rk->to_rank + rk->m * run->P,
+                   rk->per_expert + rk->m * run->P * run->L);
 }
 
 int proto_send_counts(rank_t *rk, int n, int sig)

@@ -226,9 +226,9 @@ static int setup_rank(run_t *run, rank_t *rk, const proto_input_t *in, proto_out
     out->per_expert = proto_garbage((size_t)run->L * 4);
     out->combined = proto_garbage(T * H * 2);
     out->combined_w = run->cfg->with_weights ? proto_garbage(T * K * 4) : NULL;
-    return proto_layout_alloc(rk, in->T) || !rk->y || !rk->own_part || !rk->own_part_w || !out->x || !out->src || !out->tok ||
-           !out->idx || (run->cfg->with_weights && (!out->w || !out->combined_w)) || !out->per_expert ||
-           !out->combined;
+    return proto_layout_alloc(rk, in->T) || !rk->y || !rk->own_part || !rk->own_part_w || !out->x ||
+           !out->src || !out->tok || !out->idx || (run->cfg->with_weights && (!out->w || !out->combined_w)) ||
+           !out->per_expert || !out->combined;
 }
 
 static void free_rank(rank_t *rk)
