@@ -182,15 +182,16 @@ static int run_case(const one_case_t *c, int quiet, proto_stats_t *stats_out)
 }
 
 /* The case of seed index i on split `split`: ref_rm_plan(i)'s permute, padding, bound, probs, weighting
- * and routing (every (padding, bound) pair within 16 indices), in bf16; K, T_max and token counts cycle. */
+ * and routing (every (padding, bound) pair within 16 indices), in bf16; K (every value with every padding),
+ * T_max and token counts cycle. */
 static one_case_t make_case(ref_split_t split, int i, epx_net_model_mode_t mode, uint64_t seed)
 {
     static const int64_t t_max[] = {1, 6, 13};
     const ref_rm_plan_t pl = ref_rm_plan(i);
     return (one_case_t){.split = split,
-                        .K = 2 + i % 4,
+                        .K = 2 + (i + i / 4) % 4,
                         .T_max = t_max[i % 3],
-                        .iter = (i + i / 4) % 4,
+                        .iter = (i / 3) % 4,
                         .routing = pl.routing,
                         .permute = pl.permute,
                         .pad = pl.pad,
