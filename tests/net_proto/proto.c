@@ -11,21 +11,6 @@
 
 #include "reference.h"
 
-/* Region layout, the same in SEND and RECV: count messages [N], token packets [N][T_max], partials
- * [N][T_max]. */
-static uint64_t off_notify(const run_t *run, int n)
-{
-    return (uint64_t)n * run->cmsg;
-}
-static uint64_t off_packet(const run_t *run, int n, int64_t j)
-{
-    return run->off_dispatch + ((uint64_t)n * (uint64_t)run->T_max + (uint64_t)j) * run->dpkt;
-}
-static uint64_t off_partial(const run_t *run, int n, int64_t j)
-{
-    return run->off_combine + ((uint64_t)n * (uint64_t)run->T_max + (uint64_t)j) * run->cpkt;
-}
-
 /* ---- dispatch -------------------------------------------------------------------------------------- */
 
 /* Step 1: destinations, masks, per-destination indices and counts of this rank's tokens. */
@@ -52,25 +37,6 @@ static void layout(rank_t *rk)
     }
 }
 
-/* The count message for node n, packed at SEND.notify[n]. */
-static void pack_counts(rank_t *rk, int n)
-{
-    run_t *run = rk->run;
-    uint8_t *msg = rk->send + off_notify(run, n);
-    put32(msg, 0, rk->to_node[n]);
-    for (int q = 0; q < run->P; q++) put32(msg, 1 + (size_t)q, rk->to_rank[n * run->P + q]);
-    for (int i = 0; i < run->P * run->L; i++)
-        put32(msg, 1 + (size_t)run->P + (size_t)i, rk->per_expert[n * run->P * run->L + i]);
-}
-
-static int send_counts(rank_t *rk, int n, int sig)
-{
-    run_t *run = rk->run;
-    pack_counts(rk, n);
-    return proto_net_put(rk, "notify", CTX_DISPATCH, n * run->P + rk->l, off_notify(run, rk->m),
-                         off_notify(run, n), run->cmsg, sig, EPX_NET_SIGNAL_WEAK);
-}
-
 /* Step 3: the packets for node n, ascending tokens, packet j to RECV.dispatch[m][j] of (n, l). */
 static int send_packets(rank_t *rk, int n, int sig)
 {
@@ -79,7 +45,7 @@ static int send_packets(rank_t *rk, int n, int sig)
     for (int64_t t = 0; t < rk->in->T; t++) {
         const uint32_t mask = rk->node_mask[t * run->N + n];
         if (!mask) continue;
-        uint8_t *pkt = rk->send + off_packet(run, n, j);
+        uint8_t *pkt = rk->send + proto_off_packet(run, n, j);
         put32(pkt, 0, (int32_t)t);
         put32(pkt, 1, (int32_t)mask);
         for (int q = 0; q < run->P; q++)
@@ -90,8 +56,8 @@ static int send_packets(rank_t *rk, int n, int sig)
             memcpy(pkt + 4 * (2 + (size_t)run->P + (size_t)run->K), rk->in->weights + t * run->K,
                    sizeof(float) * (size_t)run->K);
         memcpy(pkt + run->hdr, rk->in->x + t * run->H, 2 * (size_t)run->H);
-        if (proto_net_put(rk, "dispatch", CTX_DISPATCH, n * run->P + rk->l, off_packet(run, rk->m, j),
-                          off_packet(run, n, j), run->dpkt, sig, EPX_NET_SIGNAL_WEAK))
+        if (proto_net_put(rk, "dispatch", CTX_DISPATCH, n * run->P + rk->l, proto_off_packet(run, rk->m, j),
+                          proto_off_packet(run, n, j), run->dpkt, sig, EPX_NET_SIGNAL_WEAK))
             return 1;
         j++;
     }
@@ -107,11 +73,13 @@ static int send_all(rank_t *rk)
         if (n == rk->m) continue;
         const int dropped = v == PROTO_DROP_NOTIFY && rk->r == 0 && n == run->N - 1;
         if ((v == PROTO_OK || v == PROTO_DROP_NOTIFY) &&
-            ((!dropped && send_counts(rk, n, SIG_NOTIFY)) || send_packets(rk, n, (int)SIG_DISPATCH(rk->m))))
+            ((!dropped && proto_send_counts(rk, n, SIG_NOTIFY)) ||
+             send_packets(rk, n, (int)SIG_DISPATCH(rk->m))))
             return 1;
-        if (v == PROTO_WRONG_PUT_ORDER && (send_packets(rk, n, -1) || send_counts(rk, n, SIG_NOTIFY)))
+        if (v == PROTO_WRONG_PUT_ORDER && (send_packets(rk, n, -1) || proto_send_counts(rk, n, SIG_NOTIFY)))
             return 1;
-        if (v == PROTO_WRONG_OTHER_PEER && (send_packets(rk, n, -1) || send_counts(rk, n, -1))) return 1;
+        if (v == PROTO_WRONG_OTHER_PEER && (send_packets(rk, n, -1) || proto_send_counts(rk, n, -1)))
+            return 1;
     }
     if (v != PROTO_WRONG_OTHER_PEER) return 0;
     for (int n = 0; n < run->N; n++) {
@@ -124,16 +92,8 @@ static int send_all(rank_t *rk)
     return 0;
 }
 
-/* Copies source s's counts for this node (from `msg`, count-message layout) into the node table. */
-static void publish_counts(run_t *run, int m, int s, const int32_t *per_rank, const int32_t *per_expert)
-{
-    node_shared_t *node = &run->nodes[m];
-    memcpy(node->per_rank + (size_t)s * run->P, per_rank, sizeof(int32_t) * (size_t)run->P);
-    memcpy(node->per_expert + (size_t)s * run->P * run->L, per_expert,
-           sizeof(int32_t) * (size_t)(run->P * run->L));
-}
-
-/* Step 4: the count messages of the remote sources of this local index, checked, into the node table. */
+/* Step 4: the count messages of the remote sources of this local index (once the variant's wait says they
+ * landed), checked, into the node table. */
 static int counts_in(rank_t *rk)
 {
     run_t *run = rk->run;
@@ -149,46 +109,15 @@ static int counts_in(rank_t *rk)
     } else if (run->N > 1 && proto_wait_signal(rk, "notify", SIG_NOTIFY, (uint64_t)(run->N - 1), -1)) {
         return 1;
     }
-    int32_t per_rank[32], per_expert[32 * 64];
-    for (int n = 0; n < run->N; n++) {
-        if (n == rk->m) continue;
-        const int s = n * run->P + rk->l;
-        const uint8_t *msg = rk->recv + off_notify(run, n);
-        const int32_t packets = get32(msg, 0);
-        if (packets < 0 || packets > run->T_max)
-            return proto_fail(rk, "notify: peer %d announces %d packets (T_max %lld)", s, packets,
-                              (long long)run->T_max);
-        for (int q = 0; q < run->P; q++) {
-            per_rank[q] = get32(msg, 1 + (size_t)q);
-            if (per_rank[q] < 0 || per_rank[q] > packets)
-                return proto_fail(rk, "notify: peer %d announces %d tokens for local rank %d of %d packets",
-                                  s, per_rank[q], q, packets);
-        }
-        for (int i = 0; i < run->P * run->L; i++) {
-            per_expert[i] = get32(msg, 1 + (size_t)run->P + (size_t)i);
-            if (per_expert[i] < 0 || per_expert[i] > per_rank[i / run->L])
-                return proto_fail(rk, "notify: peer %d announces %d tokens for expert %d", s, per_expert[i],
-                                  i);
-        }
-        rk->remote_packets[n] = packets;
-        publish_counts(run, rk->m, s, per_rank, per_expert);
-    }
-    return 0;
+    return proto_counts_in(rk);
 }
 
-/* Step 5: row of source s's first token on local rank q of this node. */
-static int64_t row_base(const run_t *run, int m, int q, int s)
-{
-    int64_t base = 0;
-    for (int s2 = 0; s2 < s; s2++) base += run->nodes[m].per_rank[(size_t)s2 * run->P + q];
-    return base;
-}
-
+/* Step 5: this rank's row count and per-expert counts, from the node table. */
 static void offsets(rank_t *rk)
 {
     run_t *run = rk->run;
     const node_shared_t *node = &run->nodes[rk->m];
-    rk->out->n = row_base(run, rk->m, rk->l, run->R);
+    rk->out->n = proto_row_base(run, rk->m, rk->l, run->R);
     for (int j = 0; j < run->L; j++) {
         int64_t c = 0;
         for (int s = 0; s < run->R; s++)
@@ -229,7 +158,8 @@ static void local_legs(rank_t *rk)
         for (int q = 0; q < run->P; q++)
             if (mask >> q & 1)
                 write_row(rk, q,
-                          row_base(run, rk->m, q, rk->r) + rk->rank_index[t * run->R + rk->m * run->P + q],
+                          proto_row_base(run, rk->m, q, rk->r) +
+                              rk->rank_index[t * run->R + rk->m * run->P + q],
                           rk->r, t, topk, run->cfg->with_weights ? w : NULL, rk->in->x + t * run->H);
     }
 }
@@ -247,9 +177,9 @@ static int forward(rank_t *rk)
         if ((run->cfg->variant == PROTO_OK || run->cfg->variant == PROTO_DROP_NOTIFY) &&
             proto_wait_signal(rk, "forward", SIG_DISPATCH(n), (uint64_t)rk->remote_packets[n], s))
             return 1;
-        for (int q = 0; q < run->P; q++) base[q] = row_base(run, rk->m, q, s);
+        for (int q = 0; q < run->P; q++) base[q] = proto_row_base(run, rk->m, q, s);
         for (int64_t j = 0; j < rk->remote_packets[n]; j++) {
-            const uint8_t *pkt = rk->recv + off_packet(run, n, j);
+            const uint8_t *pkt = rk->recv + proto_off_packet(run, n, j);
             const int32_t tok = get32(pkt, 0);
             const uint32_t mask = (uint32_t)get32(pkt, 1);
             if (tok < 0 || tok >= run->T_max || !mask || mask >> run->P)
@@ -308,20 +238,20 @@ static int combine_forward(rank_t *rk)
         if (n == rk->m) continue;
         const int s = n * run->P + rk->l;
         for (int64_t j = 0; j < rk->remote_packets[n]; j++) {
-            const uint8_t *pkt = rk->recv + off_packet(run, n, j);
+            const uint8_t *pkt = rk->recv + proto_off_packet(run, n, j);
             const int32_t tok = get32(pkt, 0);
             const uint32_t mask = (uint32_t)get32(pkt, 1);
             for (int q = 0; q < run->P; q++)
-                rows[q] = (mask >> q & 1) ? row_base(run, rk->m, q, s) + get32(pkt, 2 + (size_t)q) : 0;
+                rows[q] = (mask >> q & 1) ? proto_row_base(run, rk->m, q, s) + get32(pkt, 2 + (size_t)q) : 0;
             node_partial(rk, mask, rows, part, run->cfg->with_weights ? part_w : NULL);
-            uint8_t *dst = rk->send + off_partial(run, n, j);
+            uint8_t *dst = rk->send + proto_off_partial(run, n, j);
             for (int64_t c = 0; c < run->H; c++) {
                 const uint16_t b = ref_f32_to_bf16(part[c]);
                 memcpy(dst + 2 * c, &b, 2);
             }
             if (run->cfg->with_weights) memcpy(dst + 2 * run->H, part_w, sizeof(float) * (size_t)run->K);
-            if (proto_net_put(rk, "combine", CTX_COMBINE, s, off_partial(run, rk->m, tok),
-                              off_partial(run, n, j), run->cpkt, (int)SIG_COMBINE(rk->m),
+            if (proto_net_put(rk, "combine", CTX_COMBINE, s, proto_off_partial(run, rk->m, tok),
+                              proto_off_partial(run, n, j), run->cpkt, (int)SIG_COMBINE(rk->m),
                               EPX_NET_SIGNAL_WEAK)) {
                 free(part);
                 return 1;
@@ -343,9 +273,9 @@ static int combine_sum(rank_t *rk)
         const uint32_t mask = rk->node_mask[t * run->N + rk->m];
         if (!mask) continue;
         for (int q = 0; q < run->P; q++)
-            rows[q] = (mask >> q & 1)
-                          ? row_base(run, rk->m, q, rk->r) + rk->rank_index[t * run->R + rk->m * run->P + q]
-                          : 0;
+            rows[q] = (mask >> q & 1) ? proto_row_base(run, rk->m, q, rk->r) +
+                                            rk->rank_index[t * run->R + rk->m * run->P + q]
+                                      : 0;
         node_partial(rk, mask, rows, rk->own_part + t * H, with_w ? rk->own_part_w + t * K : NULL);
     }
     for (int n = 0; n < run->N; n++)
@@ -362,7 +292,7 @@ static int combine_sum(rank_t *rk)
                     part = rk->own_part[t * H + c];
                 } else {
                     uint16_t b;
-                    memcpy(&b, rk->recv + off_partial(run, n, t) + 2 * c, 2);
+                    memcpy(&b, rk->recv + proto_off_partial(run, n, t) + 2 * c, 2);
                     part = ref_bf16_to_f32(b);
                 }
                 acc = ref_fadd(acc, part);
@@ -379,7 +309,7 @@ static int combine_sum(rank_t *rk)
                 if (n == rk->m)
                     part = rk->own_part_w[t * K + k];
                 else
-                    memcpy(&part, rk->recv + off_partial(run, n, t) + 2 * H + 4 * (size_t)k, 4);
+                    memcpy(&part, rk->recv + proto_off_partial(run, n, t) + 2 * H + 4 * (size_t)k, 4);
                 acc = ref_fadd(acc, part);
             }
             rk->out->combined_w[t * K + k] = acc;
@@ -395,13 +325,7 @@ void *proto_rank_main(void *arg)
     rank_t *rk = arg;
     run_t *run = rk->run;
     layout(rk);
-    /* Own counts first: they need nothing from the network. */
-    for (int q = 0; q < run->P; q++) {
-        run->nodes[rk->m].per_rank[(size_t)rk->r * run->P + q] = rk->to_rank[rk->m * run->P + q];
-        for (int j = 0; j < run->L; j++)
-            run->nodes[rk->m].per_expert[((size_t)rk->r * run->P + q) * run->L + j] =
-                rk->per_expert[(rk->m * run->P + q) * run->L + j];
-    }
+    proto_publish_own_counts(rk); /* they need nothing from the network */
     if (send_all(rk) || counts_in(rk) || proto_node_barrier(rk, "notify", 1)) return NULL;
     offsets(rk);
     local_legs(rk);

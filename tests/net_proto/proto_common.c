@@ -1,7 +1,7 @@
 /*
  * What every protocol prototype of this directory shares (README.md): error recording with the run's
  * abort word, bounded waits on signals and node-shared words, node barriers, puts between the
- * registered regions and flush.
+ * registered regions and flush; the count messages and node table of the HT and routing-map protocols.
  */
 #include <sched.h>
 #include <stdarg.h>
@@ -131,4 +131,71 @@ int proto_node_barrier(rank_t *rk, const char *stage, uint64_t generation)
     node_shared_t *node = &rk->run->nodes[rk->m];
     atomic_fetch_add_explicit(&node->barrier, 1, memory_order_acq_rel);
     return proto_wait_local(rk, stage, &node->barrier, generation * (uint64_t)rk->run->P, "the node's ranks");
+}
+
+/* ---- count messages and the node table (HT and routing-map) --------------------------------------- */
+
+/* Copies source s's counts for node m into the node table. */
+static void publish_counts(run_t *run, int m, int s, const int32_t *per_rank, const int32_t *per_expert)
+{
+    node_shared_t *node = &run->nodes[m];
+    memcpy(node->per_rank + (size_t)s * run->P, per_rank, sizeof(int32_t) * (size_t)run->P);
+    memcpy(node->per_expert + (size_t)s * run->P * run->L, per_expert,
+           sizeof(int32_t) * (size_t)(run->P * run->L));
+}
+
+void proto_publish_own_counts(rank_t *rk)
+{
+    const run_t *run = rk->run;
+    publish_counts(rk->run, rk->m, rk->r, rk->to_rank + rk->m * run->P,
+                   rk->per_expert + rk->m * run->P * run->L);
+}
+
+int proto_send_counts(rank_t *rk, int n, int sig)
+{
+    run_t *run = rk->run;
+    uint8_t *msg = rk->send + proto_off_notify(run, n);
+    put32(msg, 0, rk->to_node[n]);
+    for (int q = 0; q < run->P; q++) put32(msg, 1 + (size_t)q, rk->to_rank[n * run->P + q]);
+    for (int i = 0; i < run->P * run->L; i++)
+        put32(msg, 1 + (size_t)run->P + (size_t)i, rk->per_expert[n * run->P * run->L + i]);
+    return proto_net_put(rk, "notify", CTX_DISPATCH, n * run->P + rk->l, proto_off_notify(run, rk->m),
+                         proto_off_notify(run, n), run->cmsg, sig, EPX_NET_SIGNAL_WEAK);
+}
+
+int proto_counts_in(rank_t *rk)
+{
+    run_t *run = rk->run;
+    int32_t per_rank[32], per_expert[32 * 64]; /* P <= 16, P * L <= E <= 2048 */
+    for (int n = 0; n < run->N; n++) {
+        if (n == rk->m) continue;
+        const int s = n * run->P + rk->l;
+        const uint8_t *msg = rk->recv + proto_off_notify(run, n);
+        const int32_t packets = get32(msg, 0);
+        if (packets < 0 || packets > run->T_max)
+            return proto_fail(rk, "notify: peer %d announces %d packets (T_max %lld)", s, packets,
+                              (long long)run->T_max);
+        for (int q = 0; q < run->P; q++) {
+            per_rank[q] = get32(msg, 1 + (size_t)q);
+            if (per_rank[q] < 0 || per_rank[q] > packets)
+                return proto_fail(rk, "notify: peer %d announces %d tokens for local rank %d of %d packets",
+                                  s, per_rank[q], q, packets);
+        }
+        for (int i = 0; i < run->P * run->L; i++) {
+            per_expert[i] = get32(msg, 1 + (size_t)run->P + (size_t)i);
+            if (per_expert[i] < 0 || per_expert[i] > per_rank[i / run->L])
+                return proto_fail(rk, "notify: peer %d announces %d tokens for expert %d", s, per_expert[i],
+                                  i);
+        }
+        rk->remote_packets[n] = packets;
+        publish_counts(run, rk->m, s, per_rank, per_expert);
+    }
+    return 0;
+}
+
+int64_t proto_row_base(const run_t *run, int m, int q, int s)
+{
+    int64_t base = 0;
+    for (int s2 = 0; s2 < s; s2++) base += run->nodes[m].per_rank[(size_t)s2 * run->P + q];
+    return base;
 }

@@ -1,7 +1,8 @@
 /*
  * Internals of the protocol prototypes (README.md): the regions, signals, node-shared memory and
  * per-rank state of the HT protocol (proto.c), the run's setup and threads (proto_run.c), and the
- * waits, puts and errors every prototype shares (proto_common.c), the LL protocol (ll_proto.c) included.
+ * waits, puts and errors every prototype shares (proto_common.c), the LL protocol (ll_proto.c) included;
+ * the count messages, node table and region layout that the HT and routing-map (rm_proto.c) protocols share.
  */
 #ifndef EPX_NET_PROTO_IMPL_H
 #define EPX_NET_PROTO_IMPL_H
@@ -50,6 +51,7 @@ typedef struct rank {
     char *error; /* this rank's first error, error_len bytes */
     size_t error_len;
     void *ll; /* the LL protocol's per-rank state */
+    void *rm; /* the routing-map protocol's */
     pthread_t thread;
 } rank_t;
 
@@ -73,6 +75,7 @@ struct run {
     node_shared_t *nodes;
     rank_t *ranks;
     void *ll; /* the LL protocol's run */
+    void *rm; /* the routing-map protocol's */
 };
 
 /* A rank's thread: dispatch, then combine (README.md); errors go to the run. */
@@ -92,7 +95,13 @@ int proto_run_open(run_t *run, uint32_t ncontexts, uint32_t nsignals);
 /* One thread per rank running rank_main, joined; then nothing may be left in flight. Returns 0, or 1
  * with the run's first error in run->err. Sums the ranks' stats into *stats. */
 int proto_run_threads(run_t *run, void *(*rank_main)(void *), proto_stats_t *stats);
-/* Frees what proto_run_open made (a partly opened run too). */
+/* The node tables (per_rank, per_expert) of every node, zeroed. Returns 0, or 1 (out of memory). */
+int proto_run_tables(run_t *run);
+/* A source's layout arrays (node_mask, rank_index, to_rank, to_node, per_expert, remote_packets) for T
+ * tokens, zeroed. Returns 0, or 1 (out of memory; free them still). */
+int proto_layout_alloc(rank_t *rk, int64_t T);
+void proto_layout_free(rank_t *rk);
+/* Frees what proto_run_open and proto_run_tables made (a partly opened run too). */
 void proto_run_close(run_t *run);
 
 /* ---- shared by the protocols (proto_common.c) ---------------------------------------------------- */
@@ -127,5 +136,35 @@ int proto_wait_local(rank_t *rk, const char *stage, atomic_uint_fast64_t *word, 
                      const char *what);
 /* Node barrier number `generation` (1, 2, ...) of this rank's node. */
 int proto_node_barrier(rank_t *rk, const char *stage, uint64_t generation);
+
+/* ---- count messages, node table and regions of the HT and routing-map protocols (proto_common.c) -- */
+
+/* Region layout, the same in SEND and RECV: count messages [N] (run->cmsg each), token packets
+ * [N][T_max] (run->dpkt) from run->off_dispatch, partials [N][T_max] (run->cpkt) from run->off_combine. */
+static inline uint64_t proto_off_notify(const run_t *run, int n)
+{
+    return (uint64_t)n * run->cmsg;
+}
+static inline uint64_t proto_off_packet(const run_t *run, int n, int64_t j)
+{
+    return run->off_dispatch + ((uint64_t)n * (uint64_t)run->T_max + (uint64_t)j) * run->dpkt;
+}
+static inline uint64_t proto_off_partial(const run_t *run, int n, int64_t j)
+{
+    return run->off_combine + ((uint64_t)n * (uint64_t)run->T_max + (uint64_t)j) * run->cpkt;
+}
+
+/* The source's counts for its own node (to_rank, per_expert of its layout) into the node table. */
+void proto_publish_own_counts(rank_t *rk);
+/* The count message for node n (packets, per_rank[P], per_expert[P * L]) packed at SEND.notify[n] and put
+ * to the forwarder (n, l) at RECV.notify[m], with a WEAK signal (sig >= 0) or without. */
+int proto_send_counts(rank_t *rk, int n, int sig);
+/* After the count messages of the remote sources of this local index landed: each checked (packets within
+ * T_max, per_rank within packets, per_expert within its rank's count), remote_packets[n] set and the counts
+ * copied into the node table. Returns 0, or 1 (an error naming rank, peer and field). */
+int proto_counts_in(rank_t *rk);
+/* Row of source s's first token among the rows of local rank q of node m (the sum of the earlier sources'
+ * per_rank counts in the node table). */
+int64_t proto_row_base(const run_t *run, int m, int q, int s);
 
 #endif

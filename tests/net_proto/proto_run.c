@@ -1,7 +1,8 @@
 /*
  * Setup and teardown of one prototype run (README.md): the host model, each rank's registered regions
  * and outputs (filled with garbage first, so a row nobody wrote cannot pass), one thread per rank. The
- * run's frame (proto_run_open, proto_run_threads, proto_run_close) serves the LL protocol too.
+ * run's frame (proto_run_open, proto_run_threads, proto_run_close) serves the LL protocol too; the node
+ * tables and a source's layout arrays serve the routing-map protocol too.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -137,6 +138,39 @@ int proto_run_threads(run_t *run, void *(*rank_main)(void *), proto_stats_t *sta
     return rc;
 }
 
+int proto_run_tables(run_t *run)
+{
+    for (int n = 0; n < run->N; n++) {
+        run->nodes[n].per_rank = calloc((size_t)run->R * (size_t)run->P, sizeof(int32_t));
+        run->nodes[n].per_expert = calloc((size_t)run->R * (size_t)run->P * (size_t)run->L, sizeof(int32_t));
+        if (!run->nodes[n].per_rank || !run->nodes[n].per_expert) return 1;
+    }
+    return 0;
+}
+
+int proto_layout_alloc(rank_t *rk, int64_t T)
+{
+    const run_t *run = rk->run;
+    rk->node_mask = calloc((size_t)T * (size_t)run->N + 1, sizeof(uint32_t));
+    rk->rank_index = calloc((size_t)T * (size_t)run->R + 1, sizeof(int32_t));
+    rk->to_rank = calloc((size_t)run->R, sizeof(int32_t));
+    rk->to_node = calloc((size_t)run->N, sizeof(int32_t));
+    rk->per_expert = calloc((size_t)run->E, sizeof(int32_t));
+    rk->remote_packets = calloc((size_t)run->N, sizeof(int32_t));
+    return !rk->node_mask || !rk->rank_index || !rk->to_rank || !rk->to_node || !rk->per_expert ||
+           !rk->remote_packets;
+}
+
+void proto_layout_free(rank_t *rk)
+{
+    free(rk->node_mask);
+    free(rk->rank_index);
+    free(rk->to_rank);
+    free(rk->to_node);
+    free(rk->per_expert);
+    free(rk->remote_packets);
+}
+
 void proto_run_close(run_t *run)
 {
     epx_net_model_destroy(run->model);
@@ -144,6 +178,10 @@ void proto_run_close(run_t *run)
     for (int r = 0; run->ranks && r < run->R; r++) {
         free(run->ranks[r].send);
         free(run->ranks[r].recv);
+    }
+    for (int n = 0; run->nodes && n < run->N; n++) {
+        free(run->nodes[n].per_rank);
+        free(run->nodes[n].per_expert);
     }
     if (run->mutex_ready) pthread_mutex_destroy(&run->err_lock);
     free(run->ranks);
@@ -178,12 +216,6 @@ static int setup_rank(run_t *run, rank_t *rk, const proto_input_t *in, proto_out
     rk->error = out->error;
     rk->error_len = sizeof(out->error);
     rk->y = proto_garbage(rows * H * 2);
-    rk->node_mask = calloc(T * (size_t)run->N + 1, sizeof(uint32_t));
-    rk->rank_index = calloc(T * (size_t)run->R + 1, sizeof(int32_t));
-    rk->to_rank = calloc((size_t)run->R, sizeof(int32_t));
-    rk->to_node = calloc((size_t)run->N, sizeof(int32_t));
-    rk->per_expert = calloc((size_t)run->E, sizeof(int32_t));
-    rk->remote_packets = calloc((size_t)run->N, sizeof(int32_t));
     rk->own_part = calloc(T * H + 1, sizeof(float));
     rk->own_part_w = calloc(T * K + 1, sizeof(float));
     out->x = proto_garbage(rows * H * 2);
@@ -194,21 +226,15 @@ static int setup_rank(run_t *run, rank_t *rk, const proto_input_t *in, proto_out
     out->per_expert = proto_garbage((size_t)run->L * 4);
     out->combined = proto_garbage(T * H * 2);
     out->combined_w = run->cfg->with_weights ? proto_garbage(T * K * 4) : NULL;
-    return !rk->y || !rk->node_mask || !rk->rank_index || !rk->to_rank || !rk->to_node || !rk->per_expert ||
-           !rk->remote_packets || !rk->own_part || !rk->own_part_w || !out->x || !out->src || !out->tok ||
-           !out->idx || (run->cfg->with_weights && (!out->w || !out->combined_w)) || !out->per_expert ||
-           !out->combined;
+    return proto_layout_alloc(rk, in->T) || !rk->y || !rk->own_part || !rk->own_part_w || !out->x ||
+           !out->src || !out->tok || !out->idx || (run->cfg->with_weights && (!out->w || !out->combined_w)) ||
+           !out->per_expert || !out->combined;
 }
 
 static void free_rank(rank_t *rk)
 {
     free(rk->y);
-    free(rk->node_mask);
-    free(rk->rank_index);
-    free(rk->to_rank);
-    free(rk->to_node);
-    free(rk->per_expert);
-    free(rk->remote_packets);
+    proto_layout_free(rk);
     free(rk->own_part);
     free(rk->own_part_w);
 }
@@ -232,19 +258,11 @@ int proto_run(const proto_config_t *cfg, const proto_input_t *in, proto_make_y_f
     run.off_combine = run.off_dispatch + run.dpkt * (size_t)run.N * (size_t)run.T_max;
     run.region_bytes = run.off_combine + run.cpkt * (size_t)run.N * (size_t)run.T_max;
     int rc = proto_run_open(&run, 2, 2 + 2 * (uint32_t)run.N);
-    for (int n = 0; !rc && n < run.N; n++) {
-        run.nodes[n].per_rank = calloc((size_t)run.R * (size_t)run.P, sizeof(int32_t));
-        run.nodes[n].per_expert = calloc((size_t)run.R * (size_t)run.P * (size_t)run.L, sizeof(int32_t));
-        if (!run.nodes[n].per_rank || !run.nodes[n].per_expert) rc = 1;
-    }
+    if (!rc) rc = proto_run_tables(&run);
     for (int r = 0; !rc && r < run.R; r++) rc = setup_rank(&run, &run.ranks[r], &in[r], &out[r]);
     if (rc && !err[0]) snprintf(err, err_len, "setup failed");
     if (!rc) rc = proto_run_threads(&run, proto_rank_main, stats);
     for (int r = 0; run.ranks && r < run.R; r++) free_rank(&run.ranks[r]);
-    for (int n = 0; run.nodes && n < run.N; n++) {
-        free(run.nodes[n].per_rank);
-        free(run.nodes[n].per_expert);
-    }
     proto_run_close(&run);
     return rc;
 }

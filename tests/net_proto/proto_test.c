@@ -1,5 +1,5 @@
 /*
- * The drivers the HT and LL protocol tests share (proto_test.h).
+ * The drivers the HT, LL and routing-map protocol tests share (proto_test.h).
  */
 #include <stdio.h>
 #include <string.h>

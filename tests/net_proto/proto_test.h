@@ -1,5 +1,5 @@
 /*
- * What the HT and LL protocol tests share: the node splits they sweep, each case's reference problem,
+ * What the HT, LL and routing-map protocol tests share: the node splits they sweep, each case's reference problem,
  * the sweep of correct runs, the normal-against-strict runs of a wrong protocol, and the checks on a
  * run that lost a message. A case runner returns 0 (ran and matched), 1 (failed) or 2 (could not run).
  */
