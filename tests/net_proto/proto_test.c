@@ -97,3 +97,21 @@ int proto_expect_lost(int rc, double took, const char *err, int named)
     EXPECT_TRUE(took >= PROTO_LOST_TIMEOUT / 1000.0 && took < 5.0);
     return 0;
 }
+
+int proto_lost_at_rank2(const char *error2, const char *error3)
+{
+    return strstr(error2, "rank 2: notify: waiting for signal 0 to reach 1 (at 0) from peers 0: ") != NULL &&
+           error2[0] && error3[0];
+}
+
+int proto_check_forwarded_bytes(const char *label, const proto_stats_t *st)
+{
+    printf("bytes, %s: network %llu (dispatch %llu, combine %llu), within nodes %llu (+ %llu to or from a "
+           "rank's own rows); one packet per remote destination rank would put %llu dispatch bytes\n",
+           label, (unsigned long long)st->net_bytes, (unsigned long long)st->dispatch_net_bytes,
+           (unsigned long long)(st->net_bytes - st->dispatch_net_bytes), (unsigned long long)st->nvlink_bytes,
+           (unsigned long long)st->self_bytes, (unsigned long long)st->flat_net_bytes);
+    EXPECT_TRUE(st->net_bytes > 0 && st->nvlink_bytes > 0);
+    EXPECT_TRUE(st->dispatch_net_bytes <= st->flat_net_bytes);
+    return 0;
+}

@@ -49,4 +49,12 @@ int proto_wrong_sweep(const char *name, proto_case_fn run_case, const void *arg,
  * a timeout in its error `err`; `named`: the waiting rank's error names its wait. Returns 0, or 1. */
 int proto_expect_lost(int rc, double took, const char *err, int named);
 
+/* Rank 2 of a 2x2 split (node 1, local 0) lost its count message: its error names its notify wait, and
+ * rank 3, which waits for it at the node's barrier, failed too. */
+int proto_lost_at_rank2(const char *error2, const char *error3);
+
+/* The bytes of a forwarded run (HT, routing map) after `label`: printed, and checked (both legs used;
+ * no more dispatch bytes on the network than one packet per remote destination rank). Returns 0, or 1. */
+int proto_check_forwarded_bytes(const char *label, const proto_stats_t *st);
+
 #endif
