@@ -149,14 +149,16 @@ class HybridEPBuffer:
         """HybridEP's JIT cache; epx compiles nothing at run time."""
 
     def update_template_config(self, hidden_dim=None, num_of_tokens_per_rank=None, num_local_experts=None,
-                               pad_multiple=None, use_fp8=None, fuse_permute_dispatch=False, **kernel_settings):
+                               pad_multiple=None, use_fp8=None, fuse_permute_dispatch=False,
+                               **kernel_settings):
         """HybridEP's per-call kernel configuration, which may grow its buffer. epx's buffer is sized once:
         values it holds are accepted (kernel settings without effect), others raise ValueError naming
         them. Not collective; returns None (HybridEP returns its kernel config)."""
+        tokens_cap = self.max_num_of_tokens_per_rank
         checks = (("hidden_dim", hidden_dim, hidden_dim is None or hidden_dim == self.hidden_dim,
                    "the buffer's hidden_dim is %d" % self.hidden_dim),
                   ("num_of_tokens_per_rank", num_of_tokens_per_rank,
-                   num_of_tokens_per_rank is None or num_of_tokens_per_rank <= self.max_num_of_tokens_per_rank,
+                   num_of_tokens_per_rank is None or num_of_tokens_per_rank <= tokens_cap,
                    "above the buffer's max_num_of_tokens_per_rank = %d (epx buffers do not grow)"
                    % self.max_num_of_tokens_per_rank),
                   ("num_local_experts", num_local_experts,
