@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import epx  # noqa: E402
-from epx.compat.hybrid_ep import HybridEPBuffer  # noqa: E402
+from epx.compat.hybrid_ep import HybridEPBuffer, indices_to_map  # noqa: E402
 from torchutil import run_in_group  # noqa: E402
 
 H, L, TOPK, PAD, T_MAX = 256, 2, 3, 4, 24
@@ -81,6 +81,17 @@ class Ref:
                                                          dtype=block.dtype)]))
         self.p_tokens, self.p_probs, self.p_sf = torch.cat(rows), torch.cat(prows), torch.cat(srows)
         self.tokens_per_expert = torch.tensor(per_expert, dtype=torch.int32)
+
+
+def check_row_id_map(row_id_map, local_map, permuted, received, rank):
+    """row_id_map[i, j] - 1 is the permuted row of received token i for local expert j (0: not routed)."""
+    n = received.shape[0]
+    assert row_id_map.dtype == torch.int32 and row_id_map.shape == local_map.shape
+    assert torch.equal(row_id_map[:n] > 0, local_map[:n]) and not row_id_map[n:].any()
+    i, j = local_map[:n].nonzero(as_tuple=True)
+    rows = row_id_map[i, j].long() - 1
+    assert rows.unique().numel() == rows.numel(), "row_id_map repeats a row (rank %d)" % rank
+    same(permuted[rows], received[i], "rows through row_id_map", rank)
 
 
 def expect_combined(combined, hidden, routing_map, rank):
@@ -168,9 +179,12 @@ def _permute(rank, nranks, dist, ragged):
                 hidden=hidden, scaling_factor=sf, pad_multiple=PAD, num_of_experts_per_rank=L, **route)
             same(tokens, ref.p_tokens, "permuted tokens", rank)
             same(per_expert, ref.tokens_per_expert, "tokens_per_expert", rank)
-            assert p_sf is None and len(handle) == 11
-            assert int(handle[3].item()) == ref.tokens.shape[0]
-            same(handle[4], ref.local_map, "local_expert_routing_map", rank)
+            assert p_sf is None
+            # HybridEP's tests unpack the 9 elements and read [3] and [4]; [5] is the row id map.
+            _, _, _, num_dispatched, local_map, row_id_map, _, _, _ = handle
+            assert int(num_dispatched.item()) == ref.tokens.shape[0]
+            same(local_map, ref.local_map, "local_expert_routing_map", rank)
+            check_row_id_map(row_id_map, local_map, tokens, ref.tokens, rank)
             if with_probs:
                 same(p_probs, ref.p_probs, "permuted probs", rank)
             else:
@@ -196,6 +210,7 @@ def _permute(rank, nranks, dist, ragged):
     assert tokens.shape[0] == bound and not tokens[P:].any() and not p_probs[P:].any()
     same(tokens[:P].contiguous(), ref.p_tokens, "bounded permuted tokens", rank)
     same(handle[4][:ref.tokens.shape[0]], ref.local_map, "bounded local_expert_routing_map", rank)
+    check_row_id_map(handle[5], handle[4], tokens, ref.tokens, rank)
     combined, c_probs = buf.combine_with_unpermute(hidden=tokens, probs=p_probs, handle=handle,
                                                    pad_multiple=PAD)
     expect_combined(combined, hidden, rmap, rank)
@@ -208,6 +223,92 @@ def _permute(rank, nranks, dist, ragged):
 @pytest.mark.parametrize("nranks,ragged", [(2, False), (3, True)])
 def test_dispatch_with_permute(nranks, ragged):
     assert run_in_group(nranks, _permute, ragged=ragged) == [True] * nranks
+
+
+def test_indices_to_map():
+    """HybridEP's helper: -1 (and other ids outside [0, E)) select nothing; a repeated id's weights add."""
+    idx = torch.tensor([[0, 3, -1], [2, 2, 5], [-1, -1, -1]])
+    w = torch.tensor([[0.5, 0.25, 9.0], [1.0, 2.0, 0.125], [7.0, 7.0, 7.0]])
+    rmap, probs = indices_to_map(idx, w, 3, 4)
+    assert rmap.dtype == torch.bool and probs.dtype == torch.float32
+    assert rmap.tolist() == [[True, False, False, True], [False, False, True, False], [False] * 4]
+    assert probs.tolist() == [[0.5, 0, 0, 0.25], [0, 0, 3.0, 0], [0, 0, 0, 0]]
+    assert indices_to_map(idx, None, 3, 4)[1] is None
+    with pytest.raises(ValueError, match="topk_weights"):
+        indices_to_map(idx, w[:, :2], 3, 4)
+
+
+def test_internode_group_refused():
+    """A group over several machines (HybridEP's RDMA path) is refused when the buffer is made."""
+    class TwoMachines:
+        rank, nranks, local_nranks = 0, 8, 4
+    with pytest.raises(NotImplementedError, match="spans 2 machines"):
+        HybridEPBuffer(None, hidden_dim=H, max_num_of_tokens_per_rank=T_MAX, num_local_experts=L,
+                       comm=TwoMachines())
+
+
+def _callers(rank, nranks, dist):
+    """The call sequences of HybridEP's newer test and of Megatron-LM's fused_a2a (HybridEPDispatch /
+    HybridEPCombine, forward and backward), with their keywords and unpacking."""
+    import inspect
+
+    buf = _buffer(dist)
+    E = buf.num_of_experts
+    hidden, sf, idx, w, rmap, probs = inputs(rank, _tokens(rank, True), E)
+    ref = Ref(dist, rank, nranks, hidden, sf, rmap, probs)
+    # A cached dispatch as HybridEP's benchmark makes it: topk_idx, topk_weights and the handle.
+    _, d_probs, _, handle = buf.dispatch(hidden=hidden, scaling_factor=sf, topk_idx=idx, topk_weights=w,
+                                         num_of_experts=E)
+    again, again_probs, _, _ = buf.dispatch(hidden=hidden, scaling_factor=sf, topk_idx=idx,
+                                            topk_weights=w * 2, num_of_experts=E, handle=handle)
+    same(again, ref.tokens, "cached dispatch by topk_idx", rank)
+    same(again_probs, d_probs * 2, "cached dispatch's new probs", rank)
+    # apply_probs_to_hidden: probs that sum to 1 per token give the token back.
+    norm = probs / probs.sum(dim=1, keepdim=True).clamp(min=1e-30)
+    tokens, p_probs, _, _, handle = buf.dispatch_with_permute(hidden=hidden, routing_map=rmap, probs=norm,
+                                                              scaling_factor=sf, pad_multiple=PAD)
+    combined, c_probs = buf.combine_with_unpermute(hidden=tokens, probs=p_probs, handle=handle,
+                                                   pad_multiple=PAD, apply_probs_to_hidden=True)
+    assert torch.allclose(combined.float(), hidden.float(), atol=2e-5, rtol=1e-2), "weighted (rank %d)" % rank
+    same(c_probs, norm, "apply_probs_to_hidden combined probs", rank)
+    with pytest.raises(ValueError, match="needs probs"):
+        buf.combine_with_unpermute(hidden=tokens, handle=handle, apply_probs_to_hidden=True)
+    # Megatron-LM: the fused flag only where the signature has it; forward, then backward through
+    # combine_with_unpermute and a dispatch_with_permute with the handle alone.
+    assert "fuse_permute_dispatch" in inspect.signature(HybridEPBuffer.dispatch_with_permute).parameters
+    for fused in (False, True):
+        extra = {"fuse_permute_dispatch": fused} if fused else {}
+        x, d_probs, d_sf, per_expert, handle = buf.dispatch_with_permute(
+            hidden=hidden, routing_map=rmap, probs=probs, scaling_factor=None, num_of_experts_per_rank=L,
+            pad_multiple=PAD, num_permuted_tokens=None, non_blocking=False, **extra)
+        same(x, ref.p_tokens, "Megatron forward tokens", rank)
+        assert d_sf is None and len(handle) == (11 if fused else 9)
+        if fused:
+            same(handle[7], ref.local_map.sum(dim=0, dtype=torch.int32), "handle[7] tokens per expert", rank)
+            assert handle[8] == hidden.shape[0]
+        else:
+            assert handle[6] == hidden.shape[0]
+        grad_x, grad_probs = buf.combine_with_unpermute(
+            hidden=x, probs=d_probs, handle=handle, pad_multiple=PAD,
+            **({"fuse_unpermute_combine": fused} if fused else {}))
+        expect_combined(grad_x, hidden, rmap, rank)
+        same(grad_probs, probs, "Megatron backward probs", rank)
+        back, _, _, _, _ = buf.dispatch_with_permute(hidden=hidden, scaling_factor=None, handle=handle,
+                                                     pad_multiple=PAD, num_permuted_tokens=None, **extra)
+        same(back, ref.p_tokens, "Megatron combine backward", rank)
+    # update_template_config: what the buffer holds is accepted, growth is refused by name.
+    buf.update_template_config(hidden_dim=H, num_of_tokens_per_rank=T_MAX, num_local_experts=L,
+                               pad_multiple=PAD, use_fp8=False, num_of_stages_dispatch_api=4)
+    with pytest.raises(ValueError, match="num_of_tokens_per_rank"):
+        buf.update_template_config(num_of_tokens_per_rank=buf.max_num_of_tokens_per_rank + 1)
+    with pytest.raises(ValueError, match="hidden_dim"):
+        buf.update_template_config(hidden_dim=H * 2)
+    return True
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_hybrid_ep_callers(nranks):
+    assert run_in_group(nranks, _callers) == [True] * nranks
 
 
 def _fp8(rank, nranks, dist):

@@ -1,10 +1,13 @@
 """HybridEP-compatible front over epx's routing-map operations: `HybridEPBuffer` with dispatch, combine,
-dispatch_with_permute and combine_with_unpermute, called as HybridEP's (DeepEP's hybrid-ep branch) are.
-Needs torch. Every difference from HybridEP is listed in docs/compat-hybrid-ep.md; the main ones:
+dispatch_with_permute and combine_with_unpermute, and `indices_to_map`, called as HybridEP's (DeepEP's
+hybrid-ep branch) are. Needs torch. docs/compat.md ("HybridEP") compares every call with HybridEP's; the
+main differences:
 
-- Handles are tuples laid out as HybridEP's (7 elements from dispatch, 11 from dispatch_with_permute)
-  with the fields callers read filled the same way: [3] num_dispatched_tokens_tensor (int32 [1]) and
-  [4] local_expert_routing_map ([N_r, L] bool, HT order). The other fields are epx's own state.
+- Handles are tuples laid out as HybridEP's (7 elements from dispatch; 9 from dispatch_with_permute, 11
+  with fuse_permute_dispatch=True) with the fields callers read filled the same way:
+  [3] num_dispatched_tokens_tensor (int32 [1]), [4] local_expert_routing_map ([N_r, L] bool, HT order),
+  [5] of a 9-element handle row_id_map ([N_r, L] int32, permuted row + 1, 0 where not routed), the
+  token count. The other fields are epx's own state or None.
 - A dispatch with a handle dispatches again with the routing the handle kept (same outputs; the
   routing exchange is not skipped).
 - combine(probs=) / combine_with_unpermute(probs=) return the probs in [T, E] as HybridEP does; epx
@@ -25,6 +28,34 @@ def _torch():
 
     epx._epx._refresh_torch()
     return torch
+
+
+def indices_to_map(topk_idx, topk_weights, num_of_tokens, num_of_experts):
+    """HybridEP's helper: topk_idx [T, K] (and topk_weights [T, K]) -> (routing_map [T, E] bool, probs [T, E]
+    float32, or None without weights), on topk_idx's device. Slots outside [0, E) (-1: no expert) select
+    nothing; weights of a repeated id add up."""
+    torch = _torch()
+    T, E = num_of_tokens, num_of_experts
+    if topk_idx is None:
+        raise ValueError("indices_to_map needs topk_idx")
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != T:
+        raise ValueError("topk_idx must be [%d, K], got %s" % (T, list(topk_idx.shape)))
+    # Slots outside [0, E) go to a spare column E, dropped after: scattering them onto a real expert
+    # would select it.
+    valid = (topk_idx >= 0) & (topk_idx < E)
+    col = torch.where(valid, topk_idx, torch.full_like(topk_idx, E)).long()
+    routing_map = torch.zeros((T, E + 1), dtype=torch.bool, device=topk_idx.device)
+    routing_map.scatter_(1, col, torch.ones_like(valid))
+    routing_map = routing_map[:, :E].contiguous()
+    probs = None
+    if topk_weights is not None:
+        if topk_weights.shape != topk_idx.shape:
+            raise ValueError("topk_weights %s must have topk_idx's shape %s"
+                             % (list(topk_weights.shape), list(topk_idx.shape)))
+        probs = torch.zeros((T, E + 1), dtype=torch.float32, device=topk_idx.device)
+        probs.scatter_add_(1, col, topk_weights.float())
+        probs = probs[:, :E].contiguous()
+    return routing_map, probs
 
 
 def _unsupported(**kwargs):
@@ -78,6 +109,14 @@ class HybridEPBuffer:
         self.group = group
         self.comm = comm if comm is not None else epx.Comm.from_torch(group)
         self.rank, self.group_size = self.comm.rank, self.comm.nranks
+        if self.comm.local_nranks < self.comm.nranks:
+            # Every rank sees the same topology: all raise here.
+            if comm is None:
+                self.comm.destroy()
+            raise NotImplementedError(
+                "epx.compat.hybrid_ep is intranode only: the group spans %d machines (HybridEP's internode "
+                "RDMA path, num_of_nodes > 1 over the network) needs epx's network path"
+                % (self.comm.nranks // max(self.comm.local_nranks, 1)))
         per_domain = num_of_hybrid_ep_ranks_per_nvlink_domain
         if per_domain is None and os.getenv("NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"):
             per_domain = int(os.environ["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"])
@@ -100,6 +139,7 @@ class HybridEPBuffer:
         self.max_num_of_tokens_per_rank = max(max_num_of_tokens_per_rank, 512)
         E = self.num_experts
         self.num_topk = min(E, num_topk or max(_NUM_TOPK_FLOOR, self.group_size))
+        self.max_pad_multiple = max_pad_multiple
         sms = [n for n in (num_sms_dispatch_api, num_sms_combine_api) if n is not None]
         self.buffer = epx.Buffer(self.comm, self.max_num_of_tokens_per_rank, hidden_dim, self.num_topk, E,
                                  modes="permute", dispatch_dtypes=["bf16", "fp8"] if use_fp8 else ["bf16"],
@@ -108,6 +148,30 @@ class HybridEPBuffer:
     def empty_jit_cache(self):
         """HybridEP's JIT cache; epx compiles nothing at run time."""
 
+    def update_template_config(self, hidden_dim=None, num_of_tokens_per_rank=None, num_local_experts=None,
+                               pad_multiple=None, use_fp8=None, fuse_permute_dispatch=False,
+                               **kernel_settings):
+        """HybridEP's per-call kernel configuration, which may grow its buffer. epx's buffer is sized once:
+        values it holds are accepted (kernel settings without effect), others raise ValueError naming
+        them. Not collective; returns None (HybridEP returns its kernel config)."""
+        tokens_cap = self.max_num_of_tokens_per_rank
+        checks = (("hidden_dim", hidden_dim, hidden_dim is None or hidden_dim == self.hidden_dim,
+                   "the buffer's hidden_dim is %d" % self.hidden_dim),
+                  ("num_of_tokens_per_rank", num_of_tokens_per_rank,
+                   num_of_tokens_per_rank is None or num_of_tokens_per_rank <= tokens_cap,
+                   "above the buffer's max_num_of_tokens_per_rank = %d (epx buffers do not grow)"
+                   % self.max_num_of_tokens_per_rank),
+                  ("num_local_experts", num_local_experts,
+                   num_local_experts is None or num_local_experts == self.num_local_experts,
+                   "the buffer has %d" % self.num_local_experts),
+                  ("pad_multiple", pad_multiple,
+                   pad_multiple is None or pad_multiple <= max(self.max_pad_multiple, 1),
+                   "above the buffer's max_pad_multiple = %d" % self.max_pad_multiple),
+                  ("use_fp8", use_fp8, not use_fp8 or self.use_fp8, "the buffer was made with use_fp8=False"))
+        for name, value, ok, why in checks:
+            if not ok:
+                raise ValueError("update_template_config: %s = %s, %s" % (name, value, why))
+
     def destroy(self):
         """Frees the epx buffer now (handles must be gone). Not collective."""
         self.buffer.destroy()
@@ -115,34 +179,28 @@ class HybridEPBuffer:
     # ------------------------------------------------------------------------------ helpers
 
     def _routing(self, hidden, routing_map, probs, topk_idx, topk_weights, num_of_experts, handle):
-        """(routing_map [T, E] bool, probs [T, E] float32 or None) from either form, or from the handle."""
+        """(routing_map [T, E] bool, probs [T, E] float32 or None) from either form. With a handle the
+        routing is the handle's (as HybridEP's cached dispatch uses its handle's metadata and reads only
+        the probs, or topk_weights, of the call)."""
         torch = _torch()
-        T = hidden.shape[0]
-        if routing_map is None and topk_idx is None and handle is not None:
-            routing_map = handle[0].routing_map
-        if routing_map is not None:
+        if routing_map is not None:  # routing_map wins over topk_idx, as in HybridEP
             if isinstance(routing_map, torch.Tensor) and routing_map.dtype != torch.bool:
                 raise ValueError("routing_map must be torch.bool, got %s" % routing_map.dtype)
-            return routing_map, probs
-        if topk_idx is None:
+        elif topk_idx is not None:
+            if num_of_experts is None:
+                raise ValueError("num_of_experts is required with topk_idx")
+            if num_of_experts != self.num_experts:
+                raise ValueError("num_of_experts = %d, the buffer has %d (num_local_experts * group size)"
+                                 % (num_of_experts, self.num_experts))
+            routing_map, from_weights = indices_to_map(topk_idx, topk_weights if probs is None else None,
+                                                       hidden.shape[0], self.num_experts)
+            probs = probs if probs is not None else from_weights
+        if handle is not None:
+            if not isinstance(handle, tuple) or not handle or not isinstance(handle[0], _State):
+                raise ValueError("handle is not one from this front")
+            routing_map = handle[0].routing_map
+        if routing_map is None:
             raise ValueError("pass routing_map (and probs), topk_idx (and topk_weights) or a handle")
-        if num_of_experts is None:
-            raise ValueError("num_of_experts is required with topk_idx")
-        E = self.num_experts
-        if num_of_experts != E:
-            raise ValueError("num_of_experts = %d, the buffer has %d (num_local_experts * group size)"
-                             % (num_of_experts, E))
-        # Slots outside [0, E) (-1: no expert) go to a spare column E, dropped after: scattering them
-        # onto a real expert would race with (and could overwrite) a slot that selected it.
-        valid = (topk_idx >= 0) & (topk_idx < E)
-        col = torch.where(valid, topk_idx, torch.full_like(topk_idx, E)).long()
-        routing_map = torch.zeros((T, E + 1), dtype=torch.bool, device=topk_idx.device)
-        routing_map.scatter_(1, col, torch.ones_like(valid))
-        routing_map = routing_map[:, :E].contiguous()
-        if probs is None and topk_weights is not None:
-            probs = torch.zeros((T, E + 1), dtype=torch.float32, device=topk_idx.device)
-            probs.scatter_(1, col, topk_weights.float())
-            probs = probs[:, :E].contiguous()
         return routing_map, probs
 
     def _hidden(self, hidden, scaling_factor):
@@ -209,6 +267,19 @@ class HybridEPBuffer:
         # With a bound nothing may wait on the device (the call may be captured): [R * T_max, L], the
         # received rows first in order, then rows that select nothing.
         return count, cols[torch.argsort((~rows).to(torch.uint8), stable=True)]
+
+    @staticmethod
+    def _row_id_map(local_map, tokens_per_expert):
+        """HybridEP's row_id_map [rows, L] int32: 1 + the permuted row of (received token i, local expert j),
+        0 where i did not select j. Group j starts after the earlier groups' padded rows and keeps the
+        received order, as the permuted layout does; computed on the device (no host wait)."""
+        if local_map is None:
+            return None
+        torch = _torch()
+        padded = tokens_per_expert.to(device=local_map.device, dtype=torch.int32)
+        starts = torch.cumsum(padded, 0, dtype=torch.int32) - padded
+        within = torch.cumsum(local_map.to(torch.int32), 0, dtype=torch.int32)
+        return torch.where(local_map, starts.unsqueeze(0) + within, torch.zeros_like(within))
 
     def _wide_probs(self, probs):
         """epx's [N, L] probs -> HybridEP's [N, L * ranks_per_domain], this rank's experts at
@@ -314,8 +385,9 @@ class HybridEPBuffer:
         """hidden [T, H] -> (dispatched_token [P, H], dispatched_probs [P] or None, dispatched_scaling_factor
         or None, tokens_per_expert [L] int32 (padded), handle). Rows are grouped by local expert, each group
         padded to pad_multiple with zero rows. num_permuted_tokens bounds the rows (no host wait;
-        capturable); non_blocking needs it. fuse_permute_dispatch and num_dispatched_tokens have no
-        effect (epx always permutes inside the dispatch)."""
+        capturable); non_blocking needs it. The handle has HybridEP's 9 elements ([5] row_id_map), or its 11
+        with fuse_permute_dispatch=True ([7] the unpadded tokens per expert); epx permutes inside the
+        dispatch either way. num_dispatched_tokens has no effect."""
         with epx.collective(self.buffer, epx.RM_DISPATCH):
             if use_host_meta is not None:
                 non_blocking = not use_host_meta
@@ -341,22 +413,45 @@ class HybridEPBuffer:
         else:
             count, local_map = self._local_map(routing_map, out, num_permuted_tokens is not None)
         state = _State(out.handle, True, pad, routing_map, out.num_tokens, out.tokens_per_expert)
-        unpadded = local_map.sum(dim=0, dtype=_torch().int32) if local_map is not None else None
-        new_handle = (state, None, None, count, local_map, None, None, unpadded, hidden.shape[0], None, None)
+        T = hidden.shape[0]
+        if fuse_permute_dispatch:
+            unpadded = local_map.sum(dim=0, dtype=_torch().int32) if local_map is not None else None
+            new_handle = (state, None, None, count, local_map, None, None, unpadded, T, None, None)
+        else:
+            row_id_map = self._row_id_map(local_map, out.tokens_per_expert)
+            new_handle = (state, None, None, count, local_map, row_id_map, T, None, None)
         return tokens, out.probs, out.scaling_factor, out.tokens_per_expert, new_handle
 
     def combine_with_unpermute(self, hidden=None, *, probs=None, handle=None, pad_multiple=None,
-                               fuse_unpermute_combine=False, num_dispatched_tokens=None, weighted=False):
+                               fuse_unpermute_combine=False, num_dispatched_tokens=None,
+                               apply_probs_to_hidden=False, weighted=False):
         """hidden [P, H] bf16 in the permuted layout -> (combined_token [T, H] bf16, combined_probs [T, E]
-        float32 or None): the sum over (rank, local expert) of the token's rows. weighted=True (epx's
-        own) weights each row by the prob it was dispatched with. pad_multiple, when given, must be the
-        dispatch's; fuse_unpermute_combine and num_dispatched_tokens have no effect."""
+        float32 or None): the sum over (rank, local expert) of the token's rows. apply_probs_to_hidden=True
+        first multiplies each row by its entry of probs ([P] float32, needed then), as HybridEP does;
+        weighted=True (epx's own) weights each row by the prob it was dispatched with, in the library.
+        pad_multiple, when given, must be the dispatch's; fuse_unpermute_combine (either handle layout is
+        taken) and num_dispatched_tokens have no effect."""
         with epx.collective(self.buffer, epx.RM_COMBINE):
             state = self._state(handle, True, "dispatch_with_permute")
             if pad_multiple and pad_multiple > 0 and pad_multiple != state.pad_multiple:
                 raise ValueError("pad_multiple = %d, the handle's dispatch used %d"
                                  % (pad_multiple, state.pad_multiple))
+            if apply_probs_to_hidden:
+                hidden = self._apply_probs(hidden, probs, weighted)
         return self._combine(state, hidden, probs, weighted)
+
+    @staticmethod
+    def _apply_probs(hidden, probs, weighted):
+        """hidden [P, H] * probs [P] (fp32 product, bf16 rows) for apply_probs_to_hidden."""
+        torch = _torch()
+        if weighted:
+            raise ValueError("pass apply_probs_to_hidden=True or weighted=True, not both")
+        if not isinstance(probs, torch.Tensor):
+            raise ValueError("apply_probs_to_hidden=True needs probs (the dispatch's permuted probs)")
+        if probs.dim() != 1 or probs.shape[0] != hidden.shape[0]:
+            raise ValueError("apply_probs_to_hidden: probs must be [%d] (one per row of hidden), got %s"
+                             % (hidden.shape[0], list(probs.shape)))
+        return (hidden.float() * probs.float().unsqueeze(1)).to(torch.bfloat16)
 
     @staticmethod
     def _state(handle, permute, kind):
