@@ -264,6 +264,12 @@ class Comm(_epx.Comm):
         "network" (another node). The host backend carries both through its shared memory."""
         return _epx.comm_peer_path(self, peer)
 
+    def barrier(self):
+        """Collective: returns when every rank called it, through the communicator's bootstrap (epx's own,
+        or the callbacks' barrier); past EPX_TIMEOUT_MS, or when a peer is gone, it raises. Benchmarks
+        align their iterations with it, as the C tools do."""
+        _epx.comm_barrier(self)
+
     @classmethod
     def from_torch(cls, group=None, backend="auto", timeout_ms=0):
         """Collective over a torch.distributed process group (default: the world): bootstraps through

@@ -183,6 +183,7 @@ static PyMethodDef module_methods[] = {
      "Internal: use Comm.from_callbacks or Comm.from_torch."},
     {"comm_node_topology", py_comm_node_topology, METH_O, "Internal: use Comm.topology."},
     {"comm_peer_path", py_comm_peer_path, METH_VARARGS, "Internal: use Comm.peer_path."},
+    {"comm_barrier", py_comm_barrier, METH_O, "Internal: use Comm.barrier."},
     {"_refresh_torch", mod_refresh_torch, METH_NOARGS, "Internal: pick up torch once it is imported."},
     {"_set_error_classes", mod_set_error_classes, METH_VARARGS, "Internal: the EpxError hierarchy."},
     {"_set_helpers", mod_set_helpers, METH_VARARGS, "Internal: StaleViewError and the copies through torch."},

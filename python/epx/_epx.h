@@ -289,6 +289,7 @@ PyObject *py_comm_init(PyObject *mod, PyObject *args, PyObject *kwargs);
 PyObject *py_comm_init_callbacks(PyObject *mod, PyObject *args, PyObject *kwargs);
 PyObject *py_comm_node_topology(PyObject *mod, PyObject *arg);
 PyObject *py_comm_peer_path(PyObject *mod, PyObject *args);
+PyObject *py_comm_barrier(PyObject *mod, PyObject *arg);
 
 /* ------------------------------------------------------------------ _epx_types.c ---- */
 

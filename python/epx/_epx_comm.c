@@ -92,21 +92,28 @@ static int comm_config(PyObject *backend_obj, int types_ok, const char *type_err
     return 0;
 }
 
+/* Raises the error of `res` with `cause` (the exception a bootstrap callback raised meanwhile, or NULL;
+ * stolen) as its __cause__. Returns NULL. */
+static PyObject *comm_raise(epx_result_t res, PyObject *cause)
+{
+    py_raise_epx(res);
+    if (cause) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        PyException_SetCause(value, cause); /* steals cause */
+        PyErr_Restore(type, value, tb);
+    }
+    return NULL;
+}
+
 static PyObject *comm_finish_init(CommObject *self, epx_result_t res)
 {
     if (res != EPX_SUCCESS) {
         PyObject *cause = self->callback_error;
         self->callback_error = NULL;
         Py_DECREF(self);
-        py_raise_epx(res);
-        if (cause) {
-            PyObject *type, *value, *tb;
-            PyErr_Fetch(&type, &value, &tb);
-            PyErr_NormalizeException(&type, &value, &tb);
-            PyException_SetCause(value, cause); /* steals cause */
-            PyErr_Restore(type, value, tb);
-        }
-        return NULL;
+        return comm_raise(res, cause);
     }
     res = epx_comm_get_topology(self->comm, &self->topo);
     if (res != EPX_SUCCESS) {
@@ -212,4 +219,22 @@ PyObject *py_comm_peer_path(PyObject *mod, PyObject *args)
     epx_result_t res = epx_comm_get_peer_path(self->comm, peer, &path);
     if (res != EPX_SUCCESS) return py_raise_epx(res);
     return PyUnicode_FromString(path == EPX_PATH_SELF ? "self" : path == EPX_PATH_IPC ? "ipc" : "network");
+}
+
+PyObject *py_comm_barrier(PyObject *mod, PyObject *arg)
+{
+    if (!PyObject_TypeCheck(arg, &py_comm_type)) {
+        PyErr_SetString(PyExc_TypeError, "epx: comm_barrier takes an epx.Comm");
+        return NULL;
+    }
+    CommObject *self = (CommObject *)arg;
+    if (py_comm_check(self) != 0) return NULL;
+    /* The GIL stays held: a callback communicator's barrier is the caller's Python callable. */
+    const epx_result_t res = epx_comm_barrier(self->comm);
+    if (res != EPX_SUCCESS) {
+        PyObject *cause = self->callback_error;
+        self->callback_error = NULL;
+        return comm_raise(res, cause);
+    }
+    Py_RETURN_NONE;
 }

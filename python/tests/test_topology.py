@@ -129,3 +129,41 @@ def test_combine_tree(nodes, per):
     differ = sum(run_ranks(nodes * per, _tree_body, per=per))
     # Two nodes: remote partials through bf16 change some sums; one node: the flat sum exactly.
     assert (differ > 0) == (nodes > 1), "%d elements differ from the flat sum (seed %d)" % (differ, SEED)
+
+
+# ------------------------------------------------------------------------------------ barrier
+
+
+def _barrier(rank, nranks, uid):
+    import time
+
+    comm = host_comm(rank, nranks, uid)
+    comm.barrier()  # every rank has its comm
+    if rank == 0:
+        time.sleep(0.3)
+    t0 = time.monotonic()
+    comm.barrier()
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_barrier_waits_for_every_rank(nranks):
+    waited = run_ranks(nranks, _barrier)
+    # The others waited for rank 0, which entered 0.3 s late.
+    assert all(w >= 0.25 for w in waited[1:]), waited
+
+
+def test_barrier_callback_exception_is_the_cause():
+    armed = []
+
+    def barrier():
+        if armed:  # the init's own barriers pass
+            raise RuntimeError("the launcher is gone")
+
+    comm = epx.Comm.from_callbacks(lambda d: d, barrier, 0, 1, backend="host")
+    armed.append(True)
+    with pytest.raises(epx.BootstrapError) as e:
+        comm.barrier()
+    assert isinstance(e.value.__cause__, RuntimeError) and "the launcher is gone" in str(e.value.__cause__)
+    armed.clear()
+    comm.barrier()  # the communicator stays usable
