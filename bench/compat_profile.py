@@ -5,7 +5,8 @@ R processes (torch.multiprocessing spawn, a gloo group over a file store) all us
 daemon before, so that their kernels run side by side. Every rank makes DeepEP-like inputs: x bf16 [T, H],
 topk_idx int64 = the top-K of random scores over E experts, fp32 weights, and an fp8 copy of x with one fp32
 scale per 128 channels. A row is the median of --iters timings with CUDA events after --warmup, each
-iteration preceded by torch.cuda.synchronize() and a group barrier; the slowest rank's median is shown, then
+iteration preceded by torch.cuda.synchronize() and a barrier (the gloo group's, or with --barrier epx an epx
+host communicator's over epx's own bootstrap, as epx-bench aligns its C rows); the slowest rank's median is shown, then
 the fastest's.
 
 Rows of the front (per --front-views setting): get_dispatch_layout; the dispatch without a handle as a
@@ -51,6 +52,9 @@ def parse_args(argv=None):
     ap.add_argument("--timeout-ms", type=int, default=20000, help="epx timeout of the bench's communicators")
     ap.add_argument("--deadline", type=float, default=110.0, help="seconds before the ranks are killed")
     ap.add_argument("--cpu", action="store_true", help="host backend, CPU tensors")
+    ap.add_argument("--barrier", choices=("gloo", "epx"), default="gloo",
+                    help="what aligns each timed call: the gloo group's barrier, or the barrier of an epx host "
+                         "communicator over epx's own bootstrap (as epx-bench aligns its C rows)")
     a = ap.parse_args(argv)
     for name, value in (CPU_SHAPES if a.cpu else GPU_SHAPES).items():
         if getattr(a, name) is None:
@@ -71,6 +75,13 @@ class Ctx:
         self.cuda = not a.cpu
         self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
         self.profiles = []
+        self.epx_comm = None  # --barrier epx: an epx host communicator used only for its barrier
+
+    def barrier(self):
+        if self.epx_comm is not None:
+            self.epx_comm.barrier()
+        else:
+            self.dist.barrier()
 
     def sync(self):
         if self.cuda:
@@ -108,7 +119,7 @@ def measure(ctx, body, nparts):
     samples = [[] for _ in range(nparts)]
     for i in range(ctx.a.warmup + ctx.a.iters):
         ctx.sync()
-        ctx.dist.barrier()
+        ctx.barrier()
         marks = [ctx.mark()]
         body(lambda: marks.append(ctx.mark()))
         ctx.sync()
@@ -333,11 +344,17 @@ def rank_main(rank, a, store_path):
     store = dist.FileStore(store_path, a.ranks)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=a.ranks,
                             timeout=datetime.timedelta(seconds=max(a.deadline, 10)))
+    ctx = None
     try:
         import epx
         from epx.compat import deep_ep
 
         ctx = Ctx(a, rank, torch, dist)
+        if a.barrier == "epx":
+            uid = [epx.get_unique_id() if rank == 0 else None]
+            dist.broadcast_object_list(uid, src=0)
+            ctx.epx_comm = epx.Comm.from_unique_id(uid[0], rank, a.ranks, backend="host",
+                                                   timeout_ms=a.timeout_ms)
         inputs = make_inputs(ctx)
         if rank == 0:
             device = torch.cuda.get_device_name(0) if ctx.cuda else "CPU, host backend"
@@ -363,6 +380,8 @@ def rank_main(rank, a, store_path):
         print("rank %d failed:\n%s" % (rank, traceback.format_exc()), file=sys.stderr, flush=True)
         raise
     finally:
+        if ctx is not None and ctx.epx_comm is not None:
+            ctx.epx_comm.destroy()
         dist.destroy_process_group()
 
 

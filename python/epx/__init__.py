@@ -230,7 +230,8 @@ class Comm(_epx.Comm):
 
     Properties: rank, nranks, local_rank, local_nranks (of this machine), ranks_per_nvlink_domain,
     num_nvlink_domains, backend ("host" or "cuda"), cuda_device, topology (a NodeTopology: the nodes);
-    peer_path(peer) says how this rank reaches a peer. Destroyed when garbage-collected, or by destroy().
+    peer_path(peer) says how this rank reaches a peer; barrier() waits for every rank. Destroyed when
+    garbage-collected, or by destroy().
 
     node_id (the init's argument): ranks with one node id form a node; None or "" = the default.
     EPX_NODE_ID, when set and not empty, overrides it; without either, the node is the host."""
