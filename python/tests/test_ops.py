@@ -36,8 +36,8 @@ def test_topology(nranks):
 # ------------------------------------------------------------------------------------ layout + HT
 
 
-def _ht(rank, nranks, uid, alignment, idx_dtype, with_bias):
-    p = problem(nranks, idx_dtype=idx_dtype)
+def _ht(rank, nranks, uid, alignment, idx_dtype, with_bias, shape=None):
+    p = problem(nranks, idx_dtype=idx_dtype, **(shape or {}))
     comm = host_comm(rank, nranks, uid)
     # Outputs of their own (recv_topk_idx in topk_idx's dtype, kept across the cached dispatch below);
     # the views of the default are tested in test_views.py.
@@ -129,8 +129,8 @@ def test_ht_fp8_fp32(nranks):
 # ------------------------------------------------------------------------------------ LL
 
 
-def _ll(rank, nranks, uid, hook, zero_copy):
-    p = problem(nranks)
+def _ll(rank, nranks, uid, hook, zero_copy, shape=None):
+    p = problem(nranks, **(shape or {}))
     comm = host_comm(rank, nranks, uid)
     buf = epx.Buffer(comm, p.T_max, p.H, p.K, p.E, modes=["ll"])
     x, idx, w = p.x[rank], p.topk_idx[rank], p.weights[rank]
@@ -196,8 +196,8 @@ def test_ll_fp8(nranks):
 # ------------------------------------------------------------------------------------ routing map
 
 
-def _rm(rank, nranks, uid, permute, weighted, pad):
-    p = problem(nranks)
+def _rm(rank, nranks, uid, permute, weighted, pad, shape=None):
+    p = problem(nranks, **(shape or {}))
     comm = host_comm(rank, nranks, uid)
     buf = epx.Buffer(comm, p.T_max, p.H, p.K, p.E, modes="permute", max_pad_multiple=max(pad, 1))
     rmap, probs = p.routing_map(rank), p.probs[rank]
@@ -268,6 +268,23 @@ def _ht_static_overflow(rank, nranks, uid):
 @pytest.mark.parametrize("nranks", [1, 2])
 def test_ht_static_overflow(nranks):
     run_ranks(nranks, _ht_static_overflow)
+
+
+# ------------------------------------------------------------------------------------ odd shapes
+
+
+# (ranks, max_tokens, hidden, top-k, experts): one expert per rank, top-1, one token, a hidden of three
+# 128-channel groups, more ranks than tokens, a top-k above 8 (odd, as many as the experts of 3 ranks).
+ODD_SHAPES = [(2, 1, 128, 1, 2), (3, 7, 384, 2, 9), (5, 3, 128, 4, 10), (2, 64, 128, 9, 18), (6, 2, 128, 5, 12)]
+
+
+@pytest.mark.parametrize("nranks,max_tokens,hidden,topk,experts", ODD_SHAPES)
+def test_odd_shapes(nranks, max_tokens, hidden, topk, experts):
+    shape = dict(max_tokens=max_tokens, hidden=hidden, topk=topk, experts=experts)
+    run_ranks(nranks, _ht, alignment=4, idx_dtype=np.int32, with_bias=True, shape=shape)
+    run_ranks(nranks, _ll, hook=True, zero_copy=True, shape=shape)
+    run_ranks(nranks, _rm, permute=True, weighted=True, pad=4, shape=shape)
+    run_ranks(nranks, _rm, permute=False, weighted=False, pad=1, shape=shape)
 
 
 # ------------------------------------------------------------------------------------ lifetime
