@@ -14,6 +14,10 @@
  * is_token_in_rank), so rows come out in ascending token order. A bad id reads as -1; inside a
  * dispatch it goes to the handle's bad word (the dispatch then fails on the device), in a
  * standalone layout every count output becomes -1. */
+/* Ids of a tile the layout stages in shared memory (up to 1024 tokens x 8: wider top-k reads global
+ * memory), so that the per-id checks (a row's earlier ids, for repeats) read shared memory. */
+constexpr int kLayoutStageK = 8;
+
 __global__ void __launch_bounds__(1024) layout_kernel(const __grid_constant__ epx_cuda_layout_args_t a)
 {
     const int R = a.nranks, K = a.num_topk, L = a.num_local_experts, E = a.num_experts;
@@ -22,6 +26,9 @@ __global__ void __launch_bounds__(1024) layout_kernel(const __grid_constant__ ep
     __shared__ int warp_cnt[32][EPX_CUDA_MAX_RANKS];
     __shared__ int base[EPX_CUDA_MAX_RANKS];
     __shared__ int dom_cnt[EPX_CUDA_MAX_RANKS];
+    /* The tile's ids as int32, an id outside [-1, E) as -2 (as bad), when K <= kLayoutStageK. */
+    __shared__ int32_t staged[1024 * kLayoutStageK];
+    const bool stage = K <= kLayoutStageK && blockDim.x <= 1024;
     for (int i = threadIdx.x; i < R; i += blockDim.x) {
         base[i] = 0;
         dom_cnt[i] = 0;
@@ -33,12 +40,24 @@ __global__ void __launch_bounds__(1024) layout_kernel(const __grid_constant__ ep
     bool saw_bad = false;
     for (int64_t tile = 0; tile < a.num_tokens; tile += blockDim.x) {
         const int64_t t = tile + threadIdx.x;
+        if (stage) {
+            const int64_t rows = a.num_tokens - tile < (int64_t)blockDim.x ? a.num_tokens - tile : blockDim.x;
+            for (int64_t i = threadIdx.x; i < rows * K; i += blockDim.x) {
+                const int64_t v = topk_at(a.topk_idx, a.idx_is_64, tile * K + i);
+                staged[i] = v < -1 || v >= E ? -2 : (int32_t)v;
+            }
+            __syncthreads();
+        }
         uint64_t mask = 0;
         if (t < a.num_tokens) {
             for (int k = 0; k < K; k++) {
-                const int64_t e = topk_checked(a.topk_idx, a.idx_is_64, t, K, k, E, a.host, a.bad);
+                /* A bad staged id is checked again on the caller's tensor, which reports it. */
+                const int64_t v = stage ? staged[threadIdx.x * K + k] : 0;
+                const int64_t e = stage && !topk_bad(staged, 0, threadIdx.x, K, k, E, v)
+                                      ? v
+                                      : topk_checked(a.topk_idx, a.idx_is_64, t, K, k, E, a.host, a.bad);
                 if (e < 0) {
-                    saw_bad |= topk_at(a.topk_idx, a.idx_is_64, t * K + k) != -1;
+                    saw_bad |= (stage ? v : topk_at(a.topk_idx, a.idx_is_64, t * K + k)) != -1;
                     continue;
                 }
                 mask |= 1ull << (e / L);
