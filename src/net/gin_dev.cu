@@ -7,6 +7,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <thread>
+
 #include "net/gin.cuh"
 #include "net/gin_dev.h"
 
@@ -51,8 +56,34 @@ extern "C" void epx_gin_dev_get_counts(const epx_gin_dev_t *d, epx_gin_dev_count
     counts_out->gin_type = c.ginContextCount > 0 ? (int32_t)c.ginTypes[0] : -1;
 }
 
+/* cudaDeviceSynchronize on a helper thread, waited for here at most timeout_ms: past it the caller gets
+ * cudaErrorTimeout and the helper is left to finish on its own (it holds only its shared verdict). */
+static cudaError_t sync_device_bounded(int64_t timeout_ms)
+{
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) return e;
+    auto verdict = std::make_shared<std::atomic<int>>(-1);
+    try {
+        std::thread([verdict, dev] {
+            cudaError_t r = cudaSetDevice(dev);
+            if (r == cudaSuccess) r = cudaDeviceSynchronize();
+            verdict->store((int)r, std::memory_order_release);
+        }).detach();
+    } catch (...) {
+        return cudaErrorMemoryAllocation;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    for (;;) {
+        const int v = verdict->load(std::memory_order_acquire);
+        if (v >= 0) return (cudaError_t)v;
+        if (std::chrono::steady_clock::now() > deadline) return cudaErrorTimeout;
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+}
+
 extern "C" int epx_gin_dev_publish(epx_gin_dev_t *d, uint32_t ncontexts, int nregions, void *const *windows,
-                                   const uint64_t *region_bytes, void **impl_out)
+                                   const uint64_t *region_bytes, int64_t timeout_ms, void **impl_out)
 {
     if (nregions < 0 || nregions > EPX_NET_GIN_MAX_REGIONS || ncontexts == 0) return (int)cudaErrorInvalidValue;
     epx_net_gin_t g;
@@ -71,8 +102,9 @@ extern "C" int epx_gin_dev_publish(epx_gin_dev_t *d, uint32_t ncontexts, int nre
     if (e == cudaSuccess) e = cudaMalloc((void **)&d->impl, sizeof(g));
     if (e == cudaSuccess) e = cudaMemcpy(d->impl, &g, sizeof(g), cudaMemcpyHostToDevice);
     /* The windows' and the device communicator's device tables are written on NCCL's streams, which a
-     * kernel launched on another stream does not wait for. No kernel of this handle runs yet. */
-    if (e == cudaSuccess) e = cudaDeviceSynchronize();
+     * kernel launched on another stream does not wait for. No kernel of this handle runs yet. The wait is
+     * bounded: a device that never finishes NCCL's copies gives cudaErrorTimeout. */
+    if (e == cudaSuccess) e = sync_device_bounded(timeout_ms);
     if (e == cudaSuccess) *impl_out = d->impl;
     return (int)e;
 }

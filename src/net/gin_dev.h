@@ -31,9 +31,10 @@ int epx_gin_dev_create(void *nccl_comm, int contexts, int signals, int counters,
 void epx_gin_dev_get_counts(const epx_gin_dev_t *d, epx_gin_dev_counts_t *counts_out);
 /* Copies the handle's state (device communicator, `nregions` windows of region_bytes each, signal and
  * counter base 0, posted[ncontexts] zeroed) to device memory and waits for the device (NCCL's own copies
- * run on its streams). [out] impl_out: the device copy for epx_net_t.impl. Returns the cudaError_t. */
+ * run on its streams) at most timeout_ms. [out] impl_out: the device copy for epx_net_t.impl. Returns the
+ * cudaError_t (cudaErrorTimeout past the deadline). */
 int epx_gin_dev_publish(epx_gin_dev_t *d, uint32_t ncontexts, int nregions, void *const *windows,
-                        const uint64_t *region_bytes, void **impl_out);
+                        const uint64_t *region_bytes, int64_t timeout_ms, void **impl_out);
 /* Starts ncclDevCommDestroy when the device communicator was created (ncclSuccess otherwise); may
  * answer ncclInProgress like create. Returns the ncclResult_t. */
 int epx_gin_dev_destroy(void *nccl_comm, epx_gin_dev_t *d);

@@ -267,8 +267,12 @@ static epx_result_t open_devcomm(epx_gin_t *g, const epx_gin_open_args_t *args)
     g->nsignals = (uint32_t)args->nsignals;
     void *windows[EPX_GIN_MAX_REGIONS];
     for (int i = 0; i < g->nregions; i++) windows[i] = (void *)g->win[i];
-    EPX_CHECK(epx_cuda_check(epx_gin_dev_publish(g->dev, g->ncontexts, g->nregions, windows, g->bytes, &g->impl),
-                             "the GIN handle's device copy", g->rank));
+    const int published = epx_gin_dev_publish(g->dev, g->ncontexts, g->nregions, windows, g->bytes, g->timeout_ms,
+                                              &g->impl);
+    if (published == (int)cudaErrorTimeout)
+        return epx_error(EPX_ERR_TIMEOUT, "rank %d: the device did not finish NCCL's copies of the GIN tables within "
+                         "%lld ms", g->rank, (long long)g->timeout_ms);
+    EPX_CHECK(epx_cuda_check(published, "the GIN handle's device copy", g->rank));
     EPX_INFO(EPX_SUBSYS_INIT,
              "rank %d: GIN device communicator: %d contexts (%u used), %d signals, %d counters, backend type %d, "
              "%d regions",
