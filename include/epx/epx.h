@@ -441,6 +441,12 @@ typedef struct epx_ht_dispatch_outputs {
     int64_t num_recv_tokens_host;            /* [out] N_r; -1 in static mode on every backend
                                                 (the num_recv_tokens tensor has it after a sync) */
     epx_handle_t handle;                     /* [out] new handle (not written for cached) */
+    /* Appended (read only when `size` covers it): optional [R, R] int32, DeepEP's rank prefix
+     * matrix: element [s, d] = tokens that ranks 0..s send to rank d, before any num_worst_tokens
+     * bound; so column d's differences are every source's rows for rank d, and [R-1, d] is rank d's
+     * N_r. Every rank learns it from the dispatch's own count exchange. Not written by a cached
+     * dispatch. */
+    epx_tensor_t rank_prefix_matrix; /* [out] optional [R, R] int32 */
 } epx_ht_dispatch_outputs_t;
 
 #define EPX_HT_DISPATCH_OUTPUTS_INIT EPX_STRUCT_INIT_(epx_ht_dispatch_outputs_t)

@@ -17,7 +17,7 @@
 
 /* What one operation holds while it runs: the imported tensors (kept until the library call returns)
  * and the outputs, each in its slot of the result. */
-#define MAX_ITEMS 8
+#define MAX_ITEMS 9
 typedef struct {
     keep_t keep;
     call_ctx_t ctx;
@@ -188,7 +188,7 @@ COLLECTIVE_METHOD(buffer_dispatch, EPX_COLLECTIVE_HT_DISPATCH)
         {topk_obj, "topk_idx", HINT_NONE, &a.topk_idx},
         {weights_obj, "topk_weights", HINT_NONE, &a.topk_weights},
     };
-    if (call_open(&c, 8, x_obj, stream_obj, in, COUNT(in), &a.stream) != 0) return call_fail(&c);
+    if (call_open(&c, 9, x_obj, stream_obj, in, COUNT(in), &a.stream) != 0) return call_fail(&c);
     area_t *area;
     int copy;
     if (py_dispatch_area(self, views_obj, num_worst, &area, &copy) != 0 ||
@@ -222,6 +222,7 @@ COLLECTIVE_METHOD(buffer_dispatch, EPX_COLLECTIVE_HT_DISPATCH)
          &o.recv_topk_weights},
         {!cached, EPX_DTYPE_INT32, 1, {L}, "num_recv_tokens_per_expert", &o.num_recv_tokens_per_expert},
         [7] = {!cached && num_worst > 0, EPX_DTYPE_INT32, 1, {1}, "num_recv_tokens", &o.num_recv_tokens},
+        [8] = {!cached, EPX_DTYPE_INT32, 2, {self->R, self->R}, "rank_prefix_matrix", &o.rank_prefix_matrix},
     };
     if (call_alloc(&c, outs, COUNT(outs)) != 0) return call_fail(&c);
     epx_result_t res;

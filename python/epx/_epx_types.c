@@ -559,6 +559,8 @@ static PyStructSequence_Field ht_dispatch_fields[] = {
     {"handle", "epx.Handle for combine and cached dispatch"},
     {"num_recv_tokens", "N_r (int; -1 in static mode, where num_recv_tokens_tensor has it)"},
     {"num_recv_tokens_tensor", "[1] int32 holding N_r in the tensors' memory (static mode), else None"},
+    {"rank_prefix_matrix", "[R, R] int32: [s, d] = tokens ranks 0..s send rank d; None for cached "
+                           "(attribute only: not part of the 8-tuple)"},
     {NULL},
 };
 

@@ -80,6 +80,10 @@ class Problem:
                 per_expert[e] += 1
         return in_rank.sum(axis=0).astype(np.int32), per_expert, in_rank
 
+    def rank_prefix_matrix(self):
+        """DeepEP's [R, R]: [s, d] = tokens ranks 0..s send rank d."""
+        return np.cumsum(np.stack([self.layout(s)[0] for s in range(self.R)]), axis=0).astype(np.int32)
+
     def ht_rows(self, r):
         """(source rank, source token) of every row rank r receives, in HT order."""
         L = self.L

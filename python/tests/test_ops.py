@@ -60,11 +60,13 @@ def _ht(rank, nranks, uid, alignment, idx_dtype, with_bias, shape=None):
     assert_equal(out.recv_topk_idx, recv_idx.astype(idx_dtype), "recv_topk_idx", rank)
     assert_equal(out.recv_topk_weights, recv_w, "recv_topk_weights", rank)
     assert_equal(out.num_recv_tokens_per_expert, counts, "num_recv_tokens_per_expert", rank)
+    assert_equal(out.rank_prefix_matrix, p.rank_prefix_matrix(), "rank_prefix_matrix", rank)
+    assert len(out) == 8  # the matrix is an attribute, not part of the tuple
 
     # Cached dispatch: same routing, new data (x + 1 in bf16).
     x2 = bf16(f32(x) + 1)
     cached = buf.dispatch(x2, handle=out.handle)
-    assert cached.handle is out.handle and cached.recv_topk_idx is None
+    assert cached.handle is out.handle and cached.recv_topk_idx is None and cached.rank_prefix_matrix is None
     assert_equal(cached.recv_x, bf16(f32(recv_x) + 1), "cached recv_x", rank)
 
     y = p.expert_fn(out.recv_x, rank + 1)

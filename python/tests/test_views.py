@@ -58,7 +58,8 @@ def _dispatch_combine(rank, nranks, uid):
     assert out.recv_topk_idx.dtype == np.int32 and own.recv_topk_idx.dtype == np.int64
     assert out.num_recv_tokens == own.num_recv_tokens == len(want_x) == out.handle.num_recv_tokens
     for name, want in (("recv_x", want_x), ("recv_topk_idx", want_idx), ("recv_topk_weights", want_w),
-                       ("num_recv_tokens_per_expert", want_counts)):
+                       ("num_recv_tokens_per_expert", want_counts),
+                       ("rank_prefix_matrix", p.rank_prefix_matrix())):
         assert_equal(getattr(out, name), getattr(own, name), name + " (views vs own)", rank)
         assert_equal(getattr(out, name).astype(want.dtype), want, name, rank)
 

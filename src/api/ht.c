@@ -94,8 +94,8 @@ EPX_API_CHECK_FN(ht_dispatch)
                                "sets it to a view of its buffer)",
                                names[i], views[i]->data);
         if (a->view_area < 0 || a->view_area >= cfg->num_view_areas)
-            return ARG_ERR("args.view_area = %d is out of range [0, %d) (config.num_view_areas)", a->view_area,
-                           cfg->num_view_areas);
+            return ARG_ERR("args.view_area = %d is out of range [0, %d) (config.num_view_areas)",
+                           a->view_area, cfg->num_view_areas);
         const int64_t cap = (int64_t)comm->nranks * cfg->max_tokens;
         if (a->num_worst_tokens > cap)
             return ARG_ERR("args.num_worst_tokens = %lld is above the %lld rows (R * max_tokens) the buffer "
@@ -104,12 +104,15 @@ EPX_API_CHECK_FN(ht_dispatch)
         if (!cached) {
             CHECK_TENSOR(&o->num_recv_tokens_per_expert, "outputs.num_recv_tokens_per_expert", BIT(INT32), 1,
                          {L}, "L", EPX_TENSOR_OPTIONAL);
+            CHECK_TENSOR(&o->rank_prefix_matrix, "outputs.rank_prefix_matrix", BIT(INT32), 2,
+                         {comm->nranks, comm->nranks}, "R,R", EPX_TENSOR_OPTIONAL);
             CHECK_TENSOR(&o->num_recv_tokens, "outputs.num_recv_tokens", BIT(INT32), 1, {1}, "1",
                          EPX_TENSOR_OPTIONAL);
             EPX_CHECK(epx_api_check_topk_idx(comm, &a->topk_idx, cfg->num_experts, "topk_idx"));
         } else {
             memset(&o->num_recv_tokens_per_expert, 0, sizeof(o->num_recv_tokens_per_expert));
             memset(&o->num_recv_tokens, 0, sizeof(o->num_recv_tokens));
+            memset(&o->rank_prefix_matrix, 0, sizeof(o->rank_prefix_matrix));
         }
         return EPX_SUCCESS;
     }
@@ -127,6 +130,7 @@ EPX_API_CHECK_FN(ht_dispatch)
         memset(&o->recv_topk_weights, 0, sizeof(o->recv_topk_weights));
         memset(&o->num_recv_tokens_per_expert, 0, sizeof(o->num_recv_tokens_per_expert));
         memset(&o->num_recv_tokens, 0, sizeof(o->num_recv_tokens));
+        memset(&o->rank_prefix_matrix, 0, sizeof(o->rank_prefix_matrix));
         return EPX_SUCCESS;
     }
     char dims[64];
@@ -141,6 +145,8 @@ EPX_API_CHECK_FN(ht_dispatch)
                  "L", EPX_TENSOR_OPTIONAL);
     CHECK_TENSOR(&o->num_recv_tokens, "outputs.num_recv_tokens", BIT(INT32), 1, {1}, "1",
                  EPX_TENSOR_OPTIONAL);
+    CHECK_TENSOR(&o->rank_prefix_matrix, "outputs.rank_prefix_matrix", BIT(INT32), 2,
+                 {comm->nranks, comm->nranks}, "R,R", EPX_TENSOR_OPTIONAL);
     /* Values last: the shape checks above are cheaper. */
     EPX_CHECK(epx_api_check_topk_idx(comm, &a->topk_idx, cfg->num_experts, "topk_idx"));
     return EPX_SUCCESS;
@@ -159,8 +165,8 @@ static epx_result_t check_x_view(epx_buffer_t buffer, epx_handle_t handle, const
                            "dispatch (args.x_in_buffer = 2 needs this handle's)",
                            k);
         if (buffer->view_areas[k].dtype != EPX_DTYPE_BF16)
-            return ARG_ERR("x is the dispatch view of view area %d, which holds %s rows (combine takes bf16)", k,
-                           epx_dtype_name(buffer->view_areas[k].dtype));
+            return ARG_ERR("x is the dispatch view of view area %d, which holds %s rows (combine takes bf16)",
+                           k, epx_dtype_name(buffer->view_areas[k].dtype));
         const int64_t rows = buffer->view_areas[k].rows;
         CHECK_TENSOR(x, "x", BIT(BF16), 2, {rows, H}, "rows,H", 0);
         return EPX_SUCCESS;

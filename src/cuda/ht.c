@@ -91,6 +91,7 @@ static epx_result_t ht_dispatch_view(epx_cuda_op_t *op, const epx_ht_dispatch_ar
     if (!cached) {
         a->num_recv_tokens_per_expert = outputs->num_recv_tokens_per_expert.data;
         a->num_recv_tokens = outputs->num_recv_tokens.data;
+        a->rank_prefix_matrix = outputs->rank_prefix_matrix.data;
     }
     a->capacity = is_static && args->num_worst_tokens < cap_rows ? args->num_worst_tokens : cap_rows;
     a->static_mode = is_static;
@@ -165,9 +166,10 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
     a.h = h->dev.ht;
     a.num_tokens = T;
     a.cached = cached;
-    a.c.call_sig = epx_cuda_sig(EPX_CUDA_CALL_HT_DISPATCH, args->x.dtype,
-                                (cached ? EPX_CUDA_SIG_CACHED : 0) | (args->recv_in_buffer ? EPX_CUDA_SIG_VIEW : 0),
-                                cached ? h->seq : 0);
+    a.c.call_sig =
+        epx_cuda_sig(EPX_CUDA_CALL_HT_DISPATCH, args->x.dtype,
+                     (cached ? EPX_CUDA_SIG_CACHED : 0) | (args->recv_in_buffer ? EPX_CUDA_SIG_VIEW : 0),
+                     cached ? h->seq : 0);
     a.x = args->x.data;
     a.row_bytes = H * (int64_t)epx_dtype_bytes(args->x.dtype);
     if (args->x.dtype == EPX_DTYPE_FP8_E4M3) {
@@ -188,6 +190,7 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
         a.recv_topk_weights = outputs->recv_topk_weights.data;
         a.num_recv_tokens_per_expert = outputs->num_recv_tokens_per_expert.data;
         a.num_recv_tokens = outputs->num_recv_tokens.data;
+        a.rank_prefix_matrix = outputs->rank_prefix_matrix.data;
         cap = rows_of(&outputs->recv_topk_idx, cap);
         cap = rows_of(&outputs->recv_topk_weights, cap);
     }
@@ -248,8 +251,7 @@ epx_result_t epx_cuda_ht_combine(epx_buffer_t buffer, uint64_t seq, const epx_ht
     a.in_buffer = args->x_in_buffer != 0;
     /* x_in_buffer 2: x is the recv_x of a view area (the API checked which and whose). */
     a.x_off = cb->lay.comb_x;
-    if (args->x_in_buffer == 2)
-        a.x_off = (uint64_t)((const uint8_t *)args->x.data - cb->region);
+    if (args->x_in_buffer == 2) a.x_off = (uint64_t)((const uint8_t *)args->x.data - cb->region);
     a.c.call_sig = epx_cuda_sig(EPX_CUDA_CALL_HT_COMBINE, 0, a.in_buffer ? EPX_CUDA_SIG_VIEW : 0, h->seq);
     if (a.in_buffer)
         EPX_CHECK(epx_cuda_op_launched(&op, epx_cuda_launch_combine_view(&a, args->stream),

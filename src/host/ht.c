@@ -47,7 +47,9 @@ static epx_result_t set_views(host_buffer_t *hb, const epx_ht_dispatch_args_t *a
     const size_t cap = (size_t)hb->nranks * (size_t)cfg->max_tokens, H = (size_t)cfg->hidden;
     const size_t K = (size_t)cfg->num_topk;
     const uint32_t dt = cfg->dispatch_dtypes;
-    const size_t elem = (dt & EPX_DTYPE_BIT(EPX_DTYPE_FP32)) ? 4 : (dt & EPX_DTYPE_BIT(EPX_DTYPE_BF16)) ? 2 : 1;
+    const size_t elem = (dt & EPX_DTYPE_BIT(EPX_DTYPE_FP32))   ? 4
+                        : (dt & EPX_DTYPE_BIT(EPX_DTYPE_BF16)) ? 2
+                                                               : 1;
     const size_t ns = args->x.dtype == EPX_DTYPE_FP8_E4M3 ? H / 128 : 0;
     const size_t ns_max = (dt & EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3)) ? H / 128 : 0;
     const size_t off_scales = (cap * H * elem + 15) / 16 * 16, off_idx = off_scales + cap * ns_max * 4;
@@ -439,6 +441,14 @@ static void dispatch_commit(host_buffer_t *hb, uint64_t seq, const epx_ht_dispat
             }
         }
         for (int j = 0; j < L; j++) per_expert[j] = (int32_t)((per_expert[j] + align - 1) / align * align);
+    }
+    /* The rank prefix matrix: every source's count per destination, summed down the sources. */
+    if (outputs->rank_prefix_matrix.data) {
+        int32_t *m = outputs->rank_prefix_matrix.data;
+        for (int d = 0; d < R; d++) {
+            int32_t sum = 0;
+            for (int s = 0; s < R; s++) m[s * R + d] = sum += sc->cnt[s * R + d];
+        }
     }
 
     copy_ctx_t xc = {hb,

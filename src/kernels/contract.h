@@ -118,6 +118,9 @@ typedef struct epx_cuda_ctrl {
     /* [rank] offset in rank's region of its view-mode combine rows (comb_x, or its dispatch view's
      * area), written before comb_flag. */
     uint64_t comb_xoff[EPX_CUDA_MAX_RANKS];
+    /* [src][dst] rows src sends dst in its latest routed dispatch, written by src (its whole row, to
+     * every peer) before disp_flag: every receiver learns the rank prefix matrix. */
+    int32_t disp_rows[EPX_CUDA_MAX_RANKS][EPX_CUDA_MAX_RANKS];
 } epx_cuda_ctrl_t;
 
 /* Byte offsets inside a region (all ranks use the same numbers). */
@@ -212,6 +215,7 @@ typedef struct epx_cuda_dispatch_args {
     float *recv_topk_weights;
     int32_t *num_recv_tokens_per_expert;
     int32_t *num_recv_tokens;
+    int32_t *rank_prefix_matrix; /* [R][R] or NULL */
     int64_t capacity;
     int32_t static_mode;
     int32_t expert_alignment;

@@ -13,7 +13,8 @@
 
 /* ------------------------------------------------------------------------------- sender ---- */
 
-/* A sender's end: the last block hands every receiver our row count for it, then the epoch. */
+/* A sender's end: the last block hands every receiver our row count for it and (routed) our whole row
+ * of counts for the rank prefix matrix, then the epoch. */
 __device__ __forceinline__ void ht_finish_send(const epx_cuda_dispatch_args_t &a, uint32_t *counter,
                                                uint64_t epoch)
 {
@@ -21,6 +22,9 @@ __device__ __forceinline__ void ht_finish_send(const epx_cuda_dispatch_args_t &a
     if (last_block_arrive(counter))
         publish_peers(c, epoch, [&](int r) {
             epx_cuda_ctrl_t *peer = peer_ctrl(c, r);
+            if (!a.cached)
+                for (int d = 0; d < c->nranks; d++)
+                    *(volatile int32_t *)&peer->disp_rows[c->rank][d] = a.h.send_count[d];
             st_relaxed_sys(&peer->disp_count[c->rank], (uint64_t)a.h.send_count[r]);
             st_release_sys(&peer->disp_flag[c->rank], epoch);
         });
@@ -155,6 +159,15 @@ __device__ __forceinline__ void ht_finish_recv(const epx_cuda_dispatch_args_t &a
         }
         if (!a.cached)
             for (int r = threadIdx.x; r <= R; r += blockDim.x) a.h.recv_prefix[r] = good ? prefix[r] : 0;
+        if (a.rank_prefix_matrix && good) {
+            /* Column d: every source's row count for d (each row arrived before its source's flag). */
+            epx_cuda_ctrl_t *own = peer_ctrl(c, c->rank);
+            for (int d = threadIdx.x; d < R; d += blockDim.x) {
+                int32_t sum = 0;
+                for (int s = 0; s < R; s++)
+                    a.rank_prefix_matrix[s * R + d] = sum += ld_volatile_i32(&own->disp_rows[s][d]);
+            }
+        }
         if (want_counts) {
             const int al = a.expert_alignment > 1 ? a.expert_alignment : 1;
             for (int j = threadIdx.x; j < L; j += blockDim.x) {
@@ -246,6 +259,7 @@ __device__ __forceinline__ void ht_poison(const epx_cuda_dispatch_args_t &a, uin
                 K * (!view && a.recv_idx_is_64 ? 8 : 4), kPoisonIndex);
     poison_counts(a.num_recv_tokens_per_expert, c->num_local_experts);
     poison_counts(a.num_recv_tokens, 1);
+    poison_counts(a.rank_prefix_matrix, (int64_t)c->nranks * c->nranks);
 }
 
 /* Receiver of either mode: threads s < R wait for source s's rows (ht_open_recv), the block's warps

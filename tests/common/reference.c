@@ -341,6 +341,17 @@ void ref_layout(const ref_problem_t *p, int s, int D, int32_t *per_rank, int32_t
     }
 }
 
+void ref_rank_prefix(const ref_problem_t *p, int32_t *m)
+{
+    const int R = p->R;
+    for (int s = 0; s < R; s++)
+        for (int d = 0; d < R; d++) {
+            int32_t n = s > 0 ? m[(s - 1) * R + d] : 0;
+            for (int64_t t = 0; t < p->T[s]; t++) n += to_rank(p, s, t, d) ? 1 : 0;
+            m[s * R + d] = n;
+        }
+}
+
 /* ----------------------------------------------------------------------- HT dispatch ---- */
 
 int ref_ht_dispatch(const ref_problem_t *p, int r, int alignment, ref_ht_recv_t *out)

@@ -100,6 +100,9 @@ void *ref_alloc(size_t bytes);
 void ref_layout(const ref_problem_t *p, int s, int D, int32_t *per_rank, int32_t *per_expert,
                 uint8_t *in_rank, int32_t *per_domain);
 
+/* DeepEP's rank prefix matrix [R, R]: m[s, d] = tokens ranks 0..s send to rank d. */
+void ref_rank_prefix(const ref_problem_t *p, int32_t *m);
+
 /* ----------------------------------------------------------------------- HT dispatch ---- */
 
 typedef struct ref_ht_recv {

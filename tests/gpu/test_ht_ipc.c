@@ -17,9 +17,9 @@
 #include "core/internal.h"
 #include "gpu_test.h"
 
-#define E_EXPERTS 256
-#define TOPK      8
-#define ALIGNMENT 4
+#define E_EXPERTS  256
+#define TOPK       8
+#define ALIGNMENT  4
 #define VIEW_AREAS 3
 
 static epx_comm_t epx_test_current_comm; /* the rank's comm, for epx_get_async_error */
@@ -111,6 +111,7 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
     void *dridx = gpu_alloc(&da, (size_t)(cap * K) * 8, NULL),
          *drw = gpu_alloc(&da, (size_t)(cap * K) * 4, NULL);
     void *dpe = gpu_alloc(&da, (size_t)L * 4, NULL), *dn = gpu_alloc(&da, 4, NULL);
+    void *dpm = gpu_alloc(&da, (size_t)(R * R) * 4, NULL);
     void *dy = gpu_alloc(&da, (size_t)(cap * H) * 2, NULL), *db0 = gpu_alloc(&da, (size_t)(Tm * H) * 2, NULL);
     void *db1 = gpu_alloc(&da, (size_t)(Tm * H) * 2, NULL),
          *dout = gpu_alloc(&da, (size_t)(Tm * H) * 2, NULL);
@@ -159,6 +160,8 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
     ref_ht_combine(&p, rank, yseed, true, true, eout, eoutw);
 
     uint8_t *got = ref_arena_alloc(&ar, (size_t)(cap * H) * es + 16);
+    int32_t *erpm = ref_arena_alloc(&ar, (size_t)(R * R) * 4 + 16);
+    ref_rank_prefix(&p, erpm);
 
     /* Layout on the device against the reference. */
     {
@@ -205,6 +208,7 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
         }
         o.num_recv_tokens_per_expert = gpu_tensor(dpe, EPX_DTYPE_INT32, 1, L, 0, 0, device);
         o.num_recv_tokens = gpu_tensor(dn, EPX_DTYPE_INT32, 1, 1, 0, 0, device);
+        o.rank_prefix_matrix = gpu_tensor(dpm, EPX_DTYPE_INT32, 2, R, R, 0, device);
         EXPECT_OK(epx_ht_dispatch(buf, &a, &o));
         handle = o.handle;
         if (cs->view) { /* the outputs are views of the library's buffer */
@@ -246,6 +250,8 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
         if (ref_check_bits(rank, "recv_topk_weights", got, ref.w, n * K, 4, K)) goto out;
         cudaMemcpy(got, dpe, (size_t)L * 4, cudaMemcpyDeviceToHost);
         if (ref_check_bits(rank, "num_recv_tokens_per_expert", got, ref.per_expert, L, 4, L)) goto out;
+        cudaMemcpy(got, dpm, (size_t)(R * R) * 4, cudaMemcpyDeviceToHost);
+        if (ref_check_bits(rank, "rank_prefix_matrix", got, erpm, R * R, 4, R)) goto out;
 
         /* Cached dispatch with new x: recv_x (and scales) only. */
         cudaMemcpy(dx, in2.x, (size_t)(Tm * H) * es, cudaMemcpyHostToDevice);

@@ -138,6 +138,7 @@ static void call_setup(fixture_t *f, call_t *c, epx_handle_t handle, int64_t han
     c->ht_out.recv_topk_weights =
         epx_tensor_2d(out_take(f, (size_t)cap * TOPK * 4), EPX_DTYPE_FP32, cap, TOPK);
     c->ht_out.num_recv_tokens_per_expert = epx_tensor_1d(out_take(f, (size_t)L * 4), EPX_DTYPE_INT32, L);
+    c->ht_out.rank_prefix_matrix = epx_tensor_2d(out_take(f, (size_t)(R * R) * 4), EPX_DTYPE_INT32, R, R);
     c->ht_out.num_recv_tokens_host = SENTINEL_COUNT;
     c->ht_out.handle = SENTINEL_HANDLE;
 
@@ -246,6 +247,7 @@ typedef enum spoil {
     TOPK_K_SHORT,
     ROUTING_MAP_WIDE,
     LAYOUT_EXPERTS_LONG,
+    PREFIX_MATRIX_SHORT,
     X_INT32,
     TOPK_FP32,
     RECV_X_FP32,
@@ -304,6 +306,9 @@ static void spoil(fixture_t *f, call_t *c, spoil_t what)
     case TOPK_K_SHORT: topk->shape[1] = TOPK - 1; break;
     case ROUTING_MAP_WIDE: c->rm.routing_map.shape[1] = 2 * NEXP; break;
     case LAYOUT_EXPERTS_LONG: c->layout_out.num_tokens_per_expert.shape[0] = NEXP + 1; break;
+    case PREFIX_MATRIX_SHORT:
+        c->ht_out.rank_prefix_matrix.shape[1] = c->ht_out.rank_prefix_matrix.shape[0] - 1;
+        break;
     case X_INT32:
         x->dtype = EPX_DTYPE_INT32;
         x->shape[1] = HID / 2;
@@ -412,6 +417,8 @@ static const bad_case_t cases[] = {
     {"ll hidden differs", LL_DISPATCH, X_HIDDEN_DOUBLE, INVALID, "x.shape[1] = 256"},
     {"topk differs", HT_DISPATCH, TOPK_K_SHORT, INVALID, "topk_idx.shape[1] = 1, expected K = 2"},
     {"experts differ", RM_DISPATCH, ROUTING_MAP_WIDE, INVALID, "routing_map.shape[1] = 8, expected E = 4"},
+    {"rank prefix matrix too narrow", HT_DISPATCH, PREFIX_MATRIX_SHORT, INVALID,
+     "outputs.rank_prefix_matrix.shape[1]"},
     {"layout experts differ", LAYOUT, LAYOUT_EXPERTS_LONG, INVALID,
      "outputs.num_tokens_per_expert.shape[0] = 5, expected E = 4"},
     {"x dtype", HT_DISPATCH, X_INT32, INVALID, "x has dtype int32"},

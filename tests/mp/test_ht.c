@@ -68,7 +68,7 @@ typedef struct recv_bufs {
     uint8_t *rx;
     float *rxs, *rw;
     void *ridx;
-    int32_t *rpe, *nrecv;
+    int32_t *rpe, *nrecv, *rpm;
 } recv_bufs_t;
 
 static epx_ht_dispatch_outputs_t caller_outputs(ref_arena_t *a, const ref_problem_t *p, int64_t rows,
@@ -81,6 +81,7 @@ static epx_ht_dispatch_outputs_t caller_outputs(ref_arena_t *a, const ref_proble
     b->rw = ref_arena_garbage(a, sizeof(float) * (size_t)(rows * K));
     b->rpe = ref_arena_garbage(a, 4 * (size_t)L);
     b->nrecv = ref_arena_garbage(a, 4);
+    b->rpm = ref_arena_garbage(a, 4 * (size_t)(p->R * p->R));
     epx_ht_dispatch_outputs_t outs = EPX_HT_DISPATCH_OUTPUTS_INIT;
     outs.recv_x = epx_tensor_2d(b->rx, p->dtype, rows, H);
     if (p->dtype == EPX_DTYPE_FP8_E4M3) outs.recv_x_scales = epx_tensor_2d(b->rxs, EPX_DTYPE_FP32, rows, SG);
@@ -90,6 +91,7 @@ static epx_ht_dispatch_outputs_t caller_outputs(ref_arena_t *a, const ref_proble
     }
     outs.num_recv_tokens_per_expert = epx_tensor_1d(b->rpe, EPX_DTYPE_INT32, L);
     outs.num_recv_tokens = epx_tensor_1d(b->nrecv, EPX_DTYPE_INT32, 1);
+    outs.rank_prefix_matrix = epx_tensor_2d(b->rpm, EPX_DTYPE_INT32, p->R, p->R);
     return outs;
 }
 
@@ -257,6 +259,8 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
     /* ---- dispatch, default mode ---- */
     x_rows_t in;
     make_x(&a, &p, rank, &rv, REF_TAG_X, &in);
+    int32_t *e_rpm = ref_arena_alloc(&a, 4 * (size_t)(R * R));
+    ref_rank_prefix(&p, e_rpm);
     void *e_idx = ref_arena_alloc(&a, 8 * (size_t)(N * K));
     fill_idx(rv.idx, N * K, out_idx_dtype, e_idx);
     size_t isz = epx_dtype_size(out_idx_dtype);
@@ -277,13 +281,15 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
             rc |= ref_check_bits(rank, "recv_topk_weights", b.rw, rv.w, N * K, 4, K);
         }
         rc |= ref_check_bits(rank, "num_recv_tokens_per_expert", b.rpe, rv.per_expert, L, 4, L);
+        rc |= ref_check_bits(rank, "rank_prefix_matrix", b.rpm, e_rpm, R * R, 4, R);
         if (!handle) goto out;
         rc |= ref_check_handle(rank, handle, Ts, N, R, L);
         if (rc & 2) goto out;
     }
 
     /* ---- combine (weights and biases as this iteration says) ---- */
-    rc |= run_combine(buf, &p, rank, &rv, handle, N, with_weights, bias0, bias1, seed ^ 0x636f6d62ull, 0, NULL);
+    rc |=
+        run_combine(buf, &p, rank, &rv, handle, N, with_weights, bias0, bias1, seed ^ 0x636f6d62ull, 0, NULL);
     if (rc & 2) goto out;
 
     /* ---- cached dispatch with new x: only recv_x (and scales) are written ---- */
@@ -339,6 +345,8 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
         /* Per-expert counts after an overflow are not pinned; without one they are the real counts. */
         if (!over)
             rc |= ref_check_bits(rank, "static num_recv_tokens_per_expert", b.rpe, rv.per_expert, L, 4, L);
+        /* The matrix counts tokens sent, before any bound: the same with or without an overflow. */
+        rc |= ref_check_bits(rank, "static rank_prefix_matrix", b.rpm, e_rpm, R * R, 4, R);
         rc |= ref_check_overflow(rank, buf, over ? EPX_ERR_OVERFLOW : EPX_SUCCESS);
         /* Combine after a static dispatch that kept every row (every rank must take part). */
         if (!want_overflow && shandle)
@@ -357,6 +365,7 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
         void *e_idx32 = ref_arena_alloc(&a, 4 * (size_t)(N * K));
         fill_idx(rv.idx, N * K, EPX_DTYPE_INT32, e_idx32);
         int32_t *rpe = ref_arena_garbage(&a, 4 * (size_t)L);
+        int32_t *rpm = ref_arena_garbage(&a, 4 * (size_t)(R * R));
         epx_ht_dispatch_args_t args = dispatch_args(&p, rank, &in, topk_t, with_weights, alignment);
         args.num_worst_tokens = is_static ? W : 0;
         args.recv_in_buffer = 1;
@@ -365,13 +374,15 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
         args.view_area = area;
         epx_ht_dispatch_outputs_t outs = EPX_HT_DISPATCH_OUTPUTS_INIT;
         outs.num_recv_tokens_per_expert = epx_tensor_1d(rpe, EPX_DTYPE_INT32, L);
+        outs.rank_prefix_matrix = epx_tensor_2d(rpm, EPX_DTYPE_INT32, R, R);
         CALL(epx_ht_dispatch(buf, &args, &outs));
         handle = outs.handle;
         ref_set_case("ht R=%d E=%d K=%d H=%lld iter %d view mode%s W=%lld N=%lld: x %s, routing %s", R, hc->E,
                      K, (long long)H, it, is_static ? " static" : "", (long long)W, (long long)N,
                      epx_dtype_name(dtype), ref_routing_name(routing));
-        CHECK(outs.num_recv_tokens_host == (is_static ? -1 : N), "view num_recv_tokens_host = %lld, expected %lld",
-              (long long)outs.num_recv_tokens_host, (long long)(is_static ? -1 : N));
+        CHECK(outs.num_recv_tokens_host == (is_static ? -1 : N),
+              "view num_recv_tokens_host = %lld, expected %lld", (long long)outs.num_recv_tokens_host,
+              (long long)(is_static ? -1 : N));
         CHECK(outs.recv_x.data && outs.recv_x.dtype == dtype && outs.recv_x.shape[0] == rows &&
                   outs.recv_x.shape[1] == H,
               "view recv_x %s [%lld, %lld] at %p, expected %s [%lld, %lld]",
@@ -394,12 +405,14 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
             rc |= ref_check_bits(rank, "view recv_topk_weights", outs.recv_topk_weights.data, rv.w, N * K, 4,
                                  K);
         rc |= ref_check_bits(rank, "view num_recv_tokens_per_expert", rpe, rv.per_expert, L, 4, L);
+        rc |= ref_check_bits(rank, "view rank_prefix_matrix", rpm, e_rpm, R * R, 4, R);
 
         rc |= run_combine(buf, &p, rank, &rv, handle, rows, with_weights, bias0, bias1, seed ^ 0x766965ull, 1,
                           NULL);
         if (rc & 2) goto out;
         /* A second zero-copy combine on the same rows' place: peers must have let go of the first. */
-        rc |= run_combine(buf, &p, rank, &rv, handle, rows, false, !bias0, false, seed ^ 0x766966ull, 1, NULL);
+        rc |=
+            run_combine(buf, &p, rank, &rv, handle, rows, false, !bias0, false, seed ^ 0x766966ull, 1, NULL);
         if (rc & 2) goto out;
 
         if (it % 3 == 0) {
@@ -438,8 +451,8 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
             if (fp8)
                 rc |= ref_check_bits(rank, "cached view recv_x_scales", couts.recv_x_scales.data, in2.e_xs,
                                      N * SG, 4, SG);
-            rc |= ref_check_bits(rank, "first view recv_x after a dispatch into another area", outs.recv_x.data,
-                                 in.e_x, N * H, esz, H);
+            rc |= ref_check_bits(rank, "first view recv_x after a dispatch into another area",
+                                 outs.recv_x.data, in.e_x, N * H, esz, H);
             /* Combine reading the cached call's recv_x in place (x_in_buffer 2) on even ranks, the
              * combine input (1) on odd ones. */
             if (!fp8 && dtype == EPX_DTYPE_BF16) {
