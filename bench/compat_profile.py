@@ -9,9 +9,9 @@ iteration preceded by torch.cuda.synchronize() and a barrier (the gloo group's, 
 host communicator's over epx's own bootstrap, as epx-bench aligns its C rows); the slowest rank's median is shown, then
 the fastest's.
 
-Rows of the front (per --front-views setting): get_dispatch_layout; the dispatch without a handle as a
-whole and in its two parts (the notify exchange with its host read, then the data dispatch); layout +
-dispatch (what DeepEP's figure covers); cached dispatch bf16 and fp8; combine. Rows of the native
+Rows of the front (per --front-views setting): get_dispatch_layout; the dispatch without a handle (one
+data dispatch since the front carries no notify step; a front with an `exchange` step also gets its two
+parts timed); layout + dispatch (what DeepEP's figure covers); cached dispatch bf16 and fp8; combine. Rows of the native
 epx.Buffer (modes "ht", dtypes bf16 and fp8, --num-sms; per --native-views): dispatch, cached bf16, cached
 fp8, combine. Then rank 0 prints, from torch.profiler, the kernels (and copies) one iteration of the
 front's layout + dispatch, cached dispatch and combine launches, with their total device time.

@@ -244,15 +244,26 @@ def _refusals(rank, nranks, dist):
     # Combine with something that is not a handle, on one rank.
     refused_here_or_remote(rank == 0, lambda: buf.combine(recv_x, (1, 2, 3)), lambda: buf.combine(recv_x, handle),
                            error=TypeError, match="handle")
-    # A static call with T past the buffer cannot grow it: the rank that does not fit refuses.
-    big = make_inputs(rank, nranks, 100, K, E, seed=3) if rank == refuser else (x, idx, w)
+    # A refusal after the data buffer exists (the agreement tells every rank): the refuser raises its own
+    # error, the others RemoteError, and the next call pairs as usual.
+    refused_here_or_remote(rank == refuser,
+                           lambda: buf.dispatch(x, topk_idx=idx[:, :1].float(), **layout),
+                           lambda: buf.dispatch(x, topk_idx=idx, **layout), match="topk_idx")
+    # A static call with T past the buffer on one rank: every rank re-makes the buffer (host reads on this
+    # failure path only) and the call returns num_worst_tokens rows everywhere.
+    old = buf._ht_path.data
+    big = make_inputs(rank, nranks, old.max_tokens + 3, K, E, seed=3) if rank == refuser else (x, idx, w)
     pr, _, pe, ir, _ = buf.get_dispatch_layout(big[1], E)
     big_layout = dict(num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe)
-
-    def too_many():
-        buf.dispatch(big[0], topk_idx=big[1], topk_weights=big[2], num_worst_tokens=400, **big_layout)
-
-    refused_here_or_remote(rank == refuser, too_many, too_many, match="num_worst_tokens")
+    bx, bidx, bw, empty, bhandle, _ = buf.dispatch(big[0], topk_idx=big[1], topk_weights=big[2],
+                                                   num_worst_tokens=400, **big_layout)
+    assert buf._ht_path.data is not old and empty == [] and bx.shape[0] == 400
+    n_big = int(bhandle[0][-1, rank])
+    assert bool((bidx[n_big:] == -1).all()) and not bool((bidx[:n_big] == -1).all(dim=1).any())
+    bcombined, _, _ = buf.combine(bx, bhandle)
+    times = ir.sum(dim=1, keepdim=True).float()
+    exact(bcombined, (big[0].float() * times).to(torch.bfloat16), "combined after a static growth")
+    del old
     combined, _, _ = buf.combine(recv_x, handle)
     exact(combined, (x.float() * in_rank.sum(dim=1, keepdim=True).float()).to(torch.bfloat16), "combined")
     buf.destroy()
@@ -283,7 +294,8 @@ def _data_dtypes(rank, nranks, dist):
             layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                           num_tokens_per_expert=per_expert)
             recv_x, _, _, _, _, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
-            assert made[-1] == (["bf16", "fp8"] if hidden % 128 == 0 else ["bf16"]), made
+            data_made = [m for m in made if m != "fp32"]  # the agreement and counts buffers carry fp32
+            assert data_made[-1] == (["bf16", "fp8"] if hidden % 128 == 0 else ["bf16"]), made
             assert recv_x.shape[1] == hidden and bool((recv_x[:, 0] >= 0).all())
         q = torch.zeros((x.shape[0], 192), dtype=torch.float8_e4m3fn)
         s = torch.ones((x.shape[0], 1), dtype=torch.float32)
@@ -439,7 +451,8 @@ def _pooled_request(rank, nranks, dist):
             assert buf._ht_path.native_options == want, buf._ht_path.native_options
             del recv_x
             buf.destroy()
-        assert seen[-1] == ("pooled", 0), seen
+        # The agreement and counts buffers are made without views; the data buffer asks for pooled ones.
+        assert [v for v in seen if v != (False, None)] == [("pooled", 0)], seen
         deep_ep.VIEWS = "yes"
         comm = epx.Comm.from_torch(dist.group.WORLD, backend="host")
         with pytest.raises(ValueError, match="EPX_DEEPEP_VIEWS"):

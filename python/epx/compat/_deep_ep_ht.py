@@ -1,24 +1,22 @@
 """The high-throughput half of epx.compat.deep_ep: DeepEP's intranode dispatch and combine over epx.Buffer.
 
-A dispatch without a handle first exchanges counts, as DeepEP's notify step does, through a small epx
-dispatch on a buffer made at construction (the "notify buffer"): each rank sends every rank one row of int32
-values (carried as the bits of the buffer's fp32 elements) with its num_tokens_per_rank, the destination's
-slice of num_tokens_per_expert and a few shape fields. From the rows every rank learns the rank prefix
-matrix, its N_r and its per-expert counts, and every rank that reads them on the host takes the same
-decision on the data buffer (create it, grow it), so no CPU collective is needed per call.
-
-Per call the front keeps to few torch kernels and to one host wait: the rows are gathered from the counts
-in two kernels (their constant parts are device tensors made once per shape), the host reads them in one
-device->host copy, and get_dispatch_layout makes no host synchronisation.
+A dispatch without a handle is one epx dispatch on the data buffer: its own count exchange gives every
+rank the rank prefix matrix, its N_r and its per-expert counts, so no notify step runs before it. The
+data buffer is made (collectively) by the first dispatch, after an agreement on the shapes through a
+small epx dispatch on a buffer made at construction (the "agreement buffer": each rank sends every rank
+one row of int32 fields, carried as the bits of fp32 elements). The agreement runs again only when a
+data dispatch failed on some rank: every rank sees that failure (the failing rank refuses the call, so
+the others' calls raise RemoteError), and every rank then says in its row whether it did not fit the
+buffer (every rank re-makes it alike and dispatches again) or refused the call (every rank raises).
 """
 
 import epx
 
-# Fields of a notify row after the R counts: T, the top-k width the call needs, static mode, E, H.
-_T, _K, _WORST, _E, _H = range(5)
+# Fields of an agreement row: status, T, the top-k width the call needs, E, H.
+_STATUS, _T, _K, _E, _H = range(5)
 _NUM_FIELDS = 5
-# Local experts a notify row has room for (DeepEP sizes its notify region from num_nvl_bytes instead).
-MAX_LOCAL_EXPERTS = 1024
+# Row statuses: the call can go on (its shapes say whether it fits), or this rank refused it.
+_OK, _REFUSED = 0, 1
 # Constant device tensors an HTPath keeps before its cache starts over (ragged T makes one per distinct T).
 _MAX_CONSTANTS = 256
 
@@ -41,19 +39,55 @@ class _State:
 
 
 class _NoFit(Exception):
-    """This rank's tokens do not fit the data buffer: it refuses the data call it makes before the host read."""
+    """This rank's call does not fit the data buffer: it refuses the data call, and the agreement follows."""
 
 
-class _Notified:
-    """What the notify exchange found out, for the data dispatch that follows: x and its scales, E, static
-    mode, the rank prefix matrix, the data buffer, and from the host read (None without one) N_r and the
-    received tokens per local expert."""
+class _Request:
+    """One dispatch without a handle: the caller's arguments, checked by check() (which raises what the
+    caller gets), and the shapes the data buffer must hold (T: its rows per rank)."""
 
-    __slots__ = ("x", "scales", "E", "worst", "prefix", "buf", "n_recv", "experts", "early", "shape", "fits")
+    __slots__ = ("x", "scales", "per_rank", "in_rank", "per_expert", "topk_idx", "topk_weights", "alignment",
+                 "worst", "precheck", "T", "K", "E", "H", "R")
 
-    def __init__(self, x, scales, E, worst):
-        self.x, self.scales, self.E, self.worst = x, scales, E, worst
-        self.prefix = self.buf = self.n_recv = self.experts = self.early = self.shape = self.fits = None
+    def __init__(self, R, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                 topk_weights, expert_alignment, num_worst_tokens, precheck):
+        self.R, self.x, self.scales = R, x, None
+        self.per_rank, self.in_rank, self.per_expert = num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert
+        self.topk_idx, self.topk_weights, self.alignment = topk_idx, topk_weights, expert_alignment
+        self.worst, self.precheck = num_worst_tokens, precheck
+        self.T = self.K = self.E = self.H = None
+
+    def check(self):
+        """DeepEP's contract for a dispatch without a handle; sets T, K, E, H. Idempotent."""
+        if self.T is not None:
+            return
+        if self.precheck is not None:
+            self.precheck()
+        R = self.R
+        x, self.scales = split_x(self.x)
+        if x.dim() != 2:
+            raise ValueError("epx.compat.deep_ep: x must be [num_tokens, hidden] (got %d dims)" % x.dim())
+        if self.per_expert is None:
+            raise ValueError("epx.compat.deep_ep: dispatch without a handle needs num_tokens_per_expert "
+                             "(from get_dispatch_layout)")
+        E = self.per_expert.numel()
+        if E % R != 0 or E == 0:
+            raise ValueError("epx.compat.deep_ep: num_experts %d must be a positive multiple of the %d ranks"
+                             % (E, R))
+        if self.topk_idx is None and self.in_rank is None:
+            raise ValueError("epx.compat.deep_ep: dispatch without a handle needs is_token_in_rank "
+                             "(or topk_idx)")
+        if self.topk_idx is None and self.worst > 0:
+            raise ValueError("epx.compat.deep_ep: num_worst_tokens needs topk_idx and topk_weights "
+                             "(as in DeepEP)")
+        if self.topk_idx is not None and self.topk_idx.dim() != 2:
+            raise ValueError("epx.compat.deep_ep: topk_idx must be [num_tokens, num_topk]")
+        self.x = x
+        # The rows a buffer is sized by: T, and in static mode num_worst_tokens over the R sources (the
+        # combine of a static handle reads that many rows from the buffer).
+        self.T = max(x.shape[0], -(-max(self.worst, 0) // R))
+        self.H, self.E = x.shape[1], E
+        self.K = self.topk_idx.shape[1] if self.topk_idx is not None else R
 
 
 class Handle(tuple):
@@ -103,28 +137,30 @@ def split_x(x):
 
 
 class HTPath:
-    """The notify buffer (made now, collectively) and the data buffer (made by the first dispatch)."""
+    """The agreement buffer (made now, collectively) and the data buffer (made by the first dispatch)."""
 
     def __init__(self, comm, native_options):
         self.comm = comm
         self.R, self.rank = comm.nranks, comm.rank
-        self.width = self.R + _NUM_FIELDS + MAX_LOCAL_EXPERTS
+        self.device = "cuda:%d" % comm.cuda_device if comm.backend == "cuda" else "cpu"
+        self.width = 8  # _NUM_FIELDS, padded
         self.notify = epx.Buffer(comm, self.R, self.width, 1, self.R, modes="ht", dispatch_dtypes="fp32")
         self.data = None  # epx.Buffer for the tokens
+        self.counts = None  # epx.Buffer for the per-expert counts of dispatches without top-k
         self.native_options = native_options
         self.states = None  # WeakSet of _State, set by the owner
         self._constants = {}  # (what, device, ...) -> [read-only tensor, event or None], see _constant
-        self._pinned = None  # page-locked [R, width] int32: the host copy of the notify rows
 
     def destroy(self):
-        for b in (self.data, self.notify):
+        for b in (self.data, self.notify, self.counts):
             if b is not None:
                 b.destroy()
-        self.data = self.notify = None
+        self.data = self.notify = self.counts = None
         self._constants.clear()
 
-    def _fits(self, T, K, E, H):
-        d = self.data
+    @staticmethod
+    def _fits(T, K, E, H, d):
+        """Whether a call of these shapes fits data buffer d (None: no buffer yet)."""
         return (d is not None and T <= d.max_tokens and K <= d.num_topk and E == d.num_experts
                 and H == d.hidden)
 
@@ -157,13 +193,6 @@ class HTPath:
         if entry is not None and entry[0].shape[0] < rows:
             del self._constants[key]
         return self._constant(key, lambda: make(_pow2(max(rows, 64))))
-
-    @staticmethod
-    def _upload(values, dtype, device):
-        """A device tensor of host values; on cuda through page-locked memory without a stream sync."""
-        torch = _torch()
-        t = torch.tensor(values, dtype=dtype, device="cpu")  # whatever torch's default device is
-        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
     def _pad(self, t, width, value):
         """t [N, k] -> [N, width] with `value` in the new columns (t itself when already that wide): one cat
@@ -209,231 +238,123 @@ class HTPath:
     # ------------------------------------------------------------------ dispatch
 
     def dispatch(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                 topk_weights, expert_alignment, num_worst_tokens, num_sms):
-        """DeepEP's dispatch without a handle: the notify exchange, then the data dispatch. Returns (recv_x,
-        recv_topk_idx, recv_topk_weights, counts, handle). A rejection before the notify exchange is refused
-        on the notify buffer."""
-        notified = self.exchange(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                                 num_worst_tokens, num_sms)
-        return self.send(notified, is_token_in_rank, topk_idx, topk_weights, expert_alignment,
-                         num_worst_tokens)
-
-    def exchange(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                 num_worst_tokens, num_sms):
-        """The notify exchange and what follows from it on the host: the rank prefix matrix, the host read
-        of the rows (unless a static call fits) and the data buffer. Returns a _Notified for send()."""
-        torch = _torch()
-        R = self.R
-        with epx.collective(self.notify, epx.HT_DISPATCH):
-            x, scales = split_x(x)
-            if x.dim() != 2:
-                raise ValueError("epx.compat.deep_ep: x must be [num_tokens, hidden] (got %d dims)" % x.dim())
-            T, H = x.shape
-            if num_tokens_per_expert is None:
-                raise ValueError("epx.compat.deep_ep: dispatch without a handle needs num_tokens_per_expert "
-                                 "(from get_dispatch_layout)")
-            E = num_tokens_per_expert.numel()
-            if E % R != 0 or E // R > MAX_LOCAL_EXPERTS:
-                raise ValueError("epx.compat.deep_ep: num_experts %d must be a multiple of the %d ranks with "
-                                 "at most %d local experts" % (E, R, MAX_LOCAL_EXPERTS))
-            if topk_idx is None and is_token_in_rank is None:
-                raise ValueError("epx.compat.deep_ep: dispatch without a handle needs is_token_in_rank "
-                                 "(or topk_idx)")
-            if topk_idx is None and num_worst_tokens > 0:
-                raise ValueError("epx.compat.deep_ep: num_worst_tokens needs topk_idx and topk_weights "
-                                 "(as in DeepEP)")
-            if topk_idx is not None and topk_idx.dim() != 2:
-                raise ValueError("epx.compat.deep_ep: topk_idx must be [num_tokens, num_topk]")
-            K_need = topk_idx.shape[1] if topk_idx is not None else R
-            worst = num_worst_tokens > 0
-            if num_tokens_per_rank is None:
-                num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
-            fields = (T, K_need, int(worst), E, H)
-            rows = self._notify_rows(num_tokens_per_rank, num_tokens_per_expert, fields, x.device)
-            topk = self._constant(("notify topk", x.device),
-                                  lambda: torch.arange(R, dtype=torch.int64, device=x.device).view(R, 1))
-            counts = self.notify.dispatch(rows, topk, num_worst_tokens=R).recv_x.view(torch.int32)
-        n = _Notified(x, scales, E, worst)
-        n.prefix = counts[:, :R].cumsum(dim=0, dtype=torch.int32)
-        fits = self._fits(T, K_need, E, H)
-        n.shape, n.fits = (T, K_need, E, H, num_sms), fits
-        if not worst and self.data is not None:
-            # The data dispatch goes first (send()); the rows come to the host meanwhile.
-            n.early = self._start_read(counts)
-            return n
-        heads = None
-        if not (worst and fits):
-            heads, n.experts = self._read_rows(counts, E // R)
-            n.n_recv = sum(head[self.rank] for head in heads)
-        n.buf = self._choose(heads, T, K_need, E, H, fits, num_sms)
-        return n
-
-    def send(self, n, is_token_in_rank, topk_idx, topk_weights, expert_alignment, num_worst_tokens):
-        """The data dispatch after exchange(); returns dispatch()'s tuple."""
-        torch = _torch()
-        R, rank = self.R, self.rank
-        out = self._send_early(n, is_token_in_rank, topk_idx, topk_weights, expert_alignment) if n.early else None
-        if out is None:
-            out = self._data_call(n, n.buf, is_token_in_rank, topk_idx, topk_weights, expert_alignment,
-                                  num_worst_tokens if n.worst else n.n_recv)
-        buf = n.buf
-        recv_x = (out.recv_x, out.recv_x_scales) if n.scales is not None else out.recv_x
-        recv_idx = recv_w = None
-        K_user = topk_idx.shape[1] if topk_idx is not None else 0
-        if topk_idx is not None:
-            # One copy at most: the caller's width, and the caller's dtype (views of the buffer hold int32).
-            recv_idx = out.recv_topk_idx[:, :K_user].to(topk_idx.dtype, memory_format=torch.contiguous_format)
-            recv_w = out.recv_topk_weights
-            if recv_w is not None and K_user < buf.num_topk:
-                recv_w = recv_w[:, :K_user].contiguous()
-            if n.worst:
-                self._clean_tail(recv_idx, recv_w, n.n_recv, n.prefix[R - 1, rank])
-        if n.worst:
-            counts = []
-        else:
-            align = max(int(expert_alignment), 1)
-            counts = [-(-c // align) * align for c in n.experts]
-        state = _State(buf, out.handle, K_user, out.recv_x.shape[0])
-        self.states.add(state)
-        return recv_x, recv_idx, recv_w, counts, Handle(n.prefix, is_token_in_rank, state)
-
-    def _data_call(self, n, buf, is_token_in_rank, topk_idx, topk_weights, expert_alignment, rows):
-        """The data dispatch on `buf` (num_worst_tokens `rows`, 0 for N_r rows), refused there on a rejection."""
-        torch = _torch()
-        R, x = self.R, n.x
-        with epx.collective(buf, epx.HT_DISPATCH):
-            if topk_idx is None:
-                # One slot per destination rank: that rank's first expert.
-                firsts = self._constant(("firsts", x.device, n.E), lambda: (
-                    torch.arange(R, dtype=torch.int64, device=x.device) * (n.E // R)).view(1, R))
-                main_idx = torch.where(is_token_in_rank.to(torch.bool), firsts, -1)
-                main_w = None
+                 topk_weights, expert_alignment, num_worst_tokens, num_sms, precheck=None):
+        """DeepEP's dispatch without a handle. Returns (recv_x, recv_topk_idx, recv_topk_weights, counts,
+        handle). precheck() runs first among the checks: what it raises is refused like them."""
+        req = _Request(self.R, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                       topk_weights, expert_alignment, num_worst_tokens, precheck)
+        failure = None
+        if self.data is not None:
+            buf = self.data
+            try:
+                out = self._call(buf, req)
+            except Exception as exc:  # every rank's call failed: the agreement follows on every rank
+                failure = exc
+                # Kept without its traceback: the frames there hold the buffer, which a re-make must free.
+                failure.__traceback__ = None
             else:
-                main_idx, main_w = topk_idx, topk_weights
-            main_idx = self._pad(main_idx, buf.num_topk, -1)
-            main_w = self._pad(main_w, buf.num_topk, 0.0)
-            return buf.dispatch(x, main_idx, main_w, x_scales=n.scales, expert_alignment=expert_alignment,
-                                num_worst_tokens=rows)
+                return self._result(buf, req, out)
+            del buf
+        self._agree(req, failure, num_sms)
+        del failure
+        buf = self.data
+        return self._result(buf, req, self._call(buf, req))
 
-    def _send_early(self, n, is_token_in_rank, topk_idx, topk_weights, expert_alignment):
-        """A dispatch without num_worst_tokens on an existing data buffer: the data dispatch runs right after
-        the notify exchange on the device (no host wait between them) while the notify rows travel to the
-        host; the rows then decide, as everywhere, whether the buffer fitted every rank. A rank that does
-        not fit refuses the data call (its peers' calls raise RemoteError); when some rank did not fit, every
-        rank re-makes the buffer and returns None (send() dispatches again on the new one), unless a rank
-        without a host read went on with the old buffer, in which case this call fails on every rank."""
-        T, K, E, H, num_sms = n.shape
-        buf, out, failure = self.data, None, None
-        try:
-            with epx.collective(buf, epx.HT_DISPATCH):
-                if not n.fits:
-                    raise _NoFit()
-            if n.fits:
-                out = self._data_call(n, buf, is_token_in_rank, topk_idx, topk_weights, expert_alignment, 0)
-        except _NoFit:
-            pass
-        except epx.RemoteError as exc:
-            failure = exc
-            # Kept without its traceback: the frames there hold the old buffer, which must be able to go.
-            failure.__traceback__ = None
-        heads, n.experts = self._finish_read(n.early, E // self.R)
-        n.n_recv = sum(head[self.rank] for head in heads)
-        n.buf = self._choose(heads, T, K, E, H, n.fits, num_sms, refuse=False)
-        if n.buf is not buf:
-            return None
-        if out is None:
-            if failure is not None:
-                raise failure
-            raise ValueError(
-                "epx.compat.deep_ep: this dispatch (T %d, top-k width %d, E %d, hidden %d) does not fit the "
-                "buffer made by earlier calls, and a num_worst_tokens call of another rank cannot re-make it "
-                "(that takes a host sync on every rank); make one call without num_worst_tokens first"
-                % (T, K, E, H))
-        return out
+    def _call(self, buf, req):
+        """The data dispatch on `buf`; the checks, and the fit, are refused on it."""
+        with epx.collective(buf, epx.HT_DISPATCH):
+            req.check()
+            if not self._fits(req.T, req.K, req.E, req.H, buf):
+                raise _NoFit("epx.compat.deep_ep: rank %d's dispatch (T %d, top-k width %d, E %d, hidden %d) "
+                             "does not fit the data buffer; every rank agrees on a new one"
+                             % (self.rank, req.T, req.K, req.E, req.H))
+            return self._data_call(buf, req)
 
-    def _notify_rows(self, num_tokens_per_rank, num_tokens_per_expert, fields, device):
-        """[R, width] fp32 whose bits are the int32 rows: two kernels (a cat of the counts and the fields,
-        a gather into the rows by a cached index); the fields' device copy is made once per distinct tuple."""
+    def _agree(self, req, failure, num_sms):
+        """Every rank's row on the agreement buffer, read on the host: raises on every rank when one refused
+        the call (its own error there, RemoteError elsewhere), else (re-)makes the data buffer when a rank's
+        call does not fit it (every rank decides alike). `failure`: this rank's failed data call, if any."""
         torch = _torch()
-        R = self.R
-        L = num_tokens_per_expert.numel() // R
-        tail = self._constant(("fields", device, fields),
-                              lambda: self._upload(list(fields) + [0], torch.int32, device))
-        index = self._constant(("row index", device, L), lambda: self._row_index(L).to(device))
-        flat = torch.cat([num_tokens_per_rank.reshape(-1).to(device=device, dtype=torch.int32),
-                          num_tokens_per_expert.reshape(-1).to(device=device, dtype=torch.int32), tail])
-        return flat.index_select(0, index.view(-1)).view(R, self.width).view(torch.float32)
-
-    def _row_index(self, L):
-        """Where each element of the notify rows comes from in cat(num_tokens_per_rank [R],
-        num_tokens_per_expert [E], fields [_NUM_FIELDS], 0): row d gets the counts, the fields, destination
-        d's L experts, then zeros."""
-        torch = _torch()
-        R, E, F = self.R, self.R * L, _NUM_FIELDS
-        cpu = dict(dtype=torch.int64, device="cpu")  # whatever torch's default device is
-        index = torch.full((R, self.width), R + E + F, **cpu)
-        index[:, :R] = torch.arange(R, **cpu)
-        index[:, R:R + F] = torch.arange(R + E, R + E + F, **cpu)
-        index[:, R + F:R + F + L] = R + torch.arange(E, **cpu).view(R, L)
-        return index
-
-    def _read_rows(self, counts, L):
-        """From the notify rows [R, width] int32, in one device->host copy: each source's row head (its R
-        counts and shape fields) and this rank's received tokens per local expert, as lists."""
-        return self._finish_read(self._start_read(counts), L)
-
-    def _start_read(self, counts):
-        """Starts the device->host copy of the notify rows (on cuda into page-locked memory, without
-        waiting); _finish_read waits for it."""
-        torch = _torch()
-        if not counts.is_cuda:
-            return counts, None
-        if self._pinned is None or self._pinned.shape != counts.shape:
-            self._pinned = torch.empty(counts.shape, dtype=torch.int32, device="cpu", pin_memory=True)
-        self._pinned.copy_(counts, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(counts.device))
-        return self._pinned, done
-
-    def _finish_read(self, started, L):
-        rows, done = started
-        if done is not None:
-            done.synchronize()
-        n = self.R + _NUM_FIELDS
-        return rows[:, :n].tolist(), rows[:, n:n + L].sum(dim=0).tolist()
-
-    def _choose(self, heads, T, K, E, H, fits, num_sms, refuse=True):
-        """The data buffer for this call. Every rank that read the notify rows (heads) knows every rank's
-        shapes and whether that rank read them too; the buffer is (re-)made only when all did, so all
-        make it. A rank that does not fit otherwise refuses the call on the current buffer."""
-        if heads is None:
-            return self.data
-        fields = [head[self.R:] for head in heads]
-        fit = [self._fits(f[_T], f[_K], f[_E], f[_H]) for f in fields]
-        everyone_read = all(not (f[_WORST] and ok) for f, ok in zip(fields, fit))
-        if all(fit):
-            return self.data
-        if not everyone_read:
-            if not refuse:  # the caller's data call stood for this rank already
-                return self.data
-            with epx.collective(self.data, epx.HT_DISPATCH):
-                if not fits:
-                    raise ValueError(
-                        "epx.compat.deep_ep: this dispatch (T %d, top-k width %d, E %d, hidden %d) does not "
-                        "fit the buffer made by earlier calls, and a num_worst_tokens call cannot re-make it "
-                        "(that takes a host sync on every rank); make one call without num_worst_tokens "
-                        "first" % (T, K, E, H))
-            return self.data
-        t_max = _pow2(max(max(f[_T] for f in fields), 1))
+        status, fields = _OK, [0, 0, 0, 0]
+        if failure is None or isinstance(failure, (_NoFit, epx.RemoteError)):
+            try:
+                req.check()
+                fields = [req.T, req.K, req.E, req.H]
+            except Exception as exc:
+                failure, status = exc, _REFUSED
+        else:
+            status = _REFUSED
+        row = torch.tensor([status] + fields + [0] * (self.width - _NUM_FIELDS), dtype=torch.int32)
+        rows = row.view(1, -1).expand(self.R, -1).contiguous().view(torch.float32).to(self.device)
+        topk = self._constant(("agreement topk", self.device),
+                              lambda: torch.arange(self.R, dtype=torch.int64, device=self.device).view(self.R, 1))
+        got = self.notify.dispatch(rows, topk, num_worst_tokens=self.R).recv_x.view(torch.int32)
+        heads = got[:, :_NUM_FIELDS].cpu().tolist()
+        refused = [s for s, head in enumerate(heads) if head[_STATUS] != _OK]
+        if status != _OK:
+            raise failure
+        if refused:
+            raise epx.RemoteError("epx.compat.deep_ep: rank %d refused this dispatch" % refused[0])
+        if all(self._fits(h[_T], h[_K], h[_E], h[_H], self.data) for h in heads):
+            return
+        t_max = _pow2(max(max(h[_T] for h in heads), 1))
         if self.data is not None:
             t_max = max(t_max, self.data.max_tokens)
         # Room for a dispatch without top-k (one slot per rank) from the start: no re-make when one comes.
-        k = max(max(f[_K] for f in fields), self.R)
+        k = max(max(h[_K] for h in heads), self.R)
+        H, E = req.H, req.E
         # DeepEP's dtypes only (split_x): rows are sized for 2-byte elements, not for fp32.
         dtypes = ["bf16", "fp8"] if H % 128 == 0 else ["bf16"]
         # Handles keep the buffer they were made on: an old one lives until its last handle goes.
         self.data = self._make_data(t_max, H, k, E, dtypes, num_sms)
-        return self.data
+        if self.counts is None or self.counts.hidden != E // self.R:
+            if self.counts is not None:
+                self.counts.destroy()
+            self.counts = epx.Buffer(self.comm, self.R, E // self.R, 1, self.R, modes="ht", dispatch_dtypes="fp32")
+
+    def _data_call(self, buf, req):
+        """buf.dispatch of the request (num_worst_tokens, or the default mode's host wait for N_r)."""
+        torch = _torch()
+        R, x = self.R, req.x
+        if req.topk_idx is None:
+            # One slot per destination rank: that rank's first expert.
+            firsts = self._constant(("firsts", x.device, req.E), lambda: (
+                torch.arange(R, dtype=torch.int64, device=x.device) * (req.E // R)).view(1, R))
+            main_idx = torch.where(req.in_rank.to(torch.bool), firsts, -1)
+            main_w = None
+        else:
+            main_idx, main_w = req.topk_idx, req.topk_weights
+        main_idx = self._pad(main_idx, buf.num_topk, -1)
+        main_w = self._pad(main_w, buf.num_topk, 0.0)
+        return buf.dispatch(x, main_idx, main_w, x_scales=req.scales, expert_alignment=req.alignment,
+                            num_worst_tokens=req.worst)
+
+    def _result(self, buf, req, out):
+        """dispatch()'s tuple from the data dispatch's outputs."""
+        torch = _torch()
+        R, rank = self.R, self.rank
+        recv_x = (out.recv_x, out.recv_x_scales) if req.scales is not None else out.recv_x
+        prefix = out.rank_prefix_matrix
+        recv_idx = recv_w = None
+        K_user = req.topk_idx.shape[1] if req.topk_idx is not None else 0
+        if req.topk_idx is not None:
+            # One copy at most: the caller's width, and the caller's dtype (views of the buffer hold int32).
+            recv_idx = out.recv_topk_idx[:, :K_user].to(req.topk_idx.dtype, memory_format=torch.contiguous_format)
+            recv_w = out.recv_topk_weights
+            if recv_w is not None and K_user < buf.num_topk:
+                recv_w = recv_w[:, :K_user].contiguous()
+            if req.worst > 0:
+                self._clean_tail(recv_idx, recv_w, prefix[R - 1, rank])
+        # DeepEP's list of received tokens per local expert (aligned); empty in static mode, as there.
+        if req.worst > 0:
+            counts = []
+        elif req.topk_idx is not None:
+            counts = out.num_recv_tokens_per_expert.tolist()
+        else:
+            counts = self._expert_counts(req)
+        state = _State(buf, out.handle, K_user, out.recv_x.shape[0])
+        self.states.add(state)
+        return recv_x, recv_idx, recv_w, counts, Handle(prefix, req.in_rank, state)
 
     def _make_data(self, t_max, H, k, E, dtypes, num_sms):
         """The data buffer with the native options; without pooled views in this epx, with copies. The
@@ -450,14 +371,22 @@ class HTPath:
         self.native_options = {"views": False}
         return make()
 
-    def _clean_tail(self, recv_idx, recv_w, n_recv, n_recv_device):
-        """Static mode: rows past N_r get topk_idx -1 (DeepEP's fill) and weight 0."""
+    def _expert_counts(self, req):
+        """A dispatch without top-k routes one slot per rank, so its own counts say nothing per expert: as
+        DeepEP's notify step does, every rank sends each rank its slice of num_tokens_per_expert (a small
+        dispatch on the counts buffer, made with the data buffer), and the slices are summed here (aligned)."""
         torch = _torch()
-        if n_recv is not None:
-            recv_idx[n_recv:] = -1
-            if recv_w is not None:
-                recv_w[n_recv:] = 0
-            return
+        R, L = self.R, req.E // self.R
+        rows = req.per_expert.reshape(R, L).to(device=self.device, dtype=torch.int32).view(torch.float32)
+        topk = self._constant(("agreement topk", self.device),
+                              lambda: torch.arange(R, dtype=torch.int64, device=self.device).view(R, 1))
+        got = self.counts.dispatch(rows, topk, num_worst_tokens=R).recv_x.view(torch.int32)
+        align = max(int(req.alignment), 1)
+        return [-(-c // align) * align for c in got.sum(dim=0).tolist()]
+
+    def _clean_tail(self, recv_idx, recv_w, n_recv_device):
+        """Static mode: rows past N_r get topk_idx -1 (DeepEP's fill) and weight 0, without a host read."""
+        torch = _torch()
         rows, device = recv_idx.shape[0], recv_idx.device
         numbers = self._rows_constant(("row numbers", device), rows, lambda n: torch.arange(n, device=device))
         past = (numbers[:rows] >= n_recv_device).view(-1, 1)

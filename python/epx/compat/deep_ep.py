@@ -262,13 +262,14 @@ class Buffer:
                 _wait(previous_event)
             recv_x = self._ht_path.cached_dispatch(x, handle)
             return recv_x, None, None, None, None, _event(_first_tensor(x), async_finish)
-        with epx.collective(self._ht_path.notify, epx.HT_DISPATCH):
+        def precheck():
             _unsupported(num_tokens_per_rdma_rank=(num_tokens_per_rdma_rank, None))
             _wait(previous_event)
+
         num_sms = config.num_sms if config is not None else Buffer.num_sms
         recv_x, recv_idx, recv_w, counts, handle = self._ht_path.dispatch(
             x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-            expert_alignment, num_worst_tokens, num_sms)
+            expert_alignment, num_worst_tokens, num_sms, precheck=precheck)
         return recv_x, recv_idx, recv_w, counts, handle, _event(_first_tensor(x), async_finish)
 
     def _ht_buffer_of(self, handle):
