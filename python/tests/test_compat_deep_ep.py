@@ -555,8 +555,10 @@ def _low_latency(rank, nranks, dist):
                     chook() if hook_mode else event.current_stream_wait()
                     assert combined is out
                     exact(out, want, "LL combined (zero_copy=%s, hook=%s)" % (zero_copy, hook_mode))
-        with pytest.raises(NotImplementedError, match="use_logfmt"):
-            buf.low_latency_combine(y, idx, w, handle, use_logfmt=True)
+        # use_logfmt: accepted, carried in bf16 (no LogFMT encoding): the exact combine.
+        combined, event, _ = buf.low_latency_combine(y, idx, w, handle, use_logfmt=True)
+        event.current_stream_wait()
+        exact(combined, want, "LL combined with use_logfmt")
         refused_here_or_remote(rank == 0, lambda: buf.low_latency_dispatch(x.float(), idx, T, E),
                                lambda: buf.low_latency_dispatch(x, idx, T, E), error=epx.InvalidArgumentError,
                                match="float32")

@@ -126,8 +126,9 @@ def _deep_ep(rank, nranks, dist):
         view[j] = (rx[j].float() * ((rank * p.L + j) % 3 + 1)).to(torch.bfloat16)
     out, _, _ = buf.low_latency_combine(view, idx, w, llh, zero_copy=True)
     assert_equal(bf16_bits(out), p.ll_combine(rank), "deep_ep ll combined", rank)
-    with pytest.raises(NotImplementedError, match="use_logfmt"):
-        buf.low_latency_combine(view, idx, w, llh, use_logfmt=True)
+    # use_logfmt is accepted and carried in bf16: the exact combine again.
+    out, _, _ = buf.low_latency_combine(view, idx, w, llh, use_logfmt=True)
+    assert_equal(bf16_bits(out), p.ll_combine(rank), "deep_ep ll combined with use_logfmt", rank)
     buf.destroy()
     return True
 

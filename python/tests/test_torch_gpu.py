@@ -223,8 +223,12 @@ def _deep_ep_scenario(rank, nranks, uid, port):
     assert qx.dtype == torch.float8_e4m3fn and tuple(qs.shape) == (p.L, nranks * p.T_max, p.H // 128)
     assert_equal(_host(rcount), p.ll_dispatch(rank)[1], "deep_ep fp8 recv_count", rank)
     buf.low_latency_combine(rx, idx, w, llh)
-    with pytest.raises(NotImplementedError, match="use_logfmt"):
-        buf.low_latency_combine(rx, idx, w, llh, use_logfmt=True)
+    # use_logfmt is accepted and carried in bf16: the combine of the bf16 rows above, exactly.
+    rx, _, llh, _, _ = buf.low_latency_dispatch(x, idx, p.T_max, p.E, use_fp8=False)
+    out, _, _ = buf.low_latency_combine(_scaled(rx, [(rank * p.L + j) % 3 + 1 for j in range(p.L)], 2), idx, w,
+                                        llh, use_logfmt=True)
+    torch.cuda.synchronize()
+    assert_equal(bf16_bits(out), p.ll_combine(rank), "deep_ep ll combined with use_logfmt", rank)
 
     # LL dispatch + combine captured once (after an eager round of the same calls), replayed on new x.
     rx, _, llh, _, _ = buf.low_latency_dispatch(x, idx, p.T_max, p.E, use_fp8=False)
