@@ -2,7 +2,9 @@
  * The GIN transport test's shared parts: the byte pattern and the order-free hash that the kernels
  * (kernels.cu) and the host (test_gin_host.c) both compute, so every received byte is checked against a
  * CPU computation; and the kernels' launchers (plain C). Regions: 0 the source, 1 the destination. Signals:
- * 0 the ring rounds, 1 soak data, 2 soak acknowledgements, 3 never sent (the dead-peer wait).
+ * 0 the ring rounds, 1 soak data into slot 0, 2 soak acknowledgements, 3 never sent (the dead-peer wait),
+ * 4 soak data into slot 1. One data signal per slot: the soak's puts alternate contexts and half are weak,
+ * so one shared count can be reached by iteration i+1's signal while iteration i's put is still in flight.
  */
 #ifndef EPX_GIN_TEST_H
 #define EPX_GIN_TEST_H
@@ -28,7 +30,8 @@ extern "C" {
 #define GIN_SIG_SOAK     1
 #define GIN_SIG_ACK      2
 #define GIN_SIG_NEVER    3
-#define GIN_NSIGNALS     4
+#define GIN_SIG_SOAK1    4 /* soak data into slot 1 (GIN_SIG_SOAK: slot 0) */
+#define GIN_NSIGNALS     5
 #define GIN_SOAK_MAX     65536ull              /* bytes of one soak iteration, at most */
 #define GIN_SOAK_SLOT    (GIN_SOAK_MAX + 64ull) /* two slots per region, alternating */
 

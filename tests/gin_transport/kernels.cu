@@ -52,7 +52,12 @@ __device__ static inline unsigned char load_landed(const unsigned char *p)
 /* Iteration i: wait until the slot may be reused (its last put read its source: flush; the right rank
  * consumed it: acknowledgement), write the pattern, put it with a signal (strong and weak in pairs,
  * contexts in turn), wait for the left rank's, check and hash it, acknowledge. Thread 0 alone calls net.h;
- * the barriers carry the other threads' bytes to it and its verdicts to them. */
+ * the barriers carry the other threads' bytes to it and its verdicts to them.
+ * The data signal is the slot's own (GIN_SIG_SOAK / GIN_SIG_SOAK1), waited for at i / 2 + 1: the left rank
+ * may already have posted iteration i + 1 (other slot, other context) while we wait for i, and nothing
+ * orders the two (contexts are independent; a weak signal covers only its own put), so a count shared by
+ * both slots could reach i + 1 through i + 1's signal with i's bytes not landed. Per slot the count is
+ * exact: the slot's next put (i + 2) waits for our acknowledgement of i. */
 __global__ void __launch_bounds__(SOAK_THREADS) gin_soak_kernel(epx_net_t net, gin_soak_args_t a,
                                                                  gin_kernel_result_t *result)
 {
@@ -70,6 +75,7 @@ __global__ void __launch_bounds__(SOAK_THREADS) gin_soak_kernel(epx_net_t net, g
     for (; i < a.iterations; i++) {
         const uint64_t n = gin_soak_bytes(a.seed, i), off = gin_soak_offset(a.seed, i);
         const uint32_t ctx = (uint32_t)(i % net.ncontexts);
+        const uint32_t sig = (i & 1) ? GIN_SIG_SOAK1 : GIN_SIG_SOAK;
         if (tid == 0 && i >= 2) {
             flush = epx_net_flush(&net, (uint32_t)((i - 2) % net.ncontexts), epx_net_now_ns() + a.timeout_ns);
             if (flush == EPX_NET_OK)
@@ -88,10 +94,10 @@ __global__ void __launch_bounds__(SOAK_THREADS) gin_soak_kernel(epx_net_t net, g
         __threadfence_system();
         __syncthreads();
         if (tid == 0) {
-            post = epx_net_put_signal(&net, ctx, a.right, GIN_DST, off, GIN_SRC, off, n, GIN_SIG_SOAK, 1,
+            post = epx_net_put_signal(&net, ctx, a.right, GIN_DST, off, GIN_SRC, off, n, sig, 1,
                                       (i & 2) ? EPX_NET_SIGNAL_WEAK : EPX_NET_SIGNAL_STRONG);
             if (post == EPX_NET_OK)
-                wait = epx_net_wait_signal(&net, GIN_SIG_SOAK, i + 1, epx_net_now_ns() + a.timeout_ns);
+                wait = epx_net_wait_signal(&net, sig, i / 2 + 1, epx_net_now_ns() + a.timeout_ns);
             stop = post != EPX_NET_OK || wait != EPX_NET_OK;
         }
         __syncthreads();
@@ -115,8 +121,10 @@ __global__ void __launch_bounds__(SOAK_THREADS) gin_soak_kernel(epx_net_t net, g
     if (tid != 0) return;
     for (uint32_t c = 0; c < net.ncontexts && flush == EPX_NET_OK; c++)
         flush = epx_net_flush(&net, c, epx_net_now_ns() + a.timeout_ns);
-    uint64_t seen = 0;
+    uint64_t seen = 0, seen1 = 0;
     epx_net_signal_read(&net, GIN_SIG_SOAK, &seen);
+    epx_net_signal_read(&net, GIN_SIG_SOAK1, &seen1);
+    seen += seen1; /* both slots: the soak puts received */
     result->post_status = post;
     result->wait_status = wait;
     result->flush_status = flush;
