@@ -218,7 +218,12 @@ def _refusals(rank, nranks, dist):
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
     refuser = nranks - 1
-    # Before the notify exchange: no routing at all.
+    # The first call, ranks disagreeing on hidden: the agreement tells every rank, all raise the same error.
+    odd_x = torch.zeros((x.shape[0], x.shape[1] // 2), dtype=torch.bfloat16) if rank == refuser else x
+    with pytest.raises(ValueError, match="disagree on num_experts and hidden"):
+        buf.dispatch(odd_x, topk_idx=idx, **layout)
+    assert buf._ht_path.data is None
+    # Before the first data buffer: no routing at all.
     refused_here_or_remote(rank == refuser,
                            lambda: buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert),
                            lambda: buf.dispatch(x, **layout), match="is_token_in_rank")
@@ -249,20 +254,18 @@ def _refusals(rank, nranks, dist):
     refused_here_or_remote(rank == refuser,
                            lambda: buf.dispatch(x, topk_idx=idx[:, :1].float(), **layout),
                            lambda: buf.dispatch(x, topk_idx=idx, **layout), match="topk_idx")
-    # A static call with T past the buffer on one rank: every rank re-makes the buffer (host reads on this
-    # failure path only) and the call returns num_worst_tokens rows everywhere.
+    # A static call with T past the buffer cannot grow it (no host sync, so no agreement): the rank that
+    # does not fit refuses, the others raise RemoteError; the buffer stays.
     old = buf._ht_path.data
     big = make_inputs(rank, nranks, old.max_tokens + 3, K, E, seed=3) if rank == refuser else (x, idx, w)
     pr, _, pe, ir, _ = buf.get_dispatch_layout(big[1], E)
     big_layout = dict(num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe)
-    bx, bidx, bw, empty, bhandle, _ = buf.dispatch(big[0], topk_idx=big[1], topk_weights=big[2],
-                                                   num_worst_tokens=400, **big_layout)
-    assert buf._ht_path.data is not old and empty == [] and bx.shape[0] == 400
-    n_big = int(bhandle[0][-1, rank])
-    assert bool((bidx[n_big:] == -1).all()) and not bool((bidx[:n_big] == -1).all(dim=1).any())
-    bcombined, _, _ = buf.combine(bx, bhandle)
-    times = ir.sum(dim=1, keepdim=True).float()
-    exact(bcombined, (big[0].float() * times).to(torch.bfloat16), "combined after a static growth")
+
+    def too_many():
+        buf.dispatch(big[0], topk_idx=big[1], topk_weights=big[2], num_worst_tokens=4 * nranks, **big_layout)
+
+    refused_here_or_remote(rank == refuser, too_many, too_many, match="num_worst_tokens")
+    assert buf._ht_path.data is old
     del old
     combined, _, _ = buf.combine(recv_x, handle)
     exact(combined, (x.float() * in_rank.sum(dim=1, keepdim=True).float()).to(torch.bfloat16), "combined")

@@ -248,7 +248,12 @@ class HTPath:
             buf = self.data
             try:
                 out = self._call(buf, req)
-            except Exception as exc:  # every rank's call failed: the agreement follows on every rank
+            except Exception as exc:
+                if req.worst > 0:
+                    # A static call makes no host wait: on cuda a peer's refusal reaches this rank only as an
+                    # asynchronous error, so no rank can count on the others joining an agreement.
+                    raise
+                # A default-mode call that failed, failed on every rank: the agreement follows everywhere.
                 failure = exc
                 # Kept without its traceback: the frames there hold the buffer, which a re-make must free.
                 failure.__traceback__ = None
@@ -265,6 +270,13 @@ class HTPath:
         with epx.collective(buf, epx.HT_DISPATCH):
             req.check()
             if not self._fits(req.T, req.K, req.E, req.H, buf):
+                if req.worst > 0:
+                    raise ValueError(
+                        "epx.compat.deep_ep: this num_worst_tokens dispatch (T %d with num_worst_tokens %d, "
+                        "top-k width %d, E %d, hidden %d) does not fit the buffer made by earlier calls, and a "
+                        "static call cannot re-make it (it makes no host synchronisation, so the ranks cannot "
+                        "agree on a new buffer); make one call without num_worst_tokens with these shapes first"
+                        % (req.x.shape[0], req.worst, req.K, req.E, req.H))
                 raise _NoFit("epx.compat.deep_ep: rank %d's dispatch (T %d, top-k width %d, E %d, hidden %d) "
                              "does not fit the data buffer; every rank agrees on a new one"
                              % (self.rank, req.T, req.K, req.E, req.H))
@@ -295,6 +307,10 @@ class HTPath:
             raise failure
         if refused:
             raise epx.RemoteError("epx.compat.deep_ep: rank %d refused this dispatch" % refused[0])
+        if len({(h[_E], h[_H]) for h in heads}) > 1:
+            raise ValueError("epx.compat.deep_ep: the ranks' dispatches disagree on num_experts and hidden "
+                             "(per rank: %s)" % ", ".join("%d: E %d, H %d" % (s, h[_E], h[_H])
+                                                           for s, h in enumerate(heads)))
         if all(self._fits(h[_T], h[_K], h[_E], h[_H], self.data) for h in heads):
             return
         t_max = _pow2(max(max(h[_T] for h in heads), 1))
@@ -305,12 +321,16 @@ class HTPath:
         H, E = req.H, req.E
         # DeepEP's dtypes only (split_x): rows are sized for 2-byte elements, not for fp32.
         dtypes = ["bf16", "fp8"] if H % 128 == 0 else ["bf16"]
-        # Handles keep the buffer they were made on: an old one lives until its last handle goes.
-        self.data = self._make_data(t_max, H, k, E, dtypes, num_sms)
+        # Handles keep the buffer they were made on: an old one lives until its last handle goes. Dropped
+        # first, so that one no handle holds is freed before the new one is made (a failed making leaves
+        # no data buffer on any rank: the next call agrees again).
+        self.data = None
         if self.counts is None or self.counts.hidden != E // self.R:
             if self.counts is not None:
                 self.counts.destroy()
+            self.counts = None
             self.counts = epx.Buffer(self.comm, self.R, E // self.R, 1, self.R, modes="ht", dispatch_dtypes="fp32")
+        self.data = self._make_data(t_max, H, k, E, dtypes, num_sms)
 
     def _data_call(self, buf, req):
         """buf.dispatch of the request (num_worst_tokens, or the default mode's host wait for N_r)."""
@@ -377,10 +397,11 @@ class HTPath:
         dispatch on the counts buffer, made with the data buffer), and the slices are summed here (aligned)."""
         torch = _torch()
         R, L = self.R, req.E // self.R
-        rows = req.per_expert.reshape(R, L).to(device=self.device, dtype=torch.int32).view(torch.float32)
-        topk = self._constant(("agreement topk", self.device),
-                              lambda: torch.arange(R, dtype=torch.int64, device=self.device).view(R, 1))
-        got = self.counts.dispatch(rows, topk, num_worst_tokens=R).recv_x.view(torch.int32)
+        with epx.collective(self.counts, epx.HT_DISPATCH):
+            rows = req.per_expert.reshape(R, L).to(device=self.device, dtype=torch.int32).view(torch.float32)
+            topk = self._constant(("agreement topk", self.device),
+                                  lambda: torch.arange(R, dtype=torch.int64, device=self.device).view(R, 1))
+            got = self.counts.dispatch(rows, topk, num_worst_tokens=R).recv_x.view(torch.int32)
         align = max(int(req.alignment), 1)
         return [-(-c // align) * align for c in got.sum(dim=0).tolist()]
 
