@@ -297,10 +297,7 @@ class HTPath:
         else:
             status = _REFUSED
         row = torch.tensor([status] + fields + [0] * (self.width - _NUM_FIELDS), dtype=torch.int32)
-        rows = row.view(1, -1).expand(self.R, -1).contiguous().view(torch.float32).to(self.device)
-        topk = self._constant(("agreement topk", self.device),
-                              lambda: torch.arange(self.R, dtype=torch.int64, device=self.device).view(self.R, 1))
-        got = self.notify.dispatch(rows, topk, num_worst_tokens=self.R).recv_x.view(torch.int32)
+        got = self._exchange_rows(self.notify, row.view(1, -1).expand(self.R, -1))
         heads = got[:, :_NUM_FIELDS].cpu().tolist()
         refused = [s for s, head in enumerate(heads) if head[_STATUS] != _OK]
         if status != _OK:
@@ -391,17 +388,23 @@ class HTPath:
         self.native_options = {"views": False}
         return make()
 
+    def _exchange_rows(self, buf, rows):
+        """rows [R, w] of int32 values (row d for rank d) -> [R, w] int32, row s from rank s: one static-mode
+        dispatch on `buf` (hidden w, fp32), the values carried in the bits of its fp32 elements."""
+        torch = _torch()
+        R = self.R
+        rows = rows.to(device=self.device, dtype=torch.int32).contiguous().view(torch.float32)
+        slots = self._constant(("rank slots", self.device),
+                               lambda: torch.arange(R, dtype=torch.int64, device=self.device).view(R, 1))
+        return buf.dispatch(rows, slots, num_worst_tokens=R).recv_x.view(torch.int32)
+
     def _expert_counts(self, req):
         """A dispatch without top-k routes one slot per rank, so its own counts say nothing per expert: as
         DeepEP's notify step does, every rank sends each rank its slice of num_tokens_per_expert (a small
         dispatch on the counts buffer, made with the data buffer), and the slices are summed here (aligned)."""
-        torch = _torch()
         R, L = self.R, req.E // self.R
         with epx.collective(self.counts, epx.HT_DISPATCH):
-            rows = req.per_expert.reshape(R, L).to(device=self.device, dtype=torch.int32).view(torch.float32)
-            topk = self._constant(("agreement topk", self.device),
-                                  lambda: torch.arange(R, dtype=torch.int64, device=self.device).view(R, 1))
-            got = self.counts.dispatch(rows, topk, num_worst_tokens=R).recv_x.view(torch.int32)
+            got = self._exchange_rows(self.counts, req.per_expert.reshape(R, L))
         align = max(int(req.alignment), 1)
         return [-(-c // align) * align for c in got.sum(dim=0).tolist()]
 
