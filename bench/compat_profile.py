@@ -131,6 +131,21 @@ def measure(ctx, body, nparts):
     return [statistics.median(s) for s in samples]
 
 
+def host_time(ctx, call):
+    """This rank's median host time (us) of call(), each after a sync and a barrier."""
+    times = []
+    for i in range(ctx.a.warmup + ctx.a.iters):
+        ctx.sync()
+        ctx.barrier()
+        t0 = time.perf_counter()
+        call()
+        t1 = time.perf_counter()
+        if i >= ctx.a.warmup:
+            times.append((t1 - t0) * 1e6)
+    ctx.sync()
+    return statistics.median(times)
+
+
 def row(ctx, names, body):
     """Times body on every rank; rank 0 prints each name with the slowest and fastest rank's median, or the
     error of the first rank that had one. Never raises."""
@@ -267,6 +282,13 @@ def native_rows(ctx, epx, inputs, views):
             worst = ctx.dist.get_world_size() * T
             row(ctx, tag + "static dispatch", lambda mark: (buf.dispatch(x, idx, w, num_worst_tokens=worst),
                                                             mark()))
+            # The C view row's own inputs: int32 ids, no weights (no recv_topk_weights to carry).
+            idx32 = idx.to(ctx.torch.int32)
+            row(ctx, tag + "static dispatch int32 ids, no weights",
+                lambda mark: (buf.dispatch(x, idx32, num_worst_tokens=worst), mark()))
+            # The host's time inside the call (device time before its launches is host time too).
+            report(ctx, [tag + "static dispatch: host time of the call"],
+                   [host_time(ctx, lambda: buf.dispatch(x, idx32, num_worst_tokens=worst))], None)
             out = buf.dispatch(x, idx, w, num_worst_tokens=worst)
             recv_x, handle = out.recv_x, out.handle
             del out
