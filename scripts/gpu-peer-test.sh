@@ -44,7 +44,7 @@ judge() {
             fi ;;
         esac
     done < <(grep -E "test_(intranode|low_latency(\(--[a-z-]+\))?) R=[0-9]+:" "$log" | awk '!seen[$0]++')
-    if ! grep -qE "test_intranode R=[0-9]+:" "$log"; then
+    if [[ ",${PEER_PHASES:-tests}," == *,tests,* ]] && ! grep -qE "test_intranode R=[0-9]+:" "$log"; then
         echo "peer: DeepEP's tests did not run"; status=1
     fi
     return $status

@@ -64,6 +64,8 @@ typedef struct {
     PyTypeObject *numpy_ndarray;
     PyObject *torch_empty, *torch_tensor_type, *torch_dtypes[EPX_DTYPE_COUNT_], *torch_fp8;
     PyObject *torch_uint8, *torch_current_stream;
+    PyObject *torch_raw_stream; /* torch._C._cuda_getCurrentRawStream(index) -> int, where torch has it */
+    PyObject *torch_strided;    /* torch.strided */
     PyObject *str_dlpack, *str_dlpack_device, *str_device, *str_dtype, *str_view;
     PyObject *str_stream, *str_cuda_stream, *str_base;
     PyObject *torch_from_dlpack; /* torch._C._from_dlpack, else torch.from_dlpack */

@@ -116,11 +116,158 @@ static int describe_tensor(const dl_tensor_t *d, const char *name, int hint, epx
     return 0;
 }
 
+/* ------------------------------------------------------------------ torch without DLPack ---- */
+
+/* Interned attribute names of the torch fast path. */
+static struct {
+    PyObject *is_cuda, *is_cpu, *requires_grad, *layout, *data_ptr, *shape, *stride, *get_device;
+} g_names;
+
+static int names_ready(void)
+{
+    if (g_names.get_device) return 1;
+#define NAME_(f) (g_names.f = g_names.f ? g_names.f : PyUnicode_InternFromString(#f))
+    if (!NAME_(is_cuda) || !NAME_(is_cpu) || !NAME_(requires_grad) || !NAME_(layout) || !NAME_(data_ptr) ||
+        !NAME_(shape) || !NAME_(stride) || !NAME_(get_device)) {
+        PyErr_Clear();
+        return 0;
+    }
+#undef NAME_
+    return 1;
+}
+
+/* 1 when obj's attribute `name` is True, 0 when False, -1 when absent or not a bool (error cleared). */
+static int attr_flag(PyObject *obj, PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (!v) {
+        PyErr_Clear();
+        return -1;
+    }
+    int r = v == Py_True ? 1 : v == Py_False ? 0 : -1;
+    Py_DECREF(v);
+    return r;
+}
+
+/* Where a plain torch.Tensor lives, read from the tensor (no __dlpack_device__): DL_CUDA with its index,
+ * or DL_CPU. 0 when that cannot be told this way (another device, a subclass): the DLPack path decides. */
+static int torch_device_of(PyObject *obj, int *type, int *id)
+{
+    if (!py_state.torch_tensor_type || Py_TYPE(obj) != (PyTypeObject *)py_state.torch_tensor_type ||
+        !names_ready())
+        return 0;
+    int cuda = attr_flag(obj, g_names.is_cuda);
+    if (cuda == 1) {
+        PyObject *d = PyObject_CallMethodNoArgs(obj, g_names.get_device);
+        long v = d ? PyLong_AsLong(d) : -1;
+        Py_XDECREF(d);
+        if (v < 0 || PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+        *type = DL_CUDA;
+        *id = (int)v;
+        return 1;
+    }
+    if (cuda == 0 && attr_flag(obj, g_names.is_cpu) == 1) {
+        *type = DL_CPU;
+        *id = 0;
+        return 1;
+    }
+    return 0;
+}
+
+/* The DLPack dtype a torch dtype object exports as (lanes 0: none of epx's). */
+static dl_dtype_t torch_dl_dtype(PyObject *dt)
+{
+    static const struct {
+        epx_dtype_t epx;
+        dl_dtype_t dl;
+    } map[] = {
+        {EPX_DTYPE_BF16, {DL_BFLOAT, 16, 1}}, {EPX_DTYPE_FP32, {DL_FLOAT, 32, 1}},
+        {EPX_DTYPE_INT32, {DL_INT, 32, 1}},   {EPX_DTYPE_INT64, {DL_INT, 64, 1}},
+        {EPX_DTYPE_BOOL, {DL_BOOL, 8, 1}},
+    };
+    for (size_t i = 0; i < sizeof(map) / sizeof(map[0]); i++)
+        if (dt == py_state.torch_dtypes[map[i].epx]) return map[i].dl;
+    if (py_state.torch_fp8 && dt == py_state.torch_fp8) return (dl_dtype_t){DL_FLOAT8_E4M3FN, 8, 1};
+    if (dt == py_state.torch_uint8) return (dl_dtype_t){DL_UINT, 8, 1};
+    return (dl_dtype_t){0, 0, 0};
+}
+
+/* Reads a tuple of ints (torch.Size, stride()) into v[0..n); the count, or -1 (error cleared). */
+static int read_ints(PyObject *tuple, int64_t *v, int max)
+{
+    if (!tuple || !PyTuple_Check(tuple)) return -1;
+    const Py_ssize_t n = PyTuple_GET_SIZE(tuple);
+    if (n > max) return (int)n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        v[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(tuple, i));
+        if (v[i] == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return -1;
+        }
+    }
+    return (int)n;
+}
+
+/* A plain torch.Tensor described from its own attributes (data_ptr, shape, stride, dtype), without the
+ * DLPack round trip (several us of Python per tensor, most of a small call's host time), where DLPack
+ * would add nothing: a strided tensor without grad on the host, or on cuda consumed on torch's current
+ * stream. Returns 1 when described, 0 for the DLPack path, -1 on error (raised). */
+static int import_torch(call_ctx_t *ctx, keep_t *keep, PyObject *obj, const char *name, int hint,
+                        epx_tensor_t *t)
+{
+    int type, id;
+    if (ctx->fw != FW_TORCH || !py_state.torch_strided || !torch_device_of(obj, &type, &id)) return 0;
+    if (type == DL_CUDA) {
+        if (ctx->dl_device_type != DL_CUDA) return 0;
+        void *s = resolve_stream(ctx);
+        if (PyErr_Occurred()) return -1;
+        (void)s;
+        if (!ctx->stream_is_torch_current) return 0; /* DLPack orders torch's work before that stream */
+    }
+    if (attr_flag(obj, g_names.requires_grad) != 0) return 0; /* DLPack's own refusal stays */
+    PyObject *layout = PyObject_GetAttr(obj, g_names.layout);
+    const int strided = layout == py_state.torch_strided;
+    Py_XDECREF(layout);
+    PyObject *dt = strided ? PyObject_GetAttr(obj, py_state.str_dtype) : NULL;
+    dl_dtype_t dl = dt ? torch_dl_dtype(dt) : (dl_dtype_t){0, 0, 0};
+    Py_XDECREF(dt);
+    if (!dl.lanes) {
+        PyErr_Clear();
+        return 0;
+    }
+    int64_t shape[EPX_MAX_DIMS + 1], strides[EPX_MAX_DIMS + 1];
+    PyObject *sh = PyObject_GetAttr(obj, g_names.shape);
+    PyObject *st = sh ? PyObject_CallMethodNoArgs(obj, g_names.stride) : NULL;
+    PyObject *ptr = st ? PyObject_CallMethodNoArgs(obj, g_names.data_ptr) : NULL;
+    const int nd = read_ints(sh, shape, EPX_MAX_DIMS), ns = read_ints(st, strides, EPX_MAX_DIMS);
+    void *data = ptr ? PyLong_AsVoidPtr(ptr) : NULL;
+    Py_XDECREF(sh);
+    Py_XDECREF(st);
+    Py_XDECREF(ptr);
+    if (PyErr_Occurred() || nd < 0 || ns != nd) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (nd > EPX_MAX_DIMS) {
+        py_raise_invalid("%s has %d dimensions; epx tensors have at most %d", name, nd, EPX_MAX_DIMS);
+        return -1;
+    }
+    Py_INCREF(obj);
+    if (keep_add(keep, obj) != 0) return -1; /* the tensor's memory stays until the call ends */
+    dl_tensor_t d = {data, {type, id}, nd, dl, shape, strides, 0};
+    return describe_tensor(&d, name, hint, t) == 0 ? 1 : -1;
+}
+
 int py_import_tensor(call_ctx_t *ctx, keep_t *keep, PyObject *obj, const char *name, int hint,
                      epx_tensor_t *t)
 {
     memset(t, 0, sizeof(*t));
     if (obj == NULL || obj == Py_None) return 0;
+    const int fast = import_torch(ctx, keep, obj, name, hint, t);
+    if (fast != 0) return fast < 0 ? -1 : 0;
     PyObject *src = obj;
     Py_INCREF(src);
     /* torch's fp8 may not export through DLPack: export its bytes and keep the meaning here. */
@@ -180,6 +327,7 @@ int py_ctx_init(call_ctx_t *ctx, keep_t *keep, PyObject *ref, PyObject *stream_a
         if (!device || keep_add(keep, device) != 0) return -1;
         ctx->device = device;
     }
+    if (ctx->fw == FW_TORCH && torch_device_of(ref, &ctx->dl_device_type, &ctx->device_id)) return 0;
     PyObject *dev = PyObject_CallMethodNoArgs(ref, py_state.str_dlpack_device);
     if (!dev) {
         PyErr_Clear();
@@ -216,6 +364,20 @@ static void *resolve_stream(call_ctx_t *ctx)
         ctx->stream = PyLong_AsVoidPtr(ctx->stream_arg);
         ctx->stream_resolved = !PyErr_Occurred();
         return ctx->stream;
+    }
+    if (ctx->dl_device_type == DL_CUDA && ctx->fw == FW_TORCH && py_state.torch_raw_stream) {
+        /* torch's C entry: the current stream's handle without building a torch.cuda.Stream. */
+        PyObject *ptr = PyObject_CallFunction(py_state.torch_raw_stream, "i", ctx->device_id);
+        if (ptr) {
+            ctx->stream = PyLong_AsVoidPtr(ptr);
+            Py_DECREF(ptr);
+            if (!PyErr_Occurred()) {
+                ctx->stream_is_torch_current = 1;
+                ctx->stream_resolved = 1;
+                return ctx->stream;
+            }
+        }
+        PyErr_Clear(); /* the Python entry below decides */
     }
     if (ctx->dl_device_type == DL_CUDA && ctx->fw == FW_TORCH && py_state.torch_current_stream) {
         PyObject *s = PyObject_CallOneArg(py_state.torch_current_stream, ctx->device);
@@ -283,6 +445,12 @@ void py_refresh_torch(void)
         py_state.torch_current_stream = PyObject_GetAttrString(cuda, "current_stream");
         Py_DECREF(cuda);
     }
+    PyErr_Clear();
+    PyObject *c = PyObject_GetAttrString(torch, "_C");
+    py_state.torch_raw_stream = c ? PyObject_GetAttrString(c, "_cuda_getCurrentRawStream") : NULL;
+    Py_XDECREF(c);
+    PyErr_Clear();
+    py_state.torch_strided = PyObject_GetAttrString(torch, "strided");
     PyErr_Clear();
     py_state.torch_tensor_type = tensor;
     py_state.torch_empty = empty;
