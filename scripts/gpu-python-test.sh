@@ -3,7 +3,8 @@
 # the extension linked against it (EPX_PYTHON_CUDA=1 pip install, no network), then runs the torch tests
 # (native ops on 2, 4, 8 ranks sharing the GPUs under a private MPS daemon, the DeepEP scenario with a
 # CUDA graph, the HybridEP front, Comm.from_torch over gloo and NCCL) and the example's torch path.
-# Usage: scripts/gpu-python-test.sh LOGDIR. Ends within 5 minutes (EPX_PY_NUMPY=1 adds the NumPy tests).
+# Usage: scripts/gpu-python-test.sh LOGDIR. Ends within 5 minutes (EPX_PY_NUMPY=1 adds the NumPy tests;
+# EPX_PEER_KIT=DIR adds the DeepEP peer tests and table, about 5 more minutes).
 set -u -o pipefail
 LOGDIR=${1:?usage: scripts/gpu-python-test.sh LOGDIR}
 mkdir -p "$LOGDIR" && LOGDIR=$(cd "$LOGDIR" && pwd)
@@ -104,6 +105,22 @@ if timeout 60 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPR
     grep -h "relative error" "$LOGDIR/example-torch.log" | sed 's/^/    /' | tee -a "$LOGDIR/summary.log"
 else
     log "  example FAILED (see example-torch.log)"; tail -15 "$LOGDIR/example-torch.log"; status=1
+fi
+# The peer tests (EPX_PEER_KIT: a copy of the DeepEP measuring kit inside the tree, e.g. build-peer):
+# DeepEP's own tests against epx.compat.deep_ep and the side-by-side table, with the verdict of
+# scripts/gpu-peer-test.sh. The package installed above is the one measured (the kit's install phase is
+# skipped unless PEER_PHASES names it); the kit starts its own MPS daemon.
+if [ -n "${EPX_PEER_KIT:-}" ]; then
+    mps_stop
+    log "peer kit: scripts/gpu-peer-test.sh $EPX_PEER_KIT (phases ${PEER_PHASES:-deepep,view,anchor,tests})"
+    if PEER_PHASES=${PEER_PHASES:-deepep,view,anchor,tests} "$ROOT/scripts/gpu-peer-test.sh" "$EPX_PEER_KIT" \
+        "$LOGDIR/peer" >"$LOGDIR/peer.log" 2>&1; then
+        log "  peer verdict PASS"
+    else
+        log "  peer verdict FAIL (see peer.log)"; status=1
+    fi
+    grep -E "^peer |^=== |^(row|dispatch|cached|combine|copy) |test_(intranode|low_latency)|^native|^front" \
+        "$LOGDIR/peer.log" | awk '!seen[$0]++' | sed 's/^/    /' >>"$LOGDIR/summary.log"
 fi
 log "done, status $status"
 exit $status
