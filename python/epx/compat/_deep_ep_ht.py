@@ -354,6 +354,15 @@ class HTPath:
         prefix = out.rank_prefix_matrix
         recv_idx = recv_w = None
         K_user = req.topk_idx.shape[1] if req.topk_idx is not None else 0
+        # DeepEP's list of received tokens per local expert (aligned); empty in static mode, as there. Read
+        # first: the default mode's call returned after its kernels, so the read waits for nothing, where
+        # after the launches below it would wait for them too.
+        if req.worst > 0:
+            counts = []
+        elif req.topk_idx is not None:
+            counts = out.num_recv_tokens_per_expert.tolist()
+        else:
+            counts = self._expert_counts(req)
         if req.topk_idx is not None:
             # One copy at most: the caller's width, and the caller's dtype (views of the buffer hold int32).
             recv_idx = out.recv_topk_idx[:, :K_user].to(req.topk_idx.dtype, memory_format=torch.contiguous_format)
@@ -362,13 +371,6 @@ class HTPath:
                 recv_w = recv_w[:, :K_user].contiguous()
             if req.worst > 0:
                 self._clean_tail(recv_idx, recv_w, prefix[R - 1, rank])
-        # DeepEP's list of received tokens per local expert (aligned); empty in static mode, as there.
-        if req.worst > 0:
-            counts = []
-        elif req.topk_idx is not None:
-            counts = out.num_recv_tokens_per_expert.tolist()
-        else:
-            counts = self._expert_counts(req)
         state = _State(buf, out.handle, K_user, out.recv_x.shape[0])
         self.states.add(state)
         return recv_x, recv_idx, recv_w, counts, Handle(prefix, req.in_rank, state)
