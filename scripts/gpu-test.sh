@@ -70,6 +70,17 @@ if phase tests; then
         log "  gpu tests FAILED"; status=1
     fi
     grep -E "tests passed|Passed|Failed|\*\*\*" "$LOGDIR/ctest-gpu.log" | tee -a "$LOGDIR/summary.log"
+    # The ipc transport's kinds by name (the run above took the default, auto): the virtual-memory regions
+    # passed as file descriptors, which must work here (no silent fallback), then the legacy handles.
+    for kind in fd legacy; do
+        log "gpu.ht_ipc with EPX_CUDA_IPC=$kind"
+        if EPX_CUDA_IPC=$kind EPX_DEBUG=info EPX_DEBUG_SUBSYS=ipc timeout 200 "$BUILD/tests/gpu_ht_ipc" >"$LOGDIR/ipc-$kind.log" 2>&1 &&
+            grep -q "peer regions of .* ($kind)" "$LOGDIR/ipc-$kind.log"; then
+            log "  passed ($(grep -m1 -o "mapped [0-9]* peer regions of [0-9]* bytes ($kind)" "$LOGDIR/ipc-$kind.log"))"
+        else
+            log "  FAILED (see ipc-$kind.log)"; tail -5 "$LOGDIR/ipc-$kind.log"; status=1
+        fi
+    done
     # The fault-injection kill test (docs/fault.md) on the cuda backend: ranks killed at random points
     # of init, buffer creation and every mode's loop; its table goes to the summary.
     log "fault kill test, cuda backend: ${EPX_GPU_FAULT_TRIALS:-40} trials, 2..4 ranks"

@@ -111,6 +111,7 @@ typedef struct epx_params {
     char shm_dir[256];               /* EPX_SHM_DIR, default /dev/shm */
     char node_id[EPX_NODE_ID_MAX];   /* EPX_NODE_ID, "" = the config's or the host's identity */
     int32_t print_env;               /* EPX_PRINT_ENV */
+    char cuda_ipc[16];               /* EPX_CUDA_IPC: auto, fd, fabric or legacy (src/cuda/ipc.c) */
 } epx_params_t;
 
 /* Parses the environment once per process (thread-safe) and returns the parameters, or
@@ -207,6 +208,15 @@ epx_result_t epx_peers_open(epx_peers_t *peers, epx_comm_t comm);
 void epx_peers_close(epx_peers_t *peers);
 /* 1 when `peer`'s process has exited, reaped or not (a zombie counts as dead); else 0. */
 int epx_peer_exited(const epx_peers_t *peers, int peer);
+/* Buffer creation's shared steps (src/core/share.c). epx_comm_agree: every rank's outcome of a step
+ * (collective): `mine` when it failed, EPX_ERR_REMOTE naming a peer that failed, else success.
+ * epx_share_fds: hands our descriptor to every peer and receives theirs into fds[nranks] (collective,
+ * agreed; SCM_RIGHTS over abstract Unix sockets; peers known by `peers`' pids, a dead one reported at
+ * once, the whole bounded by the comm's timeout); received descriptors are in fds even on failure, -1
+ * elsewhere. epx_fault_point: the fault tests' kill point (EPX_TEST_FAULT_SHM "<rank>:<step>"). */
+epx_result_t epx_comm_agree(epx_comm_t comm, epx_result_t mine, const char *step);
+epx_result_t epx_share_fds(epx_comm_t comm, const epx_peers_t *peers, int own_fd, int *fds);
+void epx_fault_point(int rank, int step);
 /* Records the first async error of the comm (later ones are dropped); returns `res`. */
 epx_result_t epx_comm_set_async_error(epx_comm_t comm, epx_result_t res, const char *message);
 /* The first async error (EPX_SUCCESS when none), its message made the thread's last one. */

@@ -22,6 +22,7 @@ typedef struct {
     size_t offset; /* into epx_params_t */
     size_t cap;    /* strings */
     const char *help;
+    const char *choices; /* strings: the accepted values, comma-separated (NULL: any) */
 } param_def_t;
 
 #define P_OFF(field) offsetof(epx_params_t, field)
@@ -52,6 +53,11 @@ static const param_def_t param_table[] = {
      "unused (kept for compatibility): the host backend shares anonymous memory, no files"},
     {"EPX_PRINT_ENV", PARAM_BOOL, "0", 0, 1, P_OFF(print_env), 4,
      "print this table with the values in effect at the first communicator init"},
+    {"EPX_CUDA_IPC", PARAM_STRING, "auto", 0, 0, P_OFF(cuda_ipc), P_CAP(cuda_ipc),
+     "how the cuda backend shares a buffer between a node's processes: auto (fd where every device "
+     "can, else legacy), fd (virtual memory passed as file descriptors), fabric (fabric handles, "
+     "multi-node NVLink), legacy (cudaIpc handles)",
+     "auto,fd,fabric,legacy"},
 };
 
 static pthread_mutex_t params_lock_g = PTHREAD_MUTEX_INITIALIZER;
@@ -89,6 +95,19 @@ static epx_result_t parse_one(const param_def_t *def, const char *text, epx_para
         if (strlen(text) >= def->cap)
             return epx_error(EPX_ERR_INVALID_ARG, "%s is longer than %zu characters", def->name,
                              def->cap - 1);
+        if (def->choices) {
+            const size_t n = strlen(text);
+            const char *c = def->choices;
+            int ok = 0;
+            while (!ok && *c) {
+                const char *end = strchr(c, ',');
+                const size_t len = end ? (size_t)(end - c) : strlen(c);
+                ok = n == len && strncasecmp(c, text, n) == 0;
+                c = end ? end + 1 : c + len;
+            }
+            if (!ok)
+                return epx_error(EPX_ERR_INVALID_ARG, "%s='%s' is not one of %s", def->name, text, def->choices);
+        }
         snprintf(base, def->cap, "%s", text);
         return EPX_SUCCESS;
     case PARAM_LEVEL: {

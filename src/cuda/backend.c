@@ -1,6 +1,6 @@
 /*
- * cuda backend: device selection, the ipc transport (one cudaMalloc'd region per rank and buffer,
- * laid out by mode, exported with CUDA IPC and mapped by every peer), the error poller, the handle
+ * cuda backend: device selection, the ipc transport (one region per rank and buffer, laid out by
+ * mode, exported and mapped by every peer: src/cuda/ipc.c), the error poller, the handle
  * pool and the function table. Operations are in ht.c, ll.c and rm.c, on the runner of op.c.
  */
 #include <cuda_runtime.h>
@@ -305,7 +305,8 @@ static epx_result_t cuda_buffer_create(epx_buffer_t buffer)
                          me, comm->num_nodes, comm->peers[0].node_id, comm->peers[comm->ranks_per_node].node_id,
                          comm->ranks_per_node, epx_net_gin_unavailable(why, sizeof(why)));
     }
-    for (int r = 0; r < R; r++)
+    /* Fabric handles reach every GPU of a multi-node NVLink domain; other exports only this host's. */
+    for (int r = 0; r < R && !epx_cuda_ipc_asks_fabric(); r++)
         if (comm->peers[r].host_hash != comm->peers[me].host_hash)
             return epx_error(EPX_ERR_UNSUPPORTED, "rank %d: rank %d is on host %s, not %s; the cuda backend needs "
                              "every rank in one nvlink domain on one machine", me, r, comm->peers[r].hostname,
@@ -341,8 +342,7 @@ static epx_result_t cuda_buffer_create(epx_buffer_t buffer)
     EPX_CHECK_GOTO(default_num_sms(buffer, &num_sms, asked), res, err_free_state);
     cb->num_blocks = num_sms;
 
-    EPX_CHECK_GOTO(epx_cuda_check(cudaMalloc((void **)&cb->region, cb->lay.total), "cudaMalloc(region)", me), res,
-                   err_free_state);
+    EPX_CHECK_GOTO(epx_cuda_ipc_alloc(cb), res, err_free_region);
     EPX_CHECK_GOTO(epx_cuda_check(cudaMemset(cb->region, 0, cb->lay.total), "cudaMemset(region)", me), res,
                    err_free_region);
     EPX_CHECK_GOTO(epx_cuda_check(cudaHostAlloc((void **)&cb->host, sizeof(*cb->host), cudaHostAllocMapped),
@@ -360,42 +360,8 @@ static epx_result_t cuda_buffer_create(epx_buffer_t buffer)
     cb->internal_stream = st;
     EPX_CHECK_GOTO(epx_cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize", me), res, err_destroy_stream);
 
-    /* Exchange the ipc handles; the region size is part of the record so a disagreement shows. */
-    typedef struct {
-        cudaIpcMemHandle_t handle;
-        uint64_t total;
-    } ipc_rec_t;
-    ipc_rec_t mine, *all = calloc((size_t)R, sizeof(ipc_rec_t));
-    if (!all) {
-        res = epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: ipc handle table", me);
-        goto err_destroy_stream;
-    }
-    memset(&mine, 0, sizeof(mine));
-    mine.total = cb->lay.total;
-    res = epx_cuda_check(cudaIpcGetMemHandle(&mine.handle, cb->region), "cudaIpcGetMemHandle", me);
-    if (res == EPX_SUCCESS) res = epx_comm_allgather(comm, &mine, all, sizeof(ipc_rec_t));
-    for (int r = 0; r < R && res == EPX_SUCCESS; r++) {
-        if (all[r].total != cb->lay.total) {
-            res = epx_error(EPX_ERR_MISMATCH, "rank %d: rank %d's region is %llu bytes, ours %llu", me, r,
-                            (unsigned long long)all[r].total, (unsigned long long)cb->lay.total);
-            break;
-        }
-        if (r == me) {
-            cb->peers[r] = cb->region;
-            continue;
-        }
-        void *p = NULL;
-        res = epx_cuda_check(cudaIpcOpenMemHandle(&p, all[r].handle, cudaIpcMemLazyEnablePeerAccess),
-                             "cudaIpcOpenMemHandle", me);
-        if (res == EPX_SUCCESS) {
-            cb->peers[r] = p;
-            cb->peer_opened[r] = 1;
-            EPX_INFO(EPX_SUBSYS_IPC, "rank %d: mapped rank %d's region (%llu bytes)", me, r,
-                     (unsigned long long)cb->lay.total);
-        }
-    }
-    free(all);
-    if (res != EPX_SUCCESS) goto err_close_peers;
+    /* Every peer's region mapped here (the sizes were agreed with the kind of export). */
+    EPX_CHECK_GOTO(epx_cuda_ipc_map_peers(cb), res, err_destroy_stream);
     /* Nobody writes into a peer's region before every rank has mapped every region. */
     EPX_CHECK_GOTO(epx_comm_barrier(comm), res, err_close_peers);
 
@@ -414,8 +380,7 @@ static epx_result_t cuda_buffer_create(epx_buffer_t buffer)
     return EPX_SUCCESS;
 
 err_close_peers:
-    for (int r = 0; r < R; r++)
-        if (cb->peer_opened[r]) (void)cudaIpcCloseMemHandle(cb->peers[r]);
+    epx_cuda_ipc_unmap_peers(cb);
 err_destroy_stream:
     (void)cudaStreamDestroy((cudaStream_t)cb->internal_stream);
 err_destroy_event:
@@ -423,7 +388,7 @@ err_destroy_event:
 err_free_host:
     (void)cudaFreeHost(cb->host);
 err_free_region:
-    (void)cudaFree(cb->region);
+    epx_cuda_ipc_free(cb);
 err_free_state:
     pthread_mutex_destroy(&cb->lock);
     free(cb);
@@ -658,12 +623,11 @@ static void cuda_buffer_destroy(epx_buffer_t buffer)
     epx_cuda_watch_stop(cb);
     epx_cuda_ll_fini(cb);
     handle_pool_fini(cb);
-    for (int r = 0; r < buffer->comm->nranks; r++)
-        if (cb->peer_opened[r]) (void)cudaIpcCloseMemHandle(cb->peers[r]);
+    epx_cuda_ipc_unmap_peers(cb);
     (void)cudaStreamDestroy((cudaStream_t)cb->internal_stream);
     (void)cudaEventDestroy((cudaEvent_t)cb->event);
     (void)cudaFreeHost(cb->host);
-    (void)cudaFree(cb->region);
+    epx_cuda_ipc_free(cb);
     pthread_mutex_destroy(&cb->lock);
     free(cb);
     buffer->backend_state = NULL;

@@ -33,9 +33,13 @@ typedef struct cuda_handle {
 typedef struct cuda_buffer {
     epx_buffer_t buffer;
     int32_t device;
-    uint8_t *region;                       /* ours, cudaMalloc'd and exported */
+    uint8_t *region;                       /* ours, exported (src/cuda/ipc.c) */
     uint8_t *peers[EPX_CUDA_MAX_RANKS];    /* mapped regions (peers[rank] == region) */
     int32_t peer_opened[EPX_CUDA_MAX_RANKS];
+    int32_t ipc_kind;                      /* EPX_CUDA_IPC_*: how the regions are exported and mapped */
+    int32_t ipc_fd;                        /* our exported descriptor until the peers have it, else -1 */
+    uint64_t ipc_bytes;                    /* bytes of each region mapping (the allocation's size) */
+    uint8_t ipc_fabric[64];                /* our fabric handle (EPX_CUDA_IPC_FABRIC) */
     epx_cuda_layout_t lay;
     epx_cuda_host_block_t *host;           /* host view of the mapped block */
     epx_cuda_host_block_t *host_dev;       /* its device pointer */
@@ -59,6 +63,21 @@ typedef struct cuda_buffer {
     unsigned long long *ll_stamps;         /* the benchmark's LL timeline (device), NULL: off */
     struct cuda_buffer *next_live;         /* the process's live buffers (src/cuda/backend.c) */
 } cuda_buffer_t;
+
+/* The ipc transport's memory (src/cuda/ipc.c). Kinds of export: */
+enum { EPX_CUDA_IPC_LEGACY = 1, EPX_CUDA_IPC_FD = 2, EPX_CUDA_IPC_FABRIC = 3 };
+/* Chooses the kind (EPX_CUDA_IPC and every rank's device, agreed) and allocates our region (collective;
+ * cb->lay.total bytes at least). */
+epx_result_t epx_cuda_ipc_alloc(cuda_buffer_t *cb);
+/* Maps every peer's region into cb->peers (collective, agreed); on failure nothing stays mapped. */
+epx_result_t epx_cuda_ipc_map_peers(cuda_buffer_t *cb);
+void epx_cuda_ipc_unmap_peers(cuda_buffer_t *cb);
+/* Frees our region (and an export not yet handed out). */
+void epx_cuda_ipc_free(cuda_buffer_t *cb);
+/* "legacy", "fd", "fabric". */
+const char *epx_cuda_ipc_name(int kind);
+/* Whether EPX_CUDA_IPC asks for fabric handles (a domain may then span hosts). */
+int epx_cuda_ipc_asks_fabric(void);
 
 /* Device, transport, error poller and handle pool (src/cuda/backend.c). */
 /* Converts a cudaError_t into an epx error naming `what` (EPX_SUCCESS for cudaSuccess). */

@@ -101,17 +101,6 @@ static inline uint8_t *host_area_ptr(const host_buffer_t *hb, int rank, host_are
 epx_result_t host_shm_init(host_buffer_t *hb);
 void host_shm_fini(host_buffer_t *hb);
 
-/* Every rank reports its status `mine` (collective); returns the first failure, ours first, else
- * a peer's as EPX_ERR_REMOTE naming `step`. */
-epx_result_t host_agree(host_buffer_t *hb, epx_result_t mine, const char *step);
-/* Hands our region's descriptor to every peer and receives theirs into fds[nranks] (collective,
- * agreed: every rank returns success or every rank fails; src/host/share.c). The descriptors
- * received are in fds even on failure, -1 elsewhere. */
-epx_result_t host_share_fds(host_buffer_t *hb, int own_fd, int *fds);
-/* Fault injection of the tests: dies by SIGKILL when EPX_TEST_FAULT_SHM is "<our rank>:<step>".
- * Called at buffer creation only. */
-void host_fault_point(const host_buffer_t *hb, int step);
-
 /* The buffer's peer watcher (src/core/peers.c) under the host backend's names. */
 static inline epx_result_t host_peers_open(host_peers_t *peers, epx_comm_t comm)
 {

@@ -189,32 +189,6 @@ static int pool_threads(const epx_params_t *params, int local_nranks)
 /* ------------------------------------------------------------------------- regions ---- */
 
 /* Every rank reports its status; returns the first failure (ours, else a peer's). */
-epx_result_t host_agree(host_buffer_t *hb, epx_result_t mine, const char *step)
-{
-    epx_comm_t comm = hb->buffer->comm;
-    int32_t *all = calloc((size_t)hb->nranks, sizeof(int32_t));
-    if (!all)
-        return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate %d status words", hb->rank,
-                         hb->nranks);
-    int32_t send = (int32_t)mine;
-    epx_result_t res = epx_comm_allgather(comm, &send, all, sizeof(send));
-    if (res == EPX_SUCCESS && mine != EPX_SUCCESS) res = mine;
-    for (int r = 0; res == EPX_SUCCESS && r < hb->nranks; r++)
-        if (all[r] != EPX_SUCCESS)
-            res = epx_error(EPX_ERR_REMOTE, "rank %d: peer %d failed to %s (%s)", hb->rank, r, step,
-                            epx_result_str((epx_result_t)all[r]));
-    free(all);
-    return res;
-}
-
-void host_fault_point(const host_buffer_t *hb, int step)
-{
-    /* Read at buffer creation only: the fault-injection tests name a rank and a step to die at. */
-    const char *spec = getenv("EPX_TEST_FAULT_SHM");
-    int rank = -1, at = -1;
-    if (spec && sscanf(spec, "%d:%d", &rank, &at) == 2 && rank == hb->rank && at == step) raise(SIGKILL);
-}
-
 static void unmap_regions(host_buffer_t *hb)
 {
     if (!hb->regions) return;
@@ -289,17 +263,17 @@ static epx_result_t map_regions(host_buffer_t *hb)
     int *fds = malloc((size_t)hb->nranks * sizeof(int));
     if (!fds) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate descriptors", hb->rank);
     for (int r = 0; r < hb->nranks; r++) fds[r] = -1;
-    epx_result_t res = host_agree(hb, create_own_region(hb, &own_fd), "create its shared-memory region");
+    epx_result_t res = epx_comm_agree(hb->buffer->comm, create_own_region(hb, &own_fd), "create its shared-memory region");
     if (res == EPX_SUCCESS) {
-        host_fault_point(hb, 1);
-        res = host_share_fds(hb, own_fd, fds);
+        epx_fault_point(hb->rank, 1);
+        res = epx_share_fds(hb->buffer->comm, &hb->peers, own_fd, fds);
     }
     epx_result_t mapped = res;
     for (int r = 0; r < hb->nranks && mapped == EPX_SUCCESS; r++)
         if (r != hb->rank) mapped = map_peer_region(hb, fds[r], r);
-    host_fault_point(hb, 3);
+    epx_fault_point(hb->rank, 3);
     /* A rank that failed above has told its peers already; the rest agree on the mapping. */
-    if (res == EPX_SUCCESS) res = host_agree(hb, mapped, "map its peers' regions");
+    if (res == EPX_SUCCESS) res = epx_comm_agree(hb->buffer->comm, mapped, "map its peers' regions");
     for (int r = 0; r < hb->nranks; r++)
         if (fds[r] >= 0) close(fds[r]);
     if (own_fd >= 0) close(own_fd);

@@ -12,7 +12,7 @@
 static const char *const all_vars[] = {
     "EPX_TIMEOUT_MS",   "EPX_RANKS_PER_NVLINK_DOMAIN", "EPX_HOST_THREADS",  "EPX_DEBUG",
     "EPX_DEBUG_SUBSYS", "EPX_BOOTSTRAP_ADDR",          "EPX_SOCKET_IFNAME", "EPX_SHM_DIR",
-    "EPX_PRINT_ENV"};
+    "EPX_PRINT_ENV",    "EPX_CUDA_IPC"};
 
 static int test_defaults(void)
 {
@@ -29,6 +29,7 @@ static int test_defaults(void)
     EXPECT_TRUE(strcmp(p->socket_ifname, "") == 0);
     EXPECT_TRUE(strcmp(p->shm_dir, "/dev/shm") == 0);
     EXPECT_EQ_INT(p->print_env, 0);
+    EXPECT_TRUE(strcmp(p->cuda_ipc, "auto") == 0);
     /* A valid value is taken. */
     setenv("EPX_TIMEOUT_MS", "2500", 1);
     setenv("EPX_DEBUG_SUBSYS", "init,bootstrap", 1);
@@ -82,6 +83,9 @@ static int test_malformed(void)
     if (expect_malformed("EPX_RANKS_PER_NVLINK_DOMAIN", "x")) return 1;
     if (expect_malformed("EPX_RANKS_PER_NVLINK_DOMAIN", "-1")) return 1;
     if (expect_malformed("EPX_PRINT_ENV", "yes")) return 1;
+    if (expect_malformed("EPX_CUDA_IPC", "vmm")) return 1;
+    if (expect_malformed("EPX_CUDA_IPC", "fdx")) return 1;
+    if (expect_malformed("EPX_CUDA_IPC", "")) return 1;
     const char *bad_addrs[] = {"nonsense", "127.0.0.1",    "127.0.0.1:",   ":80",         "127.0.0.1:99999",
                                "1.2.3:80", "127.0.0.1:8x", "localhost:80", "127.0.0.1:-1"};
     for (size_t i = 0; i < sizeof(bad_addrs) / sizeof(bad_addrs[0]); i++)

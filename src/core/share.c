@@ -1,7 +1,9 @@
 /*
- * Passes each rank's region descriptor (a memfd) to its peers: every rank listens on an
- * abstract Unix socket named by a secret drawn for the buffer, every peer connects and receives
- * the descriptor with SCM_RIGHTS. Nothing is named in a file system, so a crash leaves nothing.
+ * Passes each rank's region descriptor (the host backend's memfd, the cuda backend's exported
+ * CUDA allocation) to its peers: every rank listens on an abstract Unix socket named by a secret
+ * drawn for the buffer, every peer connects and receives the descriptor with SCM_RIGHTS. Nothing is
+ * named in a file system, so a crash leaves nothing. Also the agreement step and the fault point
+ * that buffer creation shares between the backends.
  */
 #include <errno.h>
 #include <poll.h>
@@ -13,12 +15,16 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "host/host.h"
+#include <signal.h>
+
+#include "core/internal.h"
 
 #define SHARE_POLL_MS 20
 
 typedef struct share {
-    host_buffer_t *hb;
+    epx_comm_t comm;
+    const epx_peers_t *peers;
+    int rank, nranks;
     uint64_t secret[2];
     int listener;
     int *socks;  /* [nranks] our connection to each peer's listener */
@@ -39,13 +45,12 @@ static socklen_t socket_name(const share_t *sh, int rank, struct sockaddr_un *ad
 
 static epx_result_t draw_secret(share_t *sh)
 {
-    host_buffer_t *hb = sh->hb;
     uint64_t mine[2] = {0, 0};
-    if (hb->rank == 0 && getrandom(mine, sizeof(mine), 0) != (ssize_t)sizeof(mine))
-        return epx_error(EPX_ERR_SYSTEM, "rank %d: getrandom failed: %s", hb->rank, strerror(errno));
-    uint64_t *all = calloc((size_t)hb->nranks * 2, sizeof(uint64_t));
-    if (!all) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate secrets", hb->rank);
-    epx_result_t res = epx_comm_allgather(hb->buffer->comm, mine, all, sizeof(mine));
+    if (sh->rank == 0 && getrandom(mine, sizeof(mine), 0) != (ssize_t)sizeof(mine))
+        return epx_error(EPX_ERR_SYSTEM, "rank %d: getrandom failed: %s", sh->rank, strerror(errno));
+    uint64_t *all = calloc((size_t)sh->nranks * 2, sizeof(uint64_t));
+    if (!all) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate secrets", sh->rank);
+    epx_result_t res = epx_comm_allgather(sh->comm, mine, all, sizeof(mine));
     sh->secret[0] = all[0];
     sh->secret[1] = all[1];
     free(all);
@@ -55,20 +60,19 @@ static epx_result_t draw_secret(share_t *sh)
 static epx_result_t open_listener(share_t *sh)
 {
     struct sockaddr_un addr;
-    socklen_t len = socket_name(sh, sh->hb->rank, &addr);
+    socklen_t len = socket_name(sh, sh->rank, &addr);
     sh->listener = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (sh->listener < 0 || bind(sh->listener, (struct sockaddr *)&addr, len) != 0 ||
-        listen(sh->listener, sh->hb->nranks + 4) != 0)
-        return epx_error(EPX_ERR_SYSTEM, "rank %d: cannot listen on the descriptor socket: %s", sh->hb->rank,
+        listen(sh->listener, sh->nranks + 4) != 0)
+        return epx_error(EPX_ERR_SYSTEM, "rank %d: cannot listen on the descriptor socket: %s", sh->rank,
                          strerror(errno));
     return EPX_SUCCESS;
 }
 
 static epx_result_t connect_peers(share_t *sh)
 {
-    host_buffer_t *hb = sh->hb;
-    for (int p = 0; p < hb->nranks; p++) {
-        if (p == hb->rank) continue;
+    for (int p = 0; p < sh->nranks; p++) {
+        if (p == sh->rank) continue;
         struct sockaddr_un addr;
         socklen_t len = socket_name(sh, p, &addr);
         /* Non-blocking: a backlog filled by strangers fails here instead of hanging. */
@@ -79,10 +83,10 @@ static epx_result_t connect_peers(share_t *sh)
         if (sh->socks[p] >= 0 && errno == ECONNREFUSED)
             return epx_error(EPX_ERR_REMOTE,
                              "rank %d: peer %d (pid %d) %s before we connected to its descriptor socket",
-                             hb->rank, p, (int)hb->peers.pid[p],
-                             host_peer_exited(&hb->peers, p) ? "exited" : "left the buffer creation");
+                             sh->rank, p, (int)sh->peers->pid[p],
+                             epx_peer_exited(sh->peers, p) ? "exited" : "left the buffer creation");
         return epx_error(EPX_ERR_SYSTEM, "rank %d: cannot connect to peer %d's descriptor socket: %s",
-                         hb->rank, p, strerror(errno));
+                         sh->rank, p, strerror(errno));
     }
     return EPX_SUCCESS;
 }
@@ -93,8 +97,8 @@ static int peer_of(const share_t *sh, int sock)
     struct ucred cred;
     socklen_t len = sizeof(cred);
     if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return -1;
-    for (int p = 0; p < sh->hb->nranks; p++)
-        if (p != sh->hb->rank && sh->hb->peers.pid[p] == cred.pid) return p;
+    for (int p = 0; p < sh->nranks; p++)
+        if (p != sh->rank && sh->peers->pid[p] == cred.pid) return p;
     return -1;
 }
 
@@ -102,16 +106,15 @@ static int peer_of(const share_t *sh, int sock)
  * served) exited, EPX_ERR_TIMEOUT past the deadline. */
 static epx_result_t wait_readable(const share_t *sh, int fd, int peer, const char *doing)
 {
-    const host_buffer_t *hb = sh->hb;
-    for (int p = 0; p < hb->nranks; p++) {
-        if (p == hb->rank || (peer >= 0 && p != peer) || (peer < 0 && sh->served[p])) continue;
-        if (host_peer_exited(&hb->peers, p))
-            return epx_error(EPX_ERR_REMOTE, "rank %d: peer %d (pid %d) exited while we %s", hb->rank, p,
-                             (int)hb->peers.pid[p], doing);
+    for (int p = 0; p < sh->nranks; p++) {
+        if (p == sh->rank || (peer >= 0 && p != peer) || (peer < 0 && sh->served[p])) continue;
+        if (epx_peer_exited(sh->peers, p))
+            return epx_error(EPX_ERR_REMOTE, "rank %d: peer %d (pid %d) exited while we %s", sh->rank, p,
+                             (int)sh->peers->pid[p], doing);
     }
     if (epx_time_ns() >= sh->deadline)
-        return epx_error(EPX_ERR_TIMEOUT, "rank %d: no progress within %lld ms while we %s", hb->rank,
-                         (long long)hb->buffer->comm->timeout_ms, doing);
+        return epx_error(EPX_ERR_TIMEOUT, "rank %d: no progress within %lld ms while we %s", sh->rank,
+                         (long long)sh->comm->timeout_ms, doing);
     struct pollfd pfd = {fd, POLLIN, 0};
     (void)poll(&pfd, 1, SHARE_POLL_MS);
     return EPX_SUCCESS;
@@ -120,9 +123,8 @@ static epx_result_t wait_readable(const share_t *sh, int fd, int peer, const cha
 /* Accepts every peer once and hands it our descriptor; strangers are dropped. */
 static epx_result_t serve_peers(share_t *sh, int own_fd)
 {
-    host_buffer_t *hb = sh->hb;
-    int32_t rank = hb->rank;
-    for (int left = hb->nranks - 1; left > 0;) {
+    int32_t rank = sh->rank;
+    for (int left = sh->nranks - 1; left > 0;) {
         int sock = accept4(sh->listener, NULL, NULL, SOCK_CLOEXEC);
         if (sock < 0) {
             epx_result_t res = wait_readable(sh, sh->listener, -1, "handed our region to our peers");
@@ -142,7 +144,7 @@ static epx_result_t serve_peers(share_t *sh, int own_fd)
             memcpy(CMSG_DATA(cmsg), &own_fd, sizeof(int));
             if (sendmsg(sock, &msg, MSG_NOSIGNAL) != (ssize_t)sizeof(rank)) {
                 epx_result_t res = epx_error(EPX_ERR_SYSTEM, "rank %d: cannot send our region to peer %d: %s",
-                                             hb->rank, p, strerror(errno));
+                                             sh->rank, p, strerror(errno));
                 close(sock);
                 return res;
             }
@@ -157,10 +159,9 @@ static epx_result_t serve_peers(share_t *sh, int own_fd)
 /* Receives peer p's descriptor over our connection to it. */
 static epx_result_t receive_peer(share_t *sh, int p, int *fd_out)
 {
-    host_buffer_t *hb = sh->hb;
     if (peer_of(sh, sh->socks[p]) != p)
         return epx_error(EPX_ERR_SYSTEM, "rank %d: peer %d's descriptor socket is held by another process",
-                         hb->rank, p);
+                         sh->rank, p);
     for (;;) {
         int32_t from = -1;
         char control[CMSG_SPACE(sizeof(int))] = {0};
@@ -176,38 +177,63 @@ static epx_result_t receive_peer(share_t *sh, int p, int *fd_out)
             *fd_out = -1;
         }
         if (n >= 0 || (errno != EAGAIN && errno != EINTR))
-            return epx_error(EPX_ERR_SYSTEM, "rank %d: peer %d sent no region descriptor (%s)", hb->rank, p,
+            return epx_error(EPX_ERR_SYSTEM, "rank %d: peer %d sent no region descriptor (%s)", sh->rank, p,
                              n < 0 ? strerror(errno) : "bad message");
         epx_result_t res = wait_readable(sh, sh->socks[p], p, "waited for a peer's region");
         if (res != EPX_SUCCESS) return res;
     }
 }
 
-epx_result_t host_share_fds(host_buffer_t *hb, int own_fd, int *fds)
+epx_result_t epx_comm_agree(epx_comm_t comm, epx_result_t mine, const char *step)
 {
-    share_t sh = {hb, {0, 0}, -1, NULL, NULL, 0};
-    sh.socks = malloc((size_t)hb->nranks * 2 * sizeof(int));
-    if (!sh.socks) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate sockets", hb->rank);
-    sh.served = sh.socks + hb->nranks;
-    for (int p = 0; p < hb->nranks; p++) {
+    int32_t *all = calloc((size_t)comm->nranks, sizeof(int32_t));
+    if (!all)
+        return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate %d status words", comm->rank,
+                         comm->nranks);
+    int32_t send = (int32_t)mine;
+    epx_result_t res = epx_comm_allgather(comm, &send, all, sizeof(send));
+    if (res == EPX_SUCCESS && mine != EPX_SUCCESS) res = mine;
+    for (int r = 0; res == EPX_SUCCESS && r < comm->nranks; r++)
+        if (all[r] != EPX_SUCCESS)
+            res = epx_error(EPX_ERR_REMOTE, "rank %d: peer %d failed to %s (%s)", comm->rank, r, step,
+                            epx_result_str((epx_result_t)all[r]));
+    free(all);
+    return res;
+}
+
+void epx_fault_point(int rank, int step)
+{
+    /* Read at buffer creation only: the fault-injection tests name a rank and a step to die at. */
+    const char *spec = getenv("EPX_TEST_FAULT_SHM");
+    int who = -1, at = -1;
+    if (spec && sscanf(spec, "%d:%d", &who, &at) == 2 && who == rank && at == step) raise(SIGKILL);
+}
+
+epx_result_t epx_share_fds(epx_comm_t comm, const epx_peers_t *peers, int own_fd, int *fds)
+{
+    share_t sh = {comm, peers, comm->rank, comm->nranks, {0, 0}, -1, NULL, NULL, 0};
+    sh.socks = malloc((size_t)sh.nranks * 2 * sizeof(int));
+    if (!sh.socks) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate sockets", sh.rank);
+    sh.served = sh.socks + sh.nranks;
+    for (int p = 0; p < sh.nranks; p++) {
         sh.socks[p] = -1;
         sh.served[p] = 0;
         fds[p] = -1;
     }
     /* Each step is agreed, so that no rank waits for a peer that already gave up. */
     epx_result_t res = draw_secret(&sh);
-    if (res == EPX_SUCCESS) res = host_agree(hb, open_listener(&sh), "open its descriptor socket");
-    if (res == EPX_SUCCESS) res = host_agree(hb, connect_peers(&sh), "connect to its peers' sockets");
+    if (res == EPX_SUCCESS) res = epx_comm_agree(comm, open_listener(&sh), "open its descriptor socket");
+    if (res == EPX_SUCCESS) res = epx_comm_agree(comm, connect_peers(&sh), "connect to its peers' sockets");
     if (res == EPX_SUCCESS) {
-        host_fault_point(hb, 2);
-        sh.deadline = epx_deadline_after_ms(hb->buffer->comm->timeout_ms);
+        epx_fault_point(sh.rank, 2);
+        sh.deadline = epx_deadline_after_ms(comm->timeout_ms);
         epx_result_t passed = serve_peers(&sh, own_fd);
-        for (int p = 0; p < hb->nranks && passed == EPX_SUCCESS; p++)
-            if (p != hb->rank) passed = receive_peer(&sh, p, &fds[p]);
-        res = host_agree(hb, passed, "exchange region descriptors");
+        for (int p = 0; p < sh.nranks && passed == EPX_SUCCESS; p++)
+            if (p != sh.rank) passed = receive_peer(&sh, p, &fds[p]);
+        res = epx_comm_agree(comm, passed, "exchange region descriptors");
     }
     if (sh.listener >= 0) close(sh.listener);
-    for (int p = 0; p < hb->nranks; p++)
+    for (int p = 0; p < sh.nranks; p++)
         if (sh.socks[p] >= 0) close(sh.socks[p]);
     free(sh.socks);
     return res;

@@ -1,0 +1,386 @@
+/*
+ * The ipc transport's memory: each rank's registered region and its mappings of its peers' regions.
+ *
+ * Kinds (EPX_CUDA_IPC; docs/architecture.md, "The ipc transport"):
+ *  - fd (the default where every rank's device supports it): the region is CUDA virtual memory
+ *    (cuMemCreate) exported as a POSIX file descriptor, handed to the node's other processes over a
+ *    Unix socket (src/core/share.c) and mapped there (cuMemImportFromShareableHandle, cuMemMap). No
+ *    legacy IPC handle.
+ *  - fabric: the same memory exported as a fabric handle (multi-node NVLink systems, where the
+ *    driver offers it), exchanged through the bootstrap, so one NVLink domain can span hosts. Behind
+ *    the device's capability; asked for by EPX_CUDA_IPC=fabric only.
+ *  - legacy: cudaMalloc and cudaIpcGetMemHandle / cudaIpcOpenMemHandle.
+ * EPX_CUDA_IPC=auto (or unset) takes fd when every rank can, else legacy; when the fd path fails on
+ * some rank (every step is agreed, so on all of them) it falls back to legacy with a warning. A named
+ * kind that some rank cannot use fails the creation on every rank with EPX_ERR_UNSUPPORTED.
+ */
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <unistd.h>
+
+#include "cuda/cuda.h"
+
+enum { ASK_AUTO = 0, CAN_FD = 1, CAN_FABRIC = 2 };
+
+/* The driver calls used here, found through the runtime (cudaGetDriverEntryPointByVersion): the library
+ * keeps no link to libcuda, so it loads where no driver is installed (the CPU backend still works). */
+#define EPX_DRIVER_CALLS(X)                                                                                 \
+    X(cuGetErrorName) X(cuGetErrorString) X(cuDeviceGet) X(cuDeviceGetAttribute)                           \
+    X(cuMemGetAllocationGranularity) X(cuMemCreate) X(cuMemRelease) X(cuMemExportToShareableHandle)        \
+    X(cuMemImportFromShareableHandle) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap) \
+    X(cuMemSetAccess)
+
+static struct {
+#define EPX_DRIVER_FIELD_(f) __typeof__(&f) p_##f;
+    EPX_DRIVER_CALLS(EPX_DRIVER_FIELD_)
+#undef EPX_DRIVER_FIELD_
+    const char *missing; /* the first call the driver did not give, NULL when all are there */
+} drv;
+static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
+
+static void drv_load(void)
+{
+#define EPX_DRIVER_LOAD_(f)                                                                                 \
+    if (!drv.missing) {                                                                                     \
+        void *fn = NULL;                                                                                    \
+        enum cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;                       \
+        if (cudaGetDriverEntryPointByVersion(#f, &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||      \
+            q != cudaDriverEntryPointSuccess || !fn) {                                                      \
+            (void)cudaGetLastError();                                                                       \
+            drv.missing = #f;                                                                               \
+        } else {                                                                                            \
+            drv.p_##f = (__typeof__(&f))fn;                                                                 \
+        }                                                                                                   \
+    }
+    EPX_DRIVER_CALLS(EPX_DRIVER_LOAD_)
+#undef EPX_DRIVER_LOAD_
+}
+
+/* Whether every driver call is there (loaded once). */
+static int drv_ready(void)
+{
+    pthread_once(&drv_once, drv_load);
+    return drv.missing == NULL;
+}
+
+const char *epx_cuda_ipc_name(int kind)
+{
+    switch (kind) {
+    case EPX_CUDA_IPC_LEGACY: return "legacy";
+    case EPX_CUDA_IPC_FD: return "fd";
+    case EPX_CUDA_IPC_FABRIC: return "fabric";
+    }
+    return "none";
+}
+
+static epx_result_t drv_check(CUresult r, const char *what, int rank)
+{
+    if (r == CUDA_SUCCESS) return EPX_SUCCESS;
+    const char *name = NULL, *text = NULL;
+    if (drv.p_cuGetErrorName) (void)drv.p_cuGetErrorName(r, &name);
+    if (drv.p_cuGetErrorString) (void)drv.p_cuGetErrorString(r, &text);
+    return epx_error(r == CUDA_ERROR_OUT_OF_MEMORY ? EPX_ERR_OUT_OF_MEMORY
+                     : r == CUDA_ERROR_NOT_SUPPORTED ? EPX_ERR_UNSUPPORTED
+                                                     : EPX_ERR_CUDA,
+                     "rank %d: %s failed: %s (%s)", rank, what, name ? name : "?", text ? text : "?");
+}
+
+/* The kind EPX_CUDA_IPC names (ASK_AUTO when unset or "auto"), or -1 for anything else. */
+static int asked_kind(void)
+{
+    const epx_params_t *p = NULL;
+    if (epx_params_get(&p) != EPX_SUCCESS) return -1;
+    const char *v = p->cuda_ipc;
+    if (!*v || !strcasecmp(v, "auto")) return ASK_AUTO;
+    if (!strcasecmp(v, "fd")) return EPX_CUDA_IPC_FD;
+    if (!strcasecmp(v, "fabric")) return EPX_CUDA_IPC_FABRIC;
+    if (!strcasecmp(v, "legacy")) return EPX_CUDA_IPC_LEGACY;
+    return -1;
+}
+
+int epx_cuda_ipc_asks_fabric(void)
+{
+    return asked_kind() == EPX_CUDA_IPC_FABRIC;
+}
+
+/* CAN_FD | CAN_FABRIC for our device. */
+static int capabilities(int device)
+{
+    if (!drv_ready()) return 0;
+    CUdevice dev;
+    if (drv.p_cuDeviceGet(&dev, device) != CUDA_SUCCESS) return 0;
+    int vmm = 0, fd = 0, fabric = 0;
+    if (drv.p_cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev) != CUDA_SUCCESS)
+        vmm = 0;
+    if (drv.p_cuDeviceGetAttribute(&fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev) !=
+        CUDA_SUCCESS)
+        fd = 0;
+    if (drv.p_cuDeviceGetAttribute(&fabric, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, dev) != CUDA_SUCCESS)
+        fabric = 0;
+    return vmm ? (fd ? CAN_FD : 0) | (fabric ? CAN_FABRIC : 0) : 0;
+}
+
+/* ---- virtual memory ---------------------------------------------------------------------------- */
+
+static CUmemAllocationHandleType handle_type(int kind)
+{
+    return kind == EPX_CUDA_IPC_FABRIC ? CU_MEM_HANDLE_TYPE_FABRIC : CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+}
+
+/* Reserves an address range, maps allocation `h` there and gives our device read-write access. */
+static epx_result_t vmm_map(const cuda_buffer_t *cb, CUmemGenericAllocationHandle h, uint8_t **va_out)
+{
+    const int me = cb->buffer->comm->rank;
+    CUdeviceptr va = 0;
+    EPX_CHECK(drv_check(drv.p_cuMemAddressReserve(&va, cb->ipc_bytes, 0, 0, 0), "cuMemAddressReserve", me));
+    epx_result_t res = drv_check(drv.p_cuMemMap(va, cb->ipc_bytes, 0, h, 0), "cuMemMap", me);
+    if (res != EPX_SUCCESS) {
+        (void)drv.p_cuMemAddressFree(va, cb->ipc_bytes);
+        return res;
+    }
+    CUmemAccessDesc access;
+    memset(&access, 0, sizeof(access));
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = cb->device;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    res = drv_check(drv.p_cuMemSetAccess(va, cb->ipc_bytes, &access, 1), "cuMemSetAccess", me);
+    if (res != EPX_SUCCESS) {
+        (void)drv.p_cuMemUnmap(va, cb->ipc_bytes);
+        (void)drv.p_cuMemAddressFree(va, cb->ipc_bytes);
+        return res;
+    }
+    *va_out = (uint8_t *)(uintptr_t)va;
+    return EPX_SUCCESS;
+}
+
+static void vmm_unmap(const cuda_buffer_t *cb, uint8_t *va)
+{
+    (void)drv.p_cuMemUnmap((CUdeviceptr)(uintptr_t)va, cb->ipc_bytes);
+    (void)drv.p_cuMemAddressFree((CUdeviceptr)(uintptr_t)va, cb->ipc_bytes);
+}
+
+/* Our region as virtual memory of `kind`, mapped, with its export (cb->ipc_fd or cb->ipc_fabric). */
+static epx_result_t vmm_alloc(cuda_buffer_t *cb, int kind)
+{
+    const int me = cb->buffer->comm->rank;
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof(prop));
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = cb->device;
+    prop.requestedHandleTypes = handle_type(kind);
+    size_t gran = 0;
+    EPX_CHECK(drv_check(drv.p_cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+                        "cuMemGetAllocationGranularity", me));
+    if (!gran) gran = 2u << 20;
+    cb->ipc_bytes = (cb->lay.total + gran - 1) / gran * gran;
+    CUmemGenericAllocationHandle h;
+    EPX_CHECK(drv_check(drv.p_cuMemCreate(&h, cb->ipc_bytes, &prop, 0), "drv.p_cuMemCreate(region)", me));
+    epx_result_t res;
+    if (kind == EPX_CUDA_IPC_FABRIC) {
+        CUmemFabricHandle fh;
+        res = drv_check(drv.p_cuMemExportToShareableHandle(&fh, h, CU_MEM_HANDLE_TYPE_FABRIC, 0),
+                        "drv.p_cuMemExportToShareableHandle(fabric)", me);
+        if (res == EPX_SUCCESS) memcpy(cb->ipc_fabric, &fh, sizeof(cb->ipc_fabric));
+    } else {
+        int fd = -1;
+        res = drv_check(drv.p_cuMemExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                        "drv.p_cuMemExportToShareableHandle(fd)", me);
+        cb->ipc_fd = res == EPX_SUCCESS ? fd : -1;
+    }
+    if (res == EPX_SUCCESS) res = vmm_map(cb, h, &cb->region);
+    /* The mapping (and the export) keep the memory; it goes with the last of them. */
+    (void)drv.p_cuMemRelease(h);
+    if (res != EPX_SUCCESS && cb->ipc_fd >= 0) {
+        close(cb->ipc_fd);
+        cb->ipc_fd = -1;
+    }
+    return res;
+}
+
+/* Imports and maps peer r's region from its exported handle (fd: ours to close). */
+static epx_result_t vmm_import(cuda_buffer_t *cb, int r, int kind, void *shared)
+{
+    const int me = cb->buffer->comm->rank;
+    CUmemGenericAllocationHandle h;
+    char what[64];
+    snprintf(what, sizeof(what), "drv.p_cuMemImportFromShareableHandle(%s of rank %d)", epx_cuda_ipc_name(kind), r);
+    EPX_CHECK(drv_check(drv.p_cuMemImportFromShareableHandle(&h, shared, handle_type(kind)), what, me));
+    epx_result_t res = vmm_map(cb, h, &cb->peers[r]);
+    (void)drv.p_cuMemRelease(h);
+    if (res == EPX_SUCCESS) cb->peer_opened[r] = 1;
+    return res;
+}
+
+/* Every peer's region through the fd exchange (fd) or the bootstrap (fabric). */
+static epx_result_t vmm_map_peers(cuda_buffer_t *cb, int kind)
+{
+    epx_comm_t comm = cb->buffer->comm;
+    const int R = comm->nranks, me = comm->rank;
+    epx_result_t res = EPX_SUCCESS;
+    if (kind == EPX_CUDA_IPC_FABRIC) {
+        uint8_t(*all)[64] = calloc((size_t)R, 64);
+        if (!all) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: fabric handle table", me);
+        res = epx_comm_allgather(comm, cb->ipc_fabric, all, 64);
+        for (int r = 0; r < R && res == EPX_SUCCESS; r++)
+            if (r != me) res = vmm_import(cb, r, kind, all[r]);
+        free(all);
+        return epx_comm_agree(comm, res, "map its peers' regions (fabric handles)");
+    }
+    int *fds = malloc((size_t)R * sizeof(int));
+    if (!fds) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: descriptor table", me);
+    epx_peers_t procs;
+    memset(&procs, 0, sizeof(procs));
+    res = epx_peers_open(&procs, comm);
+    if (res == EPX_SUCCESS) {
+        res = epx_share_fds(comm, &procs, cb->ipc_fd, fds);
+        epx_peers_close(&procs);
+    } else {
+        for (int r = 0; r < R; r++) fds[r] = -1;
+    }
+    for (int r = 0; r < R && res == EPX_SUCCESS; r++)
+        if (r != me) res = vmm_import(cb, r, kind, (void *)(uintptr_t)fds[r]);
+    for (int r = 0; r < R; r++)
+        if (fds[r] >= 0) close(fds[r]);
+    free(fds);
+    close(cb->ipc_fd); /* every peer holds its own copy now (or the creation fails) */
+    cb->ipc_fd = -1;
+    return epx_comm_agree(comm, res, "map its peers' regions (file descriptors)");
+}
+
+/* ---- legacy IPC ---------------------------------------------------------------------------------- */
+
+static epx_result_t legacy_alloc(cuda_buffer_t *cb)
+{
+    cb->ipc_bytes = cb->lay.total;
+    return epx_cuda_check(cudaMalloc((void **)&cb->region, cb->lay.total), "cudaMalloc(region)",
+                          cb->buffer->comm->rank);
+}
+
+static epx_result_t legacy_map_peers(cuda_buffer_t *cb)
+{
+    epx_comm_t comm = cb->buffer->comm;
+    const int R = comm->nranks, me = comm->rank;
+    cudaIpcMemHandle_t mine, *all = calloc((size_t)R, sizeof(cudaIpcMemHandle_t));
+    if (!all) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: ipc handle table", me);
+    memset(&mine, 0, sizeof(mine));
+    epx_result_t res = epx_cuda_check(cudaIpcGetMemHandle(&mine, cb->region), "cudaIpcGetMemHandle", me);
+    res = epx_comm_agree(comm, res, "export its region");
+    if (res == EPX_SUCCESS) res = epx_comm_allgather(comm, &mine, all, sizeof(mine));
+    for (int r = 0; r < R && res == EPX_SUCCESS; r++) {
+        if (r == me) continue;
+        void *p = NULL;
+        res = epx_cuda_check(cudaIpcOpenMemHandle(&p, all[r], cudaIpcMemLazyEnablePeerAccess),
+                             "cudaIpcOpenMemHandle", me);
+        if (res == EPX_SUCCESS) {
+            cb->peers[r] = p;
+            cb->peer_opened[r] = 1;
+        }
+    }
+    free(all);
+    return res;
+}
+
+/* ---- the entry points --------------------------------------------------------------------------- */
+
+epx_result_t epx_cuda_ipc_alloc(cuda_buffer_t *cb)
+{
+    epx_comm_t comm = cb->buffer->comm;
+    const int R = comm->nranks, me = comm->rank;
+    cb->ipc_fd = -1;
+    const int asked = asked_kind();
+    if (asked < 0)
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: EPX_CUDA_IPC='%s' is none of auto, fd, fabric, legacy", me,
+                         getenv("EPX_CUDA_IPC") ? getenv("EPX_CUDA_IPC") : "");
+    /* Every rank's capabilities and region size, so that all choose the same kind. */
+    typedef struct {
+        int32_t can, asked;
+        uint64_t total;
+    } rec_t;
+    rec_t mine = {capabilities(cb->device), asked, cb->lay.total};
+    rec_t *all = calloc((size_t)R, sizeof(rec_t));
+    if (!all) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: ipc capability table", me);
+    epx_result_t res = epx_comm_allgather(comm, &mine, all, sizeof(rec_t));
+    int can = CAN_FD | CAN_FABRIC, bad_rank = -1;
+    for (int r = 0; r < R && res == EPX_SUCCESS; r++) {
+        if (all[r].total != cb->lay.total) {
+            res = epx_error(EPX_ERR_MISMATCH, "rank %d: rank %d's region is %llu bytes, ours %llu", me, r,
+                            (unsigned long long)all[r].total, (unsigned long long)cb->lay.total);
+        } else if (all[r].asked != asked) {
+            res = epx_error(EPX_ERR_MISMATCH, "rank %d: EPX_CUDA_IPC differs between the ranks (rank %d: %s, ours: %s)",
+                            me, r, all[r].asked ? epx_cuda_ipc_name(all[r].asked) : "auto",
+                            asked ? epx_cuda_ipc_name(asked) : "auto");
+        }
+        if (bad_rank < 0 && (all[r].can & can) != can) bad_rank = r;
+        can &= all[r].can;
+    }
+    free(all);
+    if (res != EPX_SUCCESS) return res;
+    int kind = asked == ASK_AUTO ? (can & CAN_FD ? EPX_CUDA_IPC_FD : EPX_CUDA_IPC_LEGACY) : asked;
+    if ((kind == EPX_CUDA_IPC_FD && !(can & CAN_FD)) || (kind == EPX_CUDA_IPC_FABRIC && !(can & CAN_FABRIC)))
+        return epx_error(EPX_ERR_UNSUPPORTED,
+                         "rank %d: EPX_CUDA_IPC=%s, but rank %d's device has no %s export (virtual memory with "
+                         "%s handles%s%s); use EPX_CUDA_IPC=auto or legacy",
+                         me, epx_cuda_ipc_name(kind), bad_rank, epx_cuda_ipc_name(kind),
+                         kind == EPX_CUDA_IPC_FABRIC ? "fabric" : "POSIX file descriptor",
+                         drv.missing ? "; the driver lacks " : "", drv.missing ? drv.missing : "");
+    if (kind != EPX_CUDA_IPC_LEGACY) {
+        cb->ipc_kind = kind;
+        res = epx_comm_agree(comm, vmm_alloc(cb, kind), "create its region as virtual memory");
+        if (res == EPX_SUCCESS) return EPX_SUCCESS;
+        epx_cuda_ipc_free(cb);
+        cb->ipc_kind = 0;
+        if (asked != ASK_AUTO) return res;
+        EPX_WARN(EPX_SUBSYS_IPC, "rank %d: the region as virtual memory failed (%s); legacy CUDA IPC instead", me,
+                 epx_last_error_message());
+        kind = EPX_CUDA_IPC_LEGACY;
+    }
+    cb->ipc_kind = EPX_CUDA_IPC_LEGACY;
+    return epx_comm_agree(comm, legacy_alloc(cb), "allocate its region");
+}
+
+epx_result_t epx_cuda_ipc_map_peers(cuda_buffer_t *cb)
+{
+    epx_comm_t comm = cb->buffer->comm;
+    const int me = comm->rank;
+    cb->peers[me] = cb->region;
+    epx_result_t res = cb->ipc_kind == EPX_CUDA_IPC_LEGACY ? legacy_map_peers(cb) : vmm_map_peers(cb, cb->ipc_kind);
+    if (res != EPX_SUCCESS) {
+        epx_cuda_ipc_unmap_peers(cb);
+        return res;
+    }
+    EPX_INFO(EPX_SUBSYS_IPC, "rank %d: mapped %d peer regions of %llu bytes (%s)", me, comm->nranks - 1,
+             (unsigned long long)cb->ipc_bytes, epx_cuda_ipc_name(cb->ipc_kind));
+    return EPX_SUCCESS;
+}
+
+void epx_cuda_ipc_unmap_peers(cuda_buffer_t *cb)
+{
+    for (int r = 0; r < cb->buffer->comm->nranks; r++) {
+        if (!cb->peer_opened[r]) continue;
+        if (cb->ipc_kind == EPX_CUDA_IPC_LEGACY)
+            (void)cudaIpcCloseMemHandle(cb->peers[r]);
+        else
+            vmm_unmap(cb, cb->peers[r]);
+        cb->peer_opened[r] = 0;
+        cb->peers[r] = NULL;
+    }
+}
+
+void epx_cuda_ipc_free(cuda_buffer_t *cb)
+{
+    if (cb->ipc_fd >= 0) close(cb->ipc_fd);
+    cb->ipc_fd = -1;
+    if (!cb->region) return;
+    if (cb->ipc_kind == EPX_CUDA_IPC_LEGACY)
+        (void)cudaFree(cb->region);
+    else
+        vmm_unmap(cb, cb->region);
+    cb->region = NULL;
+}
