@@ -81,6 +81,16 @@ if phase tests; then
             log "  FAILED (see ipc-$kind.log)"; tail -5 "$LOGDIR/ipc-$kind.log"; status=1
         fi
     done
+    # auto after a failed import on rank 1 (EPX_TEST_FAULT_IPC): every rank starts over with legacy handles.
+    log "gpu.ht_ipc with EPX_CUDA_IPC=auto and rank 1's imports failed"
+    if EPX_TEST_FAULT_IPC=1 EPX_GPU_TEST_RANKS=2,4 EPX_DEBUG=info EPX_DEBUG_SUBSYS=ipc timeout 200 \
+        "$BUILD/tests/gpu_ht_ipc" >"$LOGDIR/ipc-fallback.log" 2>&1 &&
+        grep -q "peer regions of .* (legacy)" "$LOGDIR/ipc-fallback.log" &&
+        grep -q "legacy CUDA IPC instead" "$LOGDIR/ipc-fallback.log"; then
+        log "  passed (fell back to legacy handles)"
+    else
+        log "  FAILED (see ipc-fallback.log)"; tail -5 "$LOGDIR/ipc-fallback.log"; status=1
+    fi
     # The fault-injection kill test (docs/fault.md) on the cuda backend: ranks killed at random points
     # of init, buffer creation and every mode's loop; its table goes to the summary.
     log "fault kill test, cuda backend: ${EPX_GPU_FAULT_TRIALS:-40} trials, 2..4 ranks"

@@ -69,7 +69,9 @@ enum { EPX_CUDA_IPC_LEGACY = 1, EPX_CUDA_IPC_FD = 2, EPX_CUDA_IPC_FABRIC = 3 };
 /* Chooses the kind (EPX_CUDA_IPC and every rank's device, agreed) and allocates our region (collective;
  * cb->lay.total bytes at least). */
 epx_result_t epx_cuda_ipc_alloc(cuda_buffer_t *cb);
-/* Maps every peer's region into cb->peers (collective, agreed); on failure nothing stays mapped. */
+/* Maps every peer's region into cb->peers (collective, agreed); on failure nothing stays mapped. Under
+ * EPX_CUDA_IPC=auto a failed virtual-memory mapping starts over with legacy handles (a new, cleared
+ * cb->region). */
 epx_result_t epx_cuda_ipc_map_peers(cuda_buffer_t *cb);
 void epx_cuda_ipc_unmap_peers(cuda_buffer_t *cb);
 /* Frees our region (and an export not yet handed out). */

@@ -244,6 +244,11 @@ static epx_result_t vmm_map_peers(cuda_buffer_t *cb, int kind)
     } else {
         for (int r = 0; r < R; r++) fds[r] = -1;
     }
+    /* Fault injection of the tests: EPX_TEST_FAULT_IPC=<rank> fails that rank's imports (auto then falls
+     * back to legacy handles on every rank). */
+    const char *fault = getenv("EPX_TEST_FAULT_IPC");
+    if (res == EPX_SUCCESS && fault && atoi(fault) == me)
+        res = epx_error(EPX_ERR_CUDA, "rank %d: imports failed by EPX_TEST_FAULT_IPC", me);
     for (int r = 0; r < R && res == EPX_SUCCESS; r++)
         if (r != me) res = vmm_import(cb, r, kind, (void *)(uintptr_t)fds[r]);
     for (int r = 0; r < R; r++)
@@ -351,6 +356,22 @@ epx_result_t epx_cuda_ipc_map_peers(cuda_buffer_t *cb)
     const int me = comm->rank;
     cb->peers[me] = cb->region;
     epx_result_t res = cb->ipc_kind == EPX_CUDA_IPC_LEGACY ? legacy_map_peers(cb) : vmm_map_peers(cb, cb->ipc_kind);
+    if (res != EPX_SUCCESS && cb->ipc_kind != EPX_CUDA_IPC_LEGACY && asked_kind() == ASK_AUTO) {
+        /* Every rank saw the failure (the step is agreed): all start over with legacy handles. */
+        EPX_WARN(EPX_SUBSYS_IPC, "rank %d: mapping the peers' virtual-memory regions failed (%s); legacy CUDA "
+                 "IPC instead", me, epx_last_error_message());
+        epx_cuda_ipc_unmap_peers(cb);
+        epx_cuda_ipc_free(cb);
+        cb->ipc_kind = EPX_CUDA_IPC_LEGACY;
+        res = epx_comm_agree(comm, legacy_alloc(cb), "allocate its region");
+        if (res == EPX_SUCCESS) {
+            cb->peers[me] = cb->region;
+            res = epx_cuda_check(cudaMemset(cb->region, 0, cb->lay.total), "cudaMemset(region)", me);
+            if (res == EPX_SUCCESS) res = epx_cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize", me);
+            res = epx_comm_agree(comm, res, "clear its region");
+        }
+        if (res == EPX_SUCCESS) res = legacy_map_peers(cb);
+    }
     if (res != EPX_SUCCESS) {
         epx_cuda_ipc_unmap_peers(cb);
         return res;
