@@ -120,15 +120,15 @@ static int describe_tensor(const dl_tensor_t *d, const char *name, int hint, epx
 
 /* Interned attribute names of the torch fast path. */
 static struct {
-    PyObject *is_cuda, *is_cpu, *requires_grad, *layout, *data_ptr, *shape, *stride, *get_device;
+    PyObject *is_cuda, *is_cpu, *requires_grad, *layout, *data_ptr, *shape, *stride, *get_device, *new_empty;
 } g_names;
 
 static int names_ready(void)
 {
-    if (g_names.get_device) return 1;
+    if (g_names.new_empty) return 1;
 #define NAME_(f) (g_names.f = g_names.f ? g_names.f : PyUnicode_InternFromString(#f))
     if (!NAME_(is_cuda) || !NAME_(is_cpu) || !NAME_(requires_grad) || !NAME_(layout) || !NAME_(data_ptr) ||
-        !NAME_(shape) || !NAME_(stride) || !NAME_(get_device)) {
+        !NAME_(shape) || !NAME_(stride) || !NAME_(get_device) || !NAME_(new_empty)) {
         PyErr_Clear();
         return 0;
     }
@@ -456,6 +456,32 @@ void py_refresh_torch(void)
     py_state.torch_empty = empty;
 }
 
+/* An empty torch tensor of `dtype` on the call's device, kept per device and dtype: outputs are made
+ * with its new_empty(shape), which takes the dtype and device from it instead of parsing them as keyword
+ * arguments on every call (about half of torch.empty's cost for the small outputs of LL calls). NULL (no
+ * error) where there is none to keep: the caller takes torch.empty. Borrowed. */
+static PyObject *torch_template(const call_ctx_t *ctx, epx_dtype_t dtype)
+{
+    enum { CUDA_SLOTS = 16 };
+    static PyObject *kept[1 + CUDA_SLOTS][EPX_DTYPE_COUNT_];
+    const int slot = ctx->dl_device_type == DL_CPU                                  ? 0
+                     : ctx->dl_device_type == DL_CUDA && ctx->device_id >= 0 &&
+                             ctx->device_id < CUDA_SLOTS                            ? 1 + ctx->device_id
+                                                                                    : -1;
+    if (slot < 0 || dtype <= 0 || dtype >= EPX_DTYPE_COUNT_ || !ctx->device || !names_ready() ||
+        !py_state.torch_empty || !py_state.torch_dtypes[dtype])
+        return NULL;
+    if (!kept[slot][dtype]) {
+        PyObject *kwargs = Py_BuildValue("{sOsO}", "dtype", py_state.torch_dtypes[dtype], "device", ctx->device);
+        PyObject *args = Py_BuildValue("((i))", 0);
+        kept[slot][dtype] = kwargs && args ? PyObject_Call(py_state.torch_empty, args, kwargs) : NULL;
+        Py_XDECREF(kwargs);
+        Py_XDECREF(args);
+        if (!kept[slot][dtype]) PyErr_Clear();
+    }
+    return kept[slot][dtype];
+}
+
 /* *obj_out gets the new reference the caller returns (for torch fp8, the float8 view of the exported
  * bytes). */
 int py_alloc_tensor(call_ctx_t *ctx, keep_t *keep, epx_dtype_t dtype, int ndim, const int64_t *shape,
@@ -467,7 +493,10 @@ int py_alloc_tensor(call_ctx_t *ctx, keep_t *keep, epx_dtype_t dtype, int ndim, 
     for (int i = 0; i < ndim; i++)
         PyTuple_SET_ITEM(py_shape, i, PyLong_FromLongLong(shape[i] > 0 ? shape[i] : 0));
     PyObject *obj = NULL;
-    if (ctx->fw == FW_TORCH) {
+    PyObject *tmpl = ctx->fw == FW_TORCH ? torch_template(ctx, dtype) : NULL;
+    if (tmpl) {
+        obj = PyObject_CallMethodOneArg(tmpl, g_names.new_empty, py_shape);
+    } else if (ctx->fw == FW_TORCH) {
         PyObject *kwargs =
             Py_BuildValue("{sOsO}", "dtype", py_state.torch_dtypes[dtype], "device", ctx->device);
         PyObject *args = PyTuple_Pack(1, py_shape);

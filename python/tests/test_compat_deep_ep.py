@@ -338,7 +338,7 @@ def _per_call_work(rank, nranks, dist):
             return func(*args, **(kwargs or {}))
 
     free = {"view", "unsqueeze", "expand", "slice", "select", "reshape", "_reshape_alias", "detach", "alias",
-            "_unsafe_view", "as_strided", "is_pinned", "empty", "empty_strided", "t", "transpose"}
+            "_unsafe_view", "as_strided", "is_pinned", "empty", "new_empty", "empty_strided", "t", "transpose"}
     syncs = {"nonzero", "bincount", "index", "masked_select", "_local_scalar_dense", "item", "lift_fresh"}
     E, K = 4 * nranks, 3
     # Copies: with views recv_topk_idx takes one more kernel (int32 -> int64).

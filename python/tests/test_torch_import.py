@@ -89,3 +89,20 @@ def test_refusals_stay(buf):
     with pytest.raises(epx.InvalidArgumentError, match="dimensions"):
         buf.dispatch(x.view(1, 1, 1, 1, 1, 1, 1, 1, 1, T, H), idx, w)
     assert torch.equal(buf.dispatch(x, idx, w).recv_x.view(torch.int16), before.view(torch.int16))
+
+
+def test_outputs_are_tensors_of_their_own(buf):
+    # Outputs come from a kept empty tensor's new_empty: each call's are fresh tensors of the right dtype,
+    # shape and device, sharing no memory with another call's or with the kept tensor.
+    x, idx, w = inputs(seed=4)
+    a = buf.dispatch(x, idx, w)
+    b = buf.dispatch(x, idx, w)
+    for name in ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert",
+                 "rank_prefix_matrix"):
+        ta, tb = getattr(a, name), getattr(b, name)
+        assert ta.device.type == "cpu" and ta.dtype == tb.dtype and ta.shape == tb.shape, name
+        assert ta.numel() > 0 and ta.data_ptr() != tb.data_ptr(), name
+    assert a.recv_x.dtype == torch.bfloat16 and a.recv_topk_idx.dtype == torch.int64
+    assert a.recv_topk_weights.dtype == torch.float32 and a.rank_prefix_matrix.dtype == torch.int32
+    a.recv_x.zero_()
+    assert torch.equal(b.recv_x.view(torch.int16), x.view(torch.int16))
