@@ -28,7 +28,9 @@ epx_result_t epx_peers_open(epx_peers_t *peers, epx_comm_t comm)
                          comm->nranks);
     }
     for (int r = 0; r < comm->nranks; r++) {
-        peers->pid[r] = comm->peers[r].pid;
+        /* A peer on another host (a domain that spans hosts) has a pid of another machine: not watched
+         * here (pid 0: never seen exited; its death reaches us through the device's fail words). */
+        peers->pid[r] = comm->peers[r].host_hash == comm->peers[comm->rank].host_hash ? comm->peers[r].pid : 0;
         peers->pidfd[r] = -1;
         /* pidfds are close-on-exec. Without them (old kernels, seccomp) epx_peer_exited reads
          * /proc instead; a peer already gone (ESRCH) is found dead there too. */

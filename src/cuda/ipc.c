@@ -22,11 +22,19 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "cuda/cuda.h"
 
 enum { ASK_AUTO = 0, CAN_FD = 1, CAN_FABRIC = 2 };
+
+/* Fabric handles exist from CUDA 12.3 on. */
+#if CUDA_VERSION >= 12030
+#define EPX_HAVE_FABRIC 1
+#else
+#define EPX_HAVE_FABRIC 0
+#endif
 
 /* The driver calls used here, found through the runtime (cudaGetDriverEntryPointByVersion): the library
  * keeps no link to libcuda, so it loads where no driver is installed (the CPU backend still works). */
@@ -44,13 +52,24 @@ static struct {
 } drv;
 static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
 
+/* The runtime's lookup of a driver call: by version where the toolkit has it (12.5 on), else the older
+ * call (the toolkit's own driver version). */
+static cudaError_t get_entry_point(const char *name, void **fn, enum cudaDriverEntryPointQueryResult *q)
+{
+#if CUDART_VERSION >= 12050
+    return cudaGetDriverEntryPointByVersion(name, fn, 12000, cudaEnableDefault, q);
+#else
+    return cudaGetDriverEntryPoint(name, fn, cudaEnableDefault, q);
+#endif
+}
+
 static void drv_load(void)
 {
 #define EPX_DRIVER_LOAD_(f)                                                                                 \
     if (!drv.missing) {                                                                                     \
         void *fn = NULL;                                                                                    \
         enum cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;                       \
-        if (cudaGetDriverEntryPointByVersion(#f, &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||      \
+        if (get_entry_point(#f, &fn, &q) != cudaSuccess ||                                                 \
             q != cudaDriverEntryPointSuccess || !fn) {                                                      \
             (void)cudaGetLastError();                                                                       \
             drv.missing = #f;                                                                               \
@@ -109,6 +128,16 @@ int epx_cuda_ipc_asks_fabric(void)
     return asked_kind() == EPX_CUDA_IPC_FABRIC;
 }
 
+/* The identity of this process's namespace of `kind` ("pid", "net"): device and inode of its link. */
+static uint64_t namespace_id(const char *kind)
+{
+    char path[64];
+    struct stat st;
+    snprintf(path, sizeof(path), "/proc/self/ns/%s", kind);
+    if (stat(path, &st) != 0) return 0;
+    return (uint64_t)st.st_dev << 32 ^ (uint64_t)st.st_ino;
+}
+
 /* CAN_FD | CAN_FABRIC for our device. */
 static int capabilities(int device)
 {
@@ -121,8 +150,10 @@ static int capabilities(int device)
     if (drv.p_cuDeviceGetAttribute(&fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev) !=
         CUDA_SUCCESS)
         fd = 0;
+#if EPX_HAVE_FABRIC
     if (drv.p_cuDeviceGetAttribute(&fabric, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, dev) != CUDA_SUCCESS)
         fabric = 0;
+#endif
     return vmm ? (fd ? CAN_FD : 0) | (fabric ? CAN_FABRIC : 0) : 0;
 }
 
@@ -130,7 +161,11 @@ static int capabilities(int device)
 
 static CUmemAllocationHandleType handle_type(int kind)
 {
-    return kind == EPX_CUDA_IPC_FABRIC ? CU_MEM_HANDLE_TYPE_FABRIC : CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+#if EPX_HAVE_FABRIC
+    if (kind == EPX_CUDA_IPC_FABRIC) return CU_MEM_HANDLE_TYPE_FABRIC;
+#endif
+    (void)kind;
+    return CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
 }
 
 /* Reserves an address range, maps allocation `h` there and gives our device read-write access. */
@@ -166,32 +201,48 @@ static void vmm_unmap(const cuda_buffer_t *cb, uint8_t *va)
 }
 
 /* Our region as virtual memory of `kind`, mapped, with its export (cb->ipc_fd or cb->ipc_fabric). */
+static void allocation_prop(const cuda_buffer_t *cb, int kind, CUmemAllocationProp *prop)
+{
+    memset(prop, 0, sizeof(*prop));
+    prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop->location.id = cb->device;
+    prop->requestedHandleTypes = handle_type(kind);
+}
+
+/* Our device's recommended granularity for exportable regions (0: unknown). */
+static uint64_t granularity(const cuda_buffer_t *cb)
+{
+    CUmemAllocationProp prop;
+    allocation_prop(cb, EPX_CUDA_IPC_FD, &prop);
+    size_t gran = 0;
+    if (drv.p_cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED) != CUDA_SUCCESS)
+        gran = 0;
+    return gran;
+}
+
+/* Our region as virtual memory of `kind`, cb->ipc_bytes (agreed by every rank) long. */
 static epx_result_t vmm_alloc(cuda_buffer_t *cb, int kind)
 {
     const int me = cb->buffer->comm->rank;
     CUmemAllocationProp prop;
-    memset(&prop, 0, sizeof(prop));
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = cb->device;
-    prop.requestedHandleTypes = handle_type(kind);
-    size_t gran = 0;
-    EPX_CHECK(drv_check(drv.p_cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
-                        "cuMemGetAllocationGranularity", me));
-    if (!gran) gran = 2u << 20;
-    cb->ipc_bytes = (cb->lay.total + gran - 1) / gran * gran;
+    allocation_prop(cb, kind, &prop);
     CUmemGenericAllocationHandle h;
-    EPX_CHECK(drv_check(drv.p_cuMemCreate(&h, cb->ipc_bytes, &prop, 0), "drv.p_cuMemCreate(region)", me));
+    EPX_CHECK(drv_check(drv.p_cuMemCreate(&h, cb->ipc_bytes, &prop, 0), "cuMemCreate(region)", me));
     epx_result_t res;
     if (kind == EPX_CUDA_IPC_FABRIC) {
+#if EPX_HAVE_FABRIC
         CUmemFabricHandle fh;
         res = drv_check(drv.p_cuMemExportToShareableHandle(&fh, h, CU_MEM_HANDLE_TYPE_FABRIC, 0),
-                        "drv.p_cuMemExportToShareableHandle(fabric)", me);
+                        "cuMemExportToShareableHandle(fabric)", me);
         if (res == EPX_SUCCESS) memcpy(cb->ipc_fabric, &fh, sizeof(cb->ipc_fabric));
+#else
+        res = epx_error(EPX_ERR_UNSUPPORTED, "rank %d: this build's CUDA toolkit has no fabric handles", me);
+#endif
     } else {
         int fd = -1;
         res = drv_check(drv.p_cuMemExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-                        "drv.p_cuMemExportToShareableHandle(fd)", me);
+                        "cuMemExportToShareableHandle(fd)", me);
         cb->ipc_fd = res == EPX_SUCCESS ? fd : -1;
     }
     if (res == EPX_SUCCESS) res = vmm_map(cb, h, &cb->region);
@@ -210,7 +261,7 @@ static epx_result_t vmm_import(cuda_buffer_t *cb, int r, int kind, void *shared)
     const int me = cb->buffer->comm->rank;
     CUmemGenericAllocationHandle h;
     char what[64];
-    snprintf(what, sizeof(what), "drv.p_cuMemImportFromShareableHandle(%s of rank %d)", epx_cuda_ipc_name(kind), r);
+    snprintf(what, sizeof(what), "cuMemImportFromShareableHandle(%s of rank %d)", epx_cuda_ipc_name(kind), r);
     EPX_CHECK(drv_check(drv.p_cuMemImportFromShareableHandle(&h, shared, handle_type(kind)), what, me));
     epx_result_t res = vmm_map(cb, h, &cb->peers[r]);
     (void)drv.p_cuMemRelease(h);
@@ -247,7 +298,9 @@ static epx_result_t vmm_map_peers(cuda_buffer_t *cb, int kind)
     /* Fault injection of the tests: EPX_TEST_FAULT_IPC=<rank> fails that rank's imports (auto then falls
      * back to legacy handles on every rank). */
     const char *fault = getenv("EPX_TEST_FAULT_IPC");
-    if (res == EPX_SUCCESS && fault && atoi(fault) == me)
+    char *end = NULL;
+    const long faulty = fault && *fault ? strtol(fault, &end, 10) : -1;
+    if (res == EPX_SUCCESS && end && !*end && faulty == me)
         res = epx_error(EPX_ERR_CUDA, "rank %d: imports failed by EPX_TEST_FAULT_IPC", me);
     for (int r = 0; r < R && res == EPX_SUCCESS; r++)
         if (r != me) res = vmm_import(cb, r, kind, (void *)(uintptr_t)fds[r]);
@@ -289,7 +342,7 @@ static epx_result_t legacy_map_peers(cuda_buffer_t *cb)
         }
     }
     free(all);
-    return res;
+    return epx_comm_agree(comm, res, "map its peers' regions (legacy handles)");
 }
 
 /* ---- the entry points --------------------------------------------------------------------------- */
@@ -303,17 +356,23 @@ epx_result_t epx_cuda_ipc_alloc(cuda_buffer_t *cb)
     if (asked < 0)
         return epx_error(EPX_ERR_INVALID_ARG, "rank %d: EPX_CUDA_IPC='%s' is none of auto, fd, fabric, legacy", me,
                          getenv("EPX_CUDA_IPC") ? getenv("EPX_CUDA_IPC") : "");
-    /* Every rank's capabilities and region size, so that all choose the same kind. */
+    /* Every rank's capabilities and region size, so that all choose the same kind and size. Abstract Unix sockets and SO_PEERCRED's pids are per network and pid namespace: the fd exchange
+     * needs the ranks in one of each (else it would only time out). */
     typedef struct {
         int32_t can, asked;
-        uint64_t total;
+        uint64_t total, gran, pid_ns, net_ns;
     } rec_t;
-    rec_t mine = {capabilities(cb->device), asked, cb->lay.total};
+    rec_t mine = {capabilities(cb->device), asked, cb->lay.total, 0, namespace_id("pid"), namespace_id("net")};
+    if (mine.can) mine.gran = granularity(cb);
     rec_t *all = calloc((size_t)R, sizeof(rec_t));
     if (!all) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: ipc capability table", me);
     epx_result_t res = epx_comm_allgather(comm, &mine, all, sizeof(rec_t));
-    int can = CAN_FD | CAN_FABRIC, bad_rank = -1;
+    int can = CAN_FD | CAN_FABRIC, lacks_fd = -1, lacks_fabric = -1;
+    uint64_t gran = 0;
     for (int r = 0; r < R && res == EPX_SUCCESS; r++) {
+        /* Granularities are powers of two: the largest is a multiple of every other. */
+        if (all[r].gran > gran) gran = all[r].gran;
+        if (all[r].pid_ns != mine.pid_ns || all[r].net_ns != mine.net_ns) all[r].can &= ~CAN_FD;
         if (all[r].total != cb->lay.total) {
             res = epx_error(EPX_ERR_MISMATCH, "rank %d: rank %d's region is %llu bytes, ours %llu", me, r,
                             (unsigned long long)all[r].total, (unsigned long long)cb->lay.total);
@@ -322,7 +381,8 @@ epx_result_t epx_cuda_ipc_alloc(cuda_buffer_t *cb)
                             me, r, all[r].asked ? epx_cuda_ipc_name(all[r].asked) : "auto",
                             asked ? epx_cuda_ipc_name(asked) : "auto");
         }
-        if (bad_rank < 0 && (all[r].can & can) != can) bad_rank = r;
+        if (lacks_fd < 0 && !(all[r].can & CAN_FD)) lacks_fd = r;
+        if (lacks_fabric < 0 && !(all[r].can & CAN_FABRIC)) lacks_fabric = r;
         can &= all[r].can;
     }
     free(all);
@@ -330,12 +390,15 @@ epx_result_t epx_cuda_ipc_alloc(cuda_buffer_t *cb)
     int kind = asked == ASK_AUTO ? (can & CAN_FD ? EPX_CUDA_IPC_FD : EPX_CUDA_IPC_LEGACY) : asked;
     if ((kind == EPX_CUDA_IPC_FD && !(can & CAN_FD)) || (kind == EPX_CUDA_IPC_FABRIC && !(can & CAN_FABRIC)))
         return epx_error(EPX_ERR_UNSUPPORTED,
-                         "rank %d: EPX_CUDA_IPC=%s, but rank %d's device has no %s export (virtual memory with "
-                         "%s handles%s%s); use EPX_CUDA_IPC=auto or legacy",
-                         me, epx_cuda_ipc_name(kind), bad_rank, epx_cuda_ipc_name(kind),
+                         "rank %d: EPX_CUDA_IPC=%s, but rank %d cannot use it (a device without virtual memory "
+                         "exported as %s handles%s%s%s); use EPX_CUDA_IPC=auto or legacy",
+                         me, epx_cuda_ipc_name(kind), kind == EPX_CUDA_IPC_FABRIC ? lacks_fabric : lacks_fd,
                          kind == EPX_CUDA_IPC_FABRIC ? "fabric" : "POSIX file descriptor",
-                         drv.missing ? "; the driver lacks " : "", drv.missing ? drv.missing : "");
+                         kind == EPX_CUDA_IPC_FD ? ", or ranks in different pid or network namespaces" : "",
+                         drv.missing ? "; this rank's driver lacks " : "", drv.missing ? drv.missing : "");
     if (kind != EPX_CUDA_IPC_LEGACY) {
+        if (!gran) gran = 2u << 20;
+        cb->ipc_bytes = (cb->lay.total + gran - 1) / gran * gran;
         cb->ipc_kind = kind;
         res = epx_comm_agree(comm, vmm_alloc(cb, kind), "create its region as virtual memory");
         if (res == EPX_SUCCESS) return EPX_SUCCESS;
@@ -344,7 +407,6 @@ epx_result_t epx_cuda_ipc_alloc(cuda_buffer_t *cb)
         if (asked != ASK_AUTO) return res;
         EPX_WARN(EPX_SUBSYS_IPC, "rank %d: the region as virtual memory failed (%s); legacy CUDA IPC instead", me,
                  epx_last_error_message());
-        kind = EPX_CUDA_IPC_LEGACY;
     }
     cb->ipc_kind = EPX_CUDA_IPC_LEGACY;
     return epx_comm_agree(comm, legacy_alloc(cb), "allocate its region");
