@@ -10,9 +10,12 @@
  *    driver offers it), exchanged through the bootstrap, so one NVLink domain can span hosts. Behind
  *    the device's capability; asked for by EPX_CUDA_IPC=fabric only.
  *  - legacy: cudaMalloc and cudaIpcGetMemHandle / cudaIpcOpenMemHandle.
- * EPX_CUDA_IPC=auto (or unset) takes fd when every rank can, else legacy; when the fd path fails on
- * some rank (every step is agreed, so on all of them) it falls back to legacy with a warning. A named
- * kind that some rank cannot use fails the creation on every rank with EPX_ERR_UNSUPPORTED.
+ * EPX_CUDA_IPC=auto (or unset) takes fd when every rank can (its device exports POSIX descriptors, and
+ * all ranks share one pid and one network namespace, which the socket exchange needs), else legacy;
+ * when the fd path fails on some rank (every step is agreed, so on all of them) it falls back to legacy
+ * with a warning. A named kind that some rank cannot use fails the creation on every rank with
+ * EPX_ERR_UNSUPPORTED. Every rank maps its peers' regions with the same size (the largest
+ * granularity of all ranks').
  */
 #include <cuda.h>
 #include <cuda_runtime.h>
