@@ -136,6 +136,13 @@ fi
 # combine bf16, their hook halves and the same-run floor.
 if [ -x "$BENCH" ]; then
     bench ll-r8 120 -o ll -r 8 -t 128 -H 7168 -k 8 -E 256 -S 16 -n 50 -w 5 -d fp8
+    # The same view and LL rows over legacy IPC handles, in the same run: what the fd regions change.
+    if [ "${EPX_GPU_IPC_AB:-1}" = 1 ]; then
+        export EPX_CUDA_IPC=legacy
+        bench view-bf16-legacy 120 -o view -r 8 -t 4096 -H 7168 -k 8 -E 256 -S 16 -n 20 -w 3 -d bf16
+        bench ll-r8-legacy 120 -o ll -r 8 -t 128 -H 7168 -k 8 -E 256 -S 16 -n 50 -w 5 -d fp8
+        unset EPX_CUDA_IPC
+    fi
 fi
 log "done, status $status"
 exit $status
