@@ -121,14 +121,16 @@ static int describe_tensor(const dl_tensor_t *d, const char *name, int hint, epx
 /* Interned attribute names of the torch fast path. */
 static struct {
     PyObject *is_cuda, *is_cpu, *requires_grad, *layout, *data_ptr, *shape, *stride, *get_device, *new_empty;
+    PyObject *is_neg, *is_conj, *resolve_neg, *resolve_conj;
 } g_names;
 
 static int names_ready(void)
 {
-    if (g_names.new_empty) return 1;
+    if (g_names.resolve_conj) return 1;
 #define NAME_(f) (g_names.f = g_names.f ? g_names.f : PyUnicode_InternFromString(#f))
     if (!NAME_(is_cuda) || !NAME_(is_cpu) || !NAME_(requires_grad) || !NAME_(layout) || !NAME_(data_ptr) ||
-        !NAME_(shape) || !NAME_(stride) || !NAME_(get_device) || !NAME_(new_empty)) {
+        !NAME_(shape) || !NAME_(stride) || !NAME_(get_device) || !NAME_(new_empty) || !NAME_(is_neg) ||
+        !NAME_(is_conj) || !NAME_(resolve_neg) || !NAME_(resolve_conj)) {
         PyErr_Clear();
         return 0;
     }
@@ -140,6 +142,19 @@ static int names_ready(void)
 static int attr_flag(PyObject *obj, PyObject *name)
 {
     PyObject *v = PyObject_GetAttr(obj, name);
+    if (!v) {
+        PyErr_Clear();
+        return -1;
+    }
+    int r = v == Py_True ? 1 : v == Py_False ? 0 : -1;
+    Py_DECREF(v);
+    return r;
+}
+
+/* 1 when obj.name() returns True, 0 when False, -1 otherwise (error cleared). */
+static int method_flag(PyObject *obj, PyObject *name)
+{
+    PyObject *v = PyObject_CallMethodNoArgs(obj, name);
     if (!v) {
         PyErr_Clear();
         return -1;
@@ -211,6 +226,9 @@ static int read_ints(PyObject *tuple, int64_t *v, int max)
     return (int)n;
 }
 
+static int describe_torch(keep_t *keep, PyObject *obj, const char *name, int hint, epx_tensor_t *t, int type,
+                          int id);
+
 /* A plain torch.Tensor described from its own attributes (data_ptr, shape, stride, dtype), without the
  * DLPack round trip (several us of Python per tensor, most of a small call's host time), where DLPack
  * would add nothing: a strided tensor without grad on the host, or on cuda consumed on torch's current
@@ -228,6 +246,23 @@ static int import_torch(call_ctx_t *ctx, keep_t *keep, PyObject *obj, const char
         if (!ctx->stream_is_torch_current) return 0; /* DLPack orders torch's work before that stream */
     }
     if (attr_flag(obj, g_names.requires_grad) != 0) return 0; /* DLPack's own refusal stays */
+    /* A negative or conjugate view's bytes are not its values (DLPack would export the bytes): its
+     * resolved copy is read instead. */
+    Py_INCREF(obj);
+    PyObject *held = obj;
+    if (method_flag(held, g_names.is_neg) == 1) Py_SETREF(held, PyObject_CallMethodNoArgs(held, g_names.resolve_neg));
+    if (held && method_flag(held, g_names.is_conj) == 1)
+        Py_SETREF(held, PyObject_CallMethodNoArgs(held, g_names.resolve_conj));
+    if (!held) return -1;
+    const int got = describe_torch(keep, held, name, hint, t, type, id);
+    Py_DECREF(held);
+    return got;
+}
+
+/* import_torch's second half: `obj` (a plain, resolved torch.Tensor on device (type, id)) described. */
+static int describe_torch(keep_t *keep, PyObject *obj, const char *name, int hint, epx_tensor_t *t, int type,
+                          int id)
+{
     PyObject *layout = PyObject_GetAttr(obj, g_names.layout);
     const int strided = layout == py_state.torch_strided;
     Py_XDECREF(layout);

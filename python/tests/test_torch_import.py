@@ -106,3 +106,15 @@ def test_outputs_are_tensors_of_their_own(buf):
     assert a.recv_topk_weights.dtype == torch.float32 and a.rank_prefix_matrix.dtype == torch.int32
     a.recv_x.zero_()
     assert torch.equal(b.recv_x.view(torch.int16), x.view(torch.int16))
+
+
+@pytest.mark.skipif(not hasattr(torch, "_neg_view"), reason="this torch has no negative views")
+def test_negative_view_is_read_by_value(buf):
+    # A negative view shares its base's bytes; its values are their negation. DLPack would export the
+    # bytes; the binding reads the view's values.
+    x, idx, w = inputs(seed=5)
+    nx = torch._neg_view(x)
+    assert nx.is_neg()
+    got = buf.dispatch(nx, idx, w).recv_x.clone()
+    want = buf.dispatch(-x, idx, w).recv_x
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
