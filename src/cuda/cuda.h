@@ -9,6 +9,7 @@
 #include <pthread.h>
 
 #include "core/internal.h"
+#include "cuda/ipc_plan.h"
 #include "kernels/contract.h"
 
 #ifdef __cplusplus
@@ -64,8 +65,7 @@ typedef struct cuda_buffer {
     struct cuda_buffer *next_live;         /* the process's live buffers (src/cuda/backend.c) */
 } cuda_buffer_t;
 
-/* The ipc transport's memory (src/cuda/ipc.c). Kinds of export: */
-enum { EPX_CUDA_IPC_LEGACY = 1, EPX_CUDA_IPC_FD = 2, EPX_CUDA_IPC_FABRIC = 3 };
+/* The ipc transport's memory (src/cuda/ipc.c; its kinds and plan: src/cuda/ipc_plan.h). */
 /* Chooses the kind (EPX_CUDA_IPC and every rank's device, agreed) and allocates our region (collective;
  * cb->lay.total bytes at least). */
 epx_result_t epx_cuda_ipc_alloc(cuda_buffer_t *cb);

@@ -30,7 +30,7 @@
 
 #include "cuda/cuda.h"
 
-enum { ASK_AUTO = 0, CAN_FD = 1, CAN_FABRIC = 2 };
+enum { ASK_AUTO = EPX_CUDA_IPC_AUTO, CAN_FD = EPX_CUDA_IPC_CAN_FD, CAN_FABRIC = EPX_CUDA_IPC_CAN_FABRIC };
 
 /* Fabric handles exist from CUDA 12.3 on. */
 #if CUDA_VERSION >= 12030
@@ -93,12 +93,7 @@ static int drv_ready(void)
 
 const char *epx_cuda_ipc_name(int kind)
 {
-    switch (kind) {
-    case EPX_CUDA_IPC_LEGACY: return "legacy";
-    case EPX_CUDA_IPC_FD: return "fd";
-    case EPX_CUDA_IPC_FABRIC: return "fabric";
-    }
-    return "none";
+    return epx_cuda_ipc_kind_name(kind);
 }
 
 static epx_result_t drv_check(CUresult r, const char *what, int rank)
@@ -359,49 +354,21 @@ epx_result_t epx_cuda_ipc_alloc(cuda_buffer_t *cb)
     if (asked < 0)
         return epx_error(EPX_ERR_INVALID_ARG, "rank %d: EPX_CUDA_IPC='%s' is none of auto, fd, fabric, legacy", me,
                          getenv("EPX_CUDA_IPC") ? getenv("EPX_CUDA_IPC") : "");
-    /* Every rank's capabilities and region size, so that all choose the same kind and size. Abstract Unix sockets and SO_PEERCRED's pids are per network and pid namespace: the fd exchange
-     * needs the ranks in one of each (else it would only time out). */
-    typedef struct {
-        int32_t can, asked;
-        uint64_t total, gran, pid_ns, net_ns;
-    } rec_t;
-    rec_t mine = {capabilities(cb->device), asked, cb->lay.total, 0, namespace_id("pid"), namespace_id("net")};
+    /* Every rank's capabilities, region size, granularity and namespaces, so that all choose the same
+     * kind and size (src/cuda/ipc_plan.h). */
+    epx_cuda_ipc_rec_t mine = {capabilities(cb->device), asked, cb->lay.total, 0, namespace_id("pid"),
+                               namespace_id("net")};
     if (mine.can) mine.gran = granularity(cb);
-    rec_t *all = calloc((size_t)R, sizeof(rec_t));
+    epx_cuda_ipc_rec_t *all = calloc((size_t)R, sizeof(*all));
     if (!all) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: ipc capability table", me);
-    epx_result_t res = epx_comm_allgather(comm, &mine, all, sizeof(rec_t));
-    int can = CAN_FD | CAN_FABRIC, lacks_fd = -1, lacks_fabric = -1;
-    uint64_t gran = 0;
-    for (int r = 0; r < R && res == EPX_SUCCESS; r++) {
-        /* Granularities are powers of two: the largest is a multiple of every other. */
-        if (all[r].gran > gran) gran = all[r].gran;
-        if (all[r].pid_ns != mine.pid_ns || all[r].net_ns != mine.net_ns) all[r].can &= ~CAN_FD;
-        if (all[r].total != cb->lay.total) {
-            res = epx_error(EPX_ERR_MISMATCH, "rank %d: rank %d's region is %llu bytes, ours %llu", me, r,
-                            (unsigned long long)all[r].total, (unsigned long long)cb->lay.total);
-        } else if (all[r].asked != asked) {
-            res = epx_error(EPX_ERR_MISMATCH, "rank %d: EPX_CUDA_IPC differs between the ranks (rank %d: %s, ours: %s)",
-                            me, r, all[r].asked ? epx_cuda_ipc_name(all[r].asked) : "auto",
-                            asked ? epx_cuda_ipc_name(asked) : "auto");
-        }
-        if (lacks_fd < 0 && !(all[r].can & CAN_FD)) lacks_fd = r;
-        if (lacks_fabric < 0 && !(all[r].can & CAN_FABRIC)) lacks_fabric = r;
-        can &= all[r].can;
-    }
+    epx_result_t res = epx_comm_allgather(comm, &mine, all, sizeof(*all));
+    int kind = EPX_CUDA_IPC_LEGACY;
+    uint64_t bytes = cb->lay.total;
+    if (res == EPX_SUCCESS) res = epx_cuda_ipc_plan(me, R, all, drv.missing, &kind, &bytes);
     free(all);
     if (res != EPX_SUCCESS) return res;
-    int kind = asked == ASK_AUTO ? (can & CAN_FD ? EPX_CUDA_IPC_FD : EPX_CUDA_IPC_LEGACY) : asked;
-    if ((kind == EPX_CUDA_IPC_FD && !(can & CAN_FD)) || (kind == EPX_CUDA_IPC_FABRIC && !(can & CAN_FABRIC)))
-        return epx_error(EPX_ERR_UNSUPPORTED,
-                         "rank %d: EPX_CUDA_IPC=%s, but rank %d cannot use it (a device without virtual memory "
-                         "exported as %s handles%s%s%s); use EPX_CUDA_IPC=auto or legacy",
-                         me, epx_cuda_ipc_name(kind), kind == EPX_CUDA_IPC_FABRIC ? lacks_fabric : lacks_fd,
-                         kind == EPX_CUDA_IPC_FABRIC ? "fabric" : "POSIX file descriptor",
-                         kind == EPX_CUDA_IPC_FD ? ", or ranks in different pid or network namespaces" : "",
-                         drv.missing ? "; this rank's driver lacks " : "", drv.missing ? drv.missing : "");
     if (kind != EPX_CUDA_IPC_LEGACY) {
-        if (!gran) gran = 2u << 20;
-        cb->ipc_bytes = (cb->lay.total + gran - 1) / gran * gran;
+        cb->ipc_bytes = bytes;
         cb->ipc_kind = kind;
         res = epx_comm_agree(comm, vmm_alloc(cb, kind), "create its region as virtual memory");
         if (res == EPX_SUCCESS) return EPX_SUCCESS;
