@@ -138,30 +138,28 @@ static int names_ready(void)
     return 1;
 }
 
-/* 1 when obj's attribute `name` is True, 0 when False, -1 when absent or not a bool (error cleared). */
-static int attr_flag(PyObject *obj, PyObject *name)
+/* 1 for True, 0 for False, -1 for anything else or an error (cleared); consumes v. */
+static int bool_of(PyObject *v)
 {
-    PyObject *v = PyObject_GetAttr(obj, name);
     if (!v) {
         PyErr_Clear();
         return -1;
     }
-    int r = v == Py_True ? 1 : v == Py_False ? 0 : -1;
+    const int r = v == Py_True ? 1 : v == Py_False ? 0 : -1;
     Py_DECREF(v);
     return r;
 }
 
-/* 1 when obj.name() returns True, 0 when False, -1 otherwise (error cleared). */
+/* obj's attribute `name` as a flag (bool_of). */
+static int attr_flag(PyObject *obj, PyObject *name)
+{
+    return bool_of(PyObject_GetAttr(obj, name));
+}
+
+/* What obj.name() returns, as a flag (bool_of). */
 static int method_flag(PyObject *obj, PyObject *name)
 {
-    PyObject *v = PyObject_CallMethodNoArgs(obj, name);
-    if (!v) {
-        PyErr_Clear();
-        return -1;
-    }
-    int r = v == Py_True ? 1 : v == Py_False ? 0 : -1;
-    Py_DECREF(v);
-    return r;
+    return bool_of(PyObject_CallMethodNoArgs(obj, name));
 }
 
 /* Where a plain torch.Tensor lives, read from the tensor (no __dlpack_device__): DL_CUDA with its index,
