@@ -2,7 +2,9 @@
 as the NumPy tests (npref.py) on torch tensors."""
 
 import os
+import shutil
 import socket
+import tempfile
 
 import numpy as np
 
@@ -17,8 +19,13 @@ def free_port():
 
 
 def init_group(rank, nranks, port, backend="gloo"):
+    """A torch.distributed group over a TCP store on `port` (an int), or over a file store at `port` (a
+    path): no port that another process on the machine could take between its choice and its use."""
     import torch.distributed as dist
 
+    if isinstance(port, str):
+        dist.init_process_group(backend, init_method="file://" + port, rank=rank, world_size=nranks)
+        return dist
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group(backend, rank=rank, world_size=nranks)
@@ -35,7 +42,12 @@ def _in_group(rank, nranks, uid, port, backend, worker, kwargs):
 def run_in_group(nranks, worker, backend="gloo", **kwargs):
     """run_ranks with a torch.distributed group: worker(rank, nranks, dist, **kwargs) on every rank, between
     the group's creation and its destruction; returns the workers' results by rank."""
-    return run_ranks(nranks, _in_group, port=free_port(), backend=backend, worker=worker, kwargs=kwargs)
+    where = tempfile.mkdtemp(prefix="epx-group-")
+    try:
+        return run_ranks(nranks, _in_group, port=os.path.join(where, "store"), backend=backend, worker=worker,
+                         kwargs=kwargs)
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 def to_torch(a, device, bf16=False):
