@@ -224,9 +224,6 @@ static int read_ints(PyObject *tuple, int64_t *v, int max)
     return (int)n;
 }
 
-static int describe_torch(keep_t *keep, PyObject *obj, const char *name, int hint, epx_tensor_t *t, int type,
-                          int id);
-
 /* A plain torch.Tensor described from its own attributes (data_ptr, shape, stride, dtype), without the
  * DLPack round trip (several us of Python per tensor, most of a small call's host time), where DLPack
  * would add nothing: a strided tensor without grad on the host, or on cuda consumed on torch's current
@@ -244,23 +241,6 @@ static int import_torch(call_ctx_t *ctx, keep_t *keep, PyObject *obj, const char
         if (!ctx->stream_is_torch_current) return 0; /* DLPack orders torch's work before that stream */
     }
     if (attr_flag(obj, g_names.requires_grad) != 0) return 0; /* DLPack's own refusal stays */
-    /* A negative or conjugate view's bytes are not its values (DLPack would export the bytes): its
-     * resolved copy is read instead. */
-    Py_INCREF(obj);
-    PyObject *held = obj;
-    if (method_flag(held, g_names.is_neg) == 1) Py_SETREF(held, PyObject_CallMethodNoArgs(held, g_names.resolve_neg));
-    if (held && method_flag(held, g_names.is_conj) == 1)
-        Py_SETREF(held, PyObject_CallMethodNoArgs(held, g_names.resolve_conj));
-    if (!held) return -1;
-    const int got = describe_torch(keep, held, name, hint, t, type, id);
-    Py_DECREF(held);
-    return got;
-}
-
-/* import_torch's second half: `obj` (a plain, resolved torch.Tensor on device (type, id)) described. */
-static int describe_torch(keep_t *keep, PyObject *obj, const char *name, int hint, epx_tensor_t *t, int type,
-                          int id)
-{
     PyObject *layout = PyObject_GetAttr(obj, g_names.layout);
     const int strided = layout == py_state.torch_strided;
     Py_XDECREF(layout);
@@ -294,13 +274,24 @@ static int describe_torch(keep_t *keep, PyObject *obj, const char *name, int hin
     return describe_tensor(&d, name, hint, t) == 0 ? 1 : -1;
 }
 
-int py_import_tensor(call_ctx_t *ctx, keep_t *keep, PyObject *obj, const char *name, int hint,
-                     epx_tensor_t *t)
+/* A torch tensor that is a negative or conjugate view: its resolved copy (whose bytes are its values;
+ * DLPack would export the view's bytes). Anything else: obj itself. A new reference; NULL on error. */
+static PyObject *resolved(const call_ctx_t *ctx, PyObject *obj)
 {
-    memset(t, 0, sizeof(*t));
-    if (obj == NULL || obj == Py_None) return 0;
-    const int fast = import_torch(ctx, keep, obj, name, hint, t);
-    if (fast != 0) return fast < 0 ? -1 : 0;
+    Py_INCREF(obj);
+    if (ctx->fw != FW_TORCH || !py_state.torch_tensor_type ||
+        !PyObject_TypeCheck(obj, (PyTypeObject *)py_state.torch_tensor_type) || !names_ready())
+        return obj;
+    if (method_flag(obj, g_names.is_neg) == 1) Py_SETREF(obj, PyObject_CallMethodNoArgs(obj, g_names.resolve_neg));
+    if (obj && method_flag(obj, g_names.is_conj) == 1)
+        Py_SETREF(obj, PyObject_CallMethodNoArgs(obj, g_names.resolve_conj));
+    return obj;
+}
+
+/* The DLPack path of py_import_tensor. */
+static int import_dlpack(call_ctx_t *ctx, keep_t *keep, PyObject *obj, const char *name, int hint,
+                         epx_tensor_t *t)
+{
     PyObject *src = obj;
     Py_INCREF(src);
     /* torch's fp8 may not export through DLPack: export its bytes and keep the meaning here. */
@@ -342,6 +333,19 @@ int py_import_tensor(call_ctx_t *ctx, keep_t *keep, PyObject *obj, const char *n
 fail_src:
     Py_DECREF(src);
     return -1;
+}
+
+int py_import_tensor(call_ctx_t *ctx, keep_t *keep, PyObject *obj, const char *name, int hint,
+                     epx_tensor_t *t)
+{
+    memset(t, 0, sizeof(*t));
+    if (obj == NULL || obj == Py_None) return 0;
+    PyObject *held = resolved(ctx, obj); /* the call keeps what it reads (keep) until it ends */
+    if (!held) return -1;
+    int res = import_torch(ctx, keep, held, name, hint, t);
+    res = res == 0 ? import_dlpack(ctx, keep, held, name, hint, t) : res < 0 ? -1 : 0;
+    Py_DECREF(held);
+    return res;
 }
 
 int py_ctx_init(call_ctx_t *ctx, keep_t *keep, PyObject *ref, PyObject *stream_arg)

@@ -115,6 +115,11 @@ def test_negative_view_is_read_by_value(buf):
     x, idx, w = inputs(seed=5)
     nx = torch._neg_view(x)
     assert nx.is_neg()
+    want = buf.dispatch(-x, idx, w).recv_x.clone()
     got = buf.dispatch(nx, idx, w).recv_x.clone()
-    want = buf.dispatch(-x, idx, w).recv_x
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    # The same through the DLPack path (a subclass), where the view is resolved before the export.
+    sub = nx.as_subclass(Wrapped)
+    assert sub.is_neg()
+    got = buf.dispatch(sub, idx, w).recv_x
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))

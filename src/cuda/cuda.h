@@ -76,8 +76,6 @@ epx_result_t epx_cuda_ipc_map_peers(cuda_buffer_t *cb);
 void epx_cuda_ipc_unmap_peers(cuda_buffer_t *cb);
 /* Frees our region (and an export not yet handed out). */
 void epx_cuda_ipc_free(cuda_buffer_t *cb);
-/* "legacy", "fd", "fabric". */
-const char *epx_cuda_ipc_name(int kind);
 /* Whether EPX_CUDA_IPC asks for fabric handles (a domain may then span hosts). */
 int epx_cuda_ipc_asks_fabric(void);
 

@@ -30,7 +30,6 @@
 
 #include "cuda/cuda.h"
 
-enum { ASK_AUTO = EPX_CUDA_IPC_AUTO, CAN_FD = EPX_CUDA_IPC_CAN_FD, CAN_FABRIC = EPX_CUDA_IPC_CAN_FABRIC };
 
 /* Fabric handles exist from CUDA 12.3 on. */
 #if CUDA_VERSION >= 12030
@@ -91,11 +90,6 @@ static int drv_ready(void)
     return drv.missing == NULL;
 }
 
-const char *epx_cuda_ipc_name(int kind)
-{
-    return epx_cuda_ipc_kind_name(kind);
-}
-
 static epx_result_t drv_check(CUresult r, const char *what, int rank)
 {
     if (r == CUDA_SUCCESS) return EPX_SUCCESS;
@@ -108,13 +102,13 @@ static epx_result_t drv_check(CUresult r, const char *what, int rank)
                      "rank %d: %s failed: %s (%s)", rank, what, name ? name : "?", text ? text : "?");
 }
 
-/* The kind EPX_CUDA_IPC names (ASK_AUTO when unset or "auto"), or -1 for anything else. */
+/* The kind EPX_CUDA_IPC names (EPX_CUDA_IPC_AUTO when unset or "auto"), or -1 for anything else. */
 static int asked_kind(void)
 {
     const epx_params_t *p = NULL;
     if (epx_params_get(&p) != EPX_SUCCESS) return -1;
     const char *v = p->cuda_ipc;
-    if (!*v || !strcasecmp(v, "auto")) return ASK_AUTO;
+    if (!*v || !strcasecmp(v, "auto")) return EPX_CUDA_IPC_AUTO;
     if (!strcasecmp(v, "fd")) return EPX_CUDA_IPC_FD;
     if (!strcasecmp(v, "fabric")) return EPX_CUDA_IPC_FABRIC;
     if (!strcasecmp(v, "legacy")) return EPX_CUDA_IPC_LEGACY;
@@ -136,7 +130,7 @@ static uint64_t namespace_id(const char *kind)
     return (uint64_t)st.st_dev << 32 ^ (uint64_t)st.st_ino;
 }
 
-/* CAN_FD | CAN_FABRIC for our device. */
+/* EPX_CUDA_IPC_CAN_FD | EPX_CUDA_IPC_CAN_FABRIC for our device. */
 static int capabilities(int device)
 {
     if (!drv_ready()) return 0;
@@ -152,7 +146,7 @@ static int capabilities(int device)
     if (drv.p_cuDeviceGetAttribute(&fabric, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, dev) != CUDA_SUCCESS)
         fabric = 0;
 #endif
-    return vmm ? (fd ? CAN_FD : 0) | (fabric ? CAN_FABRIC : 0) : 0;
+    return vmm ? (fd ? EPX_CUDA_IPC_CAN_FD : 0) | (fabric ? EPX_CUDA_IPC_CAN_FABRIC : 0) : 0;
 }
 
 /* ---- virtual memory ---------------------------------------------------------------------------- */
@@ -198,7 +192,7 @@ static void vmm_unmap(const cuda_buffer_t *cb, uint8_t *va)
     (void)drv.p_cuMemAddressFree((CUdeviceptr)(uintptr_t)va, cb->ipc_bytes);
 }
 
-/* Our region as virtual memory of `kind`, mapped, with its export (cb->ipc_fd or cb->ipc_fabric). */
+/* The properties of an exportable region of `kind` on our device. */
 static void allocation_prop(const cuda_buffer_t *cb, int kind, CUmemAllocationProp *prop)
 {
     memset(prop, 0, sizeof(*prop));
@@ -259,7 +253,7 @@ static epx_result_t vmm_import(cuda_buffer_t *cb, int r, int kind, void *shared)
     const int me = cb->buffer->comm->rank;
     CUmemGenericAllocationHandle h;
     char what[64];
-    snprintf(what, sizeof(what), "cuMemImportFromShareableHandle(%s of rank %d)", epx_cuda_ipc_name(kind), r);
+    snprintf(what, sizeof(what), "cuMemImportFromShareableHandle(%s of rank %d)", epx_cuda_ipc_kind_name(kind), r);
     EPX_CHECK(drv_check(drv.p_cuMemImportFromShareableHandle(&h, shared, handle_type(kind)), what, me));
     epx_result_t res = vmm_map(cb, h, &cb->peers[r]);
     (void)drv.p_cuMemRelease(h);
@@ -374,7 +368,7 @@ epx_result_t epx_cuda_ipc_alloc(cuda_buffer_t *cb)
         if (res == EPX_SUCCESS) return EPX_SUCCESS;
         epx_cuda_ipc_free(cb);
         cb->ipc_kind = 0;
-        if (asked != ASK_AUTO) return res;
+        if (asked != EPX_CUDA_IPC_AUTO) return res;
         EPX_WARN(EPX_SUBSYS_IPC, "rank %d: the region as virtual memory failed (%s); legacy CUDA IPC instead", me,
                  epx_last_error_message());
     }
@@ -388,7 +382,7 @@ epx_result_t epx_cuda_ipc_map_peers(cuda_buffer_t *cb)
     const int me = comm->rank;
     cb->peers[me] = cb->region;
     epx_result_t res = cb->ipc_kind == EPX_CUDA_IPC_LEGACY ? legacy_map_peers(cb) : vmm_map_peers(cb, cb->ipc_kind);
-    if (res != EPX_SUCCESS && cb->ipc_kind != EPX_CUDA_IPC_LEGACY && asked_kind() == ASK_AUTO) {
+    if (res != EPX_SUCCESS && cb->ipc_kind != EPX_CUDA_IPC_LEGACY && asked_kind() == EPX_CUDA_IPC_AUTO) {
         /* Every rank saw the failure (the step is agreed): all start over with legacy handles. */
         EPX_WARN(EPX_SUBSYS_IPC, "rank %d: mapping the peers' virtual-memory regions failed (%s); legacy CUDA "
                  "IPC instead", me, epx_last_error_message());
@@ -409,7 +403,7 @@ epx_result_t epx_cuda_ipc_map_peers(cuda_buffer_t *cb)
         return res;
     }
     EPX_INFO(EPX_SUBSYS_IPC, "rank %d: mapped %d peer regions of %llu bytes (%s)", me, comm->nranks - 1,
-             (unsigned long long)cb->ipc_bytes, epx_cuda_ipc_name(cb->ipc_kind));
+             (unsigned long long)cb->ipc_bytes, epx_cuda_ipc_kind_name(cb->ipc_kind));
     return EPX_SUCCESS;
 }
 
