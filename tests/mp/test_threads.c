@@ -102,6 +102,21 @@ static void worker_init(worker_t *w, epx_comm_t comm, epx_buffer_t b, int rank, 
     io_init(&w->io, rank, nranks);
 }
 
+/* Runs pairs of `fn` until one is refused (or the deadline); returns the refusals, -1 on failure. */
+static long hammer_until_refused(void *(*fn)(void *), worker_t *w, epx_comm_t comm, epx_buffer_t b, int rank,
+                                 int nranks, int iterations, const char *what)
+{
+    long refusals = 0;
+    double t0 = epx_test_now_s();
+    for (int round = 0; refusals == 0 && (round < 20 || epx_test_now_s() - t0 < PAIR_DEADLINE_S); round++) {
+        for (int i = 0; i < 2; i++) worker_init(&w[i], comm, b, rank, nranks, iterations);
+        if (run_pair(fn, w)) return -1;
+        refusals += w[0].refusals + w[1].refusals;
+        if (refusals > 0) printf("%s: %ld refusals in round %d\n", what, refusals, round);
+    }
+    return refusals;
+}
+
 /* One rank, two threads on one buffer, then on one comm: refusals, no failure, still usable. */
 static int hammer_body(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
 {
@@ -112,29 +127,13 @@ static int hammer_body(int rank, int nranks, const epx_unique_id_t *id, void *ct
     epx_buffer_t b;
     EXPECT_OK(epx_buffer_create(comm, &cfg, &b));
     static worker_t w[2];
-    long refusals = 0;
-    double t0 = epx_test_now_s();
-    for (int round = 0; refusals == 0 && (round < 20 || epx_test_now_s() - t0 < PAIR_DEADLINE_S); round++) {
-        for (int i = 0; i < 2; i++) worker_init(&w[i], comm, b, rank, nranks, 200);
-        if (run_pair(hammer_buffer, w)) return 1;
-        refusals += w[0].refusals + w[1].refusals;
-        if (refusals > 0) printf("one buffer: %ld refusals in round %d\n", refusals, round);
-    }
-    EXPECT_TRUE(refusals > 0);
+    EXPECT_TRUE(hammer_until_refused(hammer_buffer, w, comm, b, rank, nranks, 200, "one buffer") > 0);
     worker_init(&w[0], comm, b, rank, nranks, 1);
     hammer_buffer(&w[0]);
     EXPECT_EQ_INT(w[0].failures, 0);
     EXPECT_OK(epx_buffer_destroy(b));
 
-    refusals = 0;
-    t0 = epx_test_now_s();
-    for (int round = 0; refusals == 0 && (round < 20 || epx_test_now_s() - t0 < PAIR_DEADLINE_S); round++) {
-        for (int i = 0; i < 2; i++) worker_init(&w[i], comm, NULL, rank, nranks, 50);
-        if (run_pair(hammer_comm, w)) return 1;
-        refusals += w[0].refusals + w[1].refusals;
-        if (refusals > 0) printf("one comm: %ld refusals in round %d\n", refusals, round);
-    }
-    EXPECT_TRUE(refusals > 0);
+    EXPECT_TRUE(hammer_until_refused(hammer_comm, w, comm, NULL, rank, nranks, 50, "one comm") > 0);
     /* The communicator is intact: a buffer and a round trip on it. */
     EXPECT_OK(epx_buffer_create(comm, &cfg, &b));
     worker_init(&w[0], comm, b, rank, nranks, 1);
