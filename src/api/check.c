@@ -61,6 +61,24 @@ const char *epx_api_dtype_list(uint32_t mask, char *buf, size_t cap)
     return buf;
 }
 
+/* Past this many bytes a config is refused, so no backend's layout arithmetic (uint64) can wrap. */
+#define EPX_MAX_BUFFER_BYTES 0x1p56L
+
+/* A generous bound, computed without wrapping, on the bytes any backend reserves for a config: every
+ * area of every mode, each taken several times over (the backends' own layouts are below it). */
+static long double config_bytes_bound(const epx_buffer_config_t *c, int nranks)
+{
+    const long double R = nranks, T = (long double)c->max_tokens, H = (long double)c->hidden;
+    const long double K = c->num_topk, E = c->num_experts;
+    const long double pad = c->max_pad_multiple > 1 ? c->max_pad_multiple : 1;
+    const long double views = c->num_view_areas > 1 ? c->num_view_areas : 1;
+    const long double row = H * 4 + (H / 128 + 1) * 4 + K * 16 + E * 5 + 64; /* a token row and its metadata */
+    const long double ht = R * T * row * (8 + 2 * views);
+    const long double ll = E * T * (H * 2 + 64) * 8 + T * K * H * 8 + R * E * 16;
+    const long double rm = E * (pad - 1) * (H * 2 + 4) * 2 + R * T * K * (H * 2 + 8) + (T / 32 + 2) * (E + R) * 8;
+    return ht + ll + rm + (1 << 20);
+}
+
 epx_result_t epx_api_buffer_config_normalize(epx_comm_t comm, const epx_buffer_config_t *config, int nranks,
                                              epx_buffer_config_t *out)
 {
@@ -119,6 +137,14 @@ epx_result_t epx_api_buffer_config_normalize(epx_comm_t comm, const epx_buffer_c
     if (c.num_view_areas < 1 || c.num_view_areas > EPX_MAX_VIEW_AREAS)
         return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "config.num_view_areas = %d is out of range [0, %d]",
                            c.num_view_areas, EPX_MAX_VIEW_AREAS);
+    const long double bound = config_bytes_bound(&c, nranks);
+    if (bound > EPX_MAX_BUFFER_BYTES)
+        return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
+                           "the config asks for about %.3Lg bytes of buffer per rank (max_tokens = %lld, hidden = "
+                           "%lld, num_topk = %d, num_experts = %d, nranks = %d), more than the %.3Lg any backend "
+                           "can lay out",
+                           bound, (long long)c.max_tokens, (long long)c.hidden, c.num_topk, c.num_experts, nranks,
+                           (long double)EPX_MAX_BUFFER_BYTES);
     *out = c;
     return EPX_SUCCESS;
 }
@@ -422,17 +448,19 @@ epx_result_t epx_api_check_routing_map(epx_comm_t comm, const epx_tensor_t *t, i
     int64_t T = t->shape[0], E = t->shape[1];
     const uint8_t *m = (const uint8_t *)t->data;
     for (int64_t i = 0; i < T; i++) {
-        int64_t selected = 0;
+        int64_t selected = 0, past = -1; /* past: the column of the first true entry past the K-th */
         for (int64_t e = 0; e < E; e++) {
             uint8_t v = m[i * E + e];
             if (v > 1)
                 return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "%s[%lld][%lld] = %u is not a bool (0 or 1)",
                                    name, (long long)i, (long long)e, (unsigned)v);
             selected += v;
+            if (v && selected == num_topk + 1) past = e;
         }
         if (selected > num_topk)
-            return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG, "%s[%lld] selects %lld experts, more than K = %lld",
-                               name, (long long)i, (long long)selected, (long long)num_topk);
+            return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
+                               "%s[%lld] selects %lld experts, more than K = %lld (column %lld is past them)", name,
+                               (long long)i, (long long)selected, (long long)num_topk, (long long)past);
     }
     return EPX_SUCCESS;
 }

@@ -63,7 +63,7 @@ EPX_API_CHECK_FN(ht_dispatch)
     EPX_CHECK(epx_api_check_x_scales(buffer, &a->x, "x", &a->x_scales, "x_scales"));
     if (a->expert_alignment == 0) a->expert_alignment = 1;
     if (a->expert_alignment < 0)
-        return ARG_ERR("args.expert_alignment = %d must be >= 1", a->expert_alignment);
+        return ARG_ERR("args.expert_alignment = %d must be >= 0 (0 means 1)", a->expert_alignment);
     if (a->num_worst_tokens < 0)
         return ARG_ERR("args.num_worst_tokens = %lld must be >= 0 (0: not static)",
                        (long long)a->num_worst_tokens);
@@ -168,7 +168,12 @@ static epx_result_t check_x_view(epx_buffer_t buffer, epx_handle_t handle, const
             return ARG_ERR("x is the dispatch view of view area %d, which holds %s rows (combine takes bf16)",
                            k, epx_dtype_name(buffer->view_areas[k].dtype));
         const int64_t rows = buffer->view_areas[k].rows;
-        CHECK_TENSOR(x, "x", BIT(BF16), 2, {rows, H}, "rows,H", 0);
+        if (x->ndim != 2 || x->shape[0] != rows || x->shape[1] != H)
+            return ARG_ERR("args.x_in_buffer = 2 needs x to be the whole recv_x view of view area %d, [%lld, %lld]; "
+                           "x has %d dimensions, %lld rows (a slice or a reshape of the view is not it)",
+                           k, (long long)rows, (long long)H, (int)x->ndim,
+                           (long long)(x->ndim > 0 ? x->shape[0] : 0));
+        CHECK_TENSOR(x, "x (args.x_in_buffer = 2)", BIT(BF16), 2, {rows, H}, "rows,H", 0);
         return EPX_SUCCESS;
     }
     return ARG_ERR("args.x_in_buffer = 2 but x (data %p) is not the recv_x of the latest view-mode dispatch "

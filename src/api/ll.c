@@ -104,6 +104,8 @@ EPX_API epx_result_t epx_ll_get_combine_buffer(epx_buffer_t buffer, const epx_ll
 
 static epx_result_t hook_run(const epx_hook_t *hook, void *stream)
 {
+    /* Hooks come only from LL calls: a buffer without LL has none to run (nor the state to run one). */
+    EPX_CHECK(epx_api_check_mode(hook->buffer, EPX_MODE_LL, "epx_hook_run"));
     if (!hook->buffer->ops->hook_run) return epx_api_unsupported(hook->buffer, "epx_hook_run");
     return hook->buffer->ops->hook_run(hook, stream);
 }

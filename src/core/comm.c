@@ -180,7 +180,7 @@ static epx_result_t agree_on_domain(epx_comm_t comm, epx_result_t local)
     for (int r = 0; r < comm->nranks && res == EPX_SUCCESS; r++) {
         if (all[r] < 0)
             res = epx_error(EPX_ERR_REMOTE, "rank %d: rank %d failed its topology checks (%s)", comm->rank, r,
-                            epx_result_str((epx_result_t)-all[r]));
+                            epx_result_str((epx_result_t)(-(int64_t)all[r])));
         else if (all[r] != all[0])
             res = epx_error(EPX_ERR_MISMATCH,
                             "rank %d has %d ranks per nvlink domain, rank 0 has %d (is "

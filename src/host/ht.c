@@ -283,24 +283,26 @@ static epx_result_t check_dispatch_pubs(const host_buffer_t *hb, const host_pub_
     return host_ht_check_weights(hb, pubs, W_WANTS_WEIGHTS, W_HAS_WEIGHTS, "recv_topk_weights");
 }
 
-/* Fails when an output given with per-row shape has fewer than `rows` rows. */
+/* Fails when an output given with per-row shape has fewer than `rows` rows. A required one counts
+ * even without data (an empty tensor may have none): it holds no row. */
 static epx_result_t check_rows(int rank, const epx_tensor_t *t, const char *name, int64_t rows,
-                               int64_t arriving)
+                               int64_t arriving, int required)
 {
-    if (t->data && t->shape[0] < rows)
+    if ((t->data || required) && t->shape[0] < rows)
         return epx_error(EPX_ERR_INVALID_ARG, "rank %d: %s has room for %lld rows, %lld arrive", rank, name,
                          (long long)t->shape[0], (long long)arriving);
     return EPX_SUCCESS;
 }
 
+/* recv_x is required unless the outputs are views (view: set after this check). */
 static epx_result_t check_dispatch_capacity(int rank, const epx_ht_dispatch_outputs_t *o, int64_t rows,
-                                            int64_t arriving, int routed)
+                                            int64_t arriving, int routed, int view)
 {
-    EPX_CHECK(check_rows(rank, &o->recv_x, "recv_x", rows, arriving));
-    EPX_CHECK(check_rows(rank, &o->recv_x_scales, "recv_x_scales", rows, arriving));
+    EPX_CHECK(check_rows(rank, &o->recv_x, "recv_x", rows, arriving, !view));
+    EPX_CHECK(check_rows(rank, &o->recv_x_scales, "recv_x_scales", rows, arriving, 0));
     if (!routed) return EPX_SUCCESS;
-    EPX_CHECK(check_rows(rank, &o->recv_topk_idx, "recv_topk_idx", rows, arriving));
-    EPX_CHECK(check_rows(rank, &o->recv_topk_weights, "recv_topk_weights", rows, arriving));
+    EPX_CHECK(check_rows(rank, &o->recv_topk_idx, "recv_topk_idx", rows, arriving, 0));
+    EPX_CHECK(check_rows(rank, &o->recv_topk_weights, "recv_topk_weights", rows, arriving, 0));
     return EPX_SUCCESS;
 }
 
@@ -351,7 +353,7 @@ static epx_result_t dispatch_plan(host_buffer_t *hb, uint64_t seq, const epx_ht_
     int64_t arriving = 0;
     for (int s = 0; s < R; s++) arriving += sc->cnt[s * R + me];
     const int64_t kept = worst > 0 && arriving > worst ? worst : arriving;
-    EPX_CHECK(check_dispatch_capacity(me, outputs, worst > 0 ? worst : kept, arriving, 1));
+    EPX_CHECK(check_dispatch_capacity(me, outputs, worst > 0 ? worst : kept, arriving, 1, args->recv_in_buffer != 0));
     if (args->recv_in_buffer) EPX_CHECK(set_views(hb, args, outputs, worst > 0 ? worst : kept, 1));
 
     const size_t prefix = ((size_t)R + 1) * sizeof(int64_t), kept_rows = ((size_t)kept + 1) * sizeof(int32_t);
@@ -484,7 +486,7 @@ static void dispatch_commit(host_buffer_t *hb, uint64_t seq, const epx_ht_dispat
 static epx_result_t cached_plan(host_buffer_t *hb, const epx_ht_dispatch_args_t *args,
                                 epx_ht_dispatch_outputs_t *outputs, const host_ht_state_t *st)
 {
-    EPX_CHECK(check_dispatch_capacity(hb->rank, outputs, st->num_recv, st->num_recv, 0));
+    EPX_CHECK(check_dispatch_capacity(hb->rank, outputs, st->num_recv, st->num_recv, 0, args->recv_in_buffer != 0));
     if (args->recv_in_buffer)
         EPX_CHECK(set_views(hb, args, outputs,
                             args->num_worst_tokens > 0 ? args->num_worst_tokens : st->num_recv, 0));

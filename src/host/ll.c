@@ -265,7 +265,10 @@ static epx_result_t ll_dispatch_recv(host_buffer_t *hb, int slot)
     int32_t *recv_count = sl->recv_count_out.data;
     for (int64_t j = 0; j < L; j++) {
         recv_count[j] = sl->recv_count[j];
-        if (sl->cumulative.data) ((int32_t *)sl->cumulative.data)[j] += sl->recv_count[j];
+        if (sl->cumulative.data) { /* wraps modulo 2^32, as the device's atomic add does */
+            int32_t *c = (int32_t *)sl->cumulative.data + j;
+            *c = (int32_t)((uint32_t)*c + (uint32_t)sl->recv_count[j]);
+        }
         if (sl->src_info.data)
             for (int64_t row = 0; row < sl->recv_count[j]; row++)
                 ((int32_t *)sl->src_info.data)[j * RT + row] = st->row_src[j * RT + row] % (int32_t)T_max;

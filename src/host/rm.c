@@ -223,8 +223,9 @@ static epx_result_t rm_publish_routing(host_buffer_t *hb, const rm_in_layout_t *
             if (!map[t * E + e]) continue;
             if (k == K)
                 return epx_error(EPX_ERR_INVALID_ARG,
-                                 "rank %d: routing_map[%lld] selects more than K = %lld experts", hb->rank,
-                                 (long long)t, (long long)K);
+                                 "rank %d: routing_map[%lld] selects more than K = %lld experts (column %lld is "
+                                 "past them)",
+                                 hb->rank, (long long)t, (long long)K, (long long)e);
             sel[t * K + k] = (int32_t)e;
             prob[t * K + k] = probs ? probs[t * E + e] : 0.0f;
             k++;

@@ -116,6 +116,7 @@ typedef struct call {
     epx_rm_combine_outputs_t rmc_out;
     epx_buffer_config_t config;
     epx_buffer_t created;
+    epx_hook_t hook; /* HOOK_RUN passes it when its buffer is set, else NULL */
 } call_t;
 
 static void call_setup(fixture_t *f, call_t *c, epx_handle_t handle, int64_t handle_rows)
@@ -200,7 +201,7 @@ static epx_result_t call_run(op_t op, call_t *c)
     case LL_COMBINE: return epx_ll_combine(c->buffer, &c->llc, &c->llc_out);
     case RM_DISPATCH: return epx_rm_dispatch(c->buffer, &c->rm, &c->rm_out);
     case RM_COMBINE: return epx_rm_combine(c->buffer, &c->rmc, &c->rmc_out);
-    case HOOK_RUN: return epx_hook_run(NULL, NULL);
+    case HOOK_RUN: return epx_hook_run(c->hook.buffer ? &c->hook : NULL, NULL);
     case HANDLE_INFO: return epx_handle_get_info(NULL, NULL);
     case BUFFER_CREATE: return epx_buffer_create(c->comm, &c->config, &c->created);
     case BUFFER_DESTROY: return epx_buffer_destroy(c->buffer);
@@ -287,6 +288,11 @@ typedef enum spoil {
     CONFIG_SIZE_ZERO,
     ARGS_SIZE_4,
     OUTPUTS_WITHOUT_HANDLE,
+    RECV_X_EMPTY_NO_DATA,
+    HOOK_ON_HT_BUFFER,
+    CONFIG_TOO_LARGE,
+    ALIGNMENT_NEGATIVE,
+    RMAP_OVER_K,
 } spoil_t;
 
 /* Spoils the arguments of a call (or the fixture's inputs they point to). */
@@ -325,6 +331,18 @@ static void spoil(fixture_t *f, call_t *c, spoil_t what)
     case LL_RECV_ROWS_SHORT: c->ll_out.recv_x.shape[1] -= 1; break;
     case X_NULL: x->data = NULL; break;
     case RECV_X_NULL: recv_x->data = NULL; break;
+    case RECV_X_EMPTY_NO_DATA: *recv_x = epx_tensor_2d(NULL, EPX_DTYPE_BF16, 0, HID); break;
+    case HOOK_ON_HT_BUFFER:
+        c->hook.buffer = f->buf_ht;
+        c->hook.slot = 0;
+        c->hook.kind = 1;
+        break;
+    case CONFIG_TOO_LARGE:
+        c->config.max_tokens = 1 << 30;
+        c->config.hidden = 1 << 30;
+        break;
+    case ALIGNMENT_NEGATIVE: c->ht.expert_alignment = -1; break;
+    case RMAP_OVER_K: f->rmap[2 * NEXP + 0] = 1; break; /* row 2 had columns 2 and 3 */
     case ARGS_NULL: c->null_args = 1; break;
     case OUTPUTS_NULL: c->null_out = 1; break;
     case EVERYTHING_NULL: c->null_args = c->null_out = 1; break;
@@ -479,6 +497,16 @@ static const bad_case_t cases[] = {
     {"config size 0", BUFFER_CREATE, CONFIG_SIZE_ZERO, INVALID, "config->size = 0"},
     {"args size 4", HT_DISPATCH, ARGS_SIZE_4, INVALID, "args->size = 4"},
     {"outputs without room for the handle", HT_DISPATCH, OUTPUTS_WITHOUT_HANDLE, INVALID, "outputs.handle"},
+    /* An empty tensor may come without data; a required one still holds no row. */
+    {"recv_x empty without data", HT_DISPATCH, RECV_X_EMPTY_NO_DATA, INVALID, "recv_x has room for 0 rows"},
+    {"hook on a buffer without LL", HOOK_RUN, HOOK_ON_HT_BUFFER, INVALID,
+     "epx_hook_run needs a buffer created with EPX_MODE_LL"},
+    {"config past any layout", BUFFER_CREATE, CONFIG_TOO_LARGE, INVALID, "bytes of buffer per rank",
+     "hidden = 1073741824"},
+    {"expert_alignment negative", HT_DISPATCH, ALIGNMENT_NEGATIVE, INVALID,
+     "args.expert_alignment = -1 must be >= 0"},
+    {"routing map above K", RM_DISPATCH, RMAP_OVER_K, INVALID, "routing_map[2] selects 3 experts",
+     "column 3 is past them"},
 };
 #define NUM_CASES ((int)(sizeof(cases) / sizeof(cases[0])))
 

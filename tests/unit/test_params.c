@@ -225,7 +225,12 @@ static int test_comm_args(void)
     struct epx_comm fake;
     memset(&fake, 0, sizeof(fake));
     EXPECT_RES(epx_comm_get_topology(&fake, &topo), EPX_ERR_INVALID_ARG);
-    EXPECT_MSG_HAS("magic");
+    EXPECT_MSG_HAS("not a live communicator");
+    /* A pointer the library never made is not read (it would fault, or be a use after free). */
+    EXPECT_RES(epx_comm_get_topology((epx_comm_t)(uintptr_t)0x1000, &topo), EPX_ERR_INVALID_ARG);
+    EXPECT_RES(epx_comm_destroy((epx_comm_t)(uintptr_t)0x1000), EPX_ERR_INVALID_ARG);
+    EXPECT_RES(epx_get_async_error((epx_comm_t)(uintptr_t)0x1000), EPX_ERR_INVALID_ARG);
+    EXPECT_MSG_HAS("not a live communicator");
     EXPECT_RES(epx_comm_destroy(&fake), EPX_ERR_INVALID_ARG);
     EXPECT_RES(epx_get_async_error(&fake), EPX_ERR_INVALID_ARG);
     return 0;
