@@ -102,7 +102,7 @@ static int ll_dispatch(epx_buffer_t buf, ll_io_t *io, int rank, bool hook, int32
     CALL(epx_ll_dispatch(buf, &args, o));
     CHECK(o->handle.num_tokens == Ts, "handle.num_tokens = %d, expected %lld", o->handle.num_tokens,
           (long long)Ts);
-    for (int j = 0; j < L; j++) exp_stats[j] += io->rv.count[j];
+    for (int j = 0; j < L; j++) exp_stats[j] = (int32_t)((uint32_t)exp_stats[j] + (uint32_t)io->rv.count[j]);
 out:
     return rc;
 }
@@ -261,6 +261,8 @@ static int ll_rank(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
         rc = ref_fail(rank, "out of memory");
         goto out;
     }
+    /* The stats start just below INT32_MAX, so the adds wrap (modulo 2^32, docs/reference.md). */
+    for (int64_t j = 0; j < L; j++) stats[j] = exp_stats[j] = INT32_MAX - (int32_t)(j % 3);
     const epx_buffer_config_t cfg = epx_test_buffer_config(lc->T_max, lc->H, lc->K, lc->E, EPX_MODE_LL);
     if (ref_session_open_nodes(id, rank, nranks, lc->per_node, &cfg, &s)) {
         rc = 2;
