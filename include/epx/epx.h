@@ -36,10 +36,18 @@ extern "C" {
 #define EPX_VERSION_CODE (EPX_VERSION_MAJOR * 10000 + EPX_VERSION_MINOR * 100 + EPX_VERSION_PATCH)
 
 /* Initializers of the config/args/outputs structs: size and version set, everything else zero
- * (designated in C so callers' -Wextra stays quiet; positional in C++, where designated
- * initializers need C++20). */
+ * (designated in C so callers' -Wextra stays quiet; in C++, where designated initializers need
+ * C++20 and a partial brace list trips -Wmissing-field-initializers, a value-initialized struct
+ * from a lambda, C++11 on). EPX_CXX_INIT_'s second argument: more assignments to epx_init_. */
 #ifdef __cplusplus
-#define EPX_STRUCT_INIT_(type) {sizeof(type), EPX_VERSION_CODE}
+#define EPX_CXX_INIT_(type, ...)               \
+    ([]() {                                    \
+        type epx_init_ = type();               \
+        epx_init_.size = sizeof(type);         \
+        __VA_ARGS__                            \
+        return epx_init_;                      \
+    }())
+#define EPX_STRUCT_INIT_(type) EPX_CXX_INIT_(type, epx_init_.version = EPX_VERSION_CODE;)
 #else
 #define EPX_STRUCT_INIT_(type) {.size = sizeof(type), .version = EPX_VERSION_CODE}
 #endif
@@ -105,7 +113,11 @@ typedef struct epx_build_info {
     char nccl_version[16];     /* "2.28.9", "" without NCCL */
 } epx_build_info_t;
 
-#define EPX_BUILD_INFO_INIT {sizeof(epx_build_info_t)}
+#ifdef __cplusplus
+#define EPX_BUILD_INFO_INIT EPX_CXX_INIT_(epx_build_info_t, )
+#else
+#define EPX_BUILD_INFO_INIT {.size = sizeof(epx_build_info_t)}
+#endif
 
 /* [in,out] info: size set by the caller (EPX_BUILD_INFO_INIT); min(size, sizeof) bytes are
  * written on success. Any thread, no communicator needed. EPX_ERR_INVALID_ARG for a NULL info or
@@ -227,7 +239,9 @@ typedef struct epx_comm_config {
 #define EPX_NODE_ID_MAX 64
 
 #ifdef __cplusplus
-#define EPX_COMM_CONFIG_INIT {sizeof(epx_comm_config_t), EPX_VERSION_CODE, EPX_BACKEND_AUTO, -1, 0, NULL}
+#define EPX_COMM_CONFIG_INIT                                                                   \
+    EPX_CXX_INIT_(epx_comm_config_t, epx_init_.version = EPX_VERSION_CODE;                      \
+                  epx_init_.backend = EPX_BACKEND_AUTO; epx_init_.cuda_device = -1;)
 #else
 #define EPX_COMM_CONFIG_INIT                                                                   \
     {.size = sizeof(epx_comm_config_t), .version = EPX_VERSION_CODE, .backend = EPX_BACKEND_AUTO, \
@@ -301,7 +315,11 @@ typedef struct epx_node_topology {
     char node_id[EPX_NODE_ID_MAX];   /* this rank's node id as exchanged, NUL-terminated */
 } epx_node_topology_t;
 
-#define EPX_NODE_TOPOLOGY_INIT {sizeof(epx_node_topology_t)}
+#ifdef __cplusplus
+#define EPX_NODE_TOPOLOGY_INIT EPX_CXX_INIT_(epx_node_topology_t, )
+#else
+#define EPX_NODE_TOPOLOGY_INIT {.size = sizeof(epx_node_topology_t)}
+#endif
 
 /* [in,out] topo: size set by the caller (EPX_NODE_TOPOLOGY_INIT); min(size, sizeof) bytes are
  * written on success. Not collective; any thread. EPX_ERR_INVALID_ARG for a NULL topo or a size
@@ -648,7 +666,9 @@ typedef struct epx_rm_dispatch_args {
 
 #ifdef __cplusplus
 #define EPX_RM_DISPATCH_ARGS_INIT                                                              \
-    {sizeof(epx_rm_dispatch_args_t), EPX_VERSION_CODE, {}, {}, {}, {}, 0, 1, -1, -1, NULL}
+    EPX_CXX_INIT_(epx_rm_dispatch_args_t, epx_init_.version = EPX_VERSION_CODE;                 \
+                  epx_init_.pad_multiple = 1; epx_init_.num_dispatched_tokens = -1;               \
+                  epx_init_.num_permuted_tokens = -1;)
 #else
 #define EPX_RM_DISPATCH_ARGS_INIT                                                              \
     {.size = sizeof(epx_rm_dispatch_args_t), .version = EPX_VERSION_CODE, .pad_multiple = 1,   \
