@@ -182,6 +182,7 @@ typedef struct {
     int views;                 /* VIEWS_*: what HT dispatch returns unless a call says otherwise */
     int num_areas;             /* view areas of the dispatch outputs (config.num_view_areas) */
     int destroy_pending;       /* destroy() ran while views were alive: freed with the last one */
+    int plain_live;            /* alive views of no area (the LL combine buffer): they hold the buffer too */
     uint64_t handles_made;     /* numbers the HT handles (HandleObject.id) */
     uint64_t area_clock;       /* view-mode dispatches made (area_t.used) */
     uint64_t combines_by_source[3];       /* HT combines made, by x_in_buffer (0, 1, 2) */

@@ -258,6 +258,10 @@ static PyObject *buffer_get(BufferObject *self, void *field)
 {
     const char *f = field;
     if (!strcmp(f, "comm")) {
+        if (!self->comm) {
+            PyErr_SetString(PyExc_ValueError, "epx: the buffer was never initialised (Buffer.__init__ did not run)");
+            return NULL;
+        }
         Py_INCREF(self->comm);
         return (PyObject *)self->comm;
     }

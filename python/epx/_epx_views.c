@@ -42,7 +42,7 @@ PyObject *py_views_value(int mode)
 
 int py_views_alive(const BufferObject *b)
 {
-    int n = b->cin.live + b->cin.stale;
+    int n = b->cin.live + b->cin.stale + b->plain_live;
     for (int k = 0; k < b->num_areas; k++) n += b->recv[k].live + b->recv[k].stale;
     return n;
 }
@@ -420,8 +420,10 @@ static void view_dealloc(ViewObject *self)
         else
             a->stale--;
         if (!a->stale && !a->live) a->lo = a->hi = NULL;
-        if (b->destroy_pending && !py_views_alive(b)) py_buffer_free(b);
+    } else {
+        b->plain_live--;
     }
+    if (b->destroy_pending && !py_views_alive(b)) py_buffer_free(b);
     Py_CLEAR(self->owner);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -499,7 +501,10 @@ PyObject *py_view_export(BufferObject *b, const epx_tensor_t *t, area_t *a, epx_
     Py_INCREF(b);
     view->owner = b;
     view->gen = a ? a->gen : 0;
-    if (a) a->live++;
+    if (a)
+        a->live++;
+    else
+        b->plain_live++;
     PyObject *out = fw == FW_TORCH ? torch_tensor_of(view) : numpy_array_of(view);
     Py_DECREF(view);
     return out;

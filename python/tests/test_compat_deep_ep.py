@@ -267,6 +267,15 @@ def _refusals(rank, nranks, dist):
     refused_here_or_remote(rank == refuser, too_many, too_many, match="num_worst_tokens")
     assert buf._ht_path.data is old
     del old
+    # Weights narrower than the ids (DeepEP asserts equal shapes; they were zero-padded), and a combine
+    # with weights wider than the data buffer's top-k (they gave a negative pad width).
+    refused_here_or_remote(rank == refuser,
+                           lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w[:, :1].contiguous(), **layout),
+                           lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout),
+                           match="topk_weights must have topk_idx's shape")
+    wide = torch.ones((recv_x.shape[0], buf._ht_path.data.num_topk + 1), dtype=torch.float32)
+    refused_here_or_remote(rank == 0, lambda: buf.combine(recv_x, handle, topk_weights=wide),
+                           lambda: buf.combine(recv_x, handle), match="more than the data buffer.s num_topk")
     combined, _, _ = buf.combine(recv_x, handle)
     exact(combined, (x.float() * in_rank.sum(dim=1, keepdim=True).float()).to(torch.bfloat16), "combined")
     buf.destroy()
@@ -360,7 +369,7 @@ def _per_call_work(rank, nranks, dist):
     exact(recv_x, want_x, "recv_x")
     exact(handle[0], want_prefix, "rank prefix matrix")
     assert counts == want_counts
-    for what, names, most in (("get_dispatch_layout", seen_layout.names, 7),
+    for what, names, most in (("get_dispatch_layout", seen_layout.names, 11),
                               ("dispatch", seen_dispatch.names, 4)):
         assert not syncs & set(names), "%s makes %s" % (what, sorted(syncs & set(names)))
         kernels = [n for n in names if n not in free]
@@ -599,3 +608,44 @@ def _no_shrink(rank, nranks, dist):
 
 def test_mask_buffer_needs_enable_shrink():
     run_in_group(2, _no_shrink)
+
+
+def _misuse(rank, nranks, dist):
+    T, K, E = 5, 2, 2 * nranks
+    buf = make_buffer(dist, low_latency_mode=True)
+    x, idx, w = make_inputs(rank, nranks, T, K, E)
+    # Layout (local, no wait for the device): an id outside [-1, E) makes every count -1, as epx's layout
+    # kernel does (they were counted as other experts), and the dispatch refuses it by name.
+    for wrong in (E, E + 1, -2):
+        bad = idx.clone()
+        bad[1, 0] = wrong
+        per_rank, _, per_expert, _, _ = buf.get_dispatch_layout(bad, E)
+        assert (per_rank == -1).all() and (per_expert == -1).all(), (wrong, per_rank, per_expert)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    assert (per_rank >= 0).all() and (per_expert >= 0).all()
+    with pytest.raises(ValueError, match="num_experts"):
+        buf.get_dispatch_layout(idx, 0)
+    # LL: x and ids must be 2-d; out must be [T, H] bf16 (it was broadcast or converted). The LL buffer is
+    # made first, so that the refusal reaches the peer through it.
+    buf.clean_low_latency_buffer(T, H, E, num_topk=K)
+    refused_here_or_remote(rank == 0, lambda: buf.low_latency_dispatch(x[0], idx, T, E, use_fp8=False),
+                           lambda: buf.low_latency_dispatch(x, idx, T, E, use_fp8=False), match="2|dims")
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    y = buf.get_next_low_latency_combine_buffer(handle)
+    y[:, :, :] = recv_x
+    for out in (torch.empty((2, T, H), dtype=torch.bfloat16), torch.empty((T, H), dtype=torch.int32)):
+        refused_here_or_remote(rank == 0, lambda: buf.low_latency_combine(recv_x, idx, w, handle, out=out),
+                               lambda: buf.low_latency_combine(recv_x, idx, w, handle),
+                               match="out must be")
+    del y
+    # After destroy(): a clear error naming the call, and destroy() again does nothing.
+    buf.destroy()
+    for call in (lambda: buf.dispatch(x, topk_idx=idx), lambda: buf.get_dispatch_layout(idx, E),
+                 lambda: buf.low_latency_dispatch(x, idx, T, E), lambda: buf.combine(x, None)):
+        with pytest.raises(ValueError, match="on a Buffer that was destroyed"):
+            call()
+    buf.destroy()
+
+
+def test_misuse_raises():
+    run_in_group(2, _misuse)

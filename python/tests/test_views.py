@@ -299,3 +299,37 @@ def _torch(rank, nranks, uid):
 def test_torch_cpu(nranks):
     pytest.importorskip("torch")
     run_ranks(nranks, _torch)
+
+
+def test_ll_combine_buffer_outlives_destroy():
+    # The LL combine buffer is library memory too: destroy() with it alive waits for it (writing through it
+    # after destroy() was a use after free), and frees the buffer when it goes.
+    p = problem(1, ragged=False)
+    comm, buf = one_rank_buffer(p)
+    out = buf.ll_dispatch(p.x[0], p.topk_idx[0])
+    view = buf.get_combine_buffer(out.handle)
+    assert buf._views_alive == 1
+    del out
+    buf.destroy()
+    assert buf.destroyed and buf._views_alive == 1
+    view[...] = 0x3F80  # bf16 1.0: still the buffer's memory
+    assert int(view.astype(np.int64).sum()) == 0x3F80 * view.size
+    with pytest.raises(ValueError, match="buffer was destroyed"):
+        buf.ll_dispatch(p.x[0], p.topk_idx[0])
+    del view
+    assert buf._views_alive == 0
+    comm.destroy()
+
+
+def test_uninitialised_buffer():
+    # A Buffer whose __init__ never ran (a subclass that skips it, or __new__) raises instead of crashing.
+    class Lazy(epx.Buffer):
+        def __init__(self):
+            pass
+
+    for b in (Lazy(), epx.Buffer.__new__(epx.Buffer)):
+        with pytest.raises(ValueError, match="never initialised"):
+            b.comm
+        with pytest.raises(ValueError):
+            b.dispatch(np.zeros((1, 128), np.uint16), np.zeros((1, 1), np.int32))
+        b.destroy()

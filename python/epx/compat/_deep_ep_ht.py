@@ -82,6 +82,10 @@ class _Request:
                              "(as in DeepEP)")
         if self.topk_idx is not None and self.topk_idx.dim() != 2:
             raise ValueError("epx.compat.deep_ep: topk_idx must be [num_tokens, num_topk]")
+        if (self.topk_idx is not None and self.topk_weights is not None
+                and tuple(self.topk_weights.shape) != tuple(self.topk_idx.shape)):
+            raise ValueError("epx.compat.deep_ep: topk_weights must have topk_idx's shape %s (got %s)"
+                             % (list(self.topk_idx.shape), list(self.topk_weights.shape)))
         self.x = x
         # The rows a buffer is sized by: T, and in static mode num_worst_tokens over the R sources (the
         # combine of a static handle reads that many rows from the buffer).
@@ -206,11 +210,11 @@ class HTPath:
         return torch.cat([t, fill[:N]], dim=1)
 
     def layout(self, topk_idx, num_experts):
-        """DeepEP's get_dispatch_layout in seven torch kernels and no host synchronisation: returns
+        """DeepEP's get_dispatch_layout in eleven torch kernels and no host synchronisation: returns
         (num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)."""
         torch = _torch()
         R = self.R
-        if topk_idx.dim() != 2 or num_experts % R != 0:
+        if topk_idx.dim() != 2 or num_experts <= 0 or num_experts % R != 0:
             raise ValueError("epx.compat.deep_ep: get_dispatch_layout needs topk_idx [num_tokens, num_topk] "
                              "and num_experts a multiple of the %d ranks (got %d dims, %d experts)"
                              % (R, topk_idx.dim(), num_experts))
@@ -227,13 +231,18 @@ class HTPath:
         rank_of = torch.div(topk_idx, L, rounding_mode="floor")
         is_token_in_rank = (rank_of.unsqueeze(-1) == ranks).any(dim=1)
         num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
-        # Counts per expert with a spare bin E for the -1 slots (-1 mod E + 1 = E); bincount would read the
-        # largest id on the host.
+        # Counts per expert in bins 2..E+1 of E+3 (bincount would read the largest id on the host): bin 1
+        # takes the -1 slots, bins 0 and E+2 the ids outside [-1, E). Such an id makes every count -1, as
+        # the library's layout kernel writes them, without a wait for the device (the dispatch that follows
+        # refuses the ids by name).
         one = self._constant(("one", device), lambda: torch.ones(1, dtype=torch.int32, device=device))
-        slot = topk_idx.remainder(num_experts + 1).reshape(-1)
-        per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
-        per_expert.index_add_(0, slot, one.expand(slot.numel()))
-        return num_tokens_per_rank, per_expert[:num_experts], is_token_in_rank
+        slot = (topk_idx.clamp(-2, num_experts) + 2).reshape(-1)
+        bins = torch.zeros(num_experts + 3, dtype=torch.int32, device=device)
+        bins.index_add_(0, slot, one.expand(slot.numel()))
+        poisoned = bins[::num_experts + 2].any()  # bins 0 and E+2
+        per_expert = bins[2:num_experts + 2].masked_fill(poisoned, -1)
+        num_tokens_per_rank = num_tokens_per_rank.masked_fill(poisoned, -1)
+        return num_tokens_per_rank, per_expert, is_token_in_rank
 
     # ------------------------------------------------------------------ dispatch
 
@@ -437,6 +446,9 @@ class HTPath:
         with epx.collective(buf, epx.HT_COMBINE):
             bias0, bias1 = bias if isinstance(bias, tuple) else (bias, None)
             k = topk_weights.shape[1] if topk_weights is not None and topk_weights.dim() == 2 else None
+            if k is not None and k > buf.num_topk:
+                raise ValueError("epx.compat.deep_ep: topk_weights has %d columns, more than the data buffer's "
+                                 "num_topk = %d" % (k, buf.num_topk))
             weights = self._pad(topk_weights, buf.num_topk, 0.0) if k is not None else topk_weights
             out = buf.combine(x, state.epx, topk_weights=weights, bias0=bias0, bias1=bias1)
         combined_w = out.combined_topk_weights

@@ -137,6 +137,7 @@ class Buffer:
         native_options = _native_options()  # a bad setting raises before anything collective
         self.group = group
         self.comm = comm if comm is not None else epx.Comm.from_torch(group)
+        self._destroyed = False
         self.rank = self.comm.rank
         self.group_size = self.comm.nranks
         if self.comm.local_nranks < self.comm.nranks:
@@ -219,8 +220,15 @@ class Buffer:
     def internode_combine(self, *args, **kwargs):
         raise NotImplementedError("epx.compat.deep_ep does not support: internode_combine (intranode only)")
 
+    def _check_live(self, what):
+        if self._destroyed:
+            raise ValueError("epx.compat.deep_ep: %s on a Buffer that was destroyed" % what)
+
     def destroy(self):
-        """Frees the buffers and the communicator; handles given out before become unusable."""
+        """Frees the buffers and the communicator; handles given out before become unusable. Again: nothing."""
+        if self._destroyed:
+            return
+        self._destroyed = True
         states = list(self._states)
         for state in states:
             state.epx.destroy()
@@ -239,8 +247,9 @@ class Buffer:
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
                             allocate_on_comm_stream=False):
         """topk_idx [T, K] -> (num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32,
-        is_token_in_rank [T, R] bool, EventOverlap). Seven torch kernels, no host synchronisation (not
+        is_token_in_rank [T, R] bool, EventOverlap). Eleven torch kernels, no host synchronisation (not
         collective, no buffer)."""
+        self._check_live("get_dispatch_layout")
         _wait(previous_event)
         per_rank, per_expert, is_token_in_rank = self._ht_path.layout(topk_idx, num_experts)
         return per_rank, None, per_expert, is_token_in_rank, _event(topk_idx, async_finish)
@@ -254,6 +263,7 @@ class Buffer:
         num_recv_tokens_per_expert_list, handle, EventOverlap); a cached dispatch (with handle) returns
         (recv_x, None, None, None, None, EventOverlap), as DeepEP.
         Whatever this rank refuses, the others raise RemoteError (epx.collective)."""
+        self._check_live("dispatch")
         if handle is not None:
             with epx.collective(self._ht_buffer_of(handle), epx.HT_DISPATCH):
                 _ht.state_of(handle)
@@ -282,6 +292,7 @@ class Buffer:
                 async_finish=False, allocate_on_comm_stream=False):
         """x [rows of the handle, H] bf16 -> (combined_x [T, H] bf16, combined_topk_weights or None,
         EventOverlap)."""
+        self._check_live("combine")
         with epx.collective(self._ht_buffer_of(handle), epx.HT_COMBINE):
             _ht.state_of(handle)
             _wait(previous_event)
@@ -317,6 +328,7 @@ class Buffer:
         """Collective. epx LL buffers need no cleaning; this makes the LL buffer for these shapes now
         (num_topk, an epx extra, defaults to the existing LL buffer's, else 8; a dispatch with another
         top-k width re-makes it)."""
+        self._check_live("clean_low_latency_buffer")
         K = num_topk or (self._ll[0][2] if self._ll is not None else 8)
         self._ll_buffer(num_max_dispatch_tokens_per_rank, hidden, K, num_experts)
 
@@ -327,8 +339,12 @@ class Buffer:
         """Returns (recv_x or (recv_x_fp8, scales [L, R*T_max, H/128] column-major view), recv_count, handle
         (DeepEP's 5-tuple), EventOverlap, hook or None). What this rank refuses is refused on the current LL
         buffer (the others raise RemoteError when their call goes to it too)."""
+        self._check_live("low_latency_dispatch")
         with epx.collective(self._ll_current(), epx.LL_DISPATCH):
             _unsupported(dispatch_wait_recv_cost_stats=(dispatch_wait_recv_cost_stats, None))
+            if x.dim() != 2 or topk_idx.dim() != 2:
+                raise ValueError("epx.compat.deep_ep: low_latency_dispatch takes x [num_tokens, hidden] and topk_idx "
+                                 "[num_tokens, num_topk] (got %d and %d dims)" % (x.dim(), topk_idx.dim()))
             if x.dtype != _torch().bfloat16:  # the LL buffer holds bf16 rows (fp8 is made from them)
                 raise epx.InvalidArgumentError("epx.compat.deep_ep: low_latency_dispatch takes bf16 x (got "
                                                "%s)" % x.dtype)
@@ -349,6 +365,7 @@ class Buffer:
         With return_recv_hook, combined_x (and out) hold the result once the hook ran. use_logfmt is
         accepted and the rows travel in bf16 (epx has no LogFMT encoding): the result is the exact combine,
         at least as precise as DeepEP's LogFMT one, without its smaller transfer."""
+        self._check_live("low_latency_combine")
         buf = self._ll_current()
         with epx.collective(buf, epx.LL_COMBINE):
             _unsupported(combine_wait_recv_cost_stats=(combine_wait_recv_cost_stats, None))
@@ -357,6 +374,11 @@ class Buffer:
             if not isinstance(handle, LLHandle) or handle.buffer is not buf:
                 raise ValueError("epx.compat.deep_ep: handle must come from a low_latency_dispatch on the "
                                  "current LL buffer")
+            if out is not None:
+                want = (topk_idx.shape[0], handle[3])
+                if tuple(out.shape) != want or out.dtype != _torch().bfloat16:
+                    raise ValueError("epx.compat.deep_ep: out must be [num_tokens, hidden] = [%d, %d] bf16 (got %s "
+                                     "%s)" % (want[0], want[1], list(out.shape), out.dtype))
             res = buf.ll_combine(None if zero_copy else x, self._masked(topk_idx, handle[4]), topk_weights,
                                  handle.epx, zero_copy=zero_copy, return_recv_hook=return_recv_hook)
         combined, hook = res.combined_x, res.hook
@@ -370,7 +392,9 @@ class Buffer:
         return combined, _event(topk_idx, async_finish, keep), hook
 
     def get_next_low_latency_combine_buffer(self, handle):
-        """The [L, R*T_max, H] bf16 region that low_latency_combine(..., zero_copy=True) reads."""
+        """The [L, R*T_max, H] bf16 region that low_latency_combine(..., zero_copy=True) reads. It keeps the
+        memory alive: a later re-make of the LL buffer (other shapes) or destroy() frees it when it goes."""
+        self._check_live("get_next_low_latency_combine_buffer")
         return handle.buffer.get_combine_buffer(handle.epx)
 
     # ------------------------------------------------------------------ mask buffer (enable_shrink)
