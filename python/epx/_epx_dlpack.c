@@ -373,9 +373,14 @@ int py_ctx_init(call_ctx_t *ctx, keep_t *keep, PyObject *ref, PyObject *stream_a
         return -1;
     }
     int type = 0, id = 0;
-    int ok = PyArg_ParseTuple(dev, "ii", &type, &id);
+    int ok = PyTuple_Check(dev) && PyArg_ParseTuple(dev, "ii", &type, &id);
     Py_DECREF(dev);
-    if (!ok) return -1;
+    if (!ok) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "epx: %.100s.__dlpack_device__() did not return a (device type, device id) "
+                     "tuple of ints", Py_TYPE(ref)->tp_name);
+        return -1;
+    }
     ctx->dl_device_type = type;
     ctx->device_id = id;
     if (!ctx->fw) {

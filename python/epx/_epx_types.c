@@ -152,7 +152,7 @@ static int buffer_init(BufferObject *self, PyObject *args, PyObject *kwargs)
                          "num_sms",     "chunk_tokens", "views",           "view_areas",
                          NULL};
     CommObject *comm;
-    long long max_tokens, hidden;
+    long long max_tokens, hidden, modes = 0, dtypes = 0;
     PyObject *views_obj = Py_False;
     int views, view_areas = 0;
     /* The 32-bit fields are parsed in place; those not given keep their zero (the library's default). */
@@ -161,11 +161,18 @@ static int buffer_init(BufferObject *self, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_RuntimeError, "epx: Buffer.__init__ called twice");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!LLii|IIiiiOi", kw, &py_comm_type, &comm, &max_tokens,
-                                     &hidden, &cfg.num_topk, &cfg.num_experts, &cfg.modes,
-                                     &cfg.dispatch_dtypes, &cfg.max_pad_multiple, &cfg.num_sms,
-                                     &cfg.chunk_tokens, &views_obj, &view_areas))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!LLii|LLiiiOi", kw, &py_comm_type, &comm, &max_tokens,
+                                     &hidden, &cfg.num_topk, &cfg.num_experts, &modes, &dtypes,
+                                     &cfg.max_pad_multiple, &cfg.num_sms, &cfg.chunk_tokens, &views_obj,
+                                     &view_areas))
         return -1;
+    /* Bit sets: a value past 32 bits is refused, not wrapped into other bits. */
+    if (modes < 0 || modes > (long long)UINT32_MAX || dtypes < 0 || dtypes > (long long)UINT32_MAX) {
+        py_raise_invalid("modes = %lld and dispatch_dtypes = %lld must be bit sets in [0, 2**32)", modes, dtypes);
+        return -1;
+    }
+    cfg.modes = (uint32_t)modes;
+    cfg.dispatch_dtypes = (uint32_t)dtypes;
     if (py_comm_check(comm) != 0 || py_views_mode(views_obj, &views) != 0) return -1;
     /* Pooled keeps a spare area besides those its views hold. */
     if (!view_areas) view_areas = views == VIEWS_POOLED ? 3 : 1;

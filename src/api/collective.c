@@ -15,6 +15,12 @@ uint64_t epx_api_collective_begin(epx_buffer_t buffer, epx_call_kind_t kind)
     return seq;
 }
 
+/* The backend's result of call `seq`, through its end step (ops->end_call). */
+static epx_result_t collective_end(epx_buffer_t buffer, uint64_t seq, epx_result_t res)
+{
+    return buffer->ops->end_call ? buffer->ops->end_call(buffer, seq, res) : res;
+}
+
 /* `res`: the verdict of the call's checks. `stream` is read only after they ran, so a refusal is
  * told to the peers on the call's stream as far as it could be read. */
 static epx_result_t collective_checked(epx_buffer_t buffer, uint64_t seq, epx_result_t res,
@@ -38,7 +44,7 @@ static epx_result_t collective_checked(epx_buffer_t buffer, uint64_t seq, epx_re
                            epx_##op##_outputs_t *outputs)                      \
     {                                                                          \
         COLLECTIVE_ENTER(op, OP);                                              \
-        return buffer->ops->op(buffer, seq, &a, &o);                           \
+        return collective_end(buffer, seq, buffer->ops->op(buffer, seq, &a, &o)); \
     }                                                                          \
     COLLECTIVE_ENTRY(op)
 
@@ -62,7 +68,7 @@ static epx_result_t ht_dispatch(epx_buffer_t buffer, const epx_ht_dispatch_args_
     if (!a.cached_handle) handle->is_static = a.num_worst_tokens > 0;
     /* The call may rewrite its view area whatever its outcome. */
     if (a.recv_in_buffer) buffer->view_areas[a.view_area].x = NULL;
-    epx_result_t res = buffer->ops->ht_dispatch(buffer, seq, &a, &o, handle);
+    epx_result_t res = collective_end(buffer, seq, buffer->ops->ht_dispatch(buffer, seq, &a, &o, handle));
     if (!a.cached_handle) res = epx_api_handle_filled(handle, res);
     EPX_CHECK(res);
     if (!a.cached_handle) o.handle = handle;
@@ -93,7 +99,7 @@ COLLECTIVE_PLAIN(ht_combine, HT_COMBINE)
                            epx_##op##_outputs_t *outputs)                           \
     {                                                                               \
         COLLECTIVE_ENTER(op, OP);                                                   \
-        EPX_CHECK(buffer->ops->op(buffer, seq, &a, &o));                            \
+        EPX_CHECK(collective_end(buffer, seq, buffer->ops->op(buffer, seq, &a, &o))); \
         write_more;                                                                 \
         if (a.return_recv_hook) WRITE_OUT(outputs, &o, epx_##op##_outputs_t, hook); \
         return EPX_SUCCESS;                                                         \
@@ -110,7 +116,8 @@ static epx_result_t rm_dispatch(epx_buffer_t buffer, const epx_rm_dispatch_args_
     epx_handle_t handle;
     EPX_CHECK(epx_api_handle_new(buffer, seq, EPX_HANDLE_RM, a.hidden.shape[0], a.hidden.dtype,
                                  a.permute ? 1 : 0, a.stream, &handle));
-    EPX_CHECK(epx_api_handle_filled(handle, buffer->ops->rm_dispatch(buffer, seq, &a, &o, handle)));
+    EPX_CHECK(epx_api_handle_filled(
+        handle, collective_end(buffer, seq, buffer->ops->rm_dispatch(buffer, seq, &a, &o, handle))));
     o.handle = handle;
     WRITE_OUT(outputs, &o, epx_rm_dispatch_outputs_t, num_tokens_host);
     WRITE_OUT(outputs, &o, epx_rm_dispatch_outputs_t, handle);

@@ -107,7 +107,10 @@ static epx_result_t hook_run(const epx_hook_t *hook, void *stream)
     /* Hooks come only from LL calls: a buffer without LL has none to run (nor the state to run one). */
     EPX_CHECK(epx_api_check_mode(hook->buffer, EPX_MODE_LL, "epx_hook_run"));
     if (!hook->buffer->ops->hook_run) return epx_api_unsupported(hook->buffer, "epx_hook_run");
-    return hook->buffer->ops->hook_run(hook, stream);
+    epx_result_t res = hook->buffer->ops->hook_run(hook, stream);
+    /* The receive half ends the hook's call (a hook the backend refused as stale ends nothing). */
+    if (res == EPX_ERR_INVALID_ARG || !hook->buffer->ops->end_call) return res;
+    return hook->buffer->ops->end_call(hook->buffer, hook->seq, res);
 }
 
 EPX_API epx_result_t epx_hook_run(const epx_hook_t *hook, void *stream)

@@ -339,6 +339,12 @@ struct epx_backend_ops {
      * it in any collective returns EPX_ERR_REMOTE at once, saying that this rank destroyed its
      * buffer. May be NULL. */
     void (*notify_destroy)(epx_buffer_t buffer);
+    /* Collective call `seq` (or the receive half a hook of it ran) ended on this rank with `res`
+     * from the backend: a failure is told to the peers; a success is checked against peers that
+     * failed this very call meanwhile (a rank that came late may find everything they published
+     * before they gave up), which turns it into EPX_ERR_REMOTE. Returns the call's result. May be
+     * NULL. */
+    epx_result_t (*end_call)(epx_buffer_t buffer, uint64_t seq, epx_result_t res);
     epx_layout_op_t *layout;
     epx_ht_dispatch_op_t *ht_dispatch;
     epx_ht_combine_op_t *ht_combine;

@@ -65,6 +65,11 @@ static void host_begin_call_op(epx_buffer_t buffer, uint64_t seq, epx_call_kind_
     if (buffer->backend_state) host_begin_call(buffer->backend_state, seq, kind);
 }
 
+static epx_result_t host_end_call_op(epx_buffer_t buffer, uint64_t seq, epx_result_t res)
+{
+    return buffer->backend_state ? host_end_call(buffer->backend_state, seq, res) : res;
+}
+
 static void host_notify_destroy_op(epx_buffer_t buffer)
 {
     if (buffer->backend_state) host_notify_destroy(buffer->backend_state);
@@ -102,6 +107,7 @@ const epx_backend_ops_t epx_host_backend_ops = {
     .fail_collective = host_fail_collective,
     .begin_call = host_begin_call_op,
     .notify_destroy = host_notify_destroy_op,
+    .end_call = host_end_call_op,
     .layout = host_layout,
     .ht_dispatch = host_ht_dispatch,
     .ht_combine = host_ht_combine,

@@ -63,6 +63,8 @@ typedef struct host_region_hdr {
     char pad[24];
     /* (seq << 8) | kind of call seq at [seq % HOST_CALL_RING], stored when the call starts */
     _Atomic uint64_t calls[HOST_CALL_RING];
+    /* (seq << 8) | status of call seq at [seq % HOST_CALL_RING] when this rank failed it */
+    _Atomic uint64_t failed_calls[HOST_CALL_RING];
     host_area_ctrl_t areas[HOST_AREA_COUNT];
 } host_region_hdr_t;
 
@@ -146,6 +148,10 @@ epx_result_t host_fail(host_buffer_t *hb, uint64_t seq, epx_result_t res);
  * `mine` (and tells the peers through host_fail), the others EPX_ERR_REMOTE naming it. Bounded;
  * notices dead, destroyed and mismatched peers. */
 epx_result_t host_verdict(host_buffer_t *hb, uint64_t seq, epx_result_t mine);
+/* ops->end_call: a failed call is told to the peers (host_fail); a successful one fails with
+ * EPX_ERR_REMOTE when a peer failed this very call meanwhile. A timeout, and a peer that exited,
+ * are kept as the comm's async error too. */
+epx_result_t host_end_call(host_buffer_t *hb, uint64_t seq, epx_result_t res);
 /* Announces collective call `seq` of `kind` in our region (ops->begin_call). */
 void host_begin_call(host_buffer_t *hb, uint64_t seq, epx_call_kind_t kind);
 /* Tells the peers that we destroyed the buffer (ops->notify_destroy). */

@@ -393,9 +393,11 @@ static epx_result_t wait_tick(const host_buffer_t *hb, wait_clock_t *c, int peer
     uint64_t now = epx_time_ns();
     if (now >= c->next_pid_check) {
         c->next_pid_check = now + HOST_PID_CHECK_NS;
-        if (host_peer_exited(&hb->peers, peer))
-            return epx_error(EPX_ERR_REMOTE, "rank %d: peer %d (pid %d) exited while %s", hb->rank, peer,
-                             (int)hb->peers.pid[peer], doing);
+        if (host_peer_exited(&hb->peers, peer)) {
+            epx_result_t res = epx_error(EPX_ERR_REMOTE, "rank %d: peer %d (pid %d) exited while %s", hb->rank,
+                                         peer, (int)hb->peers.pid[peer], doing);
+            return epx_comm_set_async_error(hb->buffer->comm, res, NULL); /* kept: the comm has lost a rank */
+        }
     }
     return now >= c->deadline ? EPX_ERR_TIMEOUT : EPX_SUCCESS;
 }
@@ -569,12 +571,35 @@ void host_area_done(host_buffer_t *hb, host_area_t area, uint64_t seq)
 epx_result_t host_fail(host_buffer_t *hb, uint64_t seq, epx_result_t res)
 {
     host_region_hdr_t *hdr = host_hdr(hb, hb->rank);
+    _Atomic uint64_t *ring = &hdr->failed_calls[seq % HOST_CALL_RING];
+    if (atomic_load_explicit(ring, memory_order_relaxed) >> 8 != seq)
+        atomic_store_explicit(ring, seq << 8 | ((uint64_t)res & 0xff), memory_order_release);
     if (atomic_load_explicit(&hdr->failed_seq, memory_order_relaxed) >= seq) return res;
     __atomic_store_n(&hdr->failed_status, (int32_t)res, __ATOMIC_RELAXED);
     atomic_store_explicit(&hdr->failed_seq, seq, memory_order_release);
     EPX_INFO(EPX_SUBSYS_SHM, "rank %d: call %llu failed (%s), peers told", hb->rank, (unsigned long long)seq,
              epx_result_str(res));
     return res;
+}
+
+epx_result_t host_end_call(host_buffer_t *hb, uint64_t seq, epx_result_t res)
+{
+    if (res != EPX_SUCCESS) {
+        if (res == EPX_ERR_TIMEOUT) epx_comm_set_async_error(hb->buffer->comm, res, NULL);
+        return host_fail(hb, seq, res);
+    }
+    for (int p = 0; p < hb->nranks; p++) {
+        if (p == hb->rank) continue;
+        const uint64_t f =
+            atomic_load_explicit(&host_hdr(hb, p)->failed_calls[seq % HOST_CALL_RING], memory_order_acquire);
+        if (f >> 8 != seq) continue;
+        return host_fail(hb, seq,
+                         epx_error(EPX_ERR_REMOTE,
+                                   "rank %d: peer %d failed call %llu (%s) before this rank completed it (this "
+                                   "rank came late, after the peer gave up); what this call wrote is not a result",
+                                   hb->rank, p, (unsigned long long)seq, epx_result_str((epx_result_t)(f & 0xff))));
+    }
+    return EPX_SUCCESS;
 }
 
 epx_result_t host_verdict(host_buffer_t *hb, uint64_t seq, epx_result_t mine)
