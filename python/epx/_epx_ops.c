@@ -95,6 +95,8 @@ static PyObject *buffer_layout(BufferObject *self, PyObject *args, PyObject *kwa
     const tensor_in_t in[] = {{topk_obj, "topk_idx", HINT_NONE, &topk}};
     if (call_open(&c, 4, topk_obj, stream_obj, in, COUNT(in), &stream) != 0) return call_fail(&c);
     int64_t R = self->R, E = self->cfg.num_experts, T = topk.ndim >= 1 ? topk.shape[0] : 0;
+    /* Past max_tokens the library refuses the call: no output of that size first. */
+    if (T > self->cfg.max_tokens) T = 0;
     int64_t ndom = self->comm->topo.num_nvlink_domains;
     const tensor_out_t outs[] = {
         {1, EPX_DTYPE_INT32, 1, {R}, "num_tokens_per_rank", &out.num_tokens_per_rank},
@@ -427,7 +429,11 @@ static int parse_bound(PyObject *obj, int64_t *out)
 static int64_t rm_dispatch_rows(BufferObject *self, int64_t bound, int permute, int pad_multiple)
 {
     int64_t L = self->L, R = self->R, Tm = self->cfg.max_tokens, K = self->cfg.num_topk;
-    if (bound >= 0) return bound;
+    /* A bound past what the buffer can ever produce gets no rows: the library refuses it by name
+     * (collectively) instead of this allocation failing on its size. */
+    const int64_t max_pad = self->cfg.max_pad_multiple > 0 ? self->cfg.max_pad_multiple : 128;
+    const int64_t most = permute ? R * Tm * (K < L ? K : L) + L * (max_pad - 1) : R * Tm;
+    if (bound >= 0) return bound <= most ? bound : 0;
     if (!permute) return R * Tm;
     int64_t pad = pad_multiple > 0 ? pad_multiple : 1;
     return R * Tm * (K < L ? K : L) + L * (pad - 1);

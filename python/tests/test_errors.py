@@ -263,3 +263,25 @@ def test_callbacks_bootstrap(nranks):
         got = run_ranks(nranks, _callbacks, directory=d)
     # Experts 0..3 all live on rank 0, which receives every rank's 4 tokens.
     assert got == [(r, nranks, 4 * nranks if r == 0 else 0) for r in range(nranks)]
+
+
+def test_sizes_refused_before_allocation():
+    # Sizes past what the buffer can hold are refused by the library by name, not by an allocation of
+    # their size first (a layout of 2**40 rows asked for a 1 TiB output; a bound of 2**62 overflowed
+    # torch's size check); bit sets past 32 bits are refused, not wrapped into other bits.
+    comm = host_comm(0, 1, epx.get_unique_id())
+    buf = epx.Buffer(comm, 8, 128, 2, 4)
+    huge = np.lib.stride_tricks.as_strided(np.zeros(1, np.int32), shape=(2**40, 2), strides=(0, 0))
+    with pytest.raises(epx.InvalidArgumentError, match="more than the buffer's max_tokens"):
+        buf.get_dispatch_layout(huge)
+    x, rmap = np.zeros((2, 128), np.uint16), np.zeros((2, 4), bool)
+    with pytest.raises(epx.InvalidArgumentError, match="num_dispatched_tokens"):
+        buf.rm_dispatch(x, rmap, num_dispatched_tokens=2**62)
+    with pytest.raises(epx.InvalidArgumentError, match="num_permuted_tokens"):
+        buf.rm_dispatch(x, rmap, permute=True, num_permuted_tokens=2**62)
+    assert buf.rm_dispatch(x, rmap, num_dispatched_tokens=3).tokens.shape == (3, 128)
+    for bits in ({"modes": 2**32 + 2}, {"dispatch_dtypes": 2**40}):
+        with pytest.raises(epx.InvalidArgumentError, match="bit sets"):
+            epx.Buffer(comm, 8, 128, 2, 4, **bits)
+    buf.destroy()
+    comm.destroy()
