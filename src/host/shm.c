@@ -341,6 +341,12 @@ static epx_result_t check_failed(const host_buffer_t *hb, int peer, uint64_t seq
     uint64_t failed = atomic_load_explicit(&hdr->failed_seq, memory_order_acquire);
     if (failed != 0 && failed >= seq) {
         int32_t status = __atomic_load_n(&hdr->failed_status, __ATOMIC_RELAXED);
+        /* Name the call we wait on when the peer failed that one (it may have failed later ones too). */
+        const uint64_t f = atomic_load_explicit(&hdr->failed_calls[seq % HOST_CALL_RING], memory_order_acquire);
+        if (f >> 8 == seq) {
+            failed = seq;
+            status = (int32_t)(f & 0xff);
+        }
         return epx_error(EPX_ERR_REMOTE, "rank %d: peer %d failed call %llu (%s) while %s", hb->rank, peer,
                          (unsigned long long)failed, epx_result_str((epx_result_t)status), doing);
     }
