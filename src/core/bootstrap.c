@@ -36,19 +36,29 @@ typedef struct {
     uint64_t bytes;
 } boot_data_hdr_t;
 
-/* Rank 0's verdict: after the rendezvous, and before the gathered array of an allgather. */
+/* Rank 0's verdict: after the rendezvous, and before the gathered array of an allgather. The
+ * rendezvous verdict to a peer that joined carries a tag over (status, the peer's rank and nonce). */
 typedef struct {
     uint32_t magic;
     int32_t status;
     uint64_t seq;
     char message[240];
+    unsigned char tag[EPX_BOOT_TAG_BYTES];
 } boot_reply_t;
+
+/* What a rendezvous verdict's tag covers. */
+typedef struct {
+    int32_t status;
+    int32_t rank;
+    unsigned char nonce[EPX_BOOT_NONCE_BYTES];
+} boot_verdict_signed_t;
 
 typedef struct {
     int rank, nranks;
     int64_t timeout_ms;
     unsigned char secret[EPX_BOOT_SECRET_BYTES];
     int *fds;     /* rank 0: [nranks] connection to each peer (fds[0] = -1); others: fds[0] to rank 0 */
+    unsigned char (*nonces)[EPX_BOOT_NONCE_BYTES]; /* rank 0: [nranks] each joined peer's hello nonce */
     uint64_t seq; /* allgathers done */
     int broken;   /* a failed exchange left the streams out of step */
 } boot_tcp_t;
@@ -73,12 +83,49 @@ static uint64_t listener_key(const unsigned char *secret)
     return key;
 }
 
-/* Constant time, so that the time to refuse tells nothing about the secret. */
-static int secret_equal(const unsigned char *a, const unsigned char *b)
+/* Constant time, so that the time to refuse tells nothing about the expected tag. */
+static int tag_equal(const unsigned char *a, const unsigned char *b)
 {
     unsigned diff = 0;
-    for (int i = 0; i < EPX_BOOT_SECRET_BYTES; i++) diff |= (unsigned)(a[i] ^ b[i]);
+    for (int i = 0; i < EPX_BOOT_TAG_BYTES; i++) diff |= (unsigned)(a[i] ^ b[i]);
     return diff == 0;
+}
+
+void epx_boot_tag(const unsigned char secret[EPX_BOOT_SECRET_BYTES], char kind, const void *data, size_t len,
+                  unsigned char tag_out[EPX_BOOT_TAG_BYTES])
+{
+    unsigned char buf[2 + 256];
+    if (len > sizeof(buf) - 2) len = sizeof(buf) - 2; /* every signed struct is far smaller */
+    buf[0] = (unsigned char)kind;
+    memcpy(buf + 2, data, len);
+    for (int half = 0; half < 2; half++) {
+        buf[1] = (unsigned char)half;
+        const uint64_t h = epx_siphash24(secret, buf, len + 2);
+        memcpy(tag_out + 8 * half, &h, 8);
+    }
+}
+
+void epx_boot_hello_sign(epx_boot_hello_t *h, const unsigned char secret[EPX_BOOT_SECRET_BYTES])
+{
+    epx_boot_tag(secret, 'H', h, offsetof(epx_boot_hello_t, tag), h->tag);
+}
+
+static int hello_authentic(const epx_boot_hello_t *h, const unsigned char *secret)
+{
+    unsigned char want[EPX_BOOT_TAG_BYTES];
+    epx_boot_tag(secret, 'H', h, offsetof(epx_boot_hello_t, tag), want);
+    return tag_equal(want, h->tag);
+}
+
+static void verdict_tag(const unsigned char *secret, epx_result_t status, int rank, const unsigned char *nonce,
+                        unsigned char *tag_out)
+{
+    boot_verdict_signed_t v;
+    memset(&v, 0, sizeof(v));
+    v.status = (int32_t)status;
+    v.rank = rank;
+    memcpy(v.nonce, nonce, sizeof(v.nonce));
+    epx_boot_tag(secret, 'V', &v, sizeof(v), tag_out);
 }
 
 /* The deadline by which rank 0 answers, a little before the one its peers wait for. */
@@ -194,7 +241,10 @@ typedef struct {
     epx_boot_hello_t hello;
 } pending_conn_t;
 
-static void reply_all(const int *fds, int count, epx_result_t status, uint64_t seq, uint64_t deadline)
+/* `s` given (the rendezvous verdict to the joined peers, fds indexed by rank): each reply is signed
+ * over its peer's nonce; else (allgather verdicts, refused connections) unsigned. */
+static void reply_all(const boot_tcp_t *s, const int *fds, int count, epx_result_t status, uint64_t seq,
+                      uint64_t deadline)
 {
     boot_reply_t reply;
     memset(&reply, 0, sizeof(reply));
@@ -204,6 +254,7 @@ static void reply_all(const int *fds, int count, epx_result_t status, uint64_t s
     if (status != EPX_SUCCESS) epx_error_copy(reply.message, sizeof(reply.message));
     /* Telling is best effort: a peer that is gone already knows something failed. */
     for (int i = 0; i < count; i++) {
+        if (s && fds[i] >= 0) verdict_tag(s->secret, status, i, s->nonces[i], reply.tag);
         const char *p = (const char *)&reply;
         size_t len = sizeof(reply);
         while (fds[i] >= 0 && len > 0) {
@@ -254,7 +305,7 @@ static int read_hello(const boot_tcp_t *s, pending_conn_t *pc)
         if (pc->got < sizeof(pc->hello)) return 0;
         char more;
         why = NULL;
-        if (pc->hello.magic != EPX_BOOT_HELLO_MAGIC || !secret_equal(pc->hello.secret, s->secret))
+        if (pc->hello.magic != EPX_BOOT_HELLO_MAGIC || !hello_authentic(&pc->hello, s->secret))
             why = "did not authenticate";
         else if (recv(pc->fd, &more, 1, MSG_PEEK | MSG_DONTWAIT) > 0)
             why = "sent more than a hello";
@@ -323,6 +374,7 @@ static epx_result_t root_rendezvous(boot_tcp_t *s, int listen_fd, uint64_t deadl
             epx_result_t bad = check_hello(s, &hello, why, sizeof(why));
             if (bad == EPX_SUCCESS) {
                 s->fds[hello.rank] = fd;
+                memcpy(s->nonces[hello.rank], hello.nonce, EPX_BOOT_NONCE_BYTES);
                 joined++;
                 continue;
             }
@@ -364,8 +416,8 @@ static epx_result_t root_rendezvous(boot_tcp_t *s, int listen_fd, uint64_t deadl
                         "(missing: %s)",
                         nranks - 1 - joined, nranks, (long long)s->timeout_ms, list);
     }
-    reply_all(s->fds, nranks, res, 0, deadline);
-    reply_all(extra, nextra, res, 0, deadline);
+    reply_all(s, s->fds, nranks, res, 0, deadline);
+    reply_all(NULL, extra, nextra, res, 0, deadline);
 out:
     for (int i = 0; i < npending; i++) close(pending[i].fd);
     for (int i = 0; i < nextra; i++) close(extra[i]);
@@ -418,8 +470,13 @@ static epx_result_t peer_rendezvous(boot_tcp_t *s, const struct sockaddr_in *roo
         if (sleep_ms < 100) sleep_ms *= 2;
     }
     epx_socket_set_nodelay(s->fds[0]);
-    epx_boot_hello_t hello = {EPX_BOOT_HELLO_MAGIC, s->rank, s->nranks, 0, {0}};
-    memcpy(hello.secret, s->secret, sizeof(hello.secret));
+    epx_boot_hello_t hello;
+    memset(&hello, 0, sizeof(hello));
+    hello.magic = EPX_BOOT_HELLO_MAGIC;
+    hello.rank = s->rank;
+    hello.nranks = s->nranks;
+    EPX_CHECK(random_bytes(hello.nonce, sizeof(hello.nonce)));
+    epx_boot_hello_sign(&hello, s->secret);
     EPX_CHECK(send_all(s, 0, &hello, sizeof(hello), deadline, "the rendezvous hello"));
     boot_reply_t reply;
     EPX_CHECK(recv_all(s, 0, &reply, sizeof(reply), deadline, "the rendezvous verdict"));
@@ -430,6 +487,14 @@ static epx_result_t peer_rendezvous(boot_tcp_t *s, const struct sockaddr_in *roo
     if (reply.status != EPX_SUCCESS)
         return epx_error((epx_result_t)reply.status, "rank %d: %s (reported by rank 0)", s->rank,
                          reply.message);
+    /* Success only from the real rank 0: the one that holds the secret signed our nonce. */
+    unsigned char want[EPX_BOOT_TAG_BYTES];
+    verdict_tag(s->secret, EPX_SUCCESS, s->rank, hello.nonce, want);
+    if (!tag_equal(want, reply.tag))
+        return epx_error(EPX_ERR_BOOTSTRAP,
+                         "rank %d: the process at %s answered the rendezvous without proof that it holds the "
+                         "unique id's secret (not this job's rank 0: another process took its port?)",
+                         s->rank, where);
     return EPX_SUCCESS;
 }
 
@@ -551,7 +616,7 @@ static epx_result_t tcp_allgather(void *state, const void *send_buf, void *recv_
         if (res == EPX_SUCCESS && bytes) memmove(recv_buf, send_buf, bytes);
         /* The verdict goes to everyone; the array only when the gather succeeded. */
         if (res != EPX_SUCCESS) {
-            reply_all(s->fds, s->nranks, res, seq, deadline);
+            reply_all(NULL, s->fds, s->nranks, res, seq, deadline);
         } else {
             boot_reply_t reply;
             memset(&reply, 0, sizeof(reply));
@@ -564,7 +629,7 @@ static epx_result_t tcp_allgather(void *state, const void *send_buf, void *recv_
                     res =
                         send_all(s, r, recv_buf, bytes * (size_t)s->nranks, deadline, "the allgather result");
                 /* Ranks not yet served learn of the failure instead of waiting for their deadline. */
-                if (res != EPX_SUCCESS) reply_all(s->fds + r + 1, s->nranks - r - 1, res, seq, deadline);
+                if (res != EPX_SUCCESS) reply_all(NULL, s->fds + r + 1, s->nranks - r - 1, res, seq, deadline);
             }
         }
     } else {
@@ -641,7 +706,9 @@ epx_result_t epx_bootstrap_tcp_create(const epx_unique_id_t *id, int rank, int n
     epx_result_t res = EPX_SUCCESS;
     boot_tcp_t *s = calloc(1, sizeof(*s));
     int *fds = calloc((size_t)nranks, sizeof(int));
-    if (!s || !fds) {
+    unsigned char(*nonces)[EPX_BOOT_NONCE_BYTES] = calloc((size_t)nranks, EPX_BOOT_NONCE_BYTES);
+    if (!s || !fds || !nonces) {
+        free(nonces);
         free(fds);
         free(s);
         return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: bootstrap state for %d ranks", rank, nranks);
@@ -652,6 +719,7 @@ epx_result_t epx_bootstrap_tcp_create(const epx_unique_id_t *id, int rank, int n
     s->timeout_ms = timeout_ms;
     memcpy(s->secret, bid.secret, sizeof(s->secret));
     s->fds = fds;
+    s->nonces = nonces; /* the rendezvous's only */
     struct sockaddr_in root;
     memset(&root, 0, sizeof(root));
     root.sin_family = AF_INET;
@@ -664,11 +732,15 @@ epx_result_t epx_bootstrap_tcp_create(const epx_unique_id_t *id, int rank, int n
             EPX_CHECK_GOTO(epx_socket_listen(&root, nranks < SOMAXCONN ? SOMAXCONN : nranks, &listen_fd), res,
                            err_free);
         if (nranks > 1) res = root_rendezvous(s, listen_fd, deadline);
+        free(nonces);
+        s->nonces = nonces = NULL;
         /* Nobody may connect after the rendezvous, whoever else still holds the socket. */
         epx_socket_stop_listener(listen_fd);
         if (res != EPX_SUCCESS) goto err_close;
     } else {
         if (listen_fd >= 0) close(listen_fd);
+        free(nonces);
+        s->nonces = nonces = NULL;
         EPX_CHECK_GOTO(peer_rendezvous(s, &root, deadline), res, err_close);
     }
     EPX_INFO(EPX_SUBSYS_BOOTSTRAP, "rank %d: tcp rendezvous of %d ranks done", rank, nranks);
@@ -679,6 +751,7 @@ err_close:
     for (int r = 0; r < nranks; r++)
         if (fds[r] >= 0) close(fds[r]);
 err_free:
+    free(nonces);
     free(fds);
     free(s);
     return res;

@@ -13,8 +13,12 @@ extern "C" {
 #endif
 
 /* The TCP rendezvous on the wire, here so that tests can play a hostile or broken peer. The unique
- * id carries rank 0's address and a random secret; every connection opens with a hello holding
- * that secret, and rank 0 sends nothing to a connection before its hello is authenticated. */
+ * id carries rank 0's address and a random secret, which never travels: every connection opens with
+ * a hello carrying a fresh nonce and a tag (SipHash-2-4 under the secret) over its fields, and rank 0
+ * sends nothing to a connection before its hello authenticates. Rank 0's verdict carries a tag over
+ * the peer's nonce in turn, and a peer trusts a successful verdict (and what follows on the
+ * connection) only when that tag is right: a process that took rank 0's port learns nothing of the
+ * secret and cannot pose as rank 0. */
 #define EPX_BOOT_ID_MAGIC     0x45505849u /* "EPXI" */
 #define EPX_BOOT_HELLO_MAGIC  0x4550584fu /* "EPXO" */
 #define EPX_BOOT_SECRET_BYTES 16
@@ -32,13 +36,24 @@ typedef struct {
     unsigned char secret[EPX_BOOT_SECRET_BYTES];
 } epx_boot_id_t;
 
+#define EPX_BOOT_NONCE_BYTES 16
+#define EPX_BOOT_TAG_BYTES   16
+
 typedef struct {
     uint32_t magic;
     int32_t rank;
     int32_t nranks;
     uint32_t pad;
-    unsigned char secret[EPX_BOOT_SECRET_BYTES];
+    unsigned char nonce[EPX_BOOT_NONCE_BYTES];
+    unsigned char tag[EPX_BOOT_TAG_BYTES]; /* epx_boot_tag(secret, 'H', the fields above) */
 } epx_boot_hello_t;
+
+/* The 16-byte tag of `len` bytes under `secret`, for message kind `kind` ('H' hello, 'V' verdict):
+ * two SipHash-2-4 values of (kind, half, data). */
+void epx_boot_tag(const unsigned char secret[EPX_BOOT_SECRET_BYTES], char kind, const void *data, size_t len,
+                  unsigned char tag_out[EPX_BOOT_TAG_BYTES]);
+/* Sets h's tag over its other fields. */
+void epx_boot_hello_sign(epx_boot_hello_t *h, const unsigned char secret[EPX_BOOT_SECRET_BYTES]);
 
 /* All are bounded by the communicator's timeout. */
 struct epx_bootstrap_ops {

@@ -126,6 +126,8 @@ void epx_params_print(void *out);
 /* ----------------------------------------------------------------------------- time ---- */
 
 uint64_t epx_time_ns(void); /* CLOCK_MONOTONIC */
+/* SipHash-2-4 of `len` bytes under a 128-bit key (a keyed PRF: the bootstrap's authentication). */
+uint64_t epx_siphash24(const unsigned char key[16], const void *data, size_t len);
 /* A deadline `timeout_ms` from now. */
 static inline uint64_t epx_deadline_after_ms(int64_t timeout_ms)
 {

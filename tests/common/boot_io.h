@@ -42,7 +42,7 @@ static inline int boot_connect(const epx_unique_id_t *id)
     return -1;
 }
 
-/* A hello for `rank` of `nranks` carrying the id's secret. */
+/* A hello for `rank` of `nranks` signed with the id's secret (a fixed nonce). */
 static inline epx_boot_hello_t boot_hello(const epx_unique_id_t *id, int rank, int nranks)
 {
     epx_boot_hello_t h;
@@ -50,7 +50,8 @@ static inline epx_boot_hello_t boot_hello(const epx_unique_id_t *id, int rank, i
     h.magic = EPX_BOOT_HELLO_MAGIC;
     h.rank = rank;
     h.nranks = nranks;
-    memcpy(h.secret, boot_id_fields(id).secret, sizeof(h.secret));
+    memset(h.nonce, 0x3c, sizeof(h.nonce));
+    epx_boot_hello_sign(&h, boot_id_fields(id).secret);
     return h;
 }
 

@@ -42,7 +42,7 @@ static int send_attack(fault_attack_t attack, const epx_unique_id_t *id, int nra
     case FAULT_ATTACK_PARTIAL: n = sizeof(h) / 2; break;
     case FAULT_ATTACK_OVERSIZED: n = sizeof(bytes); break;
     case FAULT_ATTACK_SECRET:
-        h.secret[3] ^= 0x10;
+        h.tag[3] ^= 0x10;
         n = sizeof(h);
         break;
     default: return 0;

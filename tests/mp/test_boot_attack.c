@@ -161,7 +161,7 @@ static int test_bad_hellos(void)
     if (start_procs(nranks, rank_body, &id, &j, pids)) return 1;
 
     epx_boot_hello_t wrong = boot_hello(&id, 1, nranks);
-    wrong.secret[5] ^= 1;
+    wrong.tag[5] ^= 1;
     int fd_wrong = boot_connect(&id);
     EXPECT_TRUE(fd_wrong >= 0);
     EXPECT_TRUE(send(fd_wrong, &wrong, sizeof(wrong), 0) == (ssize_t)sizeof(wrong));
@@ -189,6 +189,69 @@ static int test_bad_hellos(void)
     close(fd_part);
     /* The real rank 1 arrives after all of that and the job succeeds. */
     return wait_procs(nranks, pids);
+}
+
+/* Rank 0's verdict as the wire has it (core/bootstrap.c): magic, status, seq, message, tag. */
+#define REPLY_MAGIC 0x45505852u
+typedef struct {
+    uint32_t magic;
+    int32_t status;
+    uint64_t seq;
+    char message[240];
+    unsigned char tag[EPX_BOOT_TAG_BYTES];
+} wire_reply_t;
+
+/* An impostor on rank 0's address (a process that took the port; here the test itself, with an id
+ * it made by hand): the peer's hello must not carry the id's secret, and the impostor's successful
+ * verdict, which it cannot sign, must make the peer's init fail naming the missing proof. */
+static int test_impostor_rank0(void)
+{
+    int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(sa);
+    EXPECT_TRUE(lfd >= 0 && bind(lfd, (struct sockaddr *)&sa, sizeof(sa)) == 0 && listen(lfd, 4) == 0 &&
+                getsockname(lfd, (struct sockaddr *)&sa, &len) == 0);
+    epx_boot_id_t b;
+    memset(&b, 0, sizeof(b));
+    b.magic = EPX_BOOT_ID_MAGIC;
+    b.addr = sa.sin_addr.s_addr;
+    b.port = sa.sin_port;
+    for (int i = 0; i < EPX_BOOT_SECRET_BYTES; i++) b.secret[i] = (unsigned char)(0xa0 + 7 * i);
+    epx_unique_id_t id;
+    memset(&id, 0, sizeof(id));
+    memcpy(id.internal, &b, sizeof(b));
+    job_t j = plain_job(2, 4.0);
+    j.absent[0] = 1; /* rank 0 is the impostor */
+    j.expect = EPX_ERR_BOOTSTRAP;
+    j.needle = "without proof that it holds the unique id's secret";
+    pid_t pids[MAX_PROCS];
+    if (start_procs(2, rank_body, &id, &j, pids)) return 1;
+    int fd = accept(lfd, NULL, NULL);
+    EXPECT_TRUE(fd >= 0);
+    epx_boot_hello_t hello;
+    size_t got = 0;
+    while (got < sizeof(hello)) {
+        ssize_t n = recv(fd, (char *)&hello + got, sizeof(hello) - got, 0);
+        if (n <= 0) break;
+        got += (size_t)n;
+    }
+    EXPECT_TRUE(got == sizeof(hello) && hello.rank == 1 && hello.nranks == 2);
+    /* Nothing of the secret travels: no 4 of its bytes in a row appear in the hello. */
+    for (size_t i = 0; i + 4 <= sizeof(hello); i++)
+        for (int k = 0; k + 4 <= EPX_BOOT_SECRET_BYTES; k++)
+            EXPECT_TRUE(memcmp((const char *)&hello + i, b.secret + k, 4) != 0);
+    wire_reply_t forged;
+    memset(&forged, 0, sizeof(forged));
+    forged.magic = REPLY_MAGIC;
+    forged.status = EPX_SUCCESS;
+    EXPECT_TRUE(send(fd, &forged, sizeof(forged), MSG_NOSIGNAL) == (ssize_t)sizeof(forged));
+    const int rc = wait_procs(2, pids);
+    close(fd);
+    close(lfd);
+    return rc;
 }
 
 /* Two processes as rank 1: every one fails at once with a message naming rank 1. */
@@ -317,10 +380,10 @@ int main(void)
 {
     signal(SIGPIPE, SIG_IGN);
     if (epx_test_set_env("EPX_TIMEOUT_MS", "6000") || epx_test_set_env("EPX_DEBUG", "error")) return 1;
-    int (*const cases[])(void) = {test_idle_connections,  test_bad_hellos,   test_duplicate_rank,
-                                  test_rank_out_of_range, test_launcher_fds, test_missing_ranks_bounded,
-                                  test_interface_choice};
-    const char *names[] = {"idle connections",  "bad hellos",   "duplicate rank",
+    int (*const cases[])(void) = {test_idle_connections,  test_bad_hellos,   test_impostor_rank0,
+                                  test_duplicate_rank,    test_rank_out_of_range, test_launcher_fds,
+                                  test_missing_ranks_bounded, test_interface_choice};
+    const char *names[] = {"idle connections",  "bad hellos",   "impostor rank 0", "duplicate rank",
                            "rank out of range", "launcher fds", "missing ranks bounded",
                            "interface choice"};
     int failed = 0;
