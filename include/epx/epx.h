@@ -212,7 +212,9 @@ typedef struct epx_unique_id {
  * When the process that creates the id is also rank 0 (or forks rank 0), the listening socket
  * is reused; otherwise rank 0 binds the address itself, and the port is free for any process to
  * take between the creator's exit and that bind (rank 0 then fails with EPX_ERR_SYSTEM naming
- * the address); where that matters, set EPX_BOOTSTRAP_ADDR to a port reserved for the job.
+ * the address, and the other ranks with EPX_ERR_BOOTSTRAP: the process on the port cannot prove
+ * it holds the id's secret, which never travels); where that matters, set EPX_BOOTSTRAP_ADDR to a
+ * port reserved for the job. An id serves one job: two jobs started with one id may meet.
  * [out] id_out. Returns EPX_ERR_SYSTEM if no address can be bound, EPX_ERR_INVALID_ARG for a
  * malformed env value. Not collective. */
 EPX_API epx_result_t epx_get_unique_id(epx_unique_id_t *id_out);
