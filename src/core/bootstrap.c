@@ -19,7 +19,6 @@
 #include "core/socket.h"
 
 #define BOOT_DATA_MAGIC  0x45505844u /* "EPXD" */
-#define BOOT_REPLY_MAGIC 0x45505852u /* "EPXR" */
 /* After a failure, rank 0 keeps accepting this long (within its deadline) so late ranks learn why. */
 #define BOOT_TELL_GRACE_MS 1000
 /* Rank 0 gives its verdict this much (at most a tenth of the timeout) before the common deadline, so
@@ -36,15 +35,6 @@ typedef struct {
     uint64_t bytes;
 } boot_data_hdr_t;
 
-/* Rank 0's verdict: after the rendezvous, and before the gathered array of an allgather. The
- * rendezvous verdict to a peer that joined carries a tag over (status, the peer's rank and nonce). */
-typedef struct {
-    uint32_t magic;
-    int32_t status;
-    uint64_t seq;
-    char message[240];
-    unsigned char tag[EPX_BOOT_TAG_BYTES];
-} boot_reply_t;
 
 /* What a rendezvous verdict's tag covers. */
 typedef struct {

@@ -48,6 +48,17 @@ typedef struct {
     unsigned char tag[EPX_BOOT_TAG_BYTES]; /* epx_boot_tag(secret, 'H', the fields above) */
 } epx_boot_hello_t;
 
+/* Rank 0's verdict: after the rendezvous, and before the gathered array of an allgather. The
+ * rendezvous verdict to a peer that joined carries a tag over (status, the peer's rank and nonce). */
+#define BOOT_REPLY_MAGIC 0x45505852u /* "EPXR" */
+typedef struct {
+    uint32_t magic;
+    int32_t status;
+    uint64_t seq;
+    char message[240];
+    unsigned char tag[EPX_BOOT_TAG_BYTES];
+} boot_reply_t;
+
 /* The 16-byte tag of `len` bytes under `secret`, for message kind `kind` ('H' hello, 'V' verdict):
  * two SipHash-2-4 values of (kind, half, data). */
 void epx_boot_tag(const unsigned char secret[EPX_BOOT_SECRET_BYTES], char kind, const void *data, size_t len,

@@ -191,16 +191,6 @@ static int test_bad_hellos(void)
     return wait_procs(nranks, pids);
 }
 
-/* Rank 0's verdict as the wire has it (core/bootstrap.c): magic, status, seq, message, tag. */
-#define REPLY_MAGIC 0x45505852u
-typedef struct {
-    uint32_t magic;
-    int32_t status;
-    uint64_t seq;
-    char message[240];
-    unsigned char tag[EPX_BOOT_TAG_BYTES];
-} wire_reply_t;
-
 /* An impostor on rank 0's address (a process that took the port; here the test itself, with an id
  * it made by hand): the peer's hello must not carry the id's secret, and the impostor's successful
  * verdict, which it cannot sign, must make the peer's init fail naming the missing proof. */
@@ -243,9 +233,9 @@ static int test_impostor_rank0(void)
     for (size_t i = 0; i + 4 <= sizeof(hello); i++)
         for (int k = 0; k + 4 <= EPX_BOOT_SECRET_BYTES; k++)
             EXPECT_TRUE(memcmp((const char *)&hello + i, b.secret + k, 4) != 0);
-    wire_reply_t forged;
+    boot_reply_t forged;
     memset(&forged, 0, sizeof(forged));
-    forged.magic = REPLY_MAGIC;
+    forged.magic = BOOT_REPLY_MAGIC;
     forged.status = EPX_SUCCESS;
     EXPECT_TRUE(send(fd, &forged, sizeof(forged), MSG_NOSIGNAL) == (ssize_t)sizeof(forged));
     const int rc = wait_procs(2, pids);
