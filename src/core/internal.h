@@ -219,6 +219,13 @@ int epx_peer_exited(const epx_peers_t *peers, int peer);
 epx_result_t epx_comm_agree(epx_comm_t comm, epx_result_t mine, const char *step);
 epx_result_t epx_share_fds(epx_comm_t comm, const epx_peers_t *peers, int own_fd, int *fds);
 void epx_fault_point(int rank, int step);
+/* The identity of this process's namespace of `kind` ("pid", "net"): device and inode of
+ * /proc/self/ns/<kind>; 0 when unreadable. */
+uint64_t epx_namespace_id(const char *kind);
+/* Whether the `nranks` ranks' pid-namespace identities (`ids`, 0 = unknown) allow passing file
+ * descriptors checked by pid: EPX_SUCCESS, or EPX_ERR_UNSUPPORTED naming the first rank whose
+ * namespace differs from `rank`'s. Pure. */
+epx_result_t epx_share_check_pid_ns(int rank, const uint64_t *ids, int nranks);
 /* Records the first async error of the comm (later ones are dropped); returns `res`. */
 epx_result_t epx_comm_set_async_error(epx_comm_t comm, epx_result_t res, const char *message);
 /* The first async error (EPX_SUCCESS when none), its message made the thread's last one. */

@@ -12,6 +12,7 @@
 #include <string.h>
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -237,4 +238,25 @@ epx_result_t epx_share_fds(epx_comm_t comm, const epx_peers_t *peers, int own_fd
         if (sh.socks[p] >= 0) close(sh.socks[p]);
     free(sh.socks);
     return res;
+}
+
+uint64_t epx_namespace_id(const char *kind)
+{
+    char path[64];
+    struct stat st;
+    snprintf(path, sizeof(path), "/proc/self/ns/%s", kind);
+    if (stat(path, &st) != 0) return 0;
+    return (uint64_t)st.st_dev << 32 ^ (uint64_t)st.st_ino;
+}
+
+epx_result_t epx_share_check_pid_ns(int rank, const uint64_t *ids, int nranks)
+{
+    for (int r = 0; r < nranks; r++)
+        if (ids[r] != ids[rank] && ids[r] != 0 && ids[rank] != 0)
+            return epx_error(EPX_ERR_UNSUPPORTED,
+                             "rank %d: rank %d runs in another pid namespace; ranks of one machine share memory "
+                             "by passing descriptors to peers checked by pid, which needs one pid namespace (run "
+                             "them in one container, or share the host's pid namespace)",
+                             rank, r);
+    return EPX_SUCCESS;
 }

@@ -120,16 +120,6 @@ int epx_cuda_ipc_asks_fabric(void)
     return asked_kind() == EPX_CUDA_IPC_FABRIC;
 }
 
-/* The identity of this process's namespace of `kind` ("pid", "net"): device and inode of its link. */
-static uint64_t namespace_id(const char *kind)
-{
-    char path[64];
-    struct stat st;
-    snprintf(path, sizeof(path), "/proc/self/ns/%s", kind);
-    if (stat(path, &st) != 0) return 0;
-    return (uint64_t)st.st_dev << 32 ^ (uint64_t)st.st_ino;
-}
-
 /* EPX_CUDA_IPC_CAN_FD | EPX_CUDA_IPC_CAN_FABRIC for our device. */
 static int capabilities(int device)
 {
@@ -350,8 +340,8 @@ epx_result_t epx_cuda_ipc_alloc(cuda_buffer_t *cb)
                          getenv("EPX_CUDA_IPC") ? getenv("EPX_CUDA_IPC") : "");
     /* Every rank's capabilities, region size, granularity and namespaces, so that all choose the same
      * kind and size (src/cuda/ipc_plan.h). */
-    epx_cuda_ipc_rec_t mine = {capabilities(cb->device), asked, cb->lay.total, 0, namespace_id("pid"),
-                               namespace_id("net")};
+    epx_cuda_ipc_rec_t mine = {capabilities(cb->device), asked, cb->lay.total, 0, epx_namespace_id("pid"),
+                               epx_namespace_id("net")};
     if (mine.can) mine.gran = granularity(cb);
     epx_cuda_ipc_rec_t *all = calloc((size_t)R, sizeof(*all));
     if (!all) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: ipc capability table", me);

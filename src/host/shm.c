@@ -263,7 +263,19 @@ static epx_result_t map_regions(host_buffer_t *hb)
     int *fds = malloc((size_t)hb->nranks * sizeof(int));
     if (!fds) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate descriptors", hb->rank);
     for (int r = 0; r < hb->nranks; r++) fds[r] = -1;
-    epx_result_t res = epx_comm_agree(hb->buffer->comm, create_own_region(hb, &own_fd), "create its shared-memory region");
+    /* One pid namespace first: across two, the pid check below refuses every peer and only a timeout
+     * would say so. */
+    uint64_t *ns = calloc((size_t)hb->nranks, sizeof(uint64_t));
+    const uint64_t mine = epx_namespace_id("pid");
+    epx_result_t res = ns ? epx_comm_allgather(hb->buffer->comm, &mine, ns, sizeof(mine))
+                          : epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate namespace ids", hb->rank);
+    if (res == EPX_SUCCESS) res = epx_share_check_pid_ns(hb->rank, ns, hb->nranks);
+    free(ns);
+    if (res != EPX_SUCCESS) {
+        free(fds);
+        return res;
+    }
+    res = epx_comm_agree(hb->buffer->comm, create_own_region(hb, &own_fd), "create its shared-memory region");
     if (res == EPX_SUCCESS) {
         epx_fault_point(hb->rank, 1);
         res = epx_share_fds(hb->buffer->comm, &hb->peers, own_fd, fds);
