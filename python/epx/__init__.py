@@ -45,8 +45,11 @@ recv_x of a dispatch made with the handle, passed whole (bf16), is read where th
 next HT or routing-map combine or ``combine_input()`` of another handle) is read where it is, on any
 buffer; any other x is first copied into the combine input. Writing the expert outputs over recv_x and
 passing it back is the cheapest way. A view passed to a call after its area was reused raises
-``StaleViewError`` (always for numpy arrays; for torch tensors when no view of the area's current
-generation is alive), and a dispatch refuses inputs that lie in the area it is about to write.
+``StaleViewError`` (for numpy arrays whose base is the view the binding returned, and for any array
+or torch tensor when no view of the area's current generation is alive; an array rebuilt from a
+stale view's bytes, e.g. through a memoryview, while a current view lives, is read as it is), and a
+dispatch refuses inputs that lie in the area it is about to write. A stale view passed to another
+buffer is caller memory there.
 ``destroy()`` with views alive frees the buffer when the last one goes.
 
 Library failures raise ``EpxError`` subclasses carrying the library's message (``.message``), the

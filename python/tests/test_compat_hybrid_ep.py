@@ -355,9 +355,54 @@ def _refusals(rank, nranks, dist):
         buf.dispatch(hidden.float() if rank == 0 else hidden, routing_map=rmap)
     with pytest.raises(ValueError, match="handle comes from dispatch"):
         buf.combine_with_unpermute(hidden=tokens, handle=handle)
+    # topk_weights with a handle but no topk_idx cannot be placed (they were dropped: probs None).
+    with pytest.raises(ValueError if rank == 0 else epx.RemoteError, match="needs topk_idx" if rank == 0 else None):
+        buf.dispatch(hidden, topk_weights=w if rank == 0 else None, probs=None if rank == 0 else probs,
+                     handle=handle)
+    with pytest.raises(ValueError if rank == 0 else epx.RemoteError, match="pad_multiple" if rank == 0 else None):
+        buf.dispatch_with_permute(hidden=hidden, routing_map=rmap, pad_multiple=-4 if rank == 0 else 2)
     _, c_probs = buf.combine(tokens, d_probs, handle)
     same(c_probs, probs, "combined probs after refusals", rank)
     return True
+
+
+def _replay_bounds(rank, nranks, dist):
+    """A handle made with a bound and replayed without one (and the reverse) gives handle[4] in the replay's
+    shape, equal to a fresh dispatch's: [N_r, L] without a bound, [R * T_max, L] with one."""
+    buf = _buffer(dist)
+    E = buf.num_of_experts
+    hidden, sf, idx, w, rmap, probs = inputs(rank, _tokens(rank, True), E)
+    _, _, _, bounded = buf.dispatch(hidden, routing_map=rmap, num_dispatched_tokens=nranks * T_MAX)
+    _, _, _, plain = buf.dispatch(hidden, routing_map=rmap)
+    tokens, _, _, replay = buf.dispatch(hidden, handle=bounded)
+    same(replay[4], plain[4], "handle[4] of a bounded handle replayed without a bound", rank)
+    assert replay[4].shape[0] == tokens.shape[0]
+    _, _, _, replay_b = buf.dispatch(hidden, handle=plain, num_dispatched_tokens=nranks * T_MAX)
+    same(replay_b[4], bounded[4], "handle[4] of a plain handle replayed with a bound", rank)
+    return True
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_replay_across_bounds(nranks):
+    assert run_in_group(nranks, _replay_bounds) == [True] * nranks
+
+
+def _tiny_hidden(rank, nranks, dist):
+    """Combined probs travel as bytes in bf16 channels: a hidden size below 4 still carries them."""
+    comm = epx.Comm.from_torch(dist.group.WORLD, backend="host")
+    buf = HybridEPBuffer(dist.group.WORLD, hidden_dim=2, max_num_of_tokens_per_rank=T_MAX, num_local_experts=L,
+                         max_pad_multiple=PAD, comm=comm)
+    E = buf.num_of_experts
+    _, _, _, _, rmap, probs = inputs(rank, 5, E)
+    hidden = torch.randn((5, 2)).to(torch.bfloat16)
+    tokens, d_probs, _, handle = buf.dispatch(hidden, routing_map=rmap, probs=probs)
+    _, c_probs = buf.combine(tokens, d_probs, handle)
+    same(c_probs, probs, "combined probs at hidden 2", rank)
+    return True
+
+
+def test_tiny_hidden_probs():
+    assert run_in_group(2, _tiny_hidden) == [True] * 2
 
 
 @pytest.mark.parametrize("nranks", [2, 3])

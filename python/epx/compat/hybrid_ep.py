@@ -68,7 +68,8 @@ class _State:
     """epx's part of a handle: the epx handle, the routing it was made from (for a dispatch with the
     handle) and the layout a combine needs."""
 
-    def __init__(self, handle, permute, pad_multiple, routing_map, rows, tokens_per_expert):
+    def __init__(self, handle, permute, pad_multiple, routing_map, rows, tokens_per_expert, bounded=False):
+        self.bounded = bounded  # made with a bound: handle[3] and [4] have the bounded shapes
         self.handle = handle
         self.permute = permute
         self.pad_multiple = pad_multiple
@@ -198,6 +199,9 @@ class HybridEPBuffer:
         if handle is not None:
             if not isinstance(handle, tuple) or not handle or not isinstance(handle[0], _State):
                 raise ValueError("handle is not one from this front")
+            if topk_weights is not None and topk_idx is None and probs is None:
+                raise ValueError("topk_weights with a handle needs topk_idx too (it places the weights), or "
+                                 "pass probs [T, E]")
             routing_map = handle[0].routing_map
         if routing_map is None:
             raise ValueError("pass routing_map (and probs), topk_idx (and topk_weights) or a handle")
@@ -268,6 +272,21 @@ class HybridEPBuffer:
         # received rows first in order, then rows that select nothing.
         return count, cols[torch.argsort((~rows).to(torch.uint8), stable=True)]
 
+    def _replayed_map(self, handle, bounded, num_tokens):
+        """handle[4] in the shape of a replay with (bounded) or without a bound: the same routing, so the
+        same received rows; [N_r, L] is the bounded map's first N_r rows (N_r is on the host without a
+        bound), and the bounded [R * T_max, L] the unbounded one padded with rows that select nothing."""
+        local_map = handle[4]
+        if local_map is None or handle[0].bounded == bounded:
+            return local_map
+        if not bounded:
+            return local_map[:num_tokens]
+        torch = _torch()
+        rows = self.group_size * self.max_num_of_tokens_per_rank
+        pad = torch.zeros((rows - local_map.shape[0], local_map.shape[1]), dtype=local_map.dtype,
+                          device=local_map.device)
+        return torch.cat([local_map, pad])
+
     @staticmethod
     def _row_id_map(local_map, tokens_per_expert):
         """HybridEP's row_id_map [rows, L] int32: 1 + the permuted row of (received token i, local expert j),
@@ -325,7 +344,7 @@ class HybridEPBuffer:
         torch = _torch()
         n, width, H = packed.shape[0], packed.shape[1], self.hidden_dim
         out = torch.empty((state.handle.num_tokens, width), dtype=torch.uint8, device=packed.device)
-        step = H // 4 * 4
+        step = H // 4 * 4 or H  # whole floats per combine; below 4 channels, bytes one channel each
         for c in range(0, width, step):
             w = min(step, width - c)
             x = torch.zeros((n, H), dtype=torch.bfloat16, device=packed.device)
@@ -359,13 +378,14 @@ class HybridEPBuffer:
                                                num_of_experts, handle)
             out, tokens = self._dispatch("dispatch", hidden, scaling_factor, routing_map, probs, handle,
                                          False, 1, num_dispatched_tokens, num_of_tokens_per_rank)
+        bounded = num_dispatched_tokens is not None
         if handle is not None:
-            count, local_map = handle[3], handle[4]
+            count, local_map = handle[3], self._replayed_map(handle, bounded, out.num_tokens)
         else:
-            count, local_map = self._local_map(routing_map, out, num_dispatched_tokens is not None)
+            count, local_map = self._local_map(routing_map, out, bounded)
         if count is None:
             count = _torch().tensor([out.num_tokens], dtype=_torch().int32)
-        state = _State(out.handle, False, 1, routing_map, out.num_tokens, None)
+        state = _State(out.handle, False, 1, routing_map, out.num_tokens, None, bounded)
         new_handle = (state, None, None, count, local_map, hidden.shape[0], None)
         return tokens, self._wide_probs(out.probs), out.scaling_factor, new_handle
 
@@ -402,17 +422,20 @@ class HybridEPBuffer:
                 raise ValueError("use_fp8=%s does not match hidden's dtype %s" % (use_fp8, hidden.dtype))
             routing_map, probs = self._routing(hidden, routing_map, probs, topk_idx, topk_weights,
                                                num_of_experts, handle)
+            if pad_multiple is not None and pad_multiple < 0:
+                raise ValueError("pad_multiple = %d must be >= 1 (0 or None: 1)" % pad_multiple)
             pad = pad_multiple if pad_multiple and pad_multiple > 0 else 1
             if handle is not None and handle[0].pad_multiple != pad:
                 raise ValueError("pad_multiple = %d, the handle's dispatch used %d"
                                  % (pad, handle[0].pad_multiple))
             out, tokens = self._dispatch("dispatch_with_permute", hidden, scaling_factor, routing_map, probs,
                                          handle, True, pad, num_permuted_tokens, num_of_tokens_per_rank)
+        bounded = num_permuted_tokens is not None
         if handle is not None:
-            count, local_map = handle[3], handle[4]
+            count, local_map = handle[3], self._replayed_map(handle, bounded, out.num_tokens)
         else:
-            count, local_map = self._local_map(routing_map, out, num_permuted_tokens is not None)
-        state = _State(out.handle, True, pad, routing_map, out.num_tokens, out.tokens_per_expert)
+            count, local_map = self._local_map(routing_map, out, bounded)
+        state = _State(out.handle, True, pad, routing_map, out.num_tokens, out.tokens_per_expert, bounded)
         T = hidden.shape[0]
         if fuse_permute_dispatch:
             unpadded = local_map.sum(dim=0, dtype=_torch().int32) if local_map is not None else None
