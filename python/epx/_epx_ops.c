@@ -428,15 +428,15 @@ static int parse_bound(PyObject *obj, int64_t *out)
  * one is the library's to refuse), else the most the dispatch can produce. */
 static int64_t rm_dispatch_rows(BufferObject *self, int64_t bound, int permute, int pad_multiple)
 {
-    int64_t L = self->L, R = self->R, Tm = self->cfg.max_tokens, K = self->cfg.num_topk;
-    /* A bound past what the buffer can ever produce gets no rows: the library refuses it by name
-     * (collectively) instead of this allocation failing on its size. */
-    const int64_t max_pad = self->cfg.max_pad_multiple > 0 ? self->cfg.max_pad_multiple : 128;
-    const int64_t most = permute ? R * Tm * (K < L ? K : L) + L * (max_pad - 1) : R * Tm;
-    if (bound >= 0) return bound <= most ? bound : 0;
-    if (!permute) return R * Tm;
-    int64_t pad = pad_multiple > 0 ? pad_multiple : 1;
-    return R * Tm * (K < L ? K : L) + L * (pad - 1);
+    const int64_t L = self->L, R = self->R, Tm = self->cfg.max_tokens, K = self->cfg.num_topk;
+    const int64_t plain = R * Tm, grouped = R * Tm * (K < L ? K : L);
+    if (bound >= 0) {
+        /* A bound past what the buffer can ever produce gets no rows: the library refuses it by name
+         * (collectively) instead of this allocation failing on its size. */
+        const int64_t max_pad = self->cfg.max_pad_multiple > 0 ? self->cfg.max_pad_multiple : 128;
+        return bound <= (permute ? grouped + L * (max_pad - 1) : plain) ? bound : 0;
+    }
+    return permute ? grouped + L * ((pad_multiple > 0 ? pad_multiple : 1) - 1) : plain;
 }
 
 COLLECTIVE_METHOD(buffer_rm_dispatch, EPX_COLLECTIVE_RM_DISPATCH)

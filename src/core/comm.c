@@ -45,6 +45,7 @@ static void fill_peer_info(epx_comm_t comm, const epx_comm_config_t *cfg, const 
     memset(me, 0, sizeof(*me));
     me->rank = comm->rank;
     me->pid = (int32_t)getpid();
+    me->pid_ns = epx_namespace_id("pid");
     if (gethostname(me->hostname, sizeof(me->hostname) - 1) != 0)
         snprintf(me->hostname, sizeof(me->hostname), "?");
     me->hostname[sizeof(me->hostname) - 1] = '\0';

@@ -151,6 +151,7 @@ typedef struct epx_peer_info {
     int32_t rank;
     int32_t pid;
     uint64_t host_hash;       /* of the hostname + boot id */
+    uint64_t pid_ns;          /* epx_namespace_id("pid"), 0 when unreadable */
     char hostname[64];
     int32_t backend;          /* chosen backend */
     int32_t cuda_device;      /* ordinal, -1 for host */
@@ -222,10 +223,10 @@ void epx_fault_point(int rank, int step);
 /* The identity of this process's namespace of `kind` ("pid", "net"): device and inode of
  * /proc/self/ns/<kind>; 0 when unreadable. */
 uint64_t epx_namespace_id(const char *kind);
-/* Whether the `nranks` ranks' pid-namespace identities (`ids`, 0 = unknown) allow passing file
+/* Whether the comm's ranks' pid namespaces (peers[].pid_ns, 0 = unknown) allow passing file
  * descriptors checked by pid: EPX_SUCCESS, or EPX_ERR_UNSUPPORTED naming the first rank whose
- * namespace differs from `rank`'s. Pure. */
-epx_result_t epx_share_check_pid_ns(int rank, const uint64_t *ids, int nranks);
+ * namespace differs from this rank's. The same verdict on every rank; no communication. */
+epx_result_t epx_share_check_pid_ns(epx_comm_t comm);
 /* Records the first async error of the comm (later ones are dropped); returns `res`. */
 epx_result_t epx_comm_set_async_error(epx_comm_t comm, epx_result_t res, const char *message);
 /* The first async error (EPX_SUCCESS when none), its message made the thread's last one. */

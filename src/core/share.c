@@ -249,10 +249,12 @@ uint64_t epx_namespace_id(const char *kind)
     return (uint64_t)st.st_dev << 32 ^ (uint64_t)st.st_ino;
 }
 
-epx_result_t epx_share_check_pid_ns(int rank, const uint64_t *ids, int nranks)
+epx_result_t epx_share_check_pid_ns(epx_comm_t comm)
 {
-    for (int r = 0; r < nranks; r++)
-        if (ids[r] != ids[rank] && ids[r] != 0 && ids[rank] != 0)
+    const int rank = comm->rank;
+    const uint64_t mine = comm->peers[rank].pid_ns;
+    for (int r = 0; r < comm->nranks; r++)
+        if (comm->peers[r].pid_ns != mine && comm->peers[r].pid_ns != 0 && mine != 0)
             return epx_error(EPX_ERR_UNSUPPORTED,
                              "rank %d: rank %d runs in another pid namespace; ranks of one machine share memory "
                              "by passing descriptors to peers checked by pid, which needs one pid namespace (run "

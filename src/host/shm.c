@@ -263,14 +263,9 @@ static epx_result_t map_regions(host_buffer_t *hb)
     int *fds = malloc((size_t)hb->nranks * sizeof(int));
     if (!fds) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate descriptors", hb->rank);
     for (int r = 0; r < hb->nranks; r++) fds[r] = -1;
-    /* One pid namespace first: across two, the pid check below refuses every peer and only a timeout
-     * would say so. */
-    uint64_t *ns = calloc((size_t)hb->nranks, sizeof(uint64_t));
-    const uint64_t mine = epx_namespace_id("pid");
-    epx_result_t res = ns ? epx_comm_allgather(hb->buffer->comm, &mine, ns, sizeof(mine))
-                          : epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate namespace ids", hb->rank);
-    if (res == EPX_SUCCESS) res = epx_share_check_pid_ns(hb->rank, ns, hb->nranks);
-    free(ns);
+    /* One pid namespace first (from the peer information every rank has): across two, the pid check
+     * below refuses every peer and only a timeout would say so. */
+    epx_result_t res = epx_share_check_pid_ns(hb->buffer->comm);
     if (res != EPX_SUCCESS) {
         free(fds);
         return res;
@@ -346,6 +341,16 @@ static wait_clock_t wait_clock_start(const host_buffer_t *hb)
     return c;
 }
 
+/* Whether `peer` failed call `seq` itself (its ring of failed calls); its status then. */
+static int peer_failed_call(const host_buffer_t *hb, int peer, uint64_t seq, int32_t *status_out)
+{
+    const uint64_t f =
+        atomic_load_explicit(&host_hdr(hb, peer)->failed_calls[seq % HOST_CALL_RING], memory_order_acquire);
+    if (f >> 8 != seq) return 0;
+    *status_out = (int32_t)(f & 0xff);
+    return 1;
+}
+
 /* EPX_ERR_REMOTE when peer failed call `seq` (or a later one); else success. */
 static epx_result_t check_failed(const host_buffer_t *hb, int peer, uint64_t seq, const char *doing)
 {
@@ -354,11 +359,7 @@ static epx_result_t check_failed(const host_buffer_t *hb, int peer, uint64_t seq
     if (failed != 0 && failed >= seq) {
         int32_t status = __atomic_load_n(&hdr->failed_status, __ATOMIC_RELAXED);
         /* Name the call we wait on when the peer failed that one (it may have failed later ones too). */
-        const uint64_t f = atomic_load_explicit(&hdr->failed_calls[seq % HOST_CALL_RING], memory_order_acquire);
-        if (f >> 8 == seq) {
-            failed = seq;
-            status = (int32_t)(f & 0xff);
-        }
+        if (peer_failed_call(hb, peer, seq, &status)) failed = seq;
         return epx_error(EPX_ERR_REMOTE, "rank %d: peer %d failed call %llu (%s) while %s", hb->rank, peer,
                          (unsigned long long)failed, epx_result_str((epx_result_t)status), doing);
     }
@@ -607,15 +608,13 @@ epx_result_t host_end_call(host_buffer_t *hb, uint64_t seq, epx_result_t res)
         return host_fail(hb, seq, res);
     }
     for (int p = 0; p < hb->nranks; p++) {
-        if (p == hb->rank) continue;
-        const uint64_t f =
-            atomic_load_explicit(&host_hdr(hb, p)->failed_calls[seq % HOST_CALL_RING], memory_order_acquire);
-        if (f >> 8 != seq) continue;
+        int32_t status;
+        if (p == hb->rank || !peer_failed_call(hb, p, seq, &status)) continue;
         return host_fail(hb, seq,
                          epx_error(EPX_ERR_REMOTE,
                                    "rank %d: peer %d failed call %llu (%s) before this rank completed it (this "
                                    "rank came late, after the peer gave up); what this call wrote is not a result",
-                                   hb->rank, p, (unsigned long long)seq, epx_result_str((epx_result_t)(f & 0xff))));
+                                   hb->rank, p, (unsigned long long)seq, epx_result_str((epx_result_t)status)));
     }
     return EPX_SUCCESS;
 }
