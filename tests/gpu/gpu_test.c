@@ -68,7 +68,15 @@ void *gpu_alloc(gpu_arena_t *a, size_t bytes, const void *init)
     a->p[a->n++] = p;
     cudaMemset(p, 0xa5, n);
     if (init && bytes) cudaMemcpy(p, init, bytes, cudaMemcpyHostToDevice);
+    if (cudaDeviceSynchronize() != cudaSuccess) return NULL; /* the fill and copy land before use */
     return p;
+}
+
+int gpu_h2d(void *dst, const void *src, size_t bytes)
+{
+    if (!bytes) return 0;
+    if (cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice) != cudaSuccess) return 1;
+    return cudaDeviceSynchronize() != cudaSuccess;
 }
 
 void gpu_arena_free(gpu_arena_t *a)

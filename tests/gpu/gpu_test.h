@@ -51,6 +51,10 @@ typedef struct gpu_arena {
 /* `bytes` (at least 16) of device memory filled with 0xa5, so unwritten output shows, then with a
  * copy of `init` when given. NULL when out of memory or of slots. */
 void *gpu_alloc(gpu_arena_t *a, size_t bytes, const void *init);
+/* Host-to-device copy that has landed when it returns: a plain cudaMemcpy from pageable memory may
+ * return before its DMA completes, and a cudaStreamNonBlocking stream (graph replays, the library's
+ * calls on the tests' own streams) does not wait for the legacy stream. Returns 0 on success. */
+int gpu_h2d(void *dst, const void *src, size_t bytes);
 void gpu_arena_free(gpu_arena_t *a);
 
 #endif

@@ -120,12 +120,12 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
         rc = ref_fail(rank, "cudaMalloc");
         goto out;
     }
-    cudaMemcpy(dx, in.x, (size_t)(Tm * H) * es, cudaMemcpyHostToDevice);
-    if (fp8) cudaMemcpy(dscales, in.scales, (size_t)(Tm * S) * 4, cudaMemcpyHostToDevice);
-    cudaMemcpy(dtopk, in.topk, (size_t)(Tm * K) * (cs->idx64 ? 8 : 4), cudaMemcpyHostToDevice);
-    cudaMemcpy(dw, p.weights[rank], (size_t)(Tm * K) * 4, cudaMemcpyHostToDevice);
-    cudaMemcpy(db0, in.bias0, (size_t)(Tm * H) * 2, cudaMemcpyHostToDevice);
-    cudaMemcpy(db1, in.bias1, (size_t)(Tm * H) * 2, cudaMemcpyHostToDevice);
+    gpu_h2d(dx, in.x, (size_t)(Tm * H) * es);
+    if (fp8) gpu_h2d(dscales, in.scales, (size_t)(Tm * S) * 4);
+    gpu_h2d(dtopk, in.topk, (size_t)(Tm * K) * (cs->idx64 ? 8 : 4));
+    gpu_h2d(dw, p.weights[rank], (size_t)(Tm * K) * 4);
+    gpu_h2d(db0, in.bias0, (size_t)(Tm * H) * 2);
+    gpu_h2d(db1, in.bias1, (size_t)(Tm * H) * 2);
     const epx_dtype_t idt = cs->idx64 ? EPX_DTYPE_INT64 : EPX_DTYPE_INT32;
     /* Received index dtype differs from the input's on purpose. */
     const epx_dtype_t ridt = cs->idx64 || cs->view ? EPX_DTYPE_INT32 : EPX_DTYPE_INT64;
@@ -154,7 +154,7 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
     uint16_t *y = ref_arena_alloc(&ar, (size_t)(n * H) * 2 + 16);
     for (int64_t i = 0; i < n; i++)
         for (int64_t c = 0; c < H; c++) y[i * H + c] = ref_y_bf16(yseed, rank, -1, ref.src[i], ref.tok[i], c);
-    cudaMemcpy(dy, y, (size_t)(n * H) * 2, cudaMemcpyHostToDevice);
+    gpu_h2d(dy, y, (size_t)(n * H) * 2);
     uint16_t *eout = ref_arena_alloc(&ar, (size_t)(Tm * H) * 2 + 16);
     float *eoutw = ref_arena_alloc(&ar, (size_t)(Tm * K) * 4 + 16);
     ref_ht_combine(&p, rank, yseed, true, true, eout, eoutw);
@@ -254,8 +254,8 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
         if (ref_check_bits(rank, "rank_prefix_matrix", got, erpm, R * R, 4, R)) goto out;
 
         /* Cached dispatch with new x: recv_x (and scales) only. */
-        cudaMemcpy(dx, in2.x, (size_t)(Tm * H) * es, cudaMemcpyHostToDevice);
-        if (fp8) cudaMemcpy(dscales, in2.scales, (size_t)(Tm * S) * 4, cudaMemcpyHostToDevice);
+        gpu_h2d(dx, in2.x, (size_t)(Tm * H) * es);
+        if (fp8) gpu_h2d(dscales, in2.scales, (size_t)(Tm * S) * 4);
         epx_ht_dispatch_args_t ac = EPX_HT_DISPATCH_ARGS_INIT;
         ac.x = a.x;
         ac.x_scales = a.x_scales;
@@ -283,8 +283,8 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
             if (ref_check_bits(rank, "recv_x after a dispatch into another area", got, ex, n * H, es, H))
                 goto out;
         }
-        cudaMemcpy(dx, in.x, (size_t)(Tm * H) * es, cudaMemcpyHostToDevice);
-        if (fp8) cudaMemcpy(dscales, in.scales, (size_t)(Tm * S) * 4, cudaMemcpyHostToDevice);
+        gpu_h2d(dx, in.x, (size_t)(Tm * H) * es);
+        if (fp8) gpu_h2d(dscales, in.scales, (size_t)(Tm * S) * 4);
 
         epx_ht_combine_args_t ca = EPX_HT_COMBINE_ARGS_INIT;
         ca.handle = handle;
@@ -386,13 +386,13 @@ static int run_overflow(epx_buffer_t buf, int rank, int R, int64_t H, int64_t T_
     int32_t *htopk = ref_arena_alloc(&ar, (size_t)(Tm * K) * 4 + 16);
     for (int64_t t = 0; t < Tm; t++) ref_x_row(&p, rank, t, REF_TAG_X, hx + t * H);
     ref_fill_topk(&p, rank, EPX_DTYPE_INT32, htopk);
-    cudaMemcpy(dx, hx, (size_t)(Tm * H) * 2, cudaMemcpyHostToDevice);
-    cudaMemcpy(dtopk, htopk, (size_t)(Tm * K) * 4, cudaMemcpyHostToDevice);
-    cudaMemcpy(dw, p.weights[rank], (size_t)(Tm * K) * 4, cudaMemcpyHostToDevice);
+    gpu_h2d(dx, hx, (size_t)(Tm * H) * 2);
+    gpu_h2d(dtopk, htopk, (size_t)(Tm * K) * 4);
+    gpu_h2d(dw, p.weights[rank], (size_t)(Tm * K) * 4);
     uint16_t *y = ref_arena_alloc(&ar, (size_t)(W * H) * 2 + 16);
     for (int64_t i = 0; i < kept; i++)
         for (int64_t c = 0; c < H; c++) y[i * H + c] = ref_y_bf16(yseed, rank, -1, ref.src[i], ref.tok[i], c);
-    cudaMemcpy(dy, y, (size_t)(W * H) * 2, cudaMemcpyHostToDevice);
+    gpu_h2d(dy, y, (size_t)(W * H) * 2);
 
     epx_ht_dispatch_args_t a = EPX_HT_DISPATCH_ARGS_INIT;
     a.x = gpu_tensor(dx, EPX_DTYPE_BF16, 2, Tm, H, 0, device);
@@ -553,8 +553,8 @@ static int run_graph(epx_buffer_t buf, int rank, int R, int64_t H, int64_t T_max
         }
         for (int64_t t = 0; t < Tm; t++) ref_x_row(&p, rank, t, REF_TAG_X, hx + t * H);
         ref_fill_topk(&p, rank, EPX_DTYPE_INT32, htopk);
-        cudaMemcpy(dx, hx, (size_t)(Tm * H) * 2, cudaMemcpyHostToDevice);
-        cudaMemcpy(dtopk, htopk, (size_t)(Tm * K) * 4, cudaMemcpyHostToDevice);
+        gpu_h2d(dx, hx, (size_t)(Tm * H) * 2);
+        gpu_h2d(dtopk, htopk, (size_t)(Tm * K) * 4);
         CUDA_OK(cudaGraphLaunch(exec, st));
         CUDA_OK(cudaStreamSynchronize(st));
         EXPECT_OK(epx_get_async_error(epx_test_current_comm));

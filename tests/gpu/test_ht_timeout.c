@@ -59,7 +59,7 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *ctx,
     int32_t topk[TM * K];
     for (int t = 0; t < TM; t++)
         for (int k = 0; k < K; k++) topk[t * K + k] = (t * 7 + k * (E / K)) % E; /* distinct per token */
-    cudaMemcpy(dtopk, topk, sizeof(topk), cudaMemcpyHostToDevice);
+    gpu_h2d(dtopk, topk, sizeof(topk));
     EXPECT_OK(round_trip(buf, dx, dtopk, drx, dout));
 
     if (rank == NRANKS - 1) {

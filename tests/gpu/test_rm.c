@@ -171,7 +171,7 @@ static int rm_iteration(const setup_t *su, uint64_t gseed, int it)
                 cx[i * H + c] = i < kept && rv.src[i] >= 0
                                     ? ref_y_bf16(yseed, rank, permute ? rv.j[i] : -1, rv.src[i], rv.tok[i], c)
                                     : 0x7f00;
-        cudaMemcpy(c_x, cx, 2 * (size_t)(cap_rows * H), cudaMemcpyHostToDevice);
+        gpu_h2d(c_x, cx, 2 * (size_t)(cap_rows * H));
         uint16_t *exp = ref_arena_alloc(&a, 2 * (size_t)(Ts * H) + 16);
         epx_rm_combine_args_t cargs = EPX_RM_COMBINE_ARGS_INIT;
         cargs.handle = handle;
@@ -337,9 +337,9 @@ static int rm_graph(const setup_t *su, uint64_t gseed)
         ref_arena_t ra = {0};
         inputs_t ri;
         make_inputs(&p, rank, &ra, &ri);
-        cudaMemcpy(d_hidden, ri.hidden, 2 * (size_t)(Tm * H), cudaMemcpyHostToDevice);
-        cudaMemcpy(d_map, ri.map, (size_t)(Tm * E), cudaMemcpyHostToDevice);
-        cudaMemcpy(d_probs, ri.probs, 4 * (size_t)(Tm * E), cudaMemcpyHostToDevice);
+        gpu_h2d(d_hidden, ri.hidden, 2 * (size_t)(Tm * H));
+        gpu_h2d(d_map, ri.map, (size_t)(Tm * E));
+        gpu_h2d(d_probs, ri.probs, 4 * (size_t)(Tm * E));
         if (cudaGraphLaunch(exec, st) != cudaSuccess || cudaStreamSynchronize(st) != cudaSuccess) {
             rc = ref_fail(rank, "graph launch");
         } else {
