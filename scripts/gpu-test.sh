@@ -91,6 +91,17 @@ if phase tests; then
     else
         log "  FAILED (see ipc-fallback.log)"; tail -5 "$LOGDIR/ipc-fallback.log"; status=1
     fi
+    # A rank killed inside the descriptor exchange (EPX_TEST_FAULT_SHM=1:2): the survivor reports the
+    # dead peer, and no fallback to legacy handles is tried (taken only when every rank saw the failure).
+    log "gpu.ht_ipc, 2 ranks, rank 1 killed in the descriptor exchange"
+    EPX_TEST_FAULT_SHM=1:2 EPX_GPU_TEST_RANKS=2 EPX_GPU_TEST_QUICK=1 EPX_DEBUG=info EPX_DEBUG_SUBSYS=ipc \
+        timeout 100 "$BUILD/tests/gpu_ht_ipc" >"$LOGDIR/ipc-deadpeer.log" 2>&1
+    if grep -qE "epx_buffer_create.* returned ERR_(REMOTE|BOOTSTRAP)" "$LOGDIR/ipc-deadpeer.log" &&
+        ! grep -q "legacy CUDA IPC instead" "$LOGDIR/ipc-deadpeer.log"; then
+        log "  passed ($(grep -m1 -oE "returned ERR_(REMOTE|BOOTSTRAP).*" "$LOGDIR/ipc-deadpeer.log" | cut -c1-160))"
+    else
+        log "  FAILED (see ipc-deadpeer.log)"; tail -8 "$LOGDIR/ipc-deadpeer.log"; status=1
+    fi
     # The fault-injection kill test (docs/fault.md) on the cuda backend: ranks killed at random points
     # of init, buffer creation and every mode's loop; its table goes to the summary.
     log "fault kill test, cuda backend: ${EPX_GPU_FAULT_TRIALS:-40} trials, 2..4 ranks"

@@ -219,9 +219,10 @@ epx_result_t epx_comm_create(int rank, int nranks, const epx_unique_id_t *id,
     atomic_init(&comm->busy, 0);
     atomic_init(&comm->async_result, EPX_SUCCESS);
     comm->peers = calloc((size_t)nranks, sizeof(*comm->peers));
-    if (!comm->peers) {
+    comm->agree_words = calloc((size_t)nranks, sizeof(*comm->agree_words));
+    if (!comm->peers || !comm->agree_words) {
         res = epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: peer table for %d ranks", rank, nranks);
-        goto err_free_comm;
+        goto err_free_peers;
     }
     if (callbacks)
         EPX_CHECK_GOTO(
@@ -256,7 +257,7 @@ err_close_bootstrap:
     comm->bootstrap->close(comm->bootstrap_state);
 err_free_peers:
     free(comm->peers);
-err_free_comm:
+    free(comm->agree_words);
     free(comm);
     return res;
 }
@@ -267,6 +268,7 @@ void epx_comm_free(epx_comm_t comm)
     comm->bootstrap->close(comm->bootstrap_state);
     comm->magic = 0;
     free(comm->peers);
+    free(comm->agree_words);
     free(comm);
 }
 

@@ -178,6 +178,8 @@ struct epx_comm {
     const epx_bootstrap_ops_t *bootstrap;
     void *bootstrap_state;
     epx_peer_info_t *peers;     /* [nranks] */
+    int32_t *agree_words;       /* [nranks] epx_comm_agree's status words, allocated with the comm so
+                                 * that no rank stays out of an agreement for want of memory */
     const epx_backend_ops_t *ops;
     void *backend_comm_state;   /* backend's per-comm state (may be NULL) */
     atomic_int live_buffers;
@@ -216,10 +218,17 @@ int epx_peer_exited(const epx_peers_t *peers, int peer);
  * epx_share_fds: hands our descriptor to every peer and receives theirs into fds[nranks] (collective,
  * agreed; SCM_RIGHTS over abstract Unix sockets; peers known by `peers`' pids, a dead one reported at
  * once, the whole bounded by the comm's timeout); received descriptors are in fds even on failure, -1
- * elsewhere. epx_fault_point: the fault tests' kill point (EPX_TEST_FAULT_SHM "<rank>:<step>"). */
+ * elsewhere. epx_fault_point: the fault tests' kill point (EPX_TEST_FAULT_SHM "<rank>:<step>"; step 0 is
+ * the descriptor exchange's preparation); with "<rank>:<step>:fail" it returns 1 there instead. */
 epx_result_t epx_comm_agree(epx_comm_t comm, epx_result_t mine, const char *step);
-epx_result_t epx_share_fds(epx_comm_t comm, const epx_peers_t *peers, int own_fd, int *fds);
-void epx_fault_point(int rank, int step);
+/* epx_comm_agree, and *settled = 1 when the agreement itself completed: every rank then holds the same
+ * verdict, so a failure of the step can be followed by a step all ranks take together (a fallback);
+ * 0 when the collective failed (a peer dead or stalled), after which no further collective is tried. */
+epx_result_t epx_comm_agree_settled(epx_comm_t comm, epx_result_t mine, const char *step, int *settled);
+/* `ready`: the caller's outcome so far; a failure joins the exchange's first agreement, so that the
+ * peers learn of it at once instead of waiting for a rank that never comes (fds may then be NULL). */
+epx_result_t epx_share_fds(epx_comm_t comm, const epx_peers_t *peers, int own_fd, int *fds, epx_result_t ready);
+int epx_fault_point(int rank, int step);
 /* The identity of this process's namespace of `kind` ("pid", "net"): device and inode of
  * /proc/self/ns/<kind>; 0 when unreadable. */
 uint64_t epx_namespace_id(const char *kind);

@@ -44,16 +44,26 @@ static socklen_t socket_name(const share_t *sh, int rank, struct sockaddr_un *ad
     return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
 }
 
-static epx_result_t draw_secret(share_t *sh)
+/* Rank 0 draws the buffer's secret and every rank learns it (collective). A local failure (memory,
+ * getrandom) is agreed first, so that no rank waits in the allgather for one that never comes. */
+static epx_result_t draw_secret(share_t *sh, epx_result_t ready)
 {
     uint64_t mine[2] = {0, 0};
-    if (sh->rank == 0 && getrandom(mine, sizeof(mine), 0) != (ssize_t)sizeof(mine))
-        return epx_error(EPX_ERR_SYSTEM, "rank %d: getrandom failed: %s", sh->rank, strerror(errno));
-    uint64_t *all = calloc((size_t)sh->nranks * 2, sizeof(uint64_t));
-    if (!all) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate secrets", sh->rank);
-    epx_result_t res = epx_comm_allgather(sh->comm, mine, all, sizeof(mine));
-    sh->secret[0] = all[0];
-    sh->secret[1] = all[1];
+    uint64_t *all = ready == EPX_SUCCESS ? calloc((size_t)sh->nranks * 2, sizeof(uint64_t)) : NULL;
+    epx_result_t local = ready;
+    if (local == EPX_SUCCESS && (!all || !sh->socks))
+        local = epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate the descriptor exchange's tables",
+                          sh->rank);
+    if (local == EPX_SUCCESS && sh->rank == 0 && getrandom(mine, sizeof(mine), 0) != (ssize_t)sizeof(mine))
+        local = epx_error(EPX_ERR_SYSTEM, "rank %d: getrandom failed: %s", sh->rank, strerror(errno));
+    if (local == EPX_SUCCESS && epx_fault_point(sh->rank, 0))
+        local = epx_error(EPX_ERR_SYSTEM, "rank %d: the descriptor exchange failed by EPX_TEST_FAULT_SHM", sh->rank);
+    epx_result_t res = epx_comm_agree(sh->comm, local, "prepare the descriptor exchange");
+    if (res == EPX_SUCCESS) res = epx_comm_allgather(sh->comm, mine, all, sizeof(mine));
+    if (res == EPX_SUCCESS) {
+        sh->secret[0] = all[0];
+        sh->secret[1] = all[1];
+    }
     free(all);
     return res;
 }
@@ -185,44 +195,58 @@ static epx_result_t receive_peer(share_t *sh, int p, int *fd_out)
     }
 }
 
-epx_result_t epx_comm_agree(epx_comm_t comm, epx_result_t mine, const char *step)
+epx_result_t epx_comm_agree_settled(epx_comm_t comm, epx_result_t mine, const char *step, int *settled)
 {
-    int32_t *all = calloc((size_t)comm->nranks, sizeof(int32_t));
-    if (!all)
-        return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate %d status words", comm->rank,
-                         comm->nranks);
-    int32_t send = (int32_t)mine;
+    int32_t *all = comm->agree_words, send = (int32_t)mine;
+    /* The local failure's message survives the collective (which may log over it). */
+    char message[1024];
+    if (mine != EPX_SUCCESS) epx_error_copy(message, sizeof(message));
     epx_result_t res = epx_comm_allgather(comm, &send, all, sizeof(send));
-    if (res == EPX_SUCCESS && mine != EPX_SUCCESS) res = mine;
+    if (settled) *settled = res == EPX_SUCCESS;
+    if (res == EPX_SUCCESS && mine != EPX_SUCCESS) {
+        epx_error_set_message(message);
+        res = mine;
+    }
     for (int r = 0; res == EPX_SUCCESS && r < comm->nranks; r++)
         if (all[r] != EPX_SUCCESS)
             res = epx_error(EPX_ERR_REMOTE, "rank %d: peer %d failed to %s (%s)", comm->rank, r, step,
                             epx_result_str((epx_result_t)all[r]));
-    free(all);
     return res;
 }
 
-void epx_fault_point(int rank, int step)
+epx_result_t epx_comm_agree(epx_comm_t comm, epx_result_t mine, const char *step)
 {
-    /* Read at buffer creation only: the fault-injection tests name a rank and a step to die at. */
-    const char *spec = getenv("EPX_TEST_FAULT_SHM");
-    int who = -1, at = -1;
-    if (spec && sscanf(spec, "%d:%d", &who, &at) == 2 && who == rank && at == step) raise(SIGKILL);
+    return epx_comm_agree_settled(comm, mine, step, NULL);
 }
 
-epx_result_t epx_share_fds(epx_comm_t comm, const epx_peers_t *peers, int own_fd, int *fds)
+int epx_fault_point(int rank, int step)
+{
+    /* Read at buffer creation only: the fault-injection tests name a rank and a step to die at, or
+     * (with ":fail") to fail at. */
+    const char *spec = getenv("EPX_TEST_FAULT_SHM");
+    int who = -1, at = -1, n = 0;
+    if (!spec || sscanf(spec, "%d:%d%n", &who, &at, &n) != 2 || who != rank || at != step) return 0;
+    if (!strcmp(spec + n, ":fail")) return 1;
+    raise(SIGKILL);
+    return 0;
+}
+
+epx_result_t epx_share_fds(epx_comm_t comm, const epx_peers_t *peers, int own_fd, int *fds, epx_result_t ready)
 {
     share_t sh = {comm, peers, comm->rank, comm->nranks, {0, 0}, -1, NULL, NULL, 0};
-    sh.socks = malloc((size_t)sh.nranks * 2 * sizeof(int));
-    if (!sh.socks) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate sockets", sh.rank);
-    sh.served = sh.socks + sh.nranks;
-    for (int p = 0; p < sh.nranks; p++) {
-        sh.socks[p] = -1;
-        sh.served[p] = 0;
-        fds[p] = -1;
+    if (ready == EPX_SUCCESS && !fds)
+        ready = epx_error(EPX_ERR_INVALID_ARG, "rank %d: no descriptor table", sh.rank);
+    if (ready == EPX_SUCCESS) sh.socks = malloc((size_t)sh.nranks * 2 * sizeof(int));
+    if (sh.socks) {
+        sh.served = sh.socks + sh.nranks;
+        for (int p = 0; p < sh.nranks; p++) {
+            sh.socks[p] = -1;
+            sh.served[p] = 0;
+            fds[p] = -1;
+        }
     }
     /* Each step is agreed, so that no rank waits for a peer that already gave up. */
-    epx_result_t res = draw_secret(&sh);
+    epx_result_t res = draw_secret(&sh, ready);
     if (res == EPX_SUCCESS) res = epx_comm_agree(comm, open_listener(&sh), "open its descriptor socket");
     if (res == EPX_SUCCESS) res = epx_comm_agree(comm, connect_peers(&sh), "connect to its peers' sockets");
     if (res == EPX_SUCCESS) {
@@ -234,7 +258,7 @@ epx_result_t epx_share_fds(epx_comm_t comm, const epx_peers_t *peers, int own_fd
         res = epx_comm_agree(comm, passed, "exchange region descriptors");
     }
     if (sh.listener >= 0) close(sh.listener);
-    for (int p = 0; p < sh.nranks; p++)
+    for (int p = 0; sh.socks && p < sh.nranks; p++)
         if (sh.socks[p] >= 0) close(sh.socks[p]);
     free(sh.socks);
     return res;

@@ -192,11 +192,11 @@ static void allocation_prop(const cuda_buffer_t *cb, int kind, CUmemAllocationPr
     prop->requestedHandleTypes = handle_type(kind);
 }
 
-/* Our device's recommended granularity for exportable regions (0: unknown). */
-static uint64_t granularity(const cuda_buffer_t *cb)
+/* Our device's recommended granularity for regions exported as `kind` (0: unknown). */
+static uint64_t granularity(const cuda_buffer_t *cb, int kind)
 {
     CUmemAllocationProp prop;
-    allocation_prop(cb, EPX_CUDA_IPC_FD, &prop);
+    allocation_prop(cb, kind, &prop);
     size_t gran = 0;
     if (drv.p_cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED) != CUDA_SUCCESS)
         gran = 0;
@@ -251,32 +251,42 @@ static epx_result_t vmm_import(cuda_buffer_t *cb, int r, int kind, void *shared)
     return res;
 }
 
-/* Every peer's region through the fd exchange (fd) or the bootstrap (fabric). */
-static epx_result_t vmm_map_peers(cuda_buffer_t *cb, int kind)
+/* Every peer's region through the fd exchange (fd) or the bootstrap (fabric). Every rank takes the same
+ * collective steps whatever fails locally (a table it cannot allocate included). *settled: 1 when the
+ * outcome is every rank's (the last agreement completed), so that a fallback is a step all ranks take;
+ * 0 after a collective failed (a peer dead or stalled). */
+static epx_result_t vmm_map_peers(cuda_buffer_t *cb, int kind, int *settled)
 {
     epx_comm_t comm = cb->buffer->comm;
     const int R = comm->nranks, me = comm->rank;
     epx_result_t res = EPX_SUCCESS;
+    *settled = 0;
     if (kind == EPX_CUDA_IPC_FABRIC) {
         uint8_t(*all)[64] = calloc((size_t)R, 64);
-        if (!all) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: fabric handle table", me);
-        res = epx_comm_allgather(comm, cb->ipc_fabric, all, 64);
-        for (int r = 0; r < R && res == EPX_SUCCESS; r++)
-            if (r != me) res = vmm_import(cb, r, kind, all[r]);
+        res = epx_comm_agree_settled(
+            comm, all ? EPX_SUCCESS : epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: fabric handle table", me),
+            "allocate its fabric handle table", settled);
+        if (res == EPX_SUCCESS) {
+            *settled = 0; /* a failed allgather is a collective failure */
+            res = epx_comm_allgather(comm, cb->ipc_fabric, all, 64);
+        }
+        if (res == EPX_SUCCESS) {
+            epx_result_t imported = EPX_SUCCESS;
+            for (int r = 0; r < R && imported == EPX_SUCCESS; r++)
+                if (r != me) imported = vmm_import(cb, r, kind, all[r]);
+            res = epx_comm_agree_settled(comm, imported, "map its peers' regions (fabric handles)", settled);
+        }
         free(all);
-        return epx_comm_agree(comm, res, "map its peers' regions (fabric handles)");
+        return res;
     }
     int *fds = malloc((size_t)R * sizeof(int));
-    if (!fds) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: descriptor table", me);
     epx_peers_t procs;
     memset(&procs, 0, sizeof(procs));
-    res = epx_peers_open(&procs, comm);
-    if (res == EPX_SUCCESS) {
-        res = epx_share_fds(comm, &procs, cb->ipc_fd, fds);
-        epx_peers_close(&procs);
-    } else {
-        for (int r = 0; r < R; r++) fds[r] = -1;
-    }
+    epx_result_t ready = fds ? epx_peers_open(&procs, comm)
+                             : epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: descriptor table", me);
+    /* A rank that is not ready still joins the exchange's first agreement (and receives nothing). */
+    res = epx_share_fds(comm, &procs, cb->ipc_fd, fds, ready);
+    epx_peers_close(&procs);
     /* Fault injection of the tests: EPX_TEST_FAULT_IPC=<rank> fails that rank's imports (auto then falls
      * back to legacy handles on every rank). */
     const char *fault = getenv("EPX_TEST_FAULT_IPC");
@@ -286,12 +296,12 @@ static epx_result_t vmm_map_peers(cuda_buffer_t *cb, int kind)
         res = epx_error(EPX_ERR_CUDA, "rank %d: imports failed by EPX_TEST_FAULT_IPC", me);
     for (int r = 0; r < R && res == EPX_SUCCESS; r++)
         if (r != me) res = vmm_import(cb, r, kind, (void *)(uintptr_t)fds[r]);
-    for (int r = 0; r < R; r++)
+    for (int r = 0; fds && r < R; r++)
         if (fds[r] >= 0) close(fds[r]);
     free(fds);
     close(cb->ipc_fd); /* every peer holds its own copy now (or the creation fails) */
     cb->ipc_fd = -1;
-    return epx_comm_agree(comm, res, "map its peers' regions (file descriptors)");
+    return epx_comm_agree_settled(comm, res, "map its peers' regions (file descriptors)", settled);
 }
 
 /* ---- legacy IPC ---------------------------------------------------------------------------------- */
@@ -308,9 +318,9 @@ static epx_result_t legacy_map_peers(cuda_buffer_t *cb)
     epx_comm_t comm = cb->buffer->comm;
     const int R = comm->nranks, me = comm->rank;
     cudaIpcMemHandle_t mine, *all = calloc((size_t)R, sizeof(cudaIpcMemHandle_t));
-    if (!all) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: ipc handle table", me);
     memset(&mine, 0, sizeof(mine));
-    epx_result_t res = epx_cuda_check(cudaIpcGetMemHandle(&mine, cb->region), "cudaIpcGetMemHandle", me);
+    epx_result_t res = all ? epx_cuda_check(cudaIpcGetMemHandle(&mine, cb->region), "cudaIpcGetMemHandle", me)
+                           : epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: ipc handle table", me);
     res = epx_comm_agree(comm, res, "export its region");
     if (res == EPX_SUCCESS) res = epx_comm_allgather(comm, &mine, all, sizeof(mine));
     for (int r = 0; r < R && res == EPX_SUCCESS; r++) {
@@ -340,12 +350,16 @@ epx_result_t epx_cuda_ipc_alloc(cuda_buffer_t *cb)
                          getenv("EPX_CUDA_IPC") ? getenv("EPX_CUDA_IPC") : "");
     /* Every rank's capabilities, region size, granularity and namespaces, so that all choose the same
      * kind and size (src/cuda/ipc_plan.h). */
-    epx_cuda_ipc_rec_t mine = {capabilities(cb->device), asked, cb->lay.total, 0, epx_namespace_id("pid"),
+    epx_cuda_ipc_rec_t mine = {capabilities(cb->device), asked, cb->lay.total, 0, 0, epx_namespace_id("pid"),
                                epx_namespace_id("net")};
-    if (mine.can) mine.gran = granularity(cb);
+    if (mine.can & EPX_CUDA_IPC_CAN_FD) mine.gran = granularity(cb, EPX_CUDA_IPC_FD);
+    if (mine.can & EPX_CUDA_IPC_CAN_FABRIC) mine.gran_fabric = granularity(cb, EPX_CUDA_IPC_FABRIC);
     epx_cuda_ipc_rec_t *all = calloc((size_t)R, sizeof(*all));
-    if (!all) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: ipc capability table", me);
-    epx_result_t res = epx_comm_allgather(comm, &mine, all, sizeof(*all));
+    /* A rank short of memory still takes part, so that its peers learn of it at once. */
+    epx_result_t res = epx_comm_agree(
+        comm, all ? EPX_SUCCESS : epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: ipc capability table", me),
+        "allocate its ipc capability table");
+    if (res == EPX_SUCCESS) res = epx_comm_allgather(comm, &mine, all, sizeof(*all));
     int kind = EPX_CUDA_IPC_LEGACY;
     uint64_t bytes = cb->lay.total;
     if (res == EPX_SUCCESS) res = epx_cuda_ipc_plan(me, R, all, drv.missing, &kind, &bytes);
@@ -354,11 +368,14 @@ epx_result_t epx_cuda_ipc_alloc(cuda_buffer_t *cb)
     if (kind != EPX_CUDA_IPC_LEGACY) {
         cb->ipc_bytes = bytes;
         cb->ipc_kind = kind;
-        res = epx_comm_agree(comm, vmm_alloc(cb, kind), "create its region as virtual memory");
+        int settled = 0;
+        res = epx_comm_agree_settled(comm, vmm_alloc(cb, kind), "create its region as virtual memory", &settled);
         if (res == EPX_SUCCESS) return EPX_SUCCESS;
         epx_cuda_ipc_free(cb);
         cb->ipc_kind = 0;
-        if (asked != EPX_CUDA_IPC_AUTO) return res;
+        /* Legacy handles instead only when every rank saw the same failure (a dead or stalled peer is
+         * reported as it is, not covered by a second attempt). */
+        if (asked != EPX_CUDA_IPC_AUTO || !settled) return res;
         EPX_WARN(EPX_SUBSYS_IPC, "rank %d: the region as virtual memory failed (%s); legacy CUDA IPC instead", me,
                  epx_last_error_message());
     }
@@ -371,8 +388,10 @@ epx_result_t epx_cuda_ipc_map_peers(cuda_buffer_t *cb)
     epx_comm_t comm = cb->buffer->comm;
     const int me = comm->rank;
     cb->peers[me] = cb->region;
-    epx_result_t res = cb->ipc_kind == EPX_CUDA_IPC_LEGACY ? legacy_map_peers(cb) : vmm_map_peers(cb, cb->ipc_kind);
-    if (res != EPX_SUCCESS && cb->ipc_kind != EPX_CUDA_IPC_LEGACY && asked_kind() == EPX_CUDA_IPC_AUTO) {
+    int settled = 0;
+    epx_result_t res = cb->ipc_kind == EPX_CUDA_IPC_LEGACY ? legacy_map_peers(cb)
+                                                           : vmm_map_peers(cb, cb->ipc_kind, &settled);
+    if (res != EPX_SUCCESS && settled && cb->ipc_kind != EPX_CUDA_IPC_LEGACY && asked_kind() == EPX_CUDA_IPC_AUTO) {
         /* Every rank saw the failure (the step is agreed): all start over with legacy handles. */
         EPX_WARN(EPX_SUBSYS_IPC, "rank %d: mapping the peers' virtual-memory regions failed (%s); legacy CUDA "
                  "IPC instead", me, epx_last_error_message());

@@ -15,11 +15,13 @@ enum { EPX_CUDA_IPC_AUTO = 0, EPX_CUDA_IPC_LEGACY = 1, EPX_CUDA_IPC_FD = 2, EPX_
 /* Capability bits of a rank's device (virtual memory exported as fd or fabric handles). */
 enum { EPX_CUDA_IPC_CAN_FD = 1, EPX_CUDA_IPC_CAN_FABRIC = 2 };
 
-/* What each rank tells the others before choosing. pid_ns and net_ns: its namespaces' identities
- * (the fd exchange's abstract sockets and SO_PEERCRED pids need one of each for all ranks). */
+/* What each rank tells the others before choosing. gran, gran_fabric: its device's recommended
+ * granularity for regions exported as fd and as fabric handles (0: unknown); pid_ns and net_ns: its
+ * namespaces' identities (the fd exchange's abstract sockets and SO_PEERCRED pids need one of each for
+ * all ranks). */
 typedef struct epx_cuda_ipc_rec {
     int32_t can, asked;
-    uint64_t total, gran, pid_ns, net_ns;
+    uint64_t total, gran, gran_fabric, pid_ns, net_ns;
 } epx_cuda_ipc_rec_t;
 
 static inline const char *epx_cuda_ipc_kind_name(int kind)
@@ -34,7 +36,8 @@ static inline const char *epx_cuda_ipc_kind_name(int kind)
 
 /* Rank `me`'s plan from all[R] (all[me] is its own record): the kind (auto: fd where every rank can and
  * all share their namespaces, else legacy) and the mapped bytes (the region size rounded up to the
- * largest granularity of all ranks, 2 MiB when none is known; the legacy kind maps the size itself).
+ * largest granularity of all ranks for the chosen kind's handles, 2 MiB when none is known; the legacy
+ * kind maps the size itself).
  * EPX_ERR_MISMATCH when the ranks disagree on the region size or on EPX_CUDA_IPC, EPX_ERR_UNSUPPORTED
  * when a named kind is one some rank cannot use (`missing`: a driver call this rank lacks, or NULL). */
 static inline epx_result_t epx_cuda_ipc_plan(int me, int R, const epx_cuda_ipc_rec_t *all, const char *missing,
@@ -42,7 +45,7 @@ static inline epx_result_t epx_cuda_ipc_plan(int me, int R, const epx_cuda_ipc_r
 {
     const epx_cuda_ipc_rec_t *mine = &all[me];
     int can = EPX_CUDA_IPC_CAN_FD | EPX_CUDA_IPC_CAN_FABRIC, lacks_fd = -1, lacks_fabric = -1;
-    uint64_t gran = 0;
+    uint64_t gran = 0, gran_fabric = 0;
     for (int r = 0; r < R; r++) {
         int c = all[r].can;
         if (all[r].pid_ns != mine->pid_ns || all[r].net_ns != mine->net_ns) c &= ~EPX_CUDA_IPC_CAN_FD;
@@ -54,6 +57,7 @@ static inline epx_result_t epx_cuda_ipc_plan(int me, int R, const epx_cuda_ipc_r
                              me, r, epx_cuda_ipc_kind_name(all[r].asked), epx_cuda_ipc_kind_name(mine->asked));
         /* Granularities are powers of two: the largest is a multiple of every other. */
         if (all[r].gran > gran) gran = all[r].gran;
+        if (all[r].gran_fabric > gran_fabric) gran_fabric = all[r].gran_fabric;
         if (lacks_fd < 0 && !(c & EPX_CUDA_IPC_CAN_FD)) lacks_fd = r;
         if (lacks_fabric < 0 && !(c & EPX_CUDA_IPC_CAN_FABRIC)) lacks_fabric = r;
         can &= c;
@@ -73,6 +77,7 @@ static inline epx_result_t epx_cuda_ipc_plan(int me, int R, const epx_cuda_ipc_r
     if (kind == EPX_CUDA_IPC_LEGACY) {
         *bytes_out = mine->total;
     } else {
+        if (kind == EPX_CUDA_IPC_FABRIC) gran = gran_fabric;
         if (!gran) gran = 2u << 20;
         *bytes_out = (mine->total + gran - 1) / gran * gran;
     }

@@ -260,20 +260,20 @@ static epx_result_t map_peer_region(host_buffer_t *hb, int fd, int peer)
 static epx_result_t map_regions(host_buffer_t *hb)
 {
     int own_fd = -1;
-    int *fds = malloc((size_t)hb->nranks * sizeof(int));
-    if (!fds) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate descriptors", hb->rank);
-    for (int r = 0; r < hb->nranks; r++) fds[r] = -1;
-    /* One pid namespace first (from the peer information every rank has): across two, the pid check
-     * below refuses every peer and only a timeout would say so. */
+    /* One pid namespace first (from the peer information every rank has, so every rank returns here
+     * alike): across two, the pid check below refuses every peer and only a timeout would say so. */
     epx_result_t res = epx_share_check_pid_ns(hb->buffer->comm);
-    if (res != EPX_SUCCESS) {
-        free(fds);
-        return res;
-    }
-    res = epx_comm_agree(hb->buffer->comm, create_own_region(hb, &own_fd), "create its shared-memory region");
+    if (res != EPX_SUCCESS) return res;
+    int *fds = malloc((size_t)hb->nranks * sizeof(int));
+    for (int r = 0; fds && r < hb->nranks; r++) fds[r] = -1;
+    /* A rank short of memory still takes part in the agreement, so that its peers learn of it at once. */
+    res = epx_comm_agree(hb->buffer->comm,
+                         fds ? create_own_region(hb, &own_fd)
+                             : epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: cannot allocate descriptors", hb->rank),
+                         "create its shared-memory region");
     if (res == EPX_SUCCESS) {
         epx_fault_point(hb->rank, 1);
-        res = epx_share_fds(hb->buffer->comm, &hb->peers, own_fd, fds);
+        res = epx_share_fds(hb->buffer->comm, &hb->peers, own_fd, fds, EPX_SUCCESS);
     }
     epx_result_t mapped = res;
     for (int r = 0; r < hb->nranks && mapped == EPX_SUCCESS; r++)
@@ -281,7 +281,7 @@ static epx_result_t map_regions(host_buffer_t *hb)
     epx_fault_point(hb->rank, 3);
     /* A rank that failed above has told its peers already; the rest agree on the mapping. */
     if (res == EPX_SUCCESS) res = epx_comm_agree(hb->buffer->comm, mapped, "map its peers' regions");
-    for (int r = 0; r < hb->nranks; r++)
+    for (int r = 0; fds && r < hb->nranks; r++)
         if (fds[r] >= 0) close(fds[r]);
     if (own_fd >= 0) close(own_fd);
     free(fds);

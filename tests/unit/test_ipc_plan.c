@@ -14,7 +14,7 @@ typedef struct {
     int R;
 } ranks_t;
 
-/* R ranks alike: fd and fabric capable, 2 MiB granularity, one namespace each, auto. */
+/* R ranks alike: fd and fabric capable, 2 MiB granularity for both, one namespace each, auto. */
 static ranks_t alike(int R, uint64_t total)
 {
     ranks_t t;
@@ -22,7 +22,7 @@ static ranks_t alike(int R, uint64_t total)
     t.R = R;
     for (int r = 0; r < R; r++)
         t.rec[r] = (epx_cuda_ipc_rec_t){EPX_CUDA_IPC_CAN_FD | EPX_CUDA_IPC_CAN_FABRIC, EPX_CUDA_IPC_AUTO, total,
-                                        2 * MIB, 11, 22};
+                                        2 * MIB, 2 * MIB, 11, 22};
     return t;
 }
 
@@ -61,6 +61,10 @@ static int test_auto(void)
     /* The largest granularity of all ranks (and a rank that knows none). */
     t.rec[2].gran = 8 * MIB;
     t.rec[3].gran = 0;
+    EXPECT_EQ_INT(plan_all(&t, &res, &kind, &bytes), 0);
+    EXPECT_EQ_INT(bytes, 8 * MIB);
+    /* fd ignores the fabric handles' granularity. */
+    t.rec[1].gran_fabric = 32 * MIB;
     EXPECT_EQ_INT(plan_all(&t, &res, &kind, &bytes), 0);
     EXPECT_EQ_INT(bytes, 8 * MIB);
     /* None known anywhere: 2 MiB. */
@@ -103,6 +107,14 @@ static int test_named(void)
     EXPECT_EQ_INT(plan_all(&t, &res, &kind, &bytes), 0);
     EXPECT_EQ_INT(kind, EPX_CUDA_IPC_FABRIC);
     EXPECT_EQ_INT(bytes, 4 * MIB);
+    /* Fabric takes the fabric handles' granularity (the fd one may differ), the largest of all ranks. */
+    t.rec[1].gran_fabric = 16 * MIB;
+    t.rec[0].gran = 64 * MIB;
+    EXPECT_EQ_INT(plan_all(&t, &res, &kind, &bytes), 0);
+    EXPECT_EQ_INT(kind, EPX_CUDA_IPC_FABRIC);
+    EXPECT_EQ_INT(bytes, 16 * MIB);
+    t = alike(3, 3 * MIB);
+    for (int r = 0; r < 3; r++) t.rec[r].asked = EPX_CUDA_IPC_FABRIC;
     /* Fabric asked, rank 2 cannot: refused by name on every rank. */
     t.rec[2].can = EPX_CUDA_IPC_CAN_FD;
     EXPECT_EQ_INT(plan_all(&t, &res, &kind, &bytes), 0);
