@@ -136,6 +136,8 @@ if [ -x "$BENCH" ]; then
     # no padding; 8 local experts per rank (8 ranks, 16 SMs each), then R = 1 with 256 local experts.
     bench rm-r8 120 -o permute -r 8 -t 4096 -H 7168 -k 8 -L 8 -p 1 -S 16 -n 20 -w 3
     bench rm-r1 90 -o permute -r 1 -t 4096 -H 7168 -k 8 -L 256 -p 1 -n 20 -w 3
+    # The same with every SM of the GPU (a rank alone on it), as torch's kernels run in the baseline below.
+    bench rm-r1-allsm 90 -o permute -r 1 -t 4096 -H 7168 -k 8 -L 256 -p 1 -n 20 -w 3 -S 132
 fi
 if python3 -c "import torch; assert torch.cuda.is_available()" >/dev/null 2>&1; then
     log "torch permute baseline"
