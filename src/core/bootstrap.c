@@ -51,6 +51,7 @@ typedef struct {
     unsigned char (*nonces)[EPX_BOOT_NONCE_BYTES]; /* rank 0: [nranks] each joined peer's hello nonce */
     uint64_t seq; /* allgathers done */
     int broken;   /* a failed exchange left the streams out of step */
+    char broken_why[256]; /* the message of that failure, repeated by every later collective */
 } boot_tcp_t;
 
 /* The secret must be unguessable: no fallback to clocks or pids. */
@@ -492,10 +493,8 @@ static epx_result_t peer_rendezvous(boot_tcp_t *s, const struct sockaddr_in *roo
 
 static epx_result_t tcp_broken(const boot_tcp_t *s)
 {
-    return epx_error(EPX_ERR_BOOTSTRAP,
-                     "rank %d: the bootstrap failed in an earlier collective and is out of "
-                     "step",
-                     s->rank);
+    return epx_error(EPX_ERR_BOOTSTRAP, "rank %d: the bootstrap failed in an earlier collective and is out of step (%s)",
+                     s->rank, s->broken_why);
 }
 
 /* Rank 0: receives every peer's header and block, whichever is ready first, so that a missing peer
@@ -645,6 +644,7 @@ static epx_result_t tcp_allgather(void *state, const void *send_buf, void *recv_
     }
     if (res != EPX_SUCCESS) {
         s->broken = 1;
+        epx_error_copy(s->broken_why, sizeof(s->broken_why));
         return res;
     }
     s->seq++;

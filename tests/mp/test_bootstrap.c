@@ -226,6 +226,37 @@ static int test_missing_rank(void)
     return rc;
 }
 
+/* Rank 2 leaves after init: the survivors' next allgather fails, and every later collective repeats
+ * that first failure's message instead of only saying that the bootstrap is out of step. */
+static int rank_broken(int rank, int nranks, const epx_unique_id_t *id, void *vctx)
+{
+    (void)vctx;
+    epx_comm_config_t cfg = EPX_COMM_CONFIG_INIT;
+    cfg.backend = EPX_BACKEND_HOST;
+    epx_comm_t comm = NULL;
+    EXPECT_OK(epx_comm_init(id, rank, nranks, &cfg, &comm));
+    if (rank == 2) _exit(0); /* its sockets close with it */
+    int32_t mine = rank, all[3];
+    EXPECT_TRUE(epx_comm_allgather(comm, &mine, all, sizeof(mine)) != EPX_SUCCESS);
+    char first[128];
+    snprintf(first, sizeof(first), "%s", epx_last_error_message());
+    EXPECT_RES(epx_comm_allgather(comm, &mine, all, sizeof(mine)), EPX_ERR_BOOTSTRAP);
+    EXPECT_MSG_HAS("earlier collective");
+    first[60] = '\0'; /* the start of the first failure's message, repeated */
+    EXPECT_MSG_HAS(first);
+    EXPECT_RES(epx_comm_barrier(comm), EPX_ERR_BOOTSTRAP);
+    EXPECT_MSG_HAS(first);
+    return 0; /* no collective destroy: the comm lost a rank */
+}
+
+static int test_broken_repeats_cause(void)
+{
+    if (epx_test_set_env("EPX_TIMEOUT_MS", "5000")) return 1;
+    int rc = epx_test_run_ranks(3, rank_broken, NULL, RUN_TIMEOUT_S);
+    if (epx_test_set_env("EPX_TIMEOUT_MS", NULL)) return 1;
+    return rc;
+}
+
 static int test_nranks_mismatch(void)
 {
     if (epx_test_set_env("EPX_TIMEOUT_MS", "3000")) return 1;
@@ -328,7 +359,7 @@ int main(void)
         if (run_basic(counts[i], 1, 0, NULL)) return 1;
     }
     int (*const failure_cases[])(void) = {test_foreign_id, test_failing_callback, test_missing_rank,
-                                          test_nranks_mismatch, test_domain_cap};
+                                          test_nranks_mismatch, test_domain_cap, test_broken_repeats_cause};
     for (size_t i = 0; i < sizeof(failure_cases) / sizeof(failure_cases[0]); i++)
         if (failure_cases[i]()) return 1;
     printf("ok\n");
