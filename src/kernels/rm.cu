@@ -67,66 +67,99 @@ static __device__ __forceinline__ int32_t *rm_totals(const epx_cuda_common_t *c,
 
 /* ------------------------------------------------------------------------ sender scan ---- */
 
-/* One warp per tile of 32 tokens, lane = token: experts in ascending order (the first K selected
- * ones), each with its row among the tile's tokens of that expert; ranks likewise. */
+/* The 16 map bytes of experts [e0, e0 + 16) of a token's row as four words (zeros past E). */
+static __device__ __forceinline__ uint4 rm_map16(const uint8_t *row, int e0, int E, bool vec, bool live)
+{
+    uint4 w = make_uint4(0, 0, 0, 0);
+    if (!live) return w;
+    if (vec) return *(const uint4 *)(row + e0);
+    uint32_t q4[4] = {0, 0, 0, 0};
+    for (int q = 0; q < 16 && e0 + q < E; q++) q4[q >> 2] |= (uint32_t)row[e0 + q] << (8 * (q & 3));
+    return make_uint4(q4[0], q4[1], q4[2], q4[3]);
+}
+
+/* One block per tile of 32 tokens (grid-strided), lane = token. The block's warps split the experts
+ * in chunks (a multiple of 16 each): every warp counts its chunk's entries per token, a prefix over the
+ * warps gives each token's entries before the chunk, then every warp walks its chunk: experts in
+ * ascending order (the first K selected ones), each with its row among the tile's tokens of that
+ * expert. Warp 0 then does the ranks. A warp walks E / 16 experts, not E: the walk is a chain of
+ * ballots and stores, one latency each. */
 __global__ void __launch_bounds__(kBlockThreads) rm_scan_kernel(const __grid_constant__ epx_cuda_rm_args_t a)
 {
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, K = c->num_topk, L = c->num_local_experts, E = a.num_experts;
-    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t ntiles = rm_tiles(a.num_tokens), W = E + R;
     int32_t *cnt = rm_scratch(c);
-    /* 16 map bytes per load, the next chunk's load issued before this one's ballots. */
+    /* 16 map bytes per load where rows are 16-byte aligned. */
     const bool vec = (E & 15) == 0 && ((uintptr_t)a.routing_map & 15) == 0;
-    for (int64_t tile = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; tile < ntiles;
-         tile += (int64_t)gridDim.x * blockDim.x / 32) {
+    const int chunk = (E + kBlockWarps * 16 - 1) / (kBlockWarps * 16) * 16;
+    const int e_begin = warp * chunk < E ? warp * chunk : E, e_end = e_begin + chunk < E ? e_begin + chunk : E;
+    __shared__ int part[kBlockWarps][32];        /* entries of warp w's chunk, per token */
+    __shared__ unsigned long long ranks_of[32]; /* destination ranks, per token */
+    for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
         const int64_t t = tile * 32 + lane;
         const bool live = t < a.num_tokens;
         const uint8_t *row = a.routing_map + (live ? t : 0) * E;
-        int nsel = 0;
+        int mine = 0;
+        for (int e0 = e_begin; e0 < e_end; e0 += 16) {
+            const uint4 w = rm_map16(row, e0, E, vec, live);
+            /* nonzero bytes: 0xff per byte that differs from 0 (bytes past E are zeros) */
+            mine += (__popc(__vcmpne4(w.x, 0)) + __popc(__vcmpne4(w.y, 0)) + __popc(__vcmpne4(w.z, 0)) +
+                     __popc(__vcmpne4(w.w, 0))) >> 3;
+        }
+        part[warp][lane] = mine;
+        if (warp == 0) ranks_of[lane] = 0;
+        __syncthreads();
+        /* seen: the token's entries before the one at hand, in ascending expert order */
+        int seen = 0, total = 0;
+        for (int w = 0; w < kBlockWarps; w++) {
+            const int n = part[w][lane];
+            seen += w < warp ? n : 0;
+            total += n;
+        }
         uint64_t rmask = 0;
-        uint4 next = make_uint4(0, 0, 0, 0);
-        if (vec && live) next = *(const uint4 *)row;
-        for (int e0 = 0; e0 < E; e0 += 16) {
-            uint32_t w[4] = {next.x, next.y, next.z, next.w};
-            if (vec) {
-                if (live && e0 + 16 < E) next = *(const uint4 *)(row + e0 + 16);
-            } else {
-                for (int q = 0; q < 4; q++) w[q] = 0;
-                if (live)
-                    for (int q = 0; q < 16 && e0 + q < E; q++)
-                        w[q >> 2] |= (uint32_t)row[e0 + q] << (8 * (q & 3));
-            }
-            for (int q = 0; q < 16 && e0 + q < E; q++) {
+        for (int e0 = e_begin; e0 < e_end; e0 += 16) {
+            const uint4 w4 = rm_map16(row, e0, E, vec, live);
+            const uint32_t w[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+            for (int q = 0; q < 16; q++) {
                 const int e = e0 + q;
+                if (e >= e_end) break;
                 const bool set = ((w[q >> 2] >> (8 * (q & 3))) & 0xffu) != 0;
-                const bool v = set && nsel < K;
-                /* An entry past the first K: the row is bad, the call fails on the device. */
-                if (set && !v && atomicCAS((unsigned long long *)a.h.bad, 0ull, (unsigned long long)(1 + t)) == 0ull)
+                const bool v = set && seen < K;
+                /* The token's first entry past K: the row is bad, the call fails on the device. */
+                if (set && seen == K && atomicCAS((unsigned long long *)a.h.bad, 0ull, (unsigned long long)(1 + t)) == 0ull)
                     a.h.bad[1] = e;
                 const unsigned b = __ballot_sync(kFullMask, v);
                 if (lane == 0) cnt[tile * W + e] = __popc(b);
                 if (v) {
-                    a.h.src_sel[t * K + nsel] = e;
-                    a.h.src_within[t * K + nsel] = __popc(b & lanemask_lt());
-                    a.h.src_prob[t * K + nsel] = a.probs ? a.probs[t * E + e] : 0.0f;
+                    a.h.src_sel[t * K + seen] = e;
+                    a.h.src_within[t * K + seen] = __popc(b & lanemask_lt());
+                    a.h.src_prob[t * K + seen] = a.probs ? a.probs[t * E + e] : 0.0f;
                     rmask |= 1ull << (e / L);
-                    nsel++;
                 }
+                seen += set;
             }
         }
-        if (live)
-            for (int k = nsel; k < K; k++) {
-                a.h.src_sel[t * K + k] = -1;
-                a.h.src_within[t * K + k] = 0;
-                a.h.src_prob[t * K + k] = 0.0f;
+        if (rmask) atomicOr(&ranks_of[lane], (unsigned long long)rmask);
+        __syncthreads();
+        if (warp == 0) {
+            if (live)
+                for (int k = total < K ? total : K; k < K; k++) {
+                    a.h.src_sel[t * K + k] = -1;
+                    a.h.src_within[t * K + k] = 0;
+                    a.h.src_prob[t * K + k] = 0.0f;
+                }
+            const uint64_t rm = ranks_of[lane];
+            for (int r = 0; r < R; r++) {
+                const bool v = (rm >> r) & 1;
+                const unsigned b = __ballot_sync(kFullMask, v);
+                if (lane == 0) cnt[tile * W + E + r] = __popc(b);
+                if (live) a.h.send_row[t * R + r] = v ? __popc(b & lanemask_lt()) : -1;
             }
-        for (int r = 0; r < R; r++) {
-            const bool v = (rmask >> r) & 1;
-            const unsigned b = __ballot_sync(kFullMask, v);
-            if (lane == 0) cnt[tile * W + E + r] = __popc(b);
-            if (live) a.h.send_row[t * R + r] = v ? __popc(b & lanemask_lt()) : -1;
         }
+        __syncthreads(); /* part and ranks_of are the next tile's */
     }
 }
 
@@ -437,10 +470,14 @@ static size_t rm_recv_smem(const epx_cuda_rm_args_t *a)
 extern "C" int epx_cuda_launch_rm_dispatch(const epx_cuda_rm_args_t *args, void *stream)
 {
     const int nb = args->c.num_blocks;
-    int err = launch_kernel(rm_scan_kernel, *args, nb, kBlockThreads, 0, stream);
+    /* Neither the scan nor the prefix waits on anything: a block per tile, a warp per column, beyond the
+     * rank's share of SMs (they finish whatever the other ranks run). */
+    const int64_t ntiles = (args->num_tokens + 31) / 32, ncols = args->num_experts + args->c.nranks;
+    const int scan_blocks = (int)(ntiles < 1 ? 1 : ntiles < 4096 ? ntiles : 4096);
+    const int prefix_blocks = (int)((ncols + kBlockWarps - 1) / kBlockWarps);
+    int err = launch_kernel(rm_scan_kernel, *args, scan_blocks, kBlockThreads, 0, stream);
     if (err != cudaSuccess) return err;
-    /* Launch bounds cap the block at kBlockThreads; the kernel loops over columns. */
-    if ((err = launch_kernel(rm_prefix_kernel, *args, 1, kBlockThreads, 0, stream)) != cudaSuccess)
+    if ((err = launch_kernel(rm_prefix_kernel, *args, prefix_blocks, kBlockThreads, 0, stream)) != cudaSuccess)
         return err;
     if ((err = launch_kernel(rm_send_kernel, *args, nb, kBlockThreads, 0, stream)) != cudaSuccess) return err;
     const size_t smem = rm_recv_smem(args);
