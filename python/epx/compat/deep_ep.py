@@ -26,6 +26,12 @@ def _torch():
 def __getattr__(name):  # torch is imported on first use, not with the module
     if name == "topk_idx_t":
         return _torch().int64
+    # DeepEP's hybrid-ep branch serves HybridEPBuffer from the same package (its tests name
+    # deep_ep.HybridEPBuffer): the HybridEP front's, imported on first use.
+    if name in ("HybridEPBuffer", "indices_to_map"):
+        from . import hybrid_ep
+
+        return getattr(hybrid_ep, name)
     raise AttributeError("module %r has no attribute %r" % (__name__, name))
 
 
