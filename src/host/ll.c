@@ -229,6 +229,16 @@ static epx_result_t ll_dispatch_recv(host_buffer_t *hb, int slot)
 
     epx_result_t res = host_area_wait_all(hb, area, seq, st->pubs);
     if (res != EPX_SUCCESS) goto out;
+    const int64_t flags = sl->use_fp8 | sl->round_scale << 1 | sl->use_ue8m0 << 2;
+    for (int s = 0; s < R && res == EPX_SUCCESS; s++)
+        if (st->pubs[s].words[1] != flags)
+            res = epx_error(EPX_ERR_MISMATCH,
+                            "rank %d: ll dispatch call %llu: rank %d passes use_fp8 %d, round_scale %d, use_ue8m0 %d; "
+                            "this rank %d, %d, %d (every rank passes the same)",
+                            me, (unsigned long long)seq, s, (int)(st->pubs[s].words[1] & 1),
+                            (int)(st->pubs[s].words[1] >> 1 & 1), (int)(st->pubs[s].words[1] >> 2 & 1), sl->use_fp8,
+                            sl->round_scale, sl->use_ue8m0);
+    if (res != EPX_SUCCESS) goto out;
     memset(st->counts, 0, (size_t)(R * E) * sizeof(int32_t));
     for (int s = 0; s < R && res == EPX_SUCCESS; s++) {
         int64_t T_s = st->pubs[s].words[0];
@@ -341,8 +351,10 @@ epx_result_t host_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ll_di
         }
         memcpy((uint8_t *)topk + (size_t)(T_max * K) * sizeof(int64_t), args->x.data, (size_t)(T * H) * 2);
     }
-    int64_t words[1] = {T};
-    host_area_publish(hb, area, seq, EPX_CALL_LL_DISPATCH, (int32_t)res, words, 1);
+    /* T and the call's cast flags (ranks must agree on them, as the cuda backend's call signature
+     * checks). */
+    int64_t words[2] = {T, (args->use_fp8 != 0) | (args->round_scale != 0) << 1 | (args->use_ue8m0 != 0) << 2};
+    host_area_publish(hb, area, seq, EPX_CALL_LL_DISPATCH, (int32_t)res, words, 2);
     if (res != EPX_SUCCESS) {
         host_area_done(hb, area, seq);
         return res;

@@ -95,6 +95,20 @@ static int ll_body(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
     EXPECT_MSG_HAS("failed before it ran");
     EXPECT_OK(calls_ll_dispatch(&c, &c.ll));
     EXPECT_OK(calls_ll_combine(&c));
+    /* Ranks that disagree on use_fp8 fail the dispatch with ERR_MISMATCH, and the next one works. */
+    static float scales[CL * (CH / 128) * CR_MAX * CT];
+    epx_ll_dispatch_args_t f = EPX_LL_DISPATCH_ARGS_INIT;
+    f.x = epx_tensor_2d(c.x, EPX_DTYPE_BF16, CT, CH);
+    f.topk_idx = epx_tensor_2d(c.topk, EPX_DTYPE_INT32, CT, CK);
+    f.use_fp8 = rank == 0;
+    epx_ll_dispatch_outputs_t fo = EPX_LL_DISPATCH_OUTPUTS_INIT;
+    fo.recv_x = epx_tensor_3d(c.ll_recv, rank == 0 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16, CL, (int64_t)nranks * CT, CH);
+    if (rank == 0) fo.recv_scales = epx_tensor_3d(scales, EPX_DTYPE_FP32, CL, CH / 128, (int64_t)nranks * CT);
+    fo.recv_count = epx_tensor_1d(c.ll_count, EPX_DTYPE_INT32, CL);
+    EXPECT_RES(epx_ll_dispatch(c.buf, &f, &fo), EPX_ERR_MISMATCH);
+    EXPECT_MSG_HAS("passes use_fp8");
+    EXPECT_OK(calls_ll_dispatch(&c, &c.ll));
+    EXPECT_OK(calls_ll_combine(&c));
     return calls_close(&c);
 }
 
