@@ -655,7 +655,8 @@ def _misuse(rank, nranks, dist):
     # After destroy(): a clear error naming the call, and destroy() again does nothing.
     buf.destroy()
     for call in (lambda: buf.dispatch(x, topk_idx=idx), lambda: buf.get_dispatch_layout(idx, E),
-                 lambda: buf.low_latency_dispatch(x, idx, T, E), lambda: buf.combine(x, None)):
+                 lambda: buf.low_latency_dispatch(x, idx, T, E), lambda: buf.combine(x, None),
+                 lambda: buf.low_latency_update_mask_buffer(0, True), buf.low_latency_clean_mask_buffer):
         with pytest.raises(ValueError, match="on a Buffer that was destroyed"):
             call()
     buf.destroy()

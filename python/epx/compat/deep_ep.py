@@ -410,6 +410,7 @@ class Buffer:
     # ------------------------------------------------------------------ mask buffer (enable_shrink)
 
     def _check_shrink(self, what):
+        self._check_live(what)
         if not self.enable_shrink:
             raise RuntimeError("epx.compat.deep_ep: %s needs Buffer(..., enable_shrink=True)" % what)
 
