@@ -408,3 +408,67 @@ def test_tiny_hidden_probs():
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_refusals_reach_peers(nranks):
     assert run_in_group(nranks, _refusals) == [True] * nranks
+
+
+def _token_drop(rank, nranks, dist):
+    """HybridEP's token-drop pattern: a bound below the real permuted rows drops the tail; the permute
+    handles' last element is the overflow flag (1 then, 0 with room), and combine_with_unpermute takes
+    non_blocking=True."""
+    buf = _buffer(dist)
+    E = buf.num_of_experts
+    hidden, sf, idx, w, rmap, probs = inputs(rank, 16, E)
+    _, _, _, per_expert, _ = buf.dispatch_with_permute(hidden=hidden, routing_map=rmap, probs=probs,
+                                                       pad_multiple=PAD)
+    real = int(per_expert.sum())
+    for fused in (False, True):
+        for bound, dropped in ((real // 2, real // 2 < real), (real, False), (real + 64, False)):
+            tokens, p_probs, _, _, handle = buf.dispatch_with_permute(
+                hidden=hidden, routing_map=rmap, probs=probs, pad_multiple=PAD, num_permuted_tokens=bound,
+                non_blocking=True, fuse_permute_dispatch=fused)
+            assert len(handle) == (11 if fused else 9)
+            flag = handle[-1]
+            assert flag.dtype == torch.int32 and flag.shape == (1,)
+            assert int(flag.item()) == int(dropped), "overflow flag %s at bound %d of %d rows (rank %d)" % (
+                flag.tolist(), bound, real, rank)
+            assert buf.buffer.query_overflow() == dropped
+            combined, c_probs = buf.combine_with_unpermute(hidden=tokens, probs=p_probs, handle=handle,
+                                                           pad_multiple=PAD, non_blocking=True)
+            assert combined.shape == hidden.shape and c_probs.shape == probs.shape
+            if not dropped:
+                expect_combined(combined, hidden, rmap, rank)
+                same(c_probs, probs, "combined probs with room", rank)
+    # Without a bound nothing can be dropped.
+    _, _, _, _, handle = buf.dispatch_with_permute(hidden=hidden, routing_map=rmap, pad_multiple=PAD)
+    assert int(handle[-1].item()) == 0
+    return True
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_token_drop_overflow_flag(nranks):
+    assert run_in_group(nranks, _token_drop) == [True] * nranks
+
+
+def _sizes_and_names(rank, nranks, dist):
+    """Tokens per rank round up to a multiple of 16 (HybridEP's template rounding), so a rank at the
+    rounded count fits; a routing map past K names num_topk; DeepEP's package name serves HybridEPBuffer."""
+    import epx.compat.deep_ep as deep_ep
+
+    assert deep_ep.HybridEPBuffer is HybridEPBuffer and deep_ep.indices_to_map is indices_to_map
+    comm = epx.Comm.from_torch(dist.group.WORLD, backend="host")
+    buf = HybridEPBuffer(dist.group.WORLD, hidden_dim=H, max_num_of_tokens_per_rank=600, num_local_experts=L,
+                         max_pad_multiple=PAD, comm=comm, num_topk=2)
+    assert buf.max_num_of_tokens_per_rank == 608
+    E = buf.num_of_experts
+    hidden = torch.randn((608, H)).to(torch.bfloat16)
+    rmap = torch.zeros((608, E), dtype=torch.bool)
+    rmap[:, 0] = True
+    tokens, _, _, _ = buf.dispatch(hidden, routing_map=rmap)
+    assert tokens.shape[0] == (608 * nranks if rank == 0 else 0)
+    rmap[0, :3] = True  # three experts where K = 2
+    with pytest.raises(epx.InvalidArgumentError, match="num_topk="):
+        buf.dispatch(hidden, routing_map=rmap)
+    return True
+
+
+def test_token_rounding_and_topk_message():
+    assert run_in_group(2, _sizes_and_names) == [True] * 2

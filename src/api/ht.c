@@ -177,7 +177,8 @@ static epx_result_t check_x_view(epx_buffer_t buffer, epx_handle_t handle, const
         return EPX_SUCCESS;
     }
     return ARG_ERR("args.x_in_buffer = 2 but x (data %p) is not the recv_x of the latest view-mode dispatch "
-                   "into any view area of this buffer",
+                   "into any view area of this buffer (a later view-mode dispatch into its area, one that failed "
+                   "included, leaves the area's earlier views unspecified)",
                    x->data);
 }
 

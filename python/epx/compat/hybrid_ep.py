@@ -7,7 +7,8 @@ main differences:
   with fuse_permute_dispatch=True) with the fields callers read filled the same way:
   [3] num_dispatched_tokens_tensor (int32 [1]), [4] local_expert_routing_map ([N_r, L] bool, HT order),
   [5] of a 9-element handle row_id_map ([N_r, L] int32, permuted row + 1, 0 where not routed), the
-  token count. The other fields are epx's own state or None.
+  token count, and the permute handles' last element the overflow flag (int32 [1], 1 when rows past
+  num_permuted_tokens were dropped). The other fields are epx's own state or None.
 - A dispatch with a handle dispatches again with the routing the handle kept (same outputs; the
   routing exchange is not skipped).
 - combine(probs=) / combine_with_unpermute(probs=) return the probs in [T, E] as HybridEP does; epx
@@ -136,8 +137,9 @@ class HybridEPBuffer:
         self.num_of_experts = self.num_experts = num_local_experts * self.group_size
         self.hidden_dim = hidden_dim
         self.use_fp8 = use_fp8
-        # HybridEP sizes its buffer for at least 512 tokens per rank whatever was asked.
-        self.max_num_of_tokens_per_rank = max(max_num_of_tokens_per_rank, 512)
+        # HybridEP rounds the tokens per rank up to a multiple of 16 and sizes its buffer for at least 512
+        # whatever was asked.
+        self.max_num_of_tokens_per_rank = max(-(-max_num_of_tokens_per_rank // 16) * 16, 512)
         E = self.num_experts
         self.num_topk = min(E, num_topk or max(_NUM_TOPK_FLOOR, self.group_size))
         self.max_pad_multiple = max_pad_multiple
@@ -242,8 +244,14 @@ class HybridEPBuffer:
             probs = probs.float()
         x, sf = self._hidden(hidden, scaling_factor)
         kw = {"num_permuted_tokens": bound} if permute else {"num_dispatched_tokens": bound}
-        out = self.buffer.rm_dispatch(x, routing_map, probs, sf, permute=permute, pad_multiple=pad_multiple,
-                                      **kw)
+        try:
+            out = self.buffer.rm_dispatch(x, routing_map, probs, sf, permute=permute,
+                                          pad_multiple=pad_multiple, **kw)
+        except epx.InvalidArgumentError as e:
+            if "more than K =" not in str(e):
+                raise
+            raise epx.InvalidArgumentError("%s (K is HybridEPBuffer's num_topk=, by default max(%d, group size))"
+                                           % (e, _NUM_TOPK_FLOOR)) from e
         tokens = out.tokens.view(torch.uint8) if hidden.dtype == torch.uint8 else out.tokens
         return out, tokens
 
@@ -271,6 +279,17 @@ class HybridEPBuffer:
         # With a bound nothing may wait on the device (the call may be captured): [R * T_max, L], the
         # received rows first in order, then rows that select nothing.
         return count, cols[torch.argsort((~rows).to(torch.uint8), stable=True)]
+
+    @staticmethod
+    def _overflow_flag(out, bound):
+        """HybridEP's overflow flag (the handle's last element): int32 [1], 1 when the real row count passed
+        the bound (rows were dropped), computed on the device from the count the dispatch wrote there (no
+        host wait, so a captured call keeps it current); 0 without a bound."""
+        torch = _torch()
+        if bound is None or out.num_tokens_tensor is None:
+            device = out.tokens.device
+            return torch.zeros(1, dtype=torch.int32, device=device)
+        return (out.num_tokens_tensor > bound).to(torch.int32)
 
     def _replayed_map(self, handle, bounded, num_tokens):
         """handle[4] in the shape of a replay with (bounded) or without a bound: the same routing, so the
@@ -437,23 +456,24 @@ class HybridEPBuffer:
             count, local_map = self._local_map(routing_map, out, bounded)
         state = _State(out.handle, True, pad, routing_map, out.num_tokens, out.tokens_per_expert, bounded)
         T = hidden.shape[0]
+        overflow = self._overflow_flag(out, num_permuted_tokens)
         if fuse_permute_dispatch:
             unpadded = local_map.sum(dim=0, dtype=_torch().int32) if local_map is not None else None
-            new_handle = (state, None, None, count, local_map, None, None, unpadded, T, None, None)
+            new_handle = (state, None, None, count, local_map, None, None, unpadded, T, None, overflow)
         else:
             row_id_map = self._row_id_map(local_map, out.tokens_per_expert)
-            new_handle = (state, None, None, count, local_map, row_id_map, T, None, None)
+            new_handle = (state, None, None, count, local_map, row_id_map, T, None, overflow)
         return tokens, out.probs, out.scaling_factor, out.tokens_per_expert, new_handle
 
     def combine_with_unpermute(self, hidden=None, *, probs=None, handle=None, pad_multiple=None,
                                fuse_unpermute_combine=False, num_dispatched_tokens=None,
-                               apply_probs_to_hidden=False, weighted=False):
+                               apply_probs_to_hidden=False, weighted=False, non_blocking=False):
         """hidden [P, H] bf16 in the permuted layout -> (combined_token [T, H] bf16, combined_probs [T, E]
         float32 or None): the sum over (rank, local expert) of the token's rows. apply_probs_to_hidden=True
         first multiplies each row by its entry of probs ([P] float32, needed then), as HybridEP does;
         weighted=True (epx's own) weights each row by the prob it was dispatched with, in the library.
         pad_multiple, when given, must be the dispatch's; fuse_unpermute_combine (either handle layout is
-        taken) and num_dispatched_tokens have no effect."""
+        taken), num_dispatched_tokens and non_blocking (a combine never waits on the host) have no effect."""
         with epx.collective(self.buffer, epx.RM_COMBINE):
             state = self._state(handle, True, "dispatch_with_permute")
             if pad_multiple and pad_multiple > 0 and pad_multiple != state.pad_multiple:
