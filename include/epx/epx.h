@@ -17,8 +17,11 @@
  *   EPX_TIMEOUT_MS.
  * - "stream" arguments are cudaStream_t values (NULL = the legacy default stream) for the cuda
  *   backend; the host backend runs synchronously and ignores them.
- * - Tensors must be contiguous (row-major). Host-backend tensors live in host memory,
- *   cuda-backend tensors in device memory of the communicator's GPU.
+ * - Tensors must be contiguous (row-major), their data aligned to their element size. Tensors of
+ *   token rows ([.., H]: x, hidden, recv_x, y, combined outputs, biases) start on a 16-byte
+ *   boundary (the kernels move rows in 16-byte vectors); others are refused naming the tensor.
+ *   Host-backend tensors live in host memory, cuda-backend tensors in device memory of the
+ *   communicator's GPU.
  */
 #ifndef EPX_EPX_H
 #define EPX_EPX_H

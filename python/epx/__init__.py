@@ -3,6 +3,9 @@
 Python binding of libepx (the C library's semantics are in docs/reference.md). Tensors come in
 through DLPack (numpy >= 1.22 arrays, torch tensors, anything with ``__dlpack__``); outputs are
 allocated by the caller's framework: numpy in, numpy out; torch in, torch out on the same device.
+Calls stay outside autograd, as DeepEP's do: a torch tensor that requires grad is read through its
+detached view (the same memory), and outputs never require grad; wrap calls in an
+``autograd.Function`` for gradients.
 
 dtypes: bf16 is ``torch.bfloat16`` or, with numpy (which has no bfloat16), a ``uint16`` array of
 bf16 bit patterns; fp8 e4m3 is ``torch.float8_e4m3fn`` or a ``uint8`` array where fp8 is expected;

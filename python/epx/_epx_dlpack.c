@@ -121,16 +121,16 @@ static int describe_tensor(const dl_tensor_t *d, const char *name, int hint, epx
 /* Interned attribute names of the torch fast path. */
 static struct {
     PyObject *is_cuda, *is_cpu, *requires_grad, *layout, *data_ptr, *shape, *stride, *get_device, *new_empty;
-    PyObject *is_neg, *is_conj, *resolve_neg, *resolve_conj;
+    PyObject *is_neg, *is_conj, *resolve_neg, *resolve_conj, *detach;
 } g_names;
 
 static int names_ready(void)
 {
-    if (g_names.resolve_conj) return 1;
+    if (g_names.detach) return 1;
 #define NAME_(f) (g_names.f = g_names.f ? g_names.f : PyUnicode_InternFromString(#f))
     if (!NAME_(is_cuda) || !NAME_(is_cpu) || !NAME_(requires_grad) || !NAME_(layout) || !NAME_(data_ptr) ||
         !NAME_(shape) || !NAME_(stride) || !NAME_(get_device) || !NAME_(new_empty) || !NAME_(is_neg) ||
-        !NAME_(is_conj) || !NAME_(resolve_neg) || !NAME_(resolve_conj)) {
+        !NAME_(is_conj) || !NAME_(resolve_neg) || !NAME_(resolve_conj) || !NAME_(detach)) {
         PyErr_Clear();
         return 0;
     }
@@ -240,7 +240,7 @@ static int import_torch(call_ctx_t *ctx, keep_t *keep, PyObject *obj, const char
         (void)s;
         if (!ctx->stream_is_torch_current) return 0; /* DLPack orders torch's work before that stream */
     }
-    if (attr_flag(obj, g_names.requires_grad) != 0) return 0; /* DLPack's own refusal stays */
+    if (attr_flag(obj, g_names.requires_grad) != 0) return 0; /* resolved() detached those it could */
     PyObject *layout = PyObject_GetAttr(obj, g_names.layout);
     const int strided = layout == py_state.torch_strided;
     Py_XDECREF(layout);
@@ -274,14 +274,18 @@ static int import_torch(call_ctx_t *ctx, keep_t *keep, PyObject *obj, const char
     return describe_tensor(&d, name, hint, t) == 0 ? 1 : -1;
 }
 
-/* A torch tensor that is a negative or conjugate view: its resolved copy (whose bytes are its values;
- * DLPack would export the view's bytes). Anything else: obj itself. A new reference; NULL on error. */
+/* A torch tensor that requires grad: its detached view (the same memory; epx reads and writes tensors
+ * outside autograd, as DeepEP's calls do, and DLPack refuses such a tensor). A negative or conjugate
+ * view: its resolved copy (whose bytes are its values; DLPack would export the view's bytes). Anything
+ * else: obj itself. A new reference; NULL on error. */
 static PyObject *resolved(const call_ctx_t *ctx, PyObject *obj)
 {
     Py_INCREF(obj);
     if (ctx->fw != FW_TORCH || !py_state.torch_tensor_type ||
         !PyObject_TypeCheck(obj, (PyTypeObject *)py_state.torch_tensor_type) || !names_ready())
         return obj;
+    if (attr_flag(obj, g_names.requires_grad) == 1) Py_SETREF(obj, PyObject_CallMethodNoArgs(obj, g_names.detach));
+    if (!obj) return NULL;
     if (method_flag(obj, g_names.is_neg) == 1) Py_SETREF(obj, PyObject_CallMethodNoArgs(obj, g_names.resolve_neg));
     if (obj && method_flag(obj, g_names.is_conj) == 1)
         Py_SETREF(obj, PyObject_CallMethodNoArgs(obj, g_names.resolve_conj));

@@ -93,7 +93,9 @@ static PyObject *buffer_layout(BufferObject *self, PyObject *args, PyObject *kwa
     epx_layout_outputs_t out = EPX_LAYOUT_OUTPUTS_INIT;
     void *stream;
     const tensor_in_t in[] = {{topk_obj, "topk_idx", HINT_NONE, &topk}};
-    if (call_open(&c, 4, topk_obj, stream_obj, in, COUNT(in), &stream) != 0) return call_fail(&c);
+    if (call_open(&c, 4, topk_obj, stream_obj, in, COUNT(in), &stream) != 0 ||
+        py_check_views_in(self, in, COUNT(in), NULL) != 0)
+        return call_fail(&c);
     int64_t R = self->R, E = self->cfg.num_experts, T = topk.ndim >= 1 ? topk.shape[0] : 0;
     /* Past max_tokens the library refuses the call: no output of that size first. */
     if (T > self->cfg.max_tokens) T = 0;
@@ -338,7 +340,9 @@ COLLECTIVE_METHOD(buffer_ll_dispatch, EPX_COLLECTIVE_LL_DISPATCH)
         {topk_obj, "topk_idx", HINT_NONE, &a.topk_idx},
         {stats_obj, "cumulative_recv_stats", HINT_NONE, &a.cumulative_recv_stats},
     };
-    if (call_open(&c, 7, x_obj, stream_obj, in, COUNT(in), &a.stream) != 0) return call_fail(&c);
+    if (call_open(&c, 7, x_obj, stream_obj, in, COUNT(in), &a.stream) != 0 ||
+        py_check_views_in(self, in, COUNT(in), NULL) != 0)
+        return call_fail(&c);
     a.use_fp8 = use_fp8;
     a.round_scale = round_scale;
     a.use_ue8m0 = use_ue8m0;
@@ -397,7 +401,9 @@ COLLECTIVE_METHOD(buffer_ll_combine, EPX_COLLECTIVE_LL_COMBINE)
     };
     /* With zero_copy y may be None: topk_idx then decides the framework. */
     PyObject *ref = y_obj != Py_None ? y_obj : topk_obj;
-    if (call_open(&c, 2, ref, stream_obj, in, COUNT(in), &a.stream) != 0) return call_fail(&c);
+    if (call_open(&c, 2, ref, stream_obj, in, COUNT(in), &a.stream) != 0 ||
+        py_check_views_in(self, in, COUNT(in), NULL) != 0)
+        return call_fail(&c);
     const tensor_out_t outs[] = {
         {1, EPX_DTYPE_BF16, 2, {h->h.num_tokens, self->cfg.hidden}, "combined_x", &o.combined_x},
     };

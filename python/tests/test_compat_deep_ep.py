@@ -276,8 +276,22 @@ def _refusals(rank, nranks, dist):
     wide = torch.ones((recv_x.shape[0], buf._ht_path.data.num_topk + 1), dtype=torch.float32)
     refused_here_or_remote(rank == 0, lambda: buf.combine(recv_x, handle, topk_weights=wide),
                            lambda: buf.combine(recv_x, handle), match="more than the data buffer.s num_topk")
+    # is_token_in_rank must be [T, R] bool, as DeepEP asserts ([T, 1] was broadcast: tokens went to the
+    # wrong ranks).
+    for bad in (in_rank[:, :1].contiguous(), in_rank.to(torch.int32)):
+        refused_here_or_remote(rank == refuser,
+                               lambda: buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=bad,
+                                                    num_tokens_per_expert=per_expert),
+                               lambda: buf.dispatch(x, **layout), match="is_token_in_rank must be")
     combined, _, _ = buf.combine(recv_x, handle)
     exact(combined, (x.float() * in_rank.sum(dim=1, keepdim=True).float()).to(torch.bfloat16), "combined")
+    # Narrow top-k (K below the ranks) gives contiguous recv_topk_idx, as DeepEP's; no stream on the CPU.
+    narrow_idx = idx[:, :1].to(torch.int32).contiguous()  # the buffer's own id dtype: no copy by dtype
+    nr, _, ne, ni, _ = buf.get_dispatch_layout(narrow_idx, E)
+    _, r_idx, _, _, _, _ = buf.dispatch(x, topk_idx=narrow_idx, topk_weights=w[:, :1].contiguous(),
+                                        num_tokens_per_rank=nr, is_token_in_rank=ni, num_tokens_per_expert=ne)
+    assert r_idx.is_contiguous() and r_idx.view(-1).numel() == r_idx.numel()
+    assert buf.get_comm_stream() is None
     buf.destroy()
 
 
@@ -641,7 +655,8 @@ def _misuse(rank, nranks, dist):
     # After destroy(): a clear error naming the call, and destroy() again does nothing.
     buf.destroy()
     for call in (lambda: buf.dispatch(x, topk_idx=idx), lambda: buf.get_dispatch_layout(idx, E),
-                 lambda: buf.low_latency_dispatch(x, idx, T, E), lambda: buf.combine(x, None)):
+                 lambda: buf.low_latency_dispatch(x, idx, T, E), lambda: buf.combine(x, None),
+                 lambda: buf.low_latency_update_mask_buffer(0, True), buf.low_latency_clean_mask_buffer):
         with pytest.raises(ValueError, match="on a Buffer that was destroyed"):
             call()
     buf.destroy()

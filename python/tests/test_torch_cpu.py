@@ -88,9 +88,30 @@ def _no_tokens(rank, nranks, uid):
     return True
 
 
+def _requires_grad(rank, nranks, uid):
+    """Inputs that require grad (training code calls from inside an autograd.Function) are read as they
+    are, the same results as their detached copies; epx's calls stay outside autograd."""
+    p, buf = host_buffer(rank, nranks, uid)
+    x, idx, w = inputs(p, rank)
+    xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    out = buf.dispatch(xg, idx, wg)
+    recv_x, _, recv_w, _ = p.ht_dispatch(rank)
+    assert_equal(bf16_bits(out.recv_x), recv_x, "recv_x of inputs that require grad", rank)
+    assert not out.recv_x.requires_grad
+    y = (out.recv_x.float() * (rank + 1)).to(torch.bfloat16).requires_grad_(True)
+    comb = buf.combine(y, out.handle)
+    assert_equal(bf16_bits(comb.combined_x), p.ht_combine(rank), "combined_x of y that requires grad", rank)
+    ll = buf.ll_dispatch(xg, idx)
+    _, count, _, _ = p.ll_dispatch(rank)
+    assert_equal(ll.recv_count.numpy(), count, "ll recv_count of x that requires grad", rank)
+    assert xg.requires_grad and xg.grad is None  # the caller's tensor is left as it was
+    return True
+
+
 # Native calls on CPU tensors; each worker runs on 1 and 2 ranks.
 @pytest.mark.parametrize("nranks", [1, 2])
-@pytest.mark.parametrize("worker", [_native, _ll_handles, _no_tokens], ids=lambda worker: worker.__name__[1:])
+@pytest.mark.parametrize("worker", [_native, _ll_handles, _no_tokens, _requires_grad],
+                         ids=lambda worker: worker.__name__[1:])
 def test_torch(worker, nranks):
     run_ranks(nranks, worker)
 

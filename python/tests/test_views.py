@@ -173,6 +173,8 @@ def _lifetime(rank, nranks, uid):
         buf.combine(new.recv_x, new.handle, old.recv_topk_weights[1:])
     with pytest.raises(epx.StaleViewError):
         buf.dispatch(old.recv_x[:, :0], handle=new.handle)
+    with pytest.raises(epx.StaleViewError, match="topk_idx"):  # every call checks its inputs
+        buf.get_dispatch_layout(old.recv_topk_idx[:1])
     round_trip("stale recv views")
     # A dispatch reading its own outputs' memory (every token to every rank: no rank receives nothing).
     x_all, idx_all = routed_to_all(p, nranks)

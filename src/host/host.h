@@ -65,6 +65,9 @@ typedef struct host_region_hdr {
     _Atomic uint64_t calls[HOST_CALL_RING];
     /* (seq << 8) | status of call seq at [seq % HOST_CALL_RING] when this rank failed it */
     _Atomic uint64_t failed_calls[HOST_CALL_RING];
+    /* (low 32 bits of seq << 32) | what call seq works on, where its kind alone does not say it (an LL
+     * combine: the low 32 bits of its dispatch's seq); stored before the call's first wait */
+    _Atomic uint64_t call_details[HOST_CALL_RING];
     host_area_ctrl_t areas[HOST_AREA_COUNT];
 } host_region_hdr_t;
 
@@ -154,6 +157,9 @@ epx_result_t host_verdict(host_buffer_t *hb, uint64_t seq, epx_result_t mine);
 epx_result_t host_end_call(host_buffer_t *hb, uint64_t seq, epx_result_t res);
 /* Announces collective call `seq` of `kind` in our region (ops->begin_call). */
 void host_begin_call(host_buffer_t *hb, uint64_t seq, epx_call_kind_t kind);
+/* Announces what call `seq` works on beyond its kind (an LL combine: its dispatch's seq), so that
+ * ranks whose calls of one kind name different objects fail at once with EPX_ERR_MISMATCH. */
+void host_call_detail(host_buffer_t *hb, uint64_t seq, uint64_t detail);
 /* Tells the peers that we destroyed the buffer (ops->notify_destroy). */
 void host_notify_destroy(host_buffer_t *hb);
 
@@ -190,6 +196,9 @@ epx_rm_combine_op_t host_rm_combine;
 /* LL state of a buffer with EPX_MODE_LL (ll.c). */
 epx_result_t host_ll_init(host_buffer_t *hb);
 void host_ll_fini(host_buffer_t *hb);
+/* Call `seq` failed on this rank: its pending LL hooks end (their areas marked done), as peers no longer
+ * wait for this rank to read what they published (host_area_acquire). */
+void host_ll_fail(host_buffer_t *hb, uint64_t seq);
 
 #ifdef __cplusplus
 }

@@ -20,9 +20,11 @@ typedef struct ll_slot {
     int32_t *my_count;   /* [E] our tokens that selected expert e (dispatch send half) */
     int32_t *my_begin;   /* [E] first row of our block for e on its rank (receive half) */
     int32_t *recv_count; /* [L] rows received per local expert */
-    /* Pending hook. */
+    /* Pending hook; the last one dropped unrun (its call, and the call that took the slot first). */
     int pending;
     uint64_t pending_seq;
+    uint64_t dropped_seq, dropped_by;
+    int dropped_failed; /* dropped because call dropped_by failed (else: it took the slot) */
     /* Dispatch receive half parameters. */
     epx_tensor_t recv_x, recv_scales, recv_count_out, src_info, layout_range, cumulative;
     int use_fp8, round_scale, use_ue8m0;
@@ -90,10 +92,15 @@ epx_result_t host_ll_init(host_buffer_t *hb)
 }
 
 /* A pending hook whose slot is reused (or whose buffer goes away) is dropped; marking its area
- * done keeps the peers from waiting on us for it. */
-static void ll_drop_pending(host_buffer_t *hb, int slot)
+ * done keeps the peers from waiting on us for it. `by`: the call that took the slot (0: not a call). */
+static void ll_drop_pending(host_buffer_t *hb, int slot, uint64_t by)
 {
     ll_slot_t *sl = &ll_state_of(hb)->slots[slot];
+    if (sl->pending != LL_PENDING_NONE) {
+        sl->dropped_seq = sl->pending_seq;
+        sl->dropped_by = by;
+        sl->dropped_failed = 0;
+    }
     if (sl->pending == LL_PENDING_DISPATCH) {
         host_area_done(hb, (host_area_t)(HOST_AREA_LL_IN0 + slot), sl->pending_seq);
         sl->valid = 0;
@@ -103,11 +110,22 @@ static void ll_drop_pending(host_buffer_t *hb, int slot)
     sl->pending = LL_PENDING_NONE;
 }
 
+void host_ll_fail(host_buffer_t *hb, uint64_t seq)
+{
+    ll_state_t *st = ll_state_of(hb);
+    if (!st) return;
+    for (int i = 0; i < 2; i++) {
+        const int had = st->slots[i].pending != LL_PENDING_NONE;
+        ll_drop_pending(hb, i, seq);
+        if (had) st->slots[i].dropped_failed = 1;
+    }
+}
+
 void host_ll_fini(host_buffer_t *hb)
 {
     ll_state_t *st = ll_state_of(hb);
     if (!st) return;
-    for (int i = 0; i < 2; i++) ll_drop_pending(hb, i);
+    for (int i = 0; i < 2; i++) ll_drop_pending(hb, i, 0);
     free(st);
     hb->ll_state = NULL;
 }
@@ -211,6 +229,16 @@ static epx_result_t ll_dispatch_recv(host_buffer_t *hb, int slot)
 
     epx_result_t res = host_area_wait_all(hb, area, seq, st->pubs);
     if (res != EPX_SUCCESS) goto out;
+    const int64_t flags = sl->use_fp8 | sl->round_scale << 1 | sl->use_ue8m0 << 2;
+    for (int s = 0; s < R && res == EPX_SUCCESS; s++)
+        if (st->pubs[s].words[1] != flags)
+            res = epx_error(EPX_ERR_MISMATCH,
+                            "rank %d: ll dispatch call %llu: rank %d passes use_fp8 %d, round_scale %d, use_ue8m0 %d; "
+                            "this rank %d, %d, %d (every rank passes the same)",
+                            me, (unsigned long long)seq, s, (int)(st->pubs[s].words[1] & 1),
+                            (int)(st->pubs[s].words[1] >> 1 & 1), (int)(st->pubs[s].words[1] >> 2 & 1), sl->use_fp8,
+                            sl->round_scale, sl->use_ue8m0);
+    if (res != EPX_SUCCESS) goto out;
     memset(st->counts, 0, (size_t)(R * E) * sizeof(int32_t));
     for (int s = 0; s < R && res == EPX_SUCCESS; s++) {
         int64_t T_s = st->pubs[s].words[0];
@@ -301,7 +329,7 @@ epx_result_t host_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ll_di
     ll_slot_t *sl = &st->slots[slot];
     host_area_t area = (host_area_t)(HOST_AREA_LL_IN0 + slot);
 
-    ll_drop_pending(hb, slot);
+    ll_drop_pending(hb, slot, seq);
     sl->seq = seq;
     sl->valid = 0;
     sl->recv_done = 0;
@@ -323,8 +351,10 @@ epx_result_t host_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ll_di
         }
         memcpy((uint8_t *)topk + (size_t)(T_max * K) * sizeof(int64_t), args->x.data, (size_t)(T * H) * 2);
     }
-    int64_t words[1] = {T};
-    host_area_publish(hb, area, seq, EPX_CALL_LL_DISPATCH, (int32_t)res, words, 1);
+    /* T and the call's cast flags (ranks must agree on them, as the cuda backend's call signature
+     * checks). */
+    int64_t words[2] = {T, (args->use_fp8 != 0) | (args->round_scale != 0) << 1 | (args->use_ue8m0 != 0) << 2};
+    host_area_publish(hb, area, seq, EPX_CALL_LL_DISPATCH, (int32_t)res, words, 2);
     if (res != EPX_SUCCESS) {
         host_area_done(hb, area, seq);
         return res;
@@ -422,34 +452,43 @@ static epx_result_t ll_check_handle(host_buffer_t *hb, const epx_ll_handle_t *ha
     return EPX_SUCCESS;
 }
 
-/* Copies the caller's routing and finds, per (t, k), t's index among our tokens that chose
- * the expert; the per-expert totals must equal the dispatch's. */
-static epx_result_t ll_combine_routing(host_buffer_t *hb, ll_slot_t *sl, const epx_ll_combine_args_t *args)
+/* The caller's routing must be the dispatch's: T, and per expert as many tokens (counted into
+ * seen[E], zeroed by the caller). Reads only: a combine refused here leaves the slot, and a combine
+ * hook pending on it, as they were. */
+static epx_result_t ll_check_routing(host_buffer_t *hb, const ll_slot_t *sl, const epx_ll_combine_args_t *args,
+                                     int32_t *seen)
 {
     int64_t T = sl->num_tokens, K = hb->buffer->config.num_topk, E = hb->buffer->config.num_experts;
     if (args->topk_idx.shape[0] != T)
         return epx_error(EPX_ERR_INVALID_ARG,
                          "rank %d: ll combine: topk_idx has %lld rows, the dispatch had T = %lld", hb->rank,
                          (long long)args->topk_idx.shape[0], (long long)T);
-    int32_t *seen = calloc((size_t)E, sizeof(int32_t));
-    if (!seen)
-        return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: ll combine scratch allocation failed", hb->rank);
-    epx_result_t res = EPX_SUCCESS;
     for (int64_t i = 0; i < T * K; i++) {
         int64_t e = host_topk_at(&args->topk_idx, i); /* in [-1, E): checked by the API layer */
-        sl->comb_topk[i] = e;
-        sl->comb_weights[i] = ((const float *)args->topk_weights.data)[i];
-        sl->comb_index[i] = e >= 0 ? seen[e]++ : -1;
+        if (e >= 0) seen[e]++;
     }
-    for (int64_t e = 0; e < E && res == EPX_SUCCESS; e++)
+    for (int64_t e = 0; e < E; e++)
         if (seen[e] != sl->my_count[e])
-            res = epx_error(
+            return epx_error(
                 EPX_ERR_INVALID_ARG,
                 "rank %d: ll combine: topk_idx differs from the dispatch's (expert %lld: %d tokens, %d at "
                 "dispatch)",
                 hb->rank, (long long)e, seen[e], sl->my_count[e]);
-    free(seen);
-    return res;
+    return EPX_SUCCESS;
+}
+
+/* Copies the checked routing into the slot and finds, per (t, k), t's index among our tokens that
+ * chose the expert (seen[E]: scratch). */
+static void ll_take_routing(host_buffer_t *hb, ll_slot_t *sl, const epx_ll_combine_args_t *args, int32_t *seen)
+{
+    int64_t T = sl->num_tokens, K = hb->buffer->config.num_topk, E = hb->buffer->config.num_experts;
+    memset(seen, 0, (size_t)E * sizeof(int32_t));
+    for (int64_t i = 0; i < T * K; i++) {
+        int64_t e = host_topk_at(&args->topk_idx, i);
+        sl->comb_topk[i] = e;
+        sl->comb_weights[i] = ((const float *)args->topk_weights.data)[i];
+        sl->comb_index[i] = e >= 0 ? seen[e]++ : -1;
+    }
 }
 
 epx_result_t host_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll_combine_args_t *args,
@@ -459,17 +498,29 @@ epx_result_t host_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll_com
     ll_state_t *st = ll_state_of(hb);
     int slot = args->handle.slot;
     epx_result_t res = ll_check_handle(hb, &args->handle, "ll combine");
-    if (slot < 0 || slot > 1) return host_fail(hb, seq, res);
-    ll_slot_t *sl = &st->slots[slot];
-    host_area_t area = (host_area_t)(HOST_AREA_LL_OUT0 + slot);
-    if (sl->pending == LL_PENDING_COMBINE) ll_drop_pending(hb, slot);
-    if (res == EPX_SUCCESS) res = ll_combine_routing(hb, sl, args);
+    int32_t *seen = NULL;
+    if (res == EPX_SUCCESS && !(seen = calloc((size_t)buffer->config.num_experts, sizeof(int32_t))))
+        res = epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: ll combine scratch allocation failed", hb->rank);
+    ll_slot_t *sl = res == EPX_SUCCESS ? &st->slots[slot] : NULL;
+    host_area_t area = (host_area_t)(HOST_AREA_LL_OUT0 + (slot == 1));
+    if (res == EPX_SUCCESS) res = ll_check_routing(hb, sl, args, seen);
     if (res == EPX_SUCCESS && hb->area_bytes[area] < ll_out_bytes(hb))
         res = epx_error(EPX_ERR_INTERNAL, "rank %d: ll combine area of %zu bytes, need %zu", hb->rank,
                         hb->area_bytes[area], ll_out_bytes(hb));
-    /* Acquire even after a failure: the failure is published in the area's header. */
-    epx_result_t acq = host_area_acquire(hb, area);
-    if (res == EPX_SUCCESS) res = acq;
+    /* A refused combine touches no area: the failure reaches the peers through the failed-call record,
+     * whatever slot they wait on (host_fail also ends this rank's pending hooks, as every failure does). */
+    if (res != EPX_SUCCESS) {
+        free(seen);
+        return host_fail(hb, seq, res);
+    }
+    /* Which dispatch this combine names, before its first wait: ranks naming different ones fail at
+     * once (their slots' areas would never meet). A refused call names none: its peers fail with
+     * EPX_ERR_REMOTE naming it. */
+    host_call_detail(hb, seq, args->handle.seq);
+    if (sl->pending == LL_PENDING_COMBINE) ll_drop_pending(hb, slot, seq);
+    ll_take_routing(hb, sl, args, seen);
+    free(seen);
+    res = host_area_acquire(hb, area);
     if (res == EPX_SUCCESS && !args->zero_copy) {
         int64_t H = buffer->config.hidden, RT = (int64_t)hb->nranks * buffer->config.max_tokens;
         uint16_t *dst = (uint16_t *)host_area_ptr(hb, hb->rank, area);
@@ -503,7 +554,7 @@ epx_result_t host_ll_get_combine_buffer(epx_buffer_t buffer, const epx_ll_handle
         return epx_error(EPX_ERR_INTERNAL, "rank %d: ll combine area of %zu bytes, need %zu", hb->rank,
                          hb->area_bytes[area], ll_out_bytes(hb));
     /* Our own unrun combine hook on this slot would hold the area forever. */
-    if (ll_state_of(hb)->slots[handle->slot].pending == LL_PENDING_COMBINE) ll_drop_pending(hb, handle->slot);
+    if (ll_state_of(hb)->slots[handle->slot].pending == LL_PENDING_COMBINE) ll_drop_pending(hb, handle->slot, 0);
     EPX_CHECK(host_area_acquire(hb, area));
     *view_out = epx_tensor_3d(host_area_ptr(hb, hb->rank, area), EPX_DTYPE_BF16, buffer->num_local_experts,
                               (int64_t)hb->nranks * buffer->config.max_tokens, buffer->config.hidden);
@@ -519,10 +570,19 @@ epx_result_t host_hook_run(const epx_hook_t *hook, void *stream)
         return epx_error(EPX_ERR_INVALID_ARG, "rank %d: hook with slot %d, kind %d is not an ll hook",
                          hb->rank, hook->slot, hook->kind);
     ll_slot_t *sl = &ll_state_of(hb)->slots[hook->slot];
-    if (sl->pending != hook->kind || sl->pending_seq != hook->seq)
+    if ((sl->pending != hook->kind || sl->pending_seq != hook->seq) && sl->dropped_seq == hook->seq)
         return epx_error(EPX_ERR_INVALID_ARG,
-                         "rank %d: hook of seq %llu already ran or its slot %d was reused", hb->rank,
-                         (unsigned long long)hook->seq, hook->slot);
+                         "rank %d: hook of call %llu no longer runs: %s%llu %s before it ran (%s)", hb->rank,
+                         (unsigned long long)hook->seq,
+                         sl->dropped_by ? "call " : "epx_ll_get_combine_buffer after call ",
+                         (unsigned long long)(sl->dropped_by ? sl->dropped_by : hb->call_seq),
+                         sl->dropped_failed ? "failed" : "took its slot",
+                         sl->dropped_failed ? "a failed call ends every pending hook of the buffer"
+                                            : "an LL dispatch, combine or epx_ll_get_combine_buffer on a slot "
+                                              "drops the slot's pending hook");
+    if (sl->pending != hook->kind || sl->pending_seq != hook->seq)
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: hook of call %llu already ran", hb->rank,
+                         (unsigned long long)hook->seq);
     sl->pending = LL_PENDING_NONE;
     if (hook->kind == LL_PENDING_DISPATCH) return ll_dispatch_recv(hb, hook->slot);
     return ll_combine_recv(hb, hook->slot, hook->seq);

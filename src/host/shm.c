@@ -378,17 +378,33 @@ static epx_result_t destroyed_error(const host_buffer_t *hb, int peer, const cha
     return epx_error(EPX_ERR_REMOTE, "rank %d: peer %d destroyed its buffer while %s", hb->rank, peer, doing);
 }
 
-/* EPX_ERR_MISMATCH when `peer` announced another kind of call `seq` than we did. */
+/* EPX_ERR_MISMATCH when `peer` announced another kind of call `seq` than we did, or the same kind
+ * working on something else (host_call_detail). */
 static epx_result_t check_call(const host_buffer_t *hb, int peer, uint64_t seq)
 {
     const size_t i = seq % HOST_CALL_RING;
     const uint64_t mine = atomic_load_explicit(&host_hdr(hb, hb->rank)->calls[i], memory_order_relaxed);
     const uint64_t theirs = atomic_load_explicit(&host_hdr(hb, peer)->calls[i], memory_order_acquire);
-    if (seq == 0 || mine >> 8 != seq || theirs >> 8 != seq || (mine & 0xff) == (theirs & 0xff))
-        return EPX_SUCCESS;
-    return epx_error(EPX_ERR_MISMATCH, "rank %d: call %llu is %s here but %s on peer %d", hb->rank,
-                     (unsigned long long)seq, epx_call_name((int)(mine & 0xff)),
-                     epx_call_name((int)(theirs & 0xff)), peer);
+    if (seq == 0 || mine >> 8 != seq || theirs >> 8 != seq) return EPX_SUCCESS;
+    if ((mine & 0xff) != (theirs & 0xff))
+        return epx_error(EPX_ERR_MISMATCH, "rank %d: call %llu is %s here but %s on peer %d", hb->rank,
+                         (unsigned long long)seq, epx_call_name((int)(mine & 0xff)),
+                         epx_call_name((int)(theirs & 0xff)), peer);
+    const uint64_t md = atomic_load_explicit(&host_hdr(hb, hb->rank)->call_details[i], memory_order_relaxed);
+    const uint64_t td = atomic_load_explicit(&host_hdr(hb, peer)->call_details[i], memory_order_acquire);
+    const uint64_t tag = seq & 0xffffffffu;
+    if (md >> 32 != tag || td >> 32 != tag || (uint32_t)md == (uint32_t)td) return EPX_SUCCESS;
+    return epx_error(EPX_ERR_MISMATCH,
+                     "rank %d: call %llu (%s) combines the LL dispatch of call %u here but that of call %u on "
+                     "peer %d (every rank combines the same dispatch)",
+                     hb->rank, (unsigned long long)seq, epx_call_name((int)(mine & 0xff)), (unsigned)md,
+                     (unsigned)td, peer);
+}
+
+void host_call_detail(host_buffer_t *hb, uint64_t seq, uint64_t detail)
+{
+    atomic_store_explicit(&host_hdr(hb, hb->rank)->call_details[seq % HOST_CALL_RING],
+                          (seq & 0xffffffffu) << 32 | (detail & 0xffffffffu), memory_order_release);
 }
 
 void host_begin_call(host_buffer_t *hb, uint64_t seq, epx_call_kind_t kind)
@@ -591,6 +607,9 @@ epx_result_t host_fail(host_buffer_t *hb, uint64_t seq, epx_result_t res)
 {
     host_region_hdr_t *hdr = host_hdr(hb, hb->rank);
     _Atomic uint64_t *ring = &hdr->failed_calls[seq % HOST_CALL_RING];
+    /* Peers stop waiting for this rank to release what they published once it failed a call: a hook
+     * that would still read it must not run. */
+    host_ll_fail(hb, seq);
     if (atomic_load_explicit(ring, memory_order_relaxed) >> 8 != seq)
         atomic_store_explicit(ring, seq << 8 | ((uint64_t)res & 0xff), memory_order_release);
     if (atomic_load_explicit(&hdr->failed_seq, memory_order_relaxed) >= seq) return res;

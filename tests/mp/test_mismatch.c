@@ -3,6 +3,9 @@
  * for every pair of kinds (HT, LL, routing-map dispatch and combine), rank 0 makes one and the
  * others the other, at R = 2 and 3. Every rank must fail at once (far below the 20 s timeout)
  * with EPX_ERR_MISMATCH naming both calls, and the next call, alike on every rank, succeed at once.
+ * Then LL combines that name different live dispatches (ERR_MISMATCH at once on every rank, their
+ * slots' areas never meet), a stale handle on one rank (it fails by itself, its peers with
+ * ERR_REMOTE at once), and a failed call ending a pending hook (it then fails naming that call).
  */
 #include "test_calls_io.h"
 
@@ -42,6 +45,73 @@ static int body(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
     return calls_close(&c);
 }
 
+/* LL combines of different dispatches, a stale handle on one rank, a hook ended by a failure. */
+static int ll_body(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
+{
+    (void)ctx;
+    static calls_t c;
+    if (calls_open(&c, rank, nranks, id)) return 1;
+    epx_ll_handle_t A, B, C;
+    EXPECT_OK(calls_ll_dispatch(&c, &A)); /* slot 0 */
+    EXPECT_OK(calls_ll_dispatch(&c, &B)); /* slot 1 */
+    /* Rank 0 combines B, the others A: different slots, so no area is shared. */
+    c.ll = rank == 0 ? B : A;
+    double t0 = epx_test_now_s();
+    EXPECT_RES(calls_ll_combine(&c), EPX_ERR_MISMATCH);
+    EXPECT_TRUE(epx_test_now_s() - t0 < LIMIT_S);
+    EXPECT_MSG_HAS("combines the LL dispatch of call");
+    c.ll = B;
+    EXPECT_OK(calls_ll_combine(&c));
+    /* C reuses A's slot: A is stale. Rank 1 alone passes A; the others combine B. */
+    EXPECT_OK(calls_ll_dispatch(&c, &C));
+    c.ll = rank == 1 ? A : B;
+    t0 = epx_test_now_s();
+    if (rank == 1) {
+        EXPECT_RES(calls_ll_combine(&c), EPX_ERR_INVALID_ARG);
+        EXPECT_MSG_HAS("stale ll handle");
+    } else {
+        EXPECT_RES(calls_ll_combine(&c), EPX_ERR_REMOTE);
+        EXPECT_MSG_HAS("peer 1 failed call");
+    }
+    EXPECT_TRUE(epx_test_now_s() - t0 < LIMIT_S);
+    /* A dispatch hook pending when a call fails (rank 0 refuses its HT dispatch: T past the buffer) is
+     * ended on every rank: running it names the failed call; the next calls work. */
+    epx_ll_dispatch_args_t a = EPX_LL_DISPATCH_ARGS_INIT;
+    a.x = epx_tensor_2d(c.x, EPX_DTYPE_BF16, CT, CH);
+    a.topk_idx = epx_tensor_2d(c.topk, EPX_DTYPE_INT32, CT, CK);
+    a.return_recv_hook = 1;
+    epx_ll_dispatch_outputs_t o = EPX_LL_DISPATCH_OUTPUTS_INIT;
+    o.recv_x = epx_tensor_3d(c.ll_recv, EPX_DTYPE_BF16, CL, (int64_t)nranks * CT, CH);
+    o.recv_count = epx_tensor_1d(c.ll_count, EPX_DTYPE_INT32, CL);
+    EXPECT_OK(epx_ll_dispatch(c.buf, &a, &o));
+    epx_ht_dispatch_args_t h = EPX_HT_DISPATCH_ARGS_INIT;
+    h.x = epx_tensor_2d(c.x, EPX_DTYPE_BF16, rank == 0 ? CT + 1 : CT, CH);
+    h.topk_idx = epx_tensor_2d(c.topk, EPX_DTYPE_INT32, rank == 0 ? CT + 1 : CT, CK);
+    epx_ht_dispatch_outputs_t ho = EPX_HT_DISPATCH_OUTPUTS_INIT;
+    ho.recv_x = epx_tensor_2d(c.recv, EPX_DTYPE_BF16, (int64_t)nranks * CT, CH);
+    EXPECT_TRUE(epx_ht_dispatch(c.buf, &h, &ho) != EPX_SUCCESS);
+    EXPECT_RES(epx_hook_run(&o.hook, NULL), EPX_ERR_INVALID_ARG);
+    EXPECT_MSG_HAS("no longer runs");
+    EXPECT_MSG_HAS("failed before it ran");
+    EXPECT_OK(calls_ll_dispatch(&c, &c.ll));
+    EXPECT_OK(calls_ll_combine(&c));
+    /* Ranks that disagree on use_fp8 fail the dispatch with ERR_MISMATCH, and the next one works. */
+    static float scales[CL * (CH / 128) * CR_MAX * CT];
+    epx_ll_dispatch_args_t f = EPX_LL_DISPATCH_ARGS_INIT;
+    f.x = epx_tensor_2d(c.x, EPX_DTYPE_BF16, CT, CH);
+    f.topk_idx = epx_tensor_2d(c.topk, EPX_DTYPE_INT32, CT, CK);
+    f.use_fp8 = rank == 0;
+    epx_ll_dispatch_outputs_t fo = EPX_LL_DISPATCH_OUTPUTS_INIT;
+    fo.recv_x = epx_tensor_3d(c.ll_recv, rank == 0 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16, CL, (int64_t)nranks * CT, CH);
+    if (rank == 0) fo.recv_scales = epx_tensor_3d(scales, EPX_DTYPE_FP32, CL, CH / 128, (int64_t)nranks * CT);
+    fo.recv_count = epx_tensor_1d(c.ll_count, EPX_DTYPE_INT32, CL);
+    EXPECT_RES(epx_ll_dispatch(c.buf, &f, &fo), EPX_ERR_MISMATCH);
+    EXPECT_MSG_HAS("passes use_fp8");
+    EXPECT_OK(calls_ll_dispatch(&c, &c.ll));
+    EXPECT_OK(calls_ll_combine(&c));
+    return calls_close(&c);
+}
+
 int main(void)
 {
     int failed = 0, cases = 0;
@@ -56,6 +126,11 @@ int main(void)
                 }
                 cases++;
             }
+    for (int R = 2; R <= 3; R++, cases++)
+        if (epx_test_run_ranks(R, ll_body, NULL, 60)) {
+            fprintf(stderr, "mismatch: R=%d, LL combines of different dispatches: FAILED\n", R);
+            failed = 1;
+        }
     printf("mismatch: %d cases %s\n", cases, failed ? "FAILED" : "ok");
     return failed;
 }

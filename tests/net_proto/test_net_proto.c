@@ -5,82 +5,69 @@
  */
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "epx_test.h"
 #include "proto_test.h"
 
-#define H_HIDDEN   40
-#define TIMEOUT_MS 20000
+#define H_HIDDEN 40
 
 typedef struct one_case {
-    ref_split_t split;
-    int K;
-    int64_t T_max;
-    int iter; /* token counts (ref_gen_token_counts): 1 gives the first and last rank none */
-    ref_routing_t routing;
+    proto_case_t base; /* variant: proto_variant_t */
     int with_weights, alignment, bias0, bias1;
-    epx_net_model_mode_t mode;
-    proto_variant_t variant;
-    uint64_t seed;
 } one_case_t;
 
-typedef struct inputs {
-    ref_problem_t p;
-    uint64_t yseed;
+/* One case's inputs, its protocol's configuration and, once it ran, outputs. */
+typedef struct one_run {
+    const one_case_t *c;
+    proto_inputs_t d;
     proto_input_t in[REF_MAX_RANKS];
-    uint16_t *x[REF_MAX_RANKS], *b0[REF_MAX_RANKS], *b1[REF_MAX_RANKS];
-} inputs_t;
+    proto_config_t cfg;
+    proto_output_t out[REF_MAX_RANKS];
+} one_run_t;
 
 static void make_y(void *ctx, int r, int32_t src, int64_t tok, uint16_t *y)
 {
-    const inputs_t *d = ctx;
-    for (int64_t c = 0; c < d->p.H; c++) y[c] = ref_y_bf16(d->yseed, r, -1, src, tok, c);
+    proto_y_row(ctx, r, -1, src, tok, y);
 }
 
-static void free_inputs(inputs_t *d)
+static int build(void *state)
 {
-    for (int r = 0; r < d->p.R; r++) {
-        free(d->x[r]);
-        free(d->b0[r]);
-        free(d->b1[r]);
-    }
-    ref_problem_free(&d->p);
-}
-
-static int make_inputs(const one_case_t *c, inputs_t *d)
-{
-    memset(d, 0, sizeof(*d));
-    if (proto_test_problem(&d->p, c->split, c->K, H_HIDDEN, c->T_max, c->iter, c->routing, c->seed)) return 1;
-    const int64_t *T = d->p.T;
-    d->yseed = c->seed ^ 0x5eedull;
-    for (int s = 0; s < d->p.R; s++) {
-        const size_t n = (size_t)(T[s] * H_HIDDEN) + 1;
-        d->x[s] = calloc(n, 2);
-        d->b0[s] = c->bias0 ? calloc(n, 2) : NULL;
-        d->b1[s] = c->bias1 ? calloc(n, 2) : NULL;
-        if (!d->x[s] || (c->bias0 && !d->b0[s]) || (c->bias1 && !d->b1[s])) return 1;
-        for (int64_t t = 0; t < T[s]; t++) {
-            ref_x_row(&d->p, s, t, REF_TAG_X, d->x[s] + t * H_HIDDEN);
+    one_run_t *k = state;
+    const one_case_t *c = k->c;
+    if (proto_inputs_init(&k->d, &c->base, H_HIDDEN, c->base.iter, c->base.seed, 0x5eedull)) return 1;
+    const uint64_t yseed = k->d.yseed;
+    for (int s = 0; s < k->d.p.R; s++) {
+        const int64_t T = k->d.p.T[s];
+        uint16_t *b0 = c->bias0 ? proto_inputs_alloc(&k->d, T * H_HIDDEN, 2) : NULL;
+        uint16_t *b1 = c->bias1 ? proto_inputs_alloc(&k->d, T * H_HIDDEN, 2) : NULL;
+        if ((c->bias0 && !b0) || (c->bias1 && !b1)) return 1;
+        for (int64_t t = 0; t < T; t++) {
             for (int64_t ch = 0; ch < H_HIDDEN; ch++) {
-                if (c->bias0) d->b0[s][t * H_HIDDEN + ch] = ref_gen_bf16(d->yseed, REF_TAG_BIAS0, s, t, ch);
-                if (c->bias1) d->b1[s][t * H_HIDDEN + ch] = ref_gen_bf16(d->yseed, REF_TAG_BIAS1, s, t, ch);
+                if (b0) b0[t * H_HIDDEN + ch] = ref_gen_bf16(yseed, REF_TAG_BIAS0, s, t, ch);
+                if (b1) b1[t * H_HIDDEN + ch] = ref_gen_bf16(yseed, REF_TAG_BIAS1, s, t, ch);
             }
         }
-        d->in[s] = (proto_input_t){.T = T[s],
-                                   .x = d->x[s],
-                                   .topk = d->p.topk[s],
-                                   .weights = d->p.weights[s],
-                                   .bias0 = d->b0[s],
-                                   .bias1 = d->b1[s]};
+        k->in[s] = (proto_input_t){.T = T,
+                                   .x = k->d.x[s],
+                                   .topk = k->d.p.topk[s],
+                                   .weights = k->d.p.weights[s],
+                                   .bias0 = b0,
+                                   .bias1 = b1};
     }
+    k->cfg = (proto_config_t){.frame = proto_test_frame(&c->base, H_HIDDEN),
+                              .with_weights = c->with_weights,
+                              .alignment = c->alignment,
+                              .variant = (proto_variant_t)c->base.variant};
     return 0;
 }
 
 /* Every output of every rank against the reference; 0 when all equal. */
-static int check_outputs(const one_case_t *c, const inputs_t *d, const proto_output_t *out, int quiet)
+static int check_outputs(void *state, int quiet)
 {
-    const ref_problem_t *p = &d->p;
+    const one_run_t *k = state;
+    const one_case_t *c = k->c;
+    const ref_problem_t *p = &k->d.p;
+    const proto_output_t *out = k->out;
     int bad = 0;
     uint16_t *xrow = malloc(2 * H_HIDDEN);
     if (!xrow) return 1;
@@ -114,7 +101,7 @@ static int check_outputs(const one_case_t *c, const inputs_t *d, const proto_out
         float *cw = calloc((size_t)(p->T[s] * p->K) + 1, 4);
         if (!cx || !cw) bad = 1;
         if (!bad) {
-            ref_ht_combine(p, s, d->yseed, c->bias0, c->bias1, cx, c->with_weights ? cw : NULL);
+            ref_ht_combine(p, s, k->d.yseed, c->bias0, c->bias1, cx, c->with_weights ? cw : NULL);
             bad |=
                 proto_same_bits(quiet, s, "combined_x", out[s].combined, cx, p->T[s] * H_HIDDEN, 2, H_HIDDEN);
             if (c->with_weights)
@@ -128,139 +115,52 @@ static int check_outputs(const one_case_t *c, const inputs_t *d, const proto_out
     return bad;
 }
 
-static proto_config_t config_of(const one_case_t *c)
-{
-    return (proto_config_t){
-        .frame = proto_test_frame(c->split, c->K, H_HIDDEN, c->T_max, c->mode, c->seed, TIMEOUT_MS),
-        .with_weights = c->with_weights,
-        .alignment = c->alignment,
-        .variant = c->variant};
-}
-
-/* Runs one case. Returns 0 when the protocol ran and matched, 1 when it failed (reported unless quiet),
- * 2 when the test itself could not run. */
-static int run_case(const one_case_t *c, int quiet, proto_stats_t *stats_out)
-{
-    inputs_t d;
-    ref_set_seed(c->seed);
-    ref_set_case("%dx%d K %d T_max %lld iter %d %s weights %d align %d bias %d%d %s variant %d",
-                 c->split.nodes, c->split.per_node, c->K, (long long)c->T_max, c->iter,
-                 ref_routing_name(c->routing), c->with_weights, c->alignment, c->bias0, c->bias1,
-                 proto_mode_name(c->mode), (int)c->variant);
-    if (make_inputs(c, &d)) {
-        free_inputs(&d);
-        fprintf(stderr, "cannot build the problem\n");
-        return 2;
-    }
-    const proto_config_t cfg = config_of(c);
-    proto_output_t out[REF_MAX_RANKS];
-    proto_stats_t stats;
-    char err[512] = "";
-    int rc = proto_run(&cfg, d.in, make_y, &d, out, &stats, err, sizeof(err));
-    if (rc) {
-        if (!quiet) ref_fail(-1, "protocol failed: %s", err);
-    } else {
-        rc = check_outputs(c, &d, out, quiet);
-        if (stats_out) *stats_out = stats;
-    }
-    proto_output_free(out, d.p.R);
-    free_inputs(&d);
-    return rc;
-}
+PROTO_ONE_RUN_CALLBACKS(one_run_t, proto_run, proto_output_free)
+static const proto_case_ops_t ops = {build, protocol, check_outputs, release};
 
 /* The case of seed index i on split `split`: parameters cycle so every split sees each of them. */
 static one_case_t make_case(ref_split_t split, int i, epx_net_model_mode_t mode, uint64_t seed)
 {
-    static const int64_t t_max[] = {1, 6, 13};
-    return (one_case_t){.split = split,
-                        .K = 2 + i % 4,
-                        .T_max = t_max[i % 3],
-                        .iter = i % 4,
-                        .routing = (ref_routing_t)((i / 2) % REF_ROUTE_COUNT),
+    return (one_case_t){.base = proto_test_case(split, i, mode, seed),
                         .with_weights = (i / 3) % 2 == 0,
                         .alignment = i % 5 == 4 ? 4 : 1,
                         .bias0 = i % 3 == 1,
-                        .bias1 = i % 6 == 2,
-                        .mode = mode,
-                        .variant = PROTO_OK,
-                        .seed = seed};
+                        .bias1 = i % 6 == 2};
 }
 
-static int sweep_case(const void *arg, ref_split_t split, int i, epx_net_model_mode_t mode, uint64_t seed,
-                      int quiet)
-{
-    (void)arg;
-    const one_case_t c = make_case(split, i, mode, seed);
-    return run_case(&c, quiet, NULL);
-}
-
-/* arg: the wrong variant. */
-static int wrong_case(const void *arg, ref_split_t split, int i, epx_net_model_mode_t mode, uint64_t seed,
-                      int quiet)
+/* Case i of the sweep, changed as a driver asks (proto_case_fn). */
+static int run_case(const proto_change_t *change, ref_split_t split, int i, epx_net_model_mode_t mode,
+                    uint64_t seed, int quiet, proto_result_t *res)
 {
     one_case_t c = make_case(split, i, mode, seed);
-    c.variant = *(const proto_variant_t *)arg;
-    c.iter = 0;   /* every rank holds T_max tokens */
-    c.T_max = 40; /* more packets behind each count message: more chances to read one too early */
-    c.routing = REF_ROUTE_RANDOM;
-    return run_case(&c, quiet, NULL);
+    one_run_t k = {.c = &c};
+    return proto_run_case(&ops, &k, &c.base, change, quiet, res, "weights %d align %d bias %d%d",
+                          c.with_weights, c.alignment, c.bias0, c.bias1);
 }
 
-/* A lost count message: the forwarder's wait ends at its deadline with an error naming rank, stage and
- * peer; every other rank leaves its wait (the abort word) instead of waiting out its own. */
-static int test_lost_message(uint64_t seed)
+/* A wrong variant's runs: every rank holds 40 tokens, routed at random: more packets behind each count
+ * message, more chances to read one too early. */
+static proto_change_t wrong(proto_variant_t variant)
 {
-    one_case_t c = make_case((ref_split_t){2, 2}, 0, EPX_NET_MODEL_STRICT, seed);
-    c.variant = PROTO_DROP_NOTIFY;
-    c.T_max = 13;
-    c.iter = 0;
-    inputs_t d;
-    if (make_inputs(&c, &d)) {
-        free_inputs(&d);
-        return 1;
-    }
-    proto_config_t cfg = config_of(&c);
-    cfg.frame.timeout_ms = PROTO_LOST_TIMEOUT;
-    proto_output_t out[REF_MAX_RANKS];
-    proto_stats_t stats;
-    char err[512] = "";
-    const double t0 = epx_test_now_s();
-    const int rc = proto_run(&cfg, d.in, make_y, &d, out, &stats, err, sizeof(err));
-    const double took = epx_test_now_s() - t0;
-    printf("lost count message: failed after %.2f s: %s\n", took, err);
-    /* Rank 2 (node 1, local 0) waits for the message: its error names the wait, whether its deadline or
-     * another rank's (one whose wait began earlier) ended it. The ranks of its node wait for it at the
-     * notify barrier; node 0's ranks fail too when a token of theirs needs node 1, else they finish. */
-    const int named = proto_lost_at_rank2(out[2].error, out[3].error);
-    proto_output_free(out, d.p.R);
-    free_inputs(&d);
-    return proto_expect_lost(rc, took, err, named);
-}
-
-/* Bytes on the network and inside nodes for one case, against one put per remote destination rank. */
-static int test_bytes(uint64_t seed)
-{
-    one_case_t c = make_case((ref_split_t){2, 3}, 0, EPX_NET_MODEL_NORMAL, seed);
-    c.K = 4;
-    c.T_max = 13;
-    c.iter = 0;
-    c.routing = REF_ROUTE_RANDOM;
-    proto_stats_t st;
-    EXPECT_EQ_INT(run_case(&c, 0, &st), 0);
-    char label[96];
-    snprintf(label, sizeof(label), "2x3 ranks, 13 tokens each, H %d, K %d, weights", H_HIDDEN, c.K);
-    return proto_check_forwarded_bytes(label, &st);
+    return (proto_change_t){.variant = variant, .T_max = 40, .full = 1, .random = 1};
 }
 
 int main(void)
 {
     const uint64_t seed = epx_test_seed();
     const int fast = ref_fast_mode();
-    static const proto_variant_t put_order = PROTO_WRONG_PUT_ORDER, other_peer = PROTO_WRONG_OTHER_PEER;
-    if (test_bytes(seed) || test_lost_message(seed) ||
-        proto_sweep("protocol", "", sweep_case, seed, 4, fast ? 8 : 24) ||
-        proto_wrong_sweep("relying on put order", wrong_case, &put_order, seed, 48) ||
-        proto_wrong_sweep("relying on a strong signal to another peer", wrong_case, &other_peer, seed, 96))
+    const proto_change_t put_order = wrong(PROTO_WRONG_PUT_ORDER), other_peer = wrong(PROTO_WRONG_OTHER_PEER);
+    /* A lost count message: the forwarder's wait ends at its deadline with an error naming rank, stage and
+     * peer; every other rank leaves its wait (the abort word) instead of waiting out its own. Rank 2 (node
+     * 1, local 0) waits for the message: its error names the wait, whether its deadline or another rank's
+     * (one whose wait began earlier) ended it. The ranks of its node wait for it at the notify barrier;
+     * node 0's ranks fail too when a token of theirs needs node 1, else they finish. */
+    const proto_change_t lost = {.variant = PROTO_DROP_NOTIFY, .T_max = 13, .full = 1};
+    if (proto_bytes_test("bytes", run_case, 0, seed, 1) ||
+        proto_lost_test("lost count message", run_case, &lost, 0, seed, proto_lost_at_rank2) ||
+        proto_sweep("protocol", "", run_case, seed, 4, fast ? 8 : 24) ||
+        proto_wrong_sweep("relying on put order", run_case, &put_order, seed, 48) ||
+        proto_wrong_sweep("relying on a strong signal to another peer", run_case, &other_peer, seed, 96))
         return 1;
     printf("ok\n");
     return 0;

@@ -77,6 +77,10 @@ class _Request:
         if self.topk_idx is None and self.in_rank is None:
             raise ValueError("epx.compat.deep_ep: dispatch without a handle needs is_token_in_rank "
                              "(or topk_idx)")
+        if self.in_rank is not None and (tuple(self.in_rank.shape) != (x.shape[0], R)
+                                         or self.in_rank.dtype != _torch().bool):
+            raise ValueError("epx.compat.deep_ep: is_token_in_rank must be [num_tokens, num_ranks] = [%d, %d] "
+                             "bool (got %s %s)" % (x.shape[0], R, list(self.in_rank.shape), self.in_rank.dtype))
         if self.topk_idx is None and self.worst > 0:
             raise ValueError("epx.compat.deep_ep: num_worst_tokens needs topk_idx and topk_weights "
                              "(as in DeepEP)")
@@ -284,8 +288,10 @@ class HTPath:
                         "epx.compat.deep_ep: this num_worst_tokens dispatch (T %d with num_worst_tokens %d, "
                         "top-k width %d, E %d, hidden %d) does not fit the buffer made by earlier calls, and a "
                         "static call cannot re-make it (it makes no host synchronisation, so the ranks cannot "
-                        "agree on a new buffer); make one call without num_worst_tokens with these shapes first"
-                        % (req.x.shape[0], req.worst, req.K, req.E, req.H))
+                        "agree on a new buffer). The buffer must hold T = max(T, ceil(num_worst_tokens / "
+                        "ranks)) = %d tokens per rank: make one call without num_worst_tokens with that many "
+                        "tokens (and this top-k width, E and hidden) first, or make the static call first"
+                        % (req.x.shape[0], req.worst, req.K, req.E, req.H, req.T))
                 raise _NoFit("epx.compat.deep_ep: rank %d's dispatch (T %d, top-k width %d, E %d, hidden %d) "
                              "does not fit the data buffer; every rank agrees on a new one"
                              % (self.rank, req.T, req.K, req.E, req.H))
@@ -374,7 +380,9 @@ class HTPath:
             counts = self._expert_counts(req)
         if req.topk_idx is not None:
             # One copy at most: the caller's width, and the caller's dtype (views of the buffer hold int32).
-            recv_idx = out.recv_topk_idx[:, :K_user].to(req.topk_idx.dtype, memory_format=torch.contiguous_format)
+            narrow = out.recv_topk_idx[:, :K_user]  # DeepEP returns contiguous ids
+            recv_idx = (narrow.contiguous() if narrow.dtype == req.topk_idx.dtype
+                        else narrow.to(req.topk_idx.dtype, memory_format=torch.contiguous_format))
             recv_w = out.recv_topk_weights
             if recv_w is not None and K_user < buf.num_topk:
                 recv_w = recv_w[:, :K_user].contiguous()

@@ -213,7 +213,10 @@ class Buffer:
         return self.comm.cuda_device
 
     def get_comm_stream(self):
-        """The current stream: epx runs every call on the caller's stream."""
+        """The current stream: epx runs every call on the caller's stream. None on the CPU (the host
+        backend has no streams, as its events are None)."""
+        if self.comm.backend != "cuda":
+            return None
         return _torch().cuda.current_stream()
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
@@ -311,12 +314,13 @@ class Buffer:
         return self._ll[1] if self._ll is not None else None
 
     def _ll_buffer(self, t_max, H, K, E):
-        if self._ll is not None:
-            key, buf = self._ll
-            if key == (t_max, H, K, E):
-                return buf
-            buf.destroy()
+        if self._ll is not None and self._ll[0] == (t_max, H, K, E):
+            return self._ll[1]
+        # The new buffer first (collective): when its creation fails (say one rank asked for other
+        # shapes, so the others never joined), the current one stays, and calls that agree go on.
         buf = epx.Buffer(self.comm, t_max, H, K, E, modes="ll", dispatch_dtypes="bf16")
+        if self._ll is not None:
+            self._ll[1].destroy()
         self._ll = ((t_max, H, K, E), buf)
         return buf
 
@@ -406,6 +410,7 @@ class Buffer:
     # ------------------------------------------------------------------ mask buffer (enable_shrink)
 
     def _check_shrink(self, what):
+        self._check_live(what)
         if not self.enable_shrink:
             raise RuntimeError("epx.compat.deep_ep: %s needs Buffer(..., enable_shrink=True)" % what)
 
