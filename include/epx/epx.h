@@ -690,6 +690,10 @@ typedef struct epx_rm_dispatch_outputs {
     epx_tensor_t num_tokens;        /* [out] optional [1] int32: N_r or P, in device memory */
     int64_t num_tokens_host;        /* [out] N_r or P (the bound's value when one is given) */
     epx_handle_t handle;            /* [out] */
+    epx_tensor_t local_map;         /* [out] optional [>= R*T_max, L] bool: row i for the i-th received
+                                       token (HT order, all N_r of them whatever the bound), column j
+                                       true where it selected local expert j; rows from N_r on false.
+                                       In device memory, written without a host wait (capturable) */
 } epx_rm_dispatch_outputs_t;
 
 #define EPX_RM_DISPATCH_OUTPUTS_INIT EPX_STRUCT_INIT_(epx_rm_dispatch_outputs_t)

@@ -456,12 +456,13 @@ COLLECTIVE_METHOD(buffer_rm_dispatch, EPX_COLLECTIVE_RM_DISPATCH)
                          "num_dispatched_tokens",
                          "num_permuted_tokens",
                          "stream",
+                         "local_map",
                          NULL};
     PyObject *x_obj, *map_obj, *probs_obj = Py_None, *sf_obj = Py_None, *nd_obj = Py_None, *np_obj = Py_None;
     PyObject *stream_obj = Py_None;
-    int permute = 0, pad_multiple = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|OOpiOOO", kw, &x_obj, &map_obj, &probs_obj, &sf_obj,
-                                     &permute, &pad_multiple, &nd_obj, &np_obj, &stream_obj))
+    int permute = 0, pad_multiple = 1, local_map = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|OOpiOOOp", kw, &x_obj, &map_obj, &probs_obj, &sf_obj,
+                                     &permute, &pad_multiple, &nd_obj, &np_obj, &stream_obj, &local_map))
         return NULL;
     if (py_buffer_check(self) != 0) return NULL;
     call_t c;
@@ -478,7 +479,7 @@ COLLECTIVE_METHOD(buffer_rm_dispatch, EPX_COLLECTIVE_RM_DISPATCH)
         {map_obj, "routing_map", HINT_BOOL, &a.routing_map},
         {probs_obj, "probs", HINT_NONE, &a.probs},
     };
-    if (call_open(&c, 7, x_obj, stream_obj, in, COUNT(in), &a.stream) != 0) return call_fail(&c);
+    if (call_open(&c, 8, x_obj, stream_obj, in, COUNT(in), &a.stream) != 0) return call_fail(&c);
     if (py_check_views_in(self, in, COUNT(in), NULL) != 0) return call_fail(&c);
     int64_t H = self->cfg.hidden, L = self->L;
     int64_t bound = permute ? a.num_permuted_tokens : a.num_dispatched_tokens;
@@ -491,6 +492,7 @@ COLLECTIVE_METHOD(buffer_rm_dispatch, EPX_COLLECTIVE_RM_DISPATCH)
         {a.probs.data != NULL, EPX_DTYPE_FP32, permute ? 1 : 2, {cap, L}, "probs", &o.probs},
         {permute, EPX_DTYPE_INT32, 1, {L}, "tokens_per_expert", &o.tokens_per_expert},
         [6] = {bound >= 0, EPX_DTYPE_INT32, 1, {1}, "num_tokens", &o.num_tokens},
+        {local_map, EPX_DTYPE_BOOL, 2, {(int64_t)self->R * self->cfg.max_tokens, L}, "local_map", &o.local_map},
     };
     if (call_alloc(&c, outs, COUNT(outs)) != 0) return call_fail(&c);
     epx_result_t res;
@@ -669,12 +671,13 @@ PyMethodDef py_buffer_methods[] = {
      "bf16, hook)."},
     {"rm_dispatch", KWFN(buffer_rm_dispatch), METH_VARARGS | METH_KEYWORDS,
      "rm_dispatch(hidden, routing_map, probs=None, scaling_factor=None, *, permute=False, pad_multiple=1,\n"
-     "            num_dispatched_tokens=None, num_permuted_tokens=None, stream=None) -> "
+     "            num_dispatched_tokens=None, num_permuted_tokens=None, stream=None, local_map=False) -> "
      "RoutingDispatchOutput\n"
      "--\n\nRouting-map dispatch (collective). hidden [T, H] bf16 or fp8 (+ scaling_factor [T, H/128]\n"
      "float32); routing_map [T, E] bool; probs [T, E] float32. permute groups rows by local expert, each\n"
      "group padded to pad_multiple. A bound sizes the outputs (rows past it are dropped, see\n"
-     "query_overflow); without one outputs have exactly N_r or P rows."},
+     "query_overflow); without one outputs have exactly N_r or P rows. local_map=True adds the received\n"
+     "tokens' local experts ([R*T_max, L] bool, no host wait)."},
     {"rm_combine", KWFN(buffer_rm_combine), METH_VARARGS | METH_KEYWORDS,
      "rm_combine(x, handle, weighted=False, *, stream=None) -> tensor\n--\n\n"
      "Inverse of rm_dispatch (collective): x [>= rows, H] bf16 in the dispatch's output layout; returns\n"

@@ -607,6 +607,9 @@ static PyStructSequence_Field rm_dispatch_fields[] = {
     {"num_tokens", "N_r or P (the bound when one was given)"},
     {"num_tokens_tensor",
      "[1] int32 holding the real count in the tensors' memory (with a bound), else None"},
+    {"local_map",
+     "with local_map=True: [R*T_max, L] bool, row i the i-th received token's local experts (HT order, every "
+     "received token whatever the bound), rows after them False; else None"},
     {NULL},
 };
 
@@ -634,7 +637,7 @@ static struct {
      {"epx.LLCombineOutput", "Result of Buffer.ll_combine.", ll_combine_fields, 2}},
     {"RoutingDispatchOutput",
      &py_rm_dispatch_type,
-     {"epx.RoutingDispatchOutput", "Result of Buffer.rm_dispatch.", rm_dispatch_fields, 7}},
+     {"epx.RoutingDispatchOutput", "Result of Buffer.rm_dispatch.", rm_dispatch_fields, 8}},
 };
 
 int py_add_result_types(PyObject *m)

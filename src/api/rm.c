@@ -61,6 +61,9 @@ EPX_API_CHECK_FN(rm_dispatch)
     if (epx_api_present(&o->probs) && !epx_api_present(&a->probs))
         return ARG_ERR("outputs.probs is requested but args.probs is absent");
     CHECK_TENSOR(&o->num_tokens, "outputs.num_tokens", BIT(INT32), 1, {1}, "1", EPX_TENSOR_OPTIONAL);
+    /* Callers built before local_map existed pass a shorter struct: read over zeros, it is absent. */
+    CHECK_TENSOR(&o->local_map, "outputs.local_map", BIT(BOOL), 2, {cap_plain, L}, "R*T_max,L",
+                 EPX_TENSOR_MIN_ROWS | EPX_TENSOR_OPTIONAL);
     EPX_CHECK(epx_api_check_routing_map(comm, &a->routing_map, K, "routing_map"));
     return EPX_SUCCESS;
 }

@@ -116,6 +116,8 @@ epx_result_t epx_cuda_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_r
     a.out_probs = outputs->probs.data;
     a.tokens_per_expert = permute ? outputs->tokens_per_expert.data : NULL;
     a.num_tokens_out = outputs->num_tokens.data;
+    a.local_map = outputs->local_map.data;
+    a.local_map_rows = a.local_map ? outputs->local_map.shape[0] : 0;
     int64_t cap = outputs->tokens.shape[0];
     if (a.out_scales) cap = rm_rows(&outputs->scaling_factor, cap);
     cap = rm_rows(&outputs->probs, cap);

@@ -206,6 +206,31 @@ static void rm_fill_rows(void *vctx, int64_t begin, int64_t end)
     }
 }
 
+/* outputs.local_map: row i for the i-th token received (sources ascending, their tokens ascending, all
+ * of them whatever the bound), true at the local experts it selected; the rows after them false. */
+static void rm_fill_local_map(host_buffer_t *hb, const rm_in_layout_t *lay, const host_pub_t *pubs,
+                              const epx_tensor_t *map)
+{
+    const int64_t L = hb->buffer->num_local_experts, K = hb->buffer->config.num_topk, me = hb->rank;
+    uint8_t *out = map->data;
+    int64_t i = 0;
+    for (int s = 0; s < hb->nranks; s++) {
+        const int32_t *sel = rm_sel(hb, lay, s);
+        for (int64_t t = 0; t < pubs[s].words[RM_W_T]; t++) {
+            uint8_t *row = out + i * L;
+            int any = 0;
+            memset(row, 0, (size_t)L);
+            for (int64_t k = 0; k < K && sel[t * K + k] >= 0; k++)
+                if (sel[t * K + k] / L == me) {
+                    row[sel[t * K + k] - me * L] = 1;
+                    any = 1;
+                }
+            i += any;
+        }
+    }
+    memset(out + i * L, 0, (size_t)((map->shape[0] - i) * L));
+}
+
 /* Compacts our routing map (and probs) into the IN area: per token the selected experts
  * ascending, -1 padded to K. */
 static epx_result_t rm_publish_routing(host_buffer_t *hb, const rm_in_layout_t *lay,
@@ -444,6 +469,7 @@ epx_result_t host_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_rm_di
 
     rm_fill_ctx_t ctx = {hb, &lay, rows, outputs, esize, permute};
     host_parallel_for(hb, out_rows, 16, rm_fill_rows, &ctx);
+    if (outputs->local_map.data) rm_fill_local_map(hb, &lay, pubs, &outputs->local_map);
     if (outputs->num_tokens.data) ((int32_t *)outputs->num_tokens.data)[0] = (int32_t)real;
     outputs->num_tokens_host = out_rows;
     if (real > out_rows) {

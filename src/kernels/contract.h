@@ -299,6 +299,8 @@ typedef struct epx_cuda_rm_args {
     float *out_probs;          /* [limit][L] without permute, [limit] with */
     int32_t *tokens_per_expert;
     int32_t *num_tokens_out;
+    uint8_t *local_map;        /* [local_map_rows][L] bool or NULL: received token i's local experts */
+    int64_t local_map_rows;
     int64_t limit;             /* the bound, or the outputs' capacity without one */
     int32_t bounded;
     /* combine */

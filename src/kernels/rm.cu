@@ -361,6 +361,12 @@ __global__ void __launch_bounds__(kBlockThreads) rm_recv_kernel(const __grid_con
             a.h.recv_src[i] = (int32_t)t;
             if (s == me) a.h.local_row[t] = (int32_t)i;
         }
+        if (a.local_map) /* every received row, whatever the bound: its local experts */
+            for (int j = lane; j < L; j += 32) {
+                uint8_t sel = 0;
+                for (int k = 0; k < K; k++) sel |= didx[slot * K + k] == j;
+                a.local_map[i * L + j] = sel;
+            }
         if (!a.permute) {
             if (i >= lim) continue;
             uint8_t *dst = a.tokens + i * a.row_bytes;
@@ -401,6 +407,11 @@ __global__ void __launch_bounds__(kBlockThreads) rm_recv_kernel(const __grid_con
         }
         __syncwarp();
     }
+    /* The local map's rows after the received ones select nothing. */
+    if (a.local_map && writable)
+        for (int64_t b = total * L + (int64_t)blockIdx.x * blockDim.x + threadIdx.x; b < a.local_map_rows * L;
+             b += (int64_t)gridDim.x * blockDim.x)
+            a.local_map[b] = 0;
     /* Zero rows: padding inside the groups and, with a bound, everything between the real count
      * and the bound (without one, rows past the real count are left alone). */
     const int pw = a.permute ? 1 : L;

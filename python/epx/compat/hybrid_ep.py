@@ -246,7 +246,7 @@ class HybridEPBuffer:
         kw = {"num_permuted_tokens": bound} if permute else {"num_dispatched_tokens": bound}
         try:
             out = self.buffer.rm_dispatch(x, routing_map, probs, sf, permute=permute,
-                                          pad_multiple=pad_multiple, **kw)
+                                          pad_multiple=pad_multiple, local_map=True, **kw)
         except epx.InvalidArgumentError as e:
             if "more than K =" not in str(e):
                 raise
@@ -255,30 +255,17 @@ class HybridEPBuffer:
         tokens = out.tokens.view(torch.uint8) if hidden.dtype == torch.uint8 else out.tokens
         return out, tokens
 
-    def _local_map(self, routing_map, out, bounded):
-        """(num_dispatched_tokens_tensor [1] int32, local_expert_routing_map [N_r, L] bool) of this rank,
-        from every rank's routing map (gathered over the group, as HybridEP's preprocessing does). Runs
-        after the dispatch succeeded on every rank, so all ranks reach the gather. [N_r, L] without a
-        bound, [R * T_max, L] (rows past N_r select nothing) with one."""
+    def _local_map(self, out, bounded):
+        """(num_dispatched_tokens_tensor [1] int32, local_expert_routing_map [N_r, L] bool) of this rank, from
+        the dispatch's own local_map output (each received token's local experts, written on the device:
+        no group operation, capturable). [N_r, L] without a bound, [R * T_max, L] (rows past N_r select
+        nothing) with one."""
         torch = _torch()
-        import torch.distributed as dist
-
-        if not dist.is_available() or not dist.is_initialized():
-            count = out.num_tokens_tensor if out.num_tokens_tensor is not None else None
-            return count, None
-        Tm, E, L = self.max_num_of_tokens_per_rank, self.num_experts, self.num_local_experts
-        mine = torch.zeros((Tm, E), dtype=torch.uint8, device=routing_map.device)
-        mine[:routing_map.shape[0]] = routing_map.to(torch.uint8)
-        parts = [torch.empty_like(mine) for _ in range(self.group_size)]
-        dist.all_gather(parts, mine, group=self.group)
-        cols = torch.cat(parts)[:, self.rank * L:(self.rank + 1) * L].bool()
-        rows = cols.any(dim=1)
-        count = rows.sum().to(torch.int32).reshape(1)
+        cols = torch.as_tensor(out.local_map)  # numpy inputs give a numpy map: the same memory as torch's
+        count = cols.any(dim=1).sum(dtype=torch.int32).reshape(1)
         if not bounded:
-            return count, cols[rows]
-        # With a bound nothing may wait on the device (the call may be captured): [R * T_max, L], the
-        # received rows first in order, then rows that select nothing.
-        return count, cols[torch.argsort((~rows).to(torch.uint8), stable=True)]
+            return count, cols[:int(count.item())]  # the host waits for N_r anyway without a bound
+        return count, cols
 
     @staticmethod
     def _overflow_flag(out, bound):
@@ -401,7 +388,7 @@ class HybridEPBuffer:
         if handle is not None:
             count, local_map = handle[3], self._replayed_map(handle, bounded, out.num_tokens)
         else:
-            count, local_map = self._local_map(routing_map, out, bounded)
+            count, local_map = self._local_map(out, bounded)
         if count is None:
             count = _torch().tensor([out.num_tokens], dtype=_torch().int32)
         state = _State(out.handle, False, 1, routing_map, out.num_tokens, None, bounded)
@@ -453,7 +440,7 @@ class HybridEPBuffer:
         if handle is not None:
             count, local_map = handle[3], self._replayed_map(handle, bounded, out.num_tokens)
         else:
-            count, local_map = self._local_map(routing_map, out, bounded)
+            count, local_map = self._local_map(out, bounded)
         state = _State(out.handle, True, pad, routing_map, out.num_tokens, out.tokens_per_expert, bounded)
         T = hidden.shape[0]
         overflow = self._overflow_flag(out, num_permuted_tokens)
