@@ -223,7 +223,9 @@ int epx_peer_exited(const epx_peers_t *peers, int peer);
 epx_result_t epx_comm_agree(epx_comm_t comm, epx_result_t mine, const char *step);
 /* epx_comm_agree, and *settled = 1 when the agreement itself completed: every rank then holds the same
  * verdict, so a failure of the step can be followed by a step all ranks take together (a fallback);
- * 0 when the collective failed (a peer dead or stalled), after which no further collective is tried. */
+ * 0 when the collective failed (a peer dead or stalled), after which no further collective is tried.
+ * Limit: a peer that dies while rank 0 hands out the result can leave the ranks served before it
+ * settled and the others not; the former's next step then fails by the timeout, never by a hang. */
 epx_result_t epx_comm_agree_settled(epx_comm_t comm, epx_result_t mine, const char *step, int *settled);
 /* `ready`: the caller's outcome so far; a failure joins the exchange's first agreement, so that the
  * peers learn of it at once instead of waiting for a rank that never comes (fds may then be NULL). */

@@ -236,13 +236,13 @@ epx_result_t epx_share_fds(epx_comm_t comm, const epx_peers_t *peers, int own_fd
     share_t sh = {comm, peers, comm->rank, comm->nranks, {0, 0}, -1, NULL, NULL, 0};
     if (ready == EPX_SUCCESS && !fds)
         ready = epx_error(EPX_ERR_INVALID_ARG, "rank %d: no descriptor table", sh.rank);
+    for (int p = 0; fds && p < sh.nranks; p++) fds[p] = -1; /* the contract holds on every path */
     if (ready == EPX_SUCCESS) sh.socks = malloc((size_t)sh.nranks * 2 * sizeof(int));
     if (sh.socks) {
         sh.served = sh.socks + sh.nranks;
         for (int p = 0; p < sh.nranks; p++) {
             sh.socks[p] = -1;
             sh.served[p] = 0;
-            fds[p] = -1;
         }
     }
     /* Each step is agreed, so that no rank waits for a peer that already gave up. */
@@ -275,14 +275,21 @@ uint64_t epx_namespace_id(const char *kind)
 
 epx_result_t epx_share_check_pid_ns(epx_comm_t comm)
 {
+    /* From the whole table (every rank has the same), so that every rank reaches the same verdict: two
+     * known namespaces that differ (an unknown one, 0, is not counted). */
     const int rank = comm->rank;
-    const uint64_t mine = comm->peers[rank].pid_ns;
-    for (int r = 0; r < comm->nranks; r++)
-        if (comm->peers[r].pid_ns != mine && comm->peers[r].pid_ns != 0 && mine != 0)
+    int first = -1;
+    for (int r = 0; r < comm->nranks; r++) {
+        if (comm->peers[r].pid_ns == 0) continue;
+        if (first < 0) {
+            first = r;
+        } else if (comm->peers[r].pid_ns != comm->peers[first].pid_ns) {
             return epx_error(EPX_ERR_UNSUPPORTED,
-                             "rank %d: rank %d runs in another pid namespace; ranks of one machine share memory "
-                             "by passing descriptors to peers checked by pid, which needs one pid namespace (run "
-                             "them in one container, or share the host's pid namespace)",
-                             rank, r);
+                             "rank %d: ranks %d and %d run in different pid namespaces; ranks of one machine share "
+                             "memory by passing descriptors to peers checked by pid, which needs one pid namespace "
+                             "(run them in one container, or share the host's pid namespace)",
+                             rank, first, r);
+        }
+    }
     return EPX_SUCCESS;
 }

@@ -23,7 +23,7 @@ typedef struct ll_slot {
     /* Pending hook; the last one dropped unrun (its call, and the call that took the slot first). */
     int pending;
     uint64_t pending_seq;
-    uint64_t dropped_seq, dropped_by;
+    uint64_t dropped_seq, dropped_by, dropped_after;
     int dropped_failed; /* dropped because call dropped_by failed (else: it took the slot) */
     /* Dispatch receive half parameters. */
     epx_tensor_t recv_x, recv_scales, recv_count_out, src_info, layout_range, cumulative;
@@ -99,6 +99,7 @@ static void ll_drop_pending(host_buffer_t *hb, int slot, uint64_t by)
     if (sl->pending != LL_PENDING_NONE) {
         sl->dropped_seq = sl->pending_seq;
         sl->dropped_by = by;
+        sl->dropped_after = hb->call_seq; /* for a drop by no call: the last call made before it */
         sl->dropped_failed = 0;
     }
     if (sl->pending == LL_PENDING_DISPATCH) {
@@ -575,7 +576,7 @@ epx_result_t host_hook_run(const epx_hook_t *hook, void *stream)
                          "rank %d: hook of call %llu no longer runs: %s%llu %s before it ran (%s)", hb->rank,
                          (unsigned long long)hook->seq,
                          sl->dropped_by ? "call " : "epx_ll_get_combine_buffer after call ",
-                         (unsigned long long)(sl->dropped_by ? sl->dropped_by : hb->call_seq),
+                         (unsigned long long)(sl->dropped_by ? sl->dropped_by : sl->dropped_after),
                          sl->dropped_failed ? "failed" : "took its slot",
                          sl->dropped_failed ? "a failed call ends every pending hook of the buffer"
                                             : "an LL dispatch, combine or epx_ll_get_combine_buffer on a slot "
