@@ -44,7 +44,8 @@ typedef struct host_area_ctrl {
     _Atomic uint64_t pub_seq;      /* release-stored after payload and pub are written */
     char pad0[56];
     _Atomic uint64_t done_seq;     /* this rank finished reading peers' area for this seq */
-    char pad1[56];
+    _Atomic uint64_t held_seq;     /* a pending hook of this rank will read peers' area for this seq */
+    char pad1[48];
 } host_area_ctrl_t;
 
 /* Announcements of the latest calls kept in a region: a peer running the receive half of an older
@@ -140,8 +141,11 @@ epx_result_t host_area_wait(host_buffer_t *hb, int peer, host_area_t area, uint6
 /* Waits for every peer's publication (including our own) of `area` for `seq`; pubs_out may be
  * NULL or [nranks]. On failure of any peer, returns its error. */
 epx_result_t host_area_wait_all(host_buffer_t *hb, host_area_t area, uint64_t seq, host_pub_t *pubs_out);
-/* We finished reading peers' `area` for `seq` (also after a failure). */
+/* We finished reading peers' `area` for `seq` (also after a failure); a hold on it ends. */
 void host_area_done(host_buffer_t *hb, host_area_t area, uint64_t seq);
+/* A pending hook of ours will read peers' `area` for `seq` later: they keep it until host_area_done,
+ * even after this rank failed a later call. */
+void host_area_hold(host_buffer_t *hb, host_area_t area, uint64_t seq);
 /* Marks collective call `seq` failed on this rank so waiting peers return EPX_ERR_REMOTE;
  * returns `res`. */
 epx_result_t host_fail(host_buffer_t *hb, uint64_t seq, epx_result_t res);
@@ -196,9 +200,6 @@ epx_rm_combine_op_t host_rm_combine;
 /* LL state of a buffer with EPX_MODE_LL (ll.c). */
 epx_result_t host_ll_init(host_buffer_t *hb);
 void host_ll_fini(host_buffer_t *hb);
-/* Call `seq` failed on this rank: its pending LL hooks end (their areas marked done), as peers no longer
- * wait for this rank to read what they published (host_area_acquire). */
-void host_ll_fail(host_buffer_t *hb, uint64_t seq);
 
 #ifdef __cplusplus
 }

@@ -24,7 +24,6 @@ typedef struct ll_slot {
     int pending;
     uint64_t pending_seq;
     uint64_t dropped_seq, dropped_by, dropped_after;
-    int dropped_failed; /* dropped because call dropped_by failed (else: it took the slot) */
     /* Dispatch receive half parameters. */
     epx_tensor_t recv_x, recv_scales, recv_count_out, src_info, layout_range, cumulative;
     int use_fp8, round_scale, use_ue8m0;
@@ -100,7 +99,6 @@ static void ll_drop_pending(host_buffer_t *hb, int slot, uint64_t by)
         sl->dropped_seq = sl->pending_seq;
         sl->dropped_by = by;
         sl->dropped_after = hb->call_seq; /* for a drop by no call: the last call made before it */
-        sl->dropped_failed = 0;
     }
     if (sl->pending == LL_PENDING_DISPATCH) {
         host_area_done(hb, (host_area_t)(HOST_AREA_LL_IN0 + slot), sl->pending_seq);
@@ -109,17 +107,6 @@ static void ll_drop_pending(host_buffer_t *hb, int slot, uint64_t by)
         host_area_done(hb, (host_area_t)(HOST_AREA_LL_OUT0 + slot), sl->pending_seq);
     }
     sl->pending = LL_PENDING_NONE;
-}
-
-void host_ll_fail(host_buffer_t *hb, uint64_t seq)
-{
-    ll_state_t *st = ll_state_of(hb);
-    if (!st) return;
-    for (int i = 0; i < 2; i++) {
-        const int had = st->slots[i].pending != LL_PENDING_NONE;
-        ll_drop_pending(hb, i, seq);
-        if (had) st->slots[i].dropped_failed = 1;
-    }
 }
 
 void host_ll_fini(host_buffer_t *hb)
@@ -375,6 +362,7 @@ epx_result_t host_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ll_di
     if (args->return_recv_hook) {
         sl->pending = LL_PENDING_DISPATCH;
         sl->pending_seq = seq;
+        host_area_hold(hb, area, seq); /* peers keep their LL_IN publication for the hook */
         outputs->handle = handle;
         outputs->hook = (epx_hook_t){buffer, seq, LL_PENDING_DISPATCH, slot};
         return EPX_SUCCESS;
@@ -508,8 +496,8 @@ epx_result_t host_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll_com
     if (res == EPX_SUCCESS && hb->area_bytes[area] < ll_out_bytes(hb))
         res = epx_error(EPX_ERR_INTERNAL, "rank %d: ll combine area of %zu bytes, need %zu", hb->rank,
                         hb->area_bytes[area], ll_out_bytes(hb));
-    /* A refused combine touches no area: the failure reaches the peers through the failed-call record,
-     * whatever slot they wait on (host_fail also ends this rank's pending hooks, as every failure does). */
+    /* A refused combine touches no slot and no area (a hook pending on the slot stays runnable): the
+     * failure reaches the peers through the failed-call record, whatever slot they wait on. */
     if (res != EPX_SUCCESS) {
         free(seen);
         return host_fail(hb, seq, res);
@@ -539,6 +527,7 @@ epx_result_t host_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll_com
     if (args->return_recv_hook) {
         sl->pending = LL_PENDING_COMBINE;
         sl->pending_seq = seq;
+        host_area_hold(hb, area, seq); /* peers keep their LL_OUT publication for the hook */
         outputs->hook = (epx_hook_t){buffer, seq, LL_PENDING_COMBINE, slot};
         return EPX_SUCCESS;
     }
@@ -573,14 +562,11 @@ epx_result_t host_hook_run(const epx_hook_t *hook, void *stream)
     ll_slot_t *sl = &ll_state_of(hb)->slots[hook->slot];
     if ((sl->pending != hook->kind || sl->pending_seq != hook->seq) && sl->dropped_seq == hook->seq)
         return epx_error(EPX_ERR_INVALID_ARG,
-                         "rank %d: hook of call %llu no longer runs: %s%llu %s before it ran (%s)", hb->rank,
-                         (unsigned long long)hook->seq,
+                         "rank %d: hook of call %llu no longer runs: %s%llu took its slot %d before it ran (an LL "
+                         "dispatch, combine or epx_ll_get_combine_buffer on a slot drops the slot's pending hook)",
+                         hb->rank, (unsigned long long)hook->seq,
                          sl->dropped_by ? "call " : "epx_ll_get_combine_buffer after call ",
-                         (unsigned long long)(sl->dropped_by ? sl->dropped_by : sl->dropped_after),
-                         sl->dropped_failed ? "failed" : "took its slot",
-                         sl->dropped_failed ? "a failed call ends every pending hook of the buffer"
-                                            : "an LL dispatch, combine or epx_ll_get_combine_buffer on a slot "
-                                              "drops the slot's pending hook");
+                         (unsigned long long)(sl->dropped_by ? sl->dropped_by : sl->dropped_after), hook->slot);
     if (sl->pending != hook->kind || sl->pending_seq != hook->seq)
         return epx_error(EPX_ERR_INVALID_ARG, "rank %d: hook of call %llu already ran", hb->rank,
                          (unsigned long long)hook->seq);

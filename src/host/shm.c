@@ -360,6 +360,16 @@ static epx_result_t check_failed(const host_buffer_t *hb, int peer, uint64_t seq
         int32_t status = __atomic_load_n(&hdr->failed_status, __ATOMIC_RELAXED);
         /* Name the call we wait on when the peer failed that one (it may have failed later ones too). */
         if (peer_failed_call(hb, peer, seq, &status)) failed = seq;
+        /* A peer that only passed a failure on (ERR_REMOTE): name the rank whose own failure it was,
+         * when one has recorded it for this call. */
+        int origin = -1;
+        int32_t origin_status = 0;
+        for (int q = 0; status == EPX_ERR_REMOTE && failed == seq && q < hb->nranks && origin < 0; q++)
+            if (q != hb->rank && peer_failed_call(hb, q, seq, &origin_status) && origin_status != EPX_ERR_REMOTE)
+                origin = q;
+        if (origin >= 0 && origin != peer)
+            return epx_error(EPX_ERR_REMOTE, "rank %d: peer %d failed call %llu (%s) while %s", hb->rank, origin,
+                             (unsigned long long)failed, epx_result_str((epx_result_t)origin_status), doing);
         return epx_error(EPX_ERR_REMOTE, "rank %d: peer %d failed call %llu (%s) while %s", hb->rank, peer,
                          (unsigned long long)failed, epx_result_str((epx_result_t)status), doing);
     }
@@ -450,9 +460,11 @@ epx_result_t host_area_acquire(host_buffer_t *hb, host_area_t area)
             const int gone = peer_destroyed(hb, p);
             uint64_t done = atomic_load_explicit(&hdr->areas[area].done_seq, memory_order_acquire);
             if (done >= last) break;
-            /* A peer that failed call `last` (or a later one) will not read it any more. */
+            /* A peer that failed call `last` (or a later one) will not read it any more, unless a hook of
+             * its own still holds it (it reads it when run, or lets it go when dropped). */
             uint64_t failed = atomic_load_explicit(&hdr->failed_seq, memory_order_acquire);
-            if (failed >= last) break;
+            if (failed >= last && atomic_load_explicit(&hdr->areas[area].held_seq, memory_order_acquire) != last)
+                break;
             if (!doing[0]) /* formatted only when a peer is not done yet */
                 snprintf(doing, sizeof(doing), "we waited for it to release area %s of call %llu",
                          area_names[area], (unsigned long long)last);
@@ -598,18 +610,24 @@ epx_result_t host_area_wait_all(host_buffer_t *hb, host_area_t area, uint64_t se
 
 void host_area_done(host_buffer_t *hb, host_area_t area, uint64_t seq)
 {
-    _Atomic uint64_t *done = &host_hdr(hb, hb->rank)->areas[area].done_seq;
-    if (atomic_load_explicit(done, memory_order_relaxed) < seq)
-        atomic_store_explicit(done, seq, memory_order_release);
+    host_area_ctrl_t *ctrl = &host_hdr(hb, hb->rank)->areas[area];
+    if (atomic_load_explicit(&ctrl->done_seq, memory_order_relaxed) < seq)
+        atomic_store_explicit(&ctrl->done_seq, seq, memory_order_release);
+    if (atomic_load_explicit(&ctrl->held_seq, memory_order_relaxed) <= seq)
+        atomic_store_explicit(&ctrl->held_seq, 0, memory_order_release);
+}
+
+void host_area_hold(host_buffer_t *hb, host_area_t area, uint64_t seq)
+{
+    /* Stored before any later failure of ours is published (release), so a peer that sees the
+     * failure sees the hold too. */
+    atomic_store_explicit(&host_hdr(hb, hb->rank)->areas[area].held_seq, seq, memory_order_release);
 }
 
 epx_result_t host_fail(host_buffer_t *hb, uint64_t seq, epx_result_t res)
 {
     host_region_hdr_t *hdr = host_hdr(hb, hb->rank);
     _Atomic uint64_t *ring = &hdr->failed_calls[seq % HOST_CALL_RING];
-    /* Peers stop waiting for this rank to release what they published once it failed a call: a hook
-     * that would still read it must not run. */
-    host_ll_fail(hb, seq);
     if (atomic_load_explicit(ring, memory_order_relaxed) >> 8 != seq)
         atomic_store_explicit(ring, seq << 8 | ((uint64_t)res & 0xff), memory_order_release);
     if (atomic_load_explicit(&hdr->failed_seq, memory_order_relaxed) >= seq) return res;

@@ -5,8 +5,11 @@
  * with EPX_ERR_MISMATCH naming both calls, and the next call, alike on every rank, succeed at once.
  * Then LL combines that name different live dispatches (ERR_MISMATCH at once on every rank, their
  * slots' areas never meet), a stale handle on one rank (it fails by itself, its peers with
- * ERR_REMOTE at once), and a failed call ending a pending hook (it then fails naming that call).
+ * ERR_REMOTE at once), a hook that outlives a failed call (it still runs, its peers kept what it reads)
+ * and a hook dropped by a later call on its slot (it fails naming that call).
  */
+#include <unistd.h>
+
 #include "test_calls_io.h"
 
 #define LIMIT_S 2.0
@@ -74,8 +77,8 @@ static int ll_body(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
         EXPECT_MSG_HAS("peer 1 failed call");
     }
     EXPECT_TRUE(epx_test_now_s() - t0 < LIMIT_S);
-    /* A dispatch hook pending when a call fails (rank 0 refuses its HT dispatch: T past the buffer) is
-     * ended on every rank: running it names the failed call; the next calls work. */
+    /* A dispatch hook pending when a call fails (rank 0 refuses its HT dispatch: T past the buffer) still
+     * runs on every rank: the peers kept what it reads. Its combine works. */
     epx_ll_dispatch_args_t a = EPX_LL_DISPATCH_ARGS_INIT;
     a.x = epx_tensor_2d(c.x, EPX_DTYPE_BF16, CT, CH);
     a.topk_idx = epx_tensor_2d(c.topk, EPX_DTYPE_INT32, CT, CK);
@@ -90,10 +93,17 @@ static int ll_body(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
     epx_ht_dispatch_outputs_t ho = EPX_HT_DISPATCH_OUTPUTS_INIT;
     ho.recv_x = epx_tensor_2d(c.recv, EPX_DTYPE_BF16, (int64_t)nranks * CT, CH);
     EXPECT_TRUE(epx_ht_dispatch(c.buf, &h, &ho) != EPX_SUCCESS);
-    EXPECT_RES(epx_hook_run(&o.hook, NULL), EPX_ERR_INVALID_ARG);
+    EXPECT_OK(epx_hook_run(&o.hook, NULL));
+    c.ll = o.handle;
+    EXPECT_OK(calls_ll_combine(&c));
+    /* A hook dropped because the next LL dispatch on its slot came first: running it names that call. */
+    EXPECT_OK(epx_ll_dispatch(c.buf, &a, &o)); /* slot s, hook pending */
+    const epx_hook_t first = o.hook;
+    EXPECT_OK(calls_ll_dispatch(&c, &c.ll)); /* slot 1 - s */
+    EXPECT_OK(calls_ll_dispatch(&c, &c.ll)); /* slot s again: drops the pending hook */
+    EXPECT_RES(epx_hook_run(&first, NULL), EPX_ERR_INVALID_ARG);
     EXPECT_MSG_HAS("no longer runs");
-    EXPECT_MSG_HAS("failed before it ran");
-    EXPECT_OK(calls_ll_dispatch(&c, &c.ll));
+    EXPECT_MSG_HAS("took its slot");
     EXPECT_OK(calls_ll_combine(&c));
     /* Ranks that disagree on use_fp8 fail the dispatch with ERR_MISMATCH, and the next one works. */
     static float scales[CL * (CH / 128) * CR_MAX * CT];
@@ -109,6 +119,63 @@ static int ll_body(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
     EXPECT_MSG_HAS("passes use_fp8");
     EXPECT_OK(calls_ll_dispatch(&c, &c.ll));
     EXPECT_OK(calls_ll_combine(&c));
+    return calls_close(&c);
+}
+
+/* A hook held across a failed call while the peers move on: rank 1 runs its dispatch hook late, after
+ * its peers made the next dispatch on the hook's slot. They must wait for it (its hold) instead of
+ * overwriting what it reads: its rows must be those of its own dispatch. */
+static int hold_body(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
+{
+    (void)ctx;
+    static calls_t c;
+    static uint16_t want[sizeof(c.ll_recv) / sizeof(uint16_t)];
+    if (calls_open(&c, rank, nranks, id)) return 1;
+    epx_ll_handle_t h;
+    EXPECT_OK(calls_ll_dispatch(&c, &h)); /* slot 0: the reference rows of x */
+    memcpy(want, c.ll_recv, sizeof(want));
+    const int32_t want_count = c.ll_count[0];
+    EXPECT_OK(calls_ll_dispatch(&c, &h)); /* slot 1 */
+    epx_ll_dispatch_args_t a = EPX_LL_DISPATCH_ARGS_INIT;
+    a.x = epx_tensor_2d(c.x, EPX_DTYPE_BF16, CT, CH);
+    a.topk_idx = epx_tensor_2d(c.topk, EPX_DTYPE_INT32, CT, CK);
+    a.return_recv_hook = 1;
+    epx_ll_dispatch_outputs_t o = EPX_LL_DISPATCH_OUTPUTS_INIT;
+    o.recv_x = epx_tensor_3d(c.ll_recv, EPX_DTYPE_BF16, CL, (int64_t)nranks * CT, CH);
+    o.recv_count = epx_tensor_1d(c.ll_count, EPX_DTYPE_INT32, CL);
+    EXPECT_OK(epx_ll_dispatch(c.buf, &a, &o)); /* A: slot 0, hook pending */
+    memset(c.ll_recv, 0, sizeof(c.ll_recv));
+    epx_ht_dispatch_args_t ht = EPX_HT_DISPATCH_ARGS_INIT; /* a call every rank fails: rank 0 refuses it */
+    ht.x = epx_tensor_2d(c.x, EPX_DTYPE_BF16, rank == 0 ? CT + 1 : CT, CH);
+    ht.topk_idx = epx_tensor_2d(c.topk, EPX_DTYPE_INT32, rank == 0 ? CT + 1 : CT, CK);
+    epx_ht_dispatch_outputs_t ho = EPX_HT_DISPATCH_OUTPUTS_INIT;
+    ho.recv_x = epx_tensor_2d(c.recv, EPX_DTYPE_BF16, (int64_t)nranks * CT, CH);
+    EXPECT_TRUE(epx_ht_dispatch(c.buf, &ht, &ho) != EPX_SUCCESS);
+    static uint16_t mine[sizeof(c.ll_recv) / sizeof(uint16_t)];
+    if (rank != 1) {
+        EXPECT_OK(epx_hook_run(&o.hook, NULL));
+        memcpy(mine, c.ll_recv, sizeof(mine));
+    }
+    EXPECT_OK(calls_ll_dispatch(&c, &h)); /* B: slot 1 */
+    if (rank == 1) {
+        usleep(300 * 1000); /* the peers reach C's slot-0 publication meanwhile */
+        memset(c.ll_recv, 0, sizeof(c.ll_recv));
+        o.recv_x = epx_tensor_3d(c.ll_recv, EPX_DTYPE_BF16, CL, (int64_t)nranks * CT, CH);
+        EXPECT_OK(epx_hook_run(&o.hook, NULL));
+        memcpy(mine, c.ll_recv, sizeof(mine));
+    }
+    for (int i = 0; i < CT * CH; i++) c.x[i] ^= 0x0101; /* C moves other rows through slot 0 */
+    EXPECT_OK(calls_ll_dispatch(&c, &h));
+    EXPECT_TRUE(want_count == c.ll_count[0]);
+    for (int j = 0; j < CL; j++)
+        for (int64_t r = 0; r < (int64_t)nranks * CT; r++) {
+            const size_t at = ((size_t)j * (size_t)(nranks * CT) + (size_t)r) * CH;
+            if (r < 2 && memcmp(mine + at, want + at, CH * 2) != 0) {
+                fprintf(stderr, "rank %d: hook rows of expert %d row %lld are not its dispatch's\n", rank, j,
+                        (long long)r);
+                return 1;
+            }
+        }
     return calls_close(&c);
 }
 
@@ -129,6 +196,11 @@ int main(void)
     for (int R = 2; R <= 3; R++, cases++)
         if (epx_test_run_ranks(R, ll_body, NULL, 60)) {
             fprintf(stderr, "mismatch: R=%d, LL combines of different dispatches: FAILED\n", R);
+            failed = 1;
+        }
+    for (int R = 2; R <= 3; R++, cases++)
+        if (epx_test_run_ranks(R, hold_body, NULL, 60)) {
+            fprintf(stderr, "mismatch: R=%d, a hook held across a failed call: FAILED\n", R);
             failed = 1;
         }
     printf("mismatch: %d cases %s\n", cases, failed ? "FAILED" : "ok");
