@@ -226,8 +226,9 @@ static int read_ints(PyObject *tuple, int64_t *v, int max)
 
 /* A plain torch.Tensor described from its own attributes (data_ptr, shape, stride, dtype), without the
  * DLPack round trip (several us of Python per tensor, most of a small call's host time), where DLPack
- * would add nothing: a strided tensor without grad on the host, or on cuda consumed on torch's current
- * stream. Returns 1 when described, 0 for the DLPack path, -1 on error (raised). */
+ * would add nothing: a strided tensor (one that required grad comes detached, resolved()) on the host,
+ * or on cuda consumed on torch's current stream. Returns 1 when described, 0 for the DLPack path, -1 on
+ * error (raised). */
 static int import_torch(call_ctx_t *ctx, keep_t *keep, PyObject *obj, const char *name, int hint,
                         epx_tensor_t *t)
 {
@@ -240,7 +241,6 @@ static int import_torch(call_ctx_t *ctx, keep_t *keep, PyObject *obj, const char
         (void)s;
         if (!ctx->stream_is_torch_current) return 0; /* DLPack orders torch's work before that stream */
     }
-    if (attr_flag(obj, g_names.requires_grad) != 0) return 0; /* resolved() detached those it could */
     PyObject *layout = PyObject_GetAttr(obj, g_names.layout);
     const int strided = layout == py_state.torch_strided;
     Py_XDECREF(layout);

@@ -84,17 +84,38 @@ static inline epx_result_t calls_ht_dispatch(calls_t *c, epx_ht_dispatch_outputs
 
 CALLS_COMBINE(ht, HT, combined_x)
 
-static inline epx_result_t calls_ll_dispatch(calls_t *c, epx_ll_handle_t *handle_out)
+/* An LL dispatch into c->ll_recv / c->ll_count; with hook_out, its receive half is left to the hook. */
+static inline epx_result_t calls_ll_dispatch_hooked(calls_t *c, epx_ll_handle_t *handle_out, epx_hook_t *hook_out)
 {
     epx_ll_dispatch_args_t a = EPX_LL_DISPATCH_ARGS_INIT;
     a.x = epx_tensor_2d(c->x, EPX_DTYPE_BF16, CT, CH);
     a.topk_idx = epx_tensor_2d(c->topk, EPX_DTYPE_INT32, CT, CK);
+    a.return_recv_hook = hook_out != NULL;
     epx_ll_dispatch_outputs_t o = EPX_LL_DISPATCH_OUTPUTS_INIT;
     o.recv_x = epx_tensor_3d(c->ll_recv, EPX_DTYPE_BF16, CL, (int64_t)c->nranks * CT, CH);
     o.recv_count = epx_tensor_1d(c->ll_count, EPX_DTYPE_INT32, CL);
     epx_result_t res = epx_ll_dispatch(c->buf, &a, &o);
     if (res == EPX_SUCCESS && handle_out) *handle_out = o.handle;
+    if (res == EPX_SUCCESS && hook_out) *hook_out = o.hook;
     return res;
+}
+
+static inline epx_result_t calls_ll_dispatch(calls_t *c, epx_ll_handle_t *handle_out)
+{
+    return calls_ll_dispatch_hooked(c, handle_out, NULL);
+}
+
+/* An HT dispatch every rank fails: rank 0 passes T past the buffer (refused by its checks, before any
+ * of x is read), the others then fail with ERR_REMOTE. */
+static inline epx_result_t calls_ht_refused_by_rank0(calls_t *c)
+{
+    const int64_t T = c->rank == 0 ? CT + 1 : CT;
+    epx_ht_dispatch_args_t a = EPX_HT_DISPATCH_ARGS_INIT;
+    a.x = epx_tensor_2d(c->x, EPX_DTYPE_BF16, T, CH);
+    a.topk_idx = epx_tensor_2d(c->topk, EPX_DTYPE_INT32, T, CK);
+    epx_ht_dispatch_outputs_t o = EPX_HT_DISPATCH_OUTPUTS_INIT;
+    o.recv_x = epx_tensor_2d(c->recv, EPX_DTYPE_BF16, (int64_t)c->nranks * CT, CH);
+    return epx_ht_dispatch(c->buf, &a, &o);
 }
 
 static inline epx_result_t calls_ll_combine(calls_t *c)

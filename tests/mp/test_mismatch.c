@@ -79,26 +79,14 @@ static int ll_body(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
     EXPECT_TRUE(epx_test_now_s() - t0 < LIMIT_S);
     /* A dispatch hook pending when a call fails (rank 0 refuses its HT dispatch: T past the buffer) still
      * runs on every rank: the peers kept what it reads. Its combine works. */
-    epx_ll_dispatch_args_t a = EPX_LL_DISPATCH_ARGS_INIT;
-    a.x = epx_tensor_2d(c.x, EPX_DTYPE_BF16, CT, CH);
-    a.topk_idx = epx_tensor_2d(c.topk, EPX_DTYPE_INT32, CT, CK);
-    a.return_recv_hook = 1;
-    epx_ll_dispatch_outputs_t o = EPX_LL_DISPATCH_OUTPUTS_INIT;
-    o.recv_x = epx_tensor_3d(c.ll_recv, EPX_DTYPE_BF16, CL, (int64_t)nranks * CT, CH);
-    o.recv_count = epx_tensor_1d(c.ll_count, EPX_DTYPE_INT32, CL);
-    EXPECT_OK(epx_ll_dispatch(c.buf, &a, &o));
-    epx_ht_dispatch_args_t h = EPX_HT_DISPATCH_ARGS_INIT;
-    h.x = epx_tensor_2d(c.x, EPX_DTYPE_BF16, rank == 0 ? CT + 1 : CT, CH);
-    h.topk_idx = epx_tensor_2d(c.topk, EPX_DTYPE_INT32, rank == 0 ? CT + 1 : CT, CK);
-    epx_ht_dispatch_outputs_t ho = EPX_HT_DISPATCH_OUTPUTS_INIT;
-    ho.recv_x = epx_tensor_2d(c.recv, EPX_DTYPE_BF16, (int64_t)nranks * CT, CH);
-    EXPECT_TRUE(epx_ht_dispatch(c.buf, &h, &ho) != EPX_SUCCESS);
-    EXPECT_OK(epx_hook_run(&o.hook, NULL));
-    c.ll = o.handle;
+    epx_hook_t hook;
+    EXPECT_OK(calls_ll_dispatch_hooked(&c, &c.ll, &hook));
+    EXPECT_TRUE(calls_ht_refused_by_rank0(&c) != EPX_SUCCESS);
+    EXPECT_OK(epx_hook_run(&hook, NULL));
     EXPECT_OK(calls_ll_combine(&c));
     /* A hook dropped because the next LL dispatch on its slot came first: running it names that call. */
-    EXPECT_OK(epx_ll_dispatch(c.buf, &a, &o)); /* slot s, hook pending */
-    const epx_hook_t first = o.hook;
+    epx_hook_t first;
+    EXPECT_OK(calls_ll_dispatch_hooked(&c, NULL, &first)); /* slot s, hook pending */
     EXPECT_OK(calls_ll_dispatch(&c, &c.ll)); /* slot 1 - s */
     EXPECT_OK(calls_ll_dispatch(&c, &c.ll)); /* slot s again: drops the pending hook */
     EXPECT_RES(epx_hook_run(&first, NULL), EPX_ERR_INVALID_ARG);
@@ -136,32 +124,20 @@ static int hold_body(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
     memcpy(want, c.ll_recv, sizeof(want));
     const int32_t want_count = c.ll_count[0];
     EXPECT_OK(calls_ll_dispatch(&c, &h)); /* slot 1 */
-    epx_ll_dispatch_args_t a = EPX_LL_DISPATCH_ARGS_INIT;
-    a.x = epx_tensor_2d(c.x, EPX_DTYPE_BF16, CT, CH);
-    a.topk_idx = epx_tensor_2d(c.topk, EPX_DTYPE_INT32, CT, CK);
-    a.return_recv_hook = 1;
-    epx_ll_dispatch_outputs_t o = EPX_LL_DISPATCH_OUTPUTS_INIT;
-    o.recv_x = epx_tensor_3d(c.ll_recv, EPX_DTYPE_BF16, CL, (int64_t)nranks * CT, CH);
-    o.recv_count = epx_tensor_1d(c.ll_count, EPX_DTYPE_INT32, CL);
-    EXPECT_OK(epx_ll_dispatch(c.buf, &a, &o)); /* A: slot 0, hook pending */
+    epx_hook_t hook;
+    EXPECT_OK(calls_ll_dispatch_hooked(&c, NULL, &hook)); /* A: slot 0, hook pending */
     memset(c.ll_recv, 0, sizeof(c.ll_recv));
-    epx_ht_dispatch_args_t ht = EPX_HT_DISPATCH_ARGS_INIT; /* a call every rank fails: rank 0 refuses it */
-    ht.x = epx_tensor_2d(c.x, EPX_DTYPE_BF16, rank == 0 ? CT + 1 : CT, CH);
-    ht.topk_idx = epx_tensor_2d(c.topk, EPX_DTYPE_INT32, rank == 0 ? CT + 1 : CT, CK);
-    epx_ht_dispatch_outputs_t ho = EPX_HT_DISPATCH_OUTPUTS_INIT;
-    ho.recv_x = epx_tensor_2d(c.recv, EPX_DTYPE_BF16, (int64_t)nranks * CT, CH);
-    EXPECT_TRUE(epx_ht_dispatch(c.buf, &ht, &ho) != EPX_SUCCESS);
+    EXPECT_TRUE(calls_ht_refused_by_rank0(&c) != EPX_SUCCESS);
     static uint16_t mine[sizeof(c.ll_recv) / sizeof(uint16_t)];
     if (rank != 1) {
-        EXPECT_OK(epx_hook_run(&o.hook, NULL));
+        EXPECT_OK(epx_hook_run(&hook, NULL));
         memcpy(mine, c.ll_recv, sizeof(mine));
     }
     EXPECT_OK(calls_ll_dispatch(&c, &h)); /* B: slot 1 */
     if (rank == 1) {
         usleep(300 * 1000); /* the peers reach C's slot-0 publication meanwhile */
-        memset(c.ll_recv, 0, sizeof(c.ll_recv));
-        o.recv_x = epx_tensor_3d(c.ll_recv, EPX_DTYPE_BF16, CL, (int64_t)nranks * CT, CH);
-        EXPECT_OK(epx_hook_run(&o.hook, NULL));
+        memset(c.ll_recv, 0, sizeof(c.ll_recv)); /* the hook writes A's rows here (its dispatch's outputs) */
+        EXPECT_OK(epx_hook_run(&hook, NULL));
         memcpy(mine, c.ll_recv, sizeof(mine));
     }
     for (int i = 0; i < CT * CH; i++) c.x[i] ^= 0x0101; /* C moves other rows through slot 0 */
