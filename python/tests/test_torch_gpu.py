@@ -277,6 +277,9 @@ def _hybrid_ep(rank, nranks, uid, port):
     assert_equal(bf16_bits(tokens), want_tokens, "hybrid tokens", rank)
     lo = buf.local_rank * p.L  # HybridEP's probs span the NVLink domain's experts; this rank's at lo
     assert_equal(_host(probs[:, lo:lo + p.L].contiguous()), want_probs, "hybrid probs", rank)
+    # handle[4], the local expert routing map: the received tokens in source order, this rank's columns.
+    g = np.concatenate([p.routing_map(s) for s in range(nranks)])[:, rank * p.L:(rank + 1) * p.L]
+    assert_equal(_host(handle[4]), g[g.any(axis=1)], "hybrid local_expert_routing_map", rank)
     combined, _ = buf.combine(_scaled(tokens, [rank + 1] * tokens.shape[0], 1), handle=handle)
     assert_equal(bf16_bits(combined), p.rm_combine(rank, False, False), "hybrid combined", rank)
 

@@ -353,6 +353,7 @@ typedef struct epx_cuda_ll_args {
     int32_t drop_comb;  /* release this slot's combine rows whose receive half never ran */
     int32_t floor_only; /* benchmark floor: the same stores, no waits, flags or epochs */
     int32_t use_fp8, round_scale, use_ue8m0;
+    int32_t phase; /* EPX_LL_PHASE_*: which half the launch runs (set by the launchers) */
     /* Benchmark timeline (NULL: off): per kernel k (EPX_LL_STAMP_*), [2k] the earliest block start
      * and [2k + 1] the latest warp end, in %globaltimer ns (one clock for every rank of a GPU). */
     unsigned long long *stamps;
@@ -373,6 +374,7 @@ typedef struct epx_cuda_ll_args {
     uint16_t *combined_x; /* [T][H] */
 } epx_cuda_ll_args_t;
 
+enum { EPX_LL_PHASE_SEND, EPX_LL_PHASE_RECV };
 enum { EPX_LL_STAMP_DISP_SEND, EPX_LL_STAMP_DISP_RECV, EPX_LL_STAMP_COMB_SEND, EPX_LL_STAMP_COMB_RECV,
        EPX_LL_STAMP_KERNELS };
 

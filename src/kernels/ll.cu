@@ -263,8 +263,7 @@ __device__ __forceinline__ bool ll_refused(const epx_cuda_ll_args_t &a, uint64_t
  * each expert it selects, how many earlier tokens select that expert (its row in the slice), casts
  * the token once and writes it to every destination. The last block publishes the epoch to every
  * rank. */
-__global__ void __launch_bounds__(kBlockThreads)
-    ll_dispatch_send_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
+__device__ __forceinline__ void ll_dispatch_send(const epx_cuda_ll_args_t &a)
 {
     const ll_stamp stamp(a, EPX_LL_STAMP_DISP_SEND);
     if (a.floor_only) {
@@ -377,8 +376,7 @@ __device__ __forceinline__ void ll_poison_recv(const epx_cuda_ll_args_t &a)
  * slice rows out packed (warp w: rows w, w + 16, ...), with scales in the grouped-GEMM layout,
  * src_info and the private (t, s, k) map for the combine. The last block releases the slot to
  * every source. After our own refusal nothing is waited for and the outputs are poisoned. */
-__global__ void __launch_bounds__(kBlockThreads)
-    ll_dispatch_recv_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
+__device__ __forceinline__ void ll_dispatch_recv(const epx_cuda_ll_args_t &a)
 {
     const ll_stamp stamp(a, EPX_LL_STAMP_DISP_RECV);
     const epx_cuda_common_t *c = &a.c;
@@ -454,9 +452,6 @@ __global__ void __launch_bounds__(kBlockThreads)
     }
 }
 
-EPX_DEFINE_LAUNCHER(ll_dispatch_send, epx_cuda_ll_args_t)
-EPX_DEFINE_LAUNCHER(ll_dispatch_recv, epx_cuda_ll_args_t)
-
 /* ----------------------------------------------------------------------------- combine ---- */
 
 /* Expert side: every block checks this rank's topk_idx of the call (its receive half reads it); a
@@ -464,8 +459,7 @@ EPX_DEFINE_LAUNCHER(ll_dispatch_recv, epx_cuda_ll_args_t)
  * previous combine rows, block b's warps send the rows of local experts b, b + gridDim.x, ... (warp
  * w: rows w, w + 16, ...) to their sources' (slot, t, k) places. The last block publishes the epoch
  * to every rank (a source may get no row from us). */
-__global__ void __launch_bounds__(kBlockThreads)
-    ll_combine_send_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
+__device__ __forceinline__ void ll_combine_send(const epx_cuda_ll_args_t &a)
 {
     const ll_stamp stamp(a, EPX_LL_STAMP_COMB_SEND);
     const epx_cuda_common_t *c = &a.c;
@@ -511,8 +505,7 @@ __global__ void __launch_bounds__(kBlockThreads)
  * accumulator per channel (no fma), one rounding to bf16; the rows' loads are issued before the
  * ordered sums. A receive that failed (or whose dispatch failed on this rank) writes bf16 NaN rows,
  * never plausible values. The last block releases the slot's combine area to every rank. */
-__global__ void __launch_bounds__(kBlockThreads)
-    ll_combine_recv_kernel(const __grid_constant__ epx_cuda_ll_args_t a)
+__device__ __forceinline__ void ll_combine_recv(const epx_cuda_ll_args_t &a)
 {
     const ll_stamp stamp(a, EPX_LL_STAMP_COMB_RECV);
     const epx_cuda_common_t *c = &a.c;
@@ -605,8 +598,56 @@ __global__ void __launch_bounds__(kBlockThreads)
     }
 }
 
-EPX_DEFINE_LAUNCHER(ll_combine_send, epx_cuda_ll_args_t)
-EPX_DEFINE_LAUNCHER(ll_combine_recv, epx_cuda_ll_args_t)
+/* ----------------------------------------------------------------------------- kernels ---- */
+
+/* One kernel per operation, launched once per half (a.phase): a profiler that times an operation
+ * by kernel name finds one kernel for it (DeepEP's LL test looks for exactly one kernel named
+ * `...::dispatch` and one `...::combine`, launched twice per call with a receive hook). */
+namespace epx_ll {
+__global__ void __launch_bounds__(kBlockThreads) dispatch(const __grid_constant__ epx_cuda_ll_args_t a)
+{
+    if (a.phase == EPX_LL_PHASE_SEND)
+        ll_dispatch_send(a);
+    else
+        ll_dispatch_recv(a);
+}
+
+__global__ void __launch_bounds__(kBlockThreads) combine(const __grid_constant__ epx_cuda_ll_args_t a)
+{
+    if (a.phase == EPX_LL_PHASE_SEND)
+        ll_combine_send(a);
+    else
+        ll_combine_recv(a);
+}
+} // namespace epx_ll
+
+static int ll_launch(void (*kernel)(epx_cuda_ll_args_t), const epx_cuda_ll_args_t *args, int32_t phase,
+                     void *stream)
+{
+    epx_cuda_ll_args_t half = *args;
+    half.phase = phase;
+    return launch_kernel(kernel, half, args->c.num_blocks, kBlockThreads, 0, stream);
+}
+
+extern "C" int epx_cuda_launch_ll_dispatch_send(const epx_cuda_ll_args_t *args, void *stream)
+{
+    return ll_launch(epx_ll::dispatch, args, EPX_LL_PHASE_SEND, stream);
+}
+
+extern "C" int epx_cuda_launch_ll_dispatch_recv(const epx_cuda_ll_args_t *args, void *stream)
+{
+    return ll_launch(epx_ll::dispatch, args, EPX_LL_PHASE_RECV, stream);
+}
+
+extern "C" int epx_cuda_launch_ll_combine_send(const epx_cuda_ll_args_t *args, void *stream)
+{
+    return ll_launch(epx_ll::combine, args, EPX_LL_PHASE_SEND, stream);
+}
+
+extern "C" int epx_cuda_launch_ll_combine_recv(const epx_cuda_ll_args_t *args, void *stream)
+{
+    return ll_launch(epx_ll::combine, args, EPX_LL_PHASE_RECV, stream);
+}
 
 /* --------------------------------------------------------------------------- failure ---- */
 

@@ -111,7 +111,11 @@ static int rm_iteration(const setup_t *su, uint64_t gseed, int it)
     void *o_num = gpu_alloc(&da, 4, NULL);
     void *c_x = gpu_alloc(&da, 2 * (size_t)(cap_rows * H), NULL);
     void *c_out = gpu_alloc(&da, 2 * (size_t)(Ts * H), NULL);
-    if (!c_out) {
+    /* The optional local map on every other iteration (0xa5 fill shows unwritten rows). */
+    const bool with_lmap = it % 2 == 0;
+    const int64_t lmap_rows = (int64_t)R * su->T_max + 1;
+    void *o_lmap = with_lmap ? gpu_alloc(&da, (size_t)(lmap_rows * L), NULL) : NULL;
+    if (!c_out || (with_lmap && !o_lmap)) {
         rc = ref_fail(rank, "cudaMalloc");
         goto out;
     }
@@ -132,6 +136,7 @@ static int rm_iteration(const setup_t *su, uint64_t gseed, int it)
                              : gpu_tensor(o_probs, EPX_DTYPE_FP32, 2, cap_rows, L, 0, dev);
     if (permute) outs.tokens_per_expert = gpu_tensor(o_tpe, EPX_DTYPE_INT32, 1, L, 0, 0, dev);
     outs.num_tokens = gpu_tensor(o_num, EPX_DTYPE_INT32, 1, 1, 0, 0, dev);
+    if (with_lmap) outs.local_map = gpu_tensor(o_lmap, EPX_DTYPE_BOOL, 2, lmap_rows, L, 0, dev);
     CALL(epx_rm_dispatch(su->buf, &args, &outs));
     handle = outs.handle;
     if (cudaDeviceSynchronize() != cudaSuccess) {
@@ -154,6 +159,21 @@ static int rm_iteration(const setup_t *su, uint64_t gseed, int it)
     if (permute)
         rc |= ref_check_bits(rank, "tokens_per_expert", to_host(&a, o_tpe, 4 * (size_t)L),
                              rv.tokens_per_expert, L, 4, L);
+    if (with_lmap) {
+        /* Every received token in source-rank order (whatever the bound), its local experts; zero after. */
+        uint8_t *e_lmap = ref_arena_alloc(&a, (size_t)(lmap_rows * L) + 16);
+        memset(e_lmap, 0, (size_t)(lmap_rows * L));
+        int64_t n = 0;
+        for (int s = 0; s < R; s++)
+            for (int64_t t = 0; t < p.T[s]; t++) {
+                bool any = false;
+                for (int64_t l = 0; l < L; l++)
+                    if (ref_selected(&p, s, t, (int)(rank * L + l))) e_lmap[n * L + l] = 1, any = true;
+                n += any;
+            }
+        rc |= ref_check_bits(rank, "local_map", to_host(&a, o_lmap, (size_t)(lmap_rows * L)), e_lmap,
+                             lmap_rows * L, 1, L);
+    }
     rc |= ref_check_overflow(rank, su->buf, overflow ? EPX_ERR_OVERFLOW : EPX_SUCCESS);
     epx_handle_info_t info;
     CALL(epx_handle_get_info(handle, &info));
