@@ -585,6 +585,19 @@ void ref_rm_recv_free(ref_rm_recv_t *out)
     FREE_RESULT(out, out->src, out->tok, out->j, out->probs, out->tokens_per_expert);
 }
 
+void ref_rm_local_map(const ref_problem_t *p, int r, int64_t rows, uint8_t *out)
+{
+    memset(out, 0, (size_t)(rows * p->L));
+    int64_t n = 0;
+    for (int s = 0; s < p->R; s++)
+        for (int64_t t = 0; t < p->T[s]; t++) {
+            bool any = false;
+            for (int l = 0; l < p->L; l++)
+                if (ref_selected(p, s, t, r * p->L + l)) out[n * p->L + l] = 1, any = true;
+            n += any;
+        }
+}
+
 int ref_rm_combine(const ref_problem_t *p, int s, bool permute, int pad, const int64_t *bounds, bool weighted,
                    uint64_t yseed, uint16_t *out)
 {

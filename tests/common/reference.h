@@ -154,6 +154,10 @@ typedef struct ref_rm_recv {
 /* bound < 0: none. */
 int ref_rm_dispatch(const ref_problem_t *p, int r, bool permute, int pad, int64_t bound, ref_rm_recv_t *out);
 void ref_rm_recv_free(ref_rm_recv_t *out);
+/* Rank r's optional local map ([rows, L] bytes, rows >= every received token): row i for the i-th token
+ * received in HT order (sources ascending, their tokens ascending, whatever the bound), 1 at the local
+ * experts it selected; the rows after them 0. */
+void ref_rm_local_map(const ref_problem_t *p, int r, int64_t rows, uint8_t *out);
 /* Rank s's combine [T_s, H]; bounds [R] (entries < 0: none) as every rank passed them; rank r's
  * row for (s, t, j) holds ref_y_bf16(yseed, r, permute ? j : -1, s, t, c). */
 int ref_rm_combine(const ref_problem_t *p, int s, bool permute, int pad, const int64_t *bounds, bool weighted,

@@ -160,17 +160,8 @@ static int rm_iteration(const setup_t *su, uint64_t gseed, int it)
         rc |= ref_check_bits(rank, "tokens_per_expert", to_host(&a, o_tpe, 4 * (size_t)L),
                              rv.tokens_per_expert, L, 4, L);
     if (with_lmap) {
-        /* Every received token in source-rank order (whatever the bound), its local experts; zero after. */
-        uint8_t *e_lmap = ref_arena_alloc(&a, (size_t)(lmap_rows * L) + 16);
-        memset(e_lmap, 0, (size_t)(lmap_rows * L));
-        int64_t n = 0;
-        for (int s = 0; s < R; s++)
-            for (int64_t t = 0; t < p.T[s]; t++) {
-                bool any = false;
-                for (int64_t l = 0; l < L; l++)
-                    if (ref_selected(&p, s, t, (int)(rank * L + l))) e_lmap[n * L + l] = 1, any = true;
-                n += any;
-            }
+        uint8_t *e_lmap = ref_arena_alloc(&a, (size_t)(lmap_rows * L));
+        ref_rm_local_map(&p, rank, lmap_rows, e_lmap);
         rc |= ref_check_bits(rank, "local_map", to_host(&a, o_lmap, (size_t)(lmap_rows * L)), e_lmap,
                              lmap_rows * L, 1, L);
     }

@@ -88,6 +88,10 @@ static int rm_iteration(epx_buffer_t buf, const rm_case_t *rc_, int rank, int it
     float *o_probs = ref_arena_garbage(&a, 4 * (size_t)(rows * pw));
     int32_t *o_tpe = ref_arena_garbage(&a, 4 * (size_t)L);
     int32_t *o_num = ref_arena_garbage(&a, 4);
+    /* The optional local map on every other iteration (garbage shows unwritten rows). */
+    const bool with_lmap = it % 2 == 0;
+    const int64_t lmap_rows = (int64_t)R * rc_->T_max + 1;
+    uint8_t *o_lmap = with_lmap ? ref_arena_garbage(&a, (size_t)(lmap_rows * L)) : NULL;
     epx_rm_dispatch_args_t args = EPX_RM_DISPATCH_ARGS_INIT;
     args.hidden = epx_tensor_2d(hidden, dtype, Ts, H);
     if (fp8) args.scaling_factor = epx_tensor_2d(sf, EPX_DTYPE_FP32, Ts, SG);
@@ -105,6 +109,7 @@ static int rm_iteration(epx_buffer_t buf, const rm_case_t *rc_, int rank, int it
                              : epx_tensor_2d(o_probs, EPX_DTYPE_FP32, rows, L);
     if (permute) outs.tokens_per_expert = epx_tensor_1d(o_tpe, EPX_DTYPE_INT32, L);
     outs.num_tokens = epx_tensor_1d(o_num, EPX_DTYPE_INT32, 1);
+    if (with_lmap) outs.local_map = epx_tensor_2d(o_lmap, EPX_DTYPE_BOOL, lmap_rows, L);
     CALL(epx_rm_dispatch(buf, &args, &outs));
     handle = outs.handle;
     CHECK(outs.num_tokens_host == rows, "num_tokens_host = %lld, expected %lld",
@@ -114,6 +119,11 @@ static int rm_iteration(epx_buffer_t buf, const rm_case_t *rc_, int rank, int it
     if (fp8) rc |= ref_check_bits(rank, "scaling_factor", o_sf, e_sf, rows * SG, 4, SG);
     if (pl.with_probs) rc |= ref_check_bits(rank, "probs", o_probs, rv.probs, rows * pw, 4, pw);
     if (permute) rc |= ref_check_bits(rank, "tokens_per_expert", o_tpe, rv.tokens_per_expert, L, 4, L);
+    if (with_lmap) {
+        uint8_t *e_lmap = ref_arena_alloc(&a, (size_t)(lmap_rows * L));
+        ref_rm_local_map(&p, rank, lmap_rows, e_lmap);
+        rc |= ref_check_bits(rank, "local_map", o_lmap, e_lmap, lmap_rows * L, 1, L);
+    }
     rc |= ref_check_overflow(rank, buf, overflow ? EPX_ERR_OVERFLOW : EPX_SUCCESS);
     if (!handle) {
         rc = ref_fail(rank, "dispatch returned no handle");
