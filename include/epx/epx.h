@@ -470,6 +470,13 @@ typedef struct epx_ht_dispatch_outputs {
      * N_r. Every rank learns it from the dispatch's own count exchange. Not written by a cached
      * dispatch. */
     epx_tensor_t rank_prefix_matrix; /* [out] optional [R, R] int32 */
+    /* Appended (read only when `size` covers it): optional host memory of L int32. In the default
+     * mode (no num_worst_tokens) a dispatch with top-k (not cached) writes there, before it returns,
+     * the values it writes to num_recv_tokens_per_expert (aligned per expert), so that a caller who
+     * needs them on the host reads no device memory. Not written in static mode (the host does not
+     * wait) nor by a cached dispatch; NULL: not wanted. Not a tensor: its memory is the caller's,
+     * on every backend. */
+    int32_t *num_recv_tokens_per_expert_host;
 } epx_ht_dispatch_outputs_t;
 
 #define EPX_HT_DISPATCH_OUTPUTS_INIT EPX_STRUCT_INIT_(epx_ht_dispatch_outputs_t)

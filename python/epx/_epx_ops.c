@@ -17,7 +17,7 @@
 
 /* What one operation holds while it runs: the imported tensors (kept until the library call returns)
  * and the outputs, each in its slot of the result. */
-#define MAX_ITEMS 9
+#define MAX_ITEMS 10
 typedef struct {
     keep_t keep;
     call_ctx_t ctx;
@@ -192,7 +192,7 @@ COLLECTIVE_METHOD(buffer_dispatch, EPX_COLLECTIVE_HT_DISPATCH)
         {topk_obj, "topk_idx", HINT_NONE, &a.topk_idx},
         {weights_obj, "topk_weights", HINT_NONE, &a.topk_weights},
     };
-    if (call_open(&c, 9, x_obj, stream_obj, in, COUNT(in), &a.stream) != 0) return call_fail(&c);
+    if (call_open(&c, 10, x_obj, stream_obj, in, COUNT(in), &a.stream) != 0) return call_fail(&c);
     area_t *area;
     int copy;
     if (py_dispatch_area(self, views_obj, num_worst, &area, &copy) != 0 ||
@@ -229,13 +229,36 @@ COLLECTIVE_METHOD(buffer_dispatch, EPX_COLLECTIVE_HT_DISPATCH)
         [8] = {!cached, EPX_DTYPE_INT32, 2, {self->R, self->R}, "rank_prefix_matrix", &o.rank_prefix_matrix},
     };
     if (call_alloc(&c, outs, COUNT(outs)) != 0) return call_fail(&c);
+    /* The counts as a list too where the call waits for them (default mode): no device read. */
+    int32_t *host_counts = NULL;
+    if (!cached && num_worst <= 0 && a.topk_idx.data) {
+        host_counts = PyMem_Malloc((size_t)(L > 0 ? L : 1) * sizeof(int32_t));
+        if (!host_counts) {
+            PyErr_NoMemory();
+            return call_fail(&c);
+        }
+        o.num_recv_tokens_per_expert_host = host_counts;
+    }
     epx_result_t res;
     COLLECTIVE_CALL(self, res = epx_ht_dispatch(self->buf, &a, &o));
     if (views) {
         py_area_reuse(area); /* whatever the outcome: the call may have written there */
         area->used = ++self->area_clock;
     }
-    if (call_end(&c, res) != 0) return NULL;
+    if (call_end(&c, res) != 0) {
+        PyMem_Free(host_counts);
+        return NULL;
+    }
+    if (host_counts) {
+        c.items[9] = PyList_New(L);
+        for (int64_t j = 0; c.items[9] && j < L; j++) {
+            PyObject *v = PyLong_FromLong(host_counts[j]);
+            if (!v) Py_CLEAR(c.items[9]);
+            else PyList_SET_ITEM(c.items[9], j, v);
+        }
+        PyMem_Free(host_counts);
+        if (!c.items[9]) return call_fail(&c);
+    }
     HandleObject *h = cached;
     if (cached) {
         Py_INCREF(cached);

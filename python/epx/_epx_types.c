@@ -572,6 +572,9 @@ static PyStructSequence_Field ht_dispatch_fields[] = {
     {"num_recv_tokens_tensor", "[1] int32 holding N_r in the tensors' memory (static mode), else None"},
     {"rank_prefix_matrix", "[R, R] int32: [s, d] = tokens ranks 0..s send rank d; None for cached "
                            "(attribute only: not part of the 8-tuple)"},
+    {"num_recv_tokens_per_expert_list",
+     "num_recv_tokens_per_expert as a list of L ints, read on the host without a device copy (the call "
+     "waited for them); None in static mode and for cached (attribute only: not part of the 8-tuple)"},
     {NULL},
 };
 

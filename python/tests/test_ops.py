@@ -60,13 +60,18 @@ def _ht(rank, nranks, uid, alignment, idx_dtype, with_bias, shape=None):
     assert_equal(out.recv_topk_idx, recv_idx.astype(idx_dtype), "recv_topk_idx", rank)
     assert_equal(out.recv_topk_weights, recv_w, "recv_topk_weights", rank)
     assert_equal(out.num_recv_tokens_per_expert, counts, "num_recv_tokens_per_expert", rank)
+    # The same counts read on the host, as a list (the call waited for them).
+    assert isinstance(out.num_recv_tokens_per_expert_list, list)
+    assert_equal(np.array(out.num_recv_tokens_per_expert_list, dtype=np.int32), counts,
+                 "num_recv_tokens_per_expert_list", rank)
     assert_equal(out.rank_prefix_matrix, p.rank_prefix_matrix(), "rank_prefix_matrix", rank)
-    assert len(out) == 8  # the matrix is an attribute, not part of the tuple
+    assert len(out) == 8  # the matrix and the list are attributes, not part of the tuple
 
     # Cached dispatch: same routing, new data (x + 1 in bf16).
     x2 = bf16(f32(x) + 1)
     cached = buf.dispatch(x2, handle=out.handle)
     assert cached.handle is out.handle and cached.recv_topk_idx is None and cached.rank_prefix_matrix is None
+    assert cached.num_recv_tokens_per_expert_list is None
     assert_equal(cached.recv_x, bf16(f32(recv_x) + 1), "cached recv_x", rank)
 
     y = p.expert_fn(out.recv_x, rank + 1)
@@ -82,6 +87,7 @@ def _ht(rank, nranks, uid, alignment, idx_dtype, with_bias, shape=None):
     worst = nranks * p.T_max
     st = buf.dispatch(x, idx, num_worst_tokens=worst)
     assert st.recv_x.shape == (worst, p.H) and st.num_recv_tokens == -1
+    assert st.num_recv_tokens_per_expert_list is None  # static mode does not wait for the counts
     assert int(st.num_recv_tokens_tensor[0]) == len(recv_x)
     assert_equal(st.recv_x[:len(recv_x)], recv_x, "static recv_x", rank)
     assert buf.query_overflow() is False

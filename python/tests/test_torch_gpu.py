@@ -99,6 +99,9 @@ def _native(rank, nranks, uid):
     assert_equal(_host(out.recv_topk_idx), want_idx, "recv_topk_idx", rank)
     assert_equal(_host(out.recv_topk_weights), want_w, "recv_topk_weights", rank)
     assert_equal(_host(out.num_recv_tokens_per_expert), want_counts, "num_recv_tokens_per_expert", rank)
+    # The mapped block's copy of the counts, read on the host by the binding.
+    assert_equal(np.array(out.num_recv_tokens_per_expert_list, dtype=np.int32), want_counts,
+                 "num_recv_tokens_per_expert_list", rank)
     # Combine on a side stream: the binding runs on torch's current stream, not the default one.
     y = _scaled(out.recv_x, [rank + 1] * out.recv_x.shape[0], 1)
     side = torch.cuda.Stream()

@@ -62,6 +62,8 @@ def _dispatch_combine(rank, nranks, uid):
                        ("rank_prefix_matrix", p.rank_prefix_matrix())):
         assert_equal(getattr(out, name), getattr(own, name), name + " (views vs own)", rank)
         assert_equal(getattr(out, name).astype(want.dtype), want, name, rank)
+    assert_equal(np.array(out.num_recv_tokens_per_expert_list, dtype=np.int32), want_counts,
+                 "num_recv_tokens_per_expert_list (views)", rank)
 
     # combine, x = the recv_x view (read where the dispatch put it), with the weights' view.
     want_comb = p.ht_combine(rank)

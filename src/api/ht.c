@@ -75,6 +75,8 @@ EPX_API_CHECK_FN(ht_dispatch)
                            "(static) dispatch used: pass 0 or the same bound",
                            (long long)a->num_worst_tokens, (long long)cached->num_recv);
     }
+    /* Written only where the host waits for the counts: default mode, with top-k. */
+    if (cached || a->num_worst_tokens > 0) o->num_recv_tokens_per_expert_host = NULL;
     if (cached) {
         memset(&a->topk_idx, 0, sizeof(a->topk_idx));
         memset(&a->topk_weights, 0, sizeof(a->topk_weights));

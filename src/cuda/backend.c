@@ -345,9 +345,11 @@ static epx_result_t cuda_buffer_create(epx_buffer_t buffer)
     EPX_CHECK_GOTO(epx_cuda_ipc_alloc(cb), res, err_free_region);
     EPX_CHECK_GOTO(epx_cuda_check(cudaMemset(cb->region, 0, cb->lay.total), "cudaMemset(region)", me), res,
                    err_free_region);
-    EPX_CHECK_GOTO(epx_cuda_check(cudaHostAlloc((void **)&cb->host, sizeof(*cb->host), cudaHostAllocMapped),
+    /* The block, then the per-expert counts of a default-mode dispatch (EPX_CUDA_HOST_COUNTS). */
+    const size_t host_bytes = sizeof(*cb->host) + (size_t)buffer->num_local_experts * sizeof(int32_t);
+    EPX_CHECK_GOTO(epx_cuda_check(cudaHostAlloc((void **)&cb->host, host_bytes, cudaHostAllocMapped),
                                   "cudaHostAlloc(mapped block)", me), res, err_free_region);
-    memset(cb->host, 0, sizeof(*cb->host));
+    memset(cb->host, 0, host_bytes);
     EPX_CHECK_GOTO(epx_cuda_check(cudaHostGetDevicePointer((void **)&cb->host_dev, cb->host, 0),
                                   "cudaHostGetDevicePointer", me), res, err_free_host);
     cudaEvent_t ev;

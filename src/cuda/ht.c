@@ -60,6 +60,16 @@ static epx_tensor_t device_view(const cuda_buffer_t *cb, void *data, epx_dtype_t
     return t;
 }
 
+/* After the host wait of a default-mode dispatch: the per-expert counts the kernels left in the mapped
+ * block, to the caller's host array. */
+static void copy_host_counts(const cuda_buffer_t *cb, const epx_cuda_dispatch_args_t *a,
+                             epx_ht_dispatch_outputs_t *o)
+{
+    if (!a->host_expert_counts) return;
+    const volatile int32_t *src = EPX_CUDA_HOST_COUNTS(cb->host);
+    for (int j = 0; j < cb->buffer->num_local_experts; j++) o->num_recv_tokens_per_expert_host[j] = src[j];
+}
+
 /* The four row outputs of a view-mode dispatch: views of our region's final-layout areas. */
 static void set_views(const cuda_buffer_t *cb, const epx_ht_dispatch_args_t *args,
                       epx_ht_dispatch_outputs_t *o, int64_t rows)
@@ -92,6 +102,7 @@ static epx_result_t ht_dispatch_view(epx_cuda_op_t *op, const epx_ht_dispatch_ar
         a->num_recv_tokens_per_expert = outputs->num_recv_tokens_per_expert.data;
         a->num_recv_tokens = outputs->num_recv_tokens.data;
         a->rank_prefix_matrix = outputs->rank_prefix_matrix.data;
+        if (!is_static && outputs->num_recv_tokens_per_expert_host) a->host_expert_counts = EPX_CUDA_HOST_COUNTS(cb->host_dev);
     }
     a->capacity = is_static && args->num_worst_tokens < cap_rows ? args->num_worst_tokens : cap_rows;
     a->static_mode = is_static;
@@ -115,6 +126,7 @@ static epx_result_t ht_dispatch_view(epx_cuda_op_t *op, const epx_ht_dispatch_ar
                          (unsigned long long)op->epoch);
     outputs->num_recv_tokens_host = n;
     if (!cached) handle->num_recv = n;
+    copy_host_counts(cb, a, outputs);
     set_views(cb, args, outputs, n);
     return EPX_SUCCESS;
 }
@@ -189,6 +201,7 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
         a.recv_idx_is_64 = outputs->recv_topk_idx.dtype == EPX_DTYPE_INT64;
         a.recv_topk_weights = outputs->recv_topk_weights.data;
         a.num_recv_tokens_per_expert = outputs->num_recv_tokens_per_expert.data;
+        if (!is_static && outputs->num_recv_tokens_per_expert_host) a.host_expert_counts = EPX_CUDA_HOST_COUNTS(cb->host_dev);
         a.num_recv_tokens = outputs->num_recv_tokens.data;
         a.rank_prefix_matrix = outputs->rank_prefix_matrix.data;
         cap = rows_of(&outputs->recv_topk_idx, cap);
@@ -223,6 +236,7 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
                          me, (long long)cap, (long long)n);
     outputs->num_recv_tokens_host = n;
     if (!cached) handle->num_recv = n;
+    copy_host_counts(cb, &a, outputs);
     return EPX_SUCCESS;
 }
 

@@ -427,9 +427,11 @@ static void dispatch_commit(host_buffer_t *hb, uint64_t seq, const epx_ht_dispat
     const in_layout_t lay = in_layout_of(cfg);
     const int64_t arriving = st->num_arriving;
 
-    /* Per local expert counts over every arriving token, dropped or not. */
-    if (outputs->num_recv_tokens_per_expert.data) {
-        int32_t *per_expert = outputs->num_recv_tokens_per_expert.data;
+    /* Per local expert counts over every arriving token, dropped or not; into the tensor, or the host
+     * array when the tensor is absent (then copied to the array below). */
+    int32_t *per_expert = outputs->num_recv_tokens_per_expert.data ? (int32_t *)outputs->num_recv_tokens_per_expert.data
+                                                                    : outputs->num_recv_tokens_per_expert_host;
+    if (per_expert) {
         const int64_t align = args->expert_alignment > 1 ? args->expert_alignment : 1;
         memset(per_expert, 0, (size_t)L * sizeof(int32_t));
         for (int s = 0; s < R; s++) {
@@ -443,6 +445,8 @@ static void dispatch_commit(host_buffer_t *hb, uint64_t seq, const epx_ht_dispat
             }
         }
         for (int j = 0; j < L; j++) per_expert[j] = (int32_t)((per_expert[j] + align - 1) / align * align);
+        if (outputs->num_recv_tokens_per_expert_host && per_expert != outputs->num_recv_tokens_per_expert_host)
+            memcpy(outputs->num_recv_tokens_per_expert_host, per_expert, (size_t)L * sizeof(int32_t));
     }
     /* The rank prefix matrix: every source's count per destination, summed down the sources. */
     if (outputs->rank_prefix_matrix.data) {

@@ -80,6 +80,9 @@ typedef struct epx_cuda_host_block {
     uint64_t dead;      /* ~0: the word the watcher copies into our own fail[peer] when peer's
                            process exited */
 } epx_cuda_host_block_t;
+/* The block's allocation goes on with L int32 (EPX_CUDA_HOST_COUNTS): the per-expert counts of the last
+ * default-mode HT dispatch with top-k, which the host copies to the caller after its wait. */
+#define EPX_CUDA_HOST_COUNTS(block) ((int32_t *)((epx_cuda_host_block_t *)(block) + 1))
 
 /* Start of every rank's registered region. Words indexed [peer] are written by that peer
  * (system-scope release), the rest only by the owner. Every counter is an epoch: the number of
@@ -214,6 +217,7 @@ typedef struct epx_cuda_dispatch_args {
     int32_t recv_idx_is_64;
     float *recv_topk_weights;
     int32_t *num_recv_tokens_per_expert;
+    int32_t *host_expert_counts; /* the mapped block's counts (device pointer) or NULL: the same values */
     int32_t *num_recv_tokens;
     int32_t *rank_prefix_matrix; /* [R][R] or NULL */
     int64_t capacity;

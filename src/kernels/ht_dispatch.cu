@@ -172,7 +172,8 @@ __device__ __forceinline__ void ht_finish_recv(const epx_cuda_dispatch_args_t &a
             const int al = a.expert_alignment > 1 ? a.expert_alignment : 1;
             for (int j = threadIdx.x; j < L; j += blockDim.x) {
                 const int v = ld_volatile_i32(&scratch[j]);
-                if (good) a.num_recv_tokens_per_expert[j] = (v + al - 1) / al * al;
+                if (good && a.num_recv_tokens_per_expert) a.num_recv_tokens_per_expert[j] = (v + al - 1) / al * al;
+                if (good && a.host_expert_counts) a.host_expert_counts[j] = (v + al - 1) / al * al;
                 scratch[j] = 0;
             }
         }
@@ -277,7 +278,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     const kernel_frame f(c);
     extern __shared__ int expert_cnt[]; /* [L] */
     __shared__ int prefix[EPX_CUDA_MAX_RANKS + 1];
-    const bool want_counts = !a.cached && a.num_recv_tokens_per_expert;
+    const bool want_counts = !a.cached && (a.num_recv_tokens_per_expert || a.host_expert_counts);
     const bool bad = !a.cached && *(const volatile int64_t *)a.h.bad != 0;
     const int &ok = ht_open_recv(a, expert_cnt, want_counts, prefix, f.epoch);
     const int64_t total = prefix[c->nranks];

@@ -68,7 +68,7 @@ typedef struct recv_bufs {
     uint8_t *rx;
     float *rxs, *rw;
     void *ridx;
-    int32_t *rpe, *nrecv, *rpm;
+    int32_t *rpe, *nrecv, *rpm, *hpe; /* hpe: num_recv_tokens_per_expert_host */
 } recv_bufs_t;
 
 static epx_ht_dispatch_outputs_t caller_outputs(ref_arena_t *a, const ref_problem_t *p, int64_t rows,
@@ -82,6 +82,7 @@ static epx_ht_dispatch_outputs_t caller_outputs(ref_arena_t *a, const ref_proble
     b->rpe = ref_arena_garbage(a, 4 * (size_t)L);
     b->nrecv = ref_arena_garbage(a, 4);
     b->rpm = ref_arena_garbage(a, 4 * (size_t)(p->R * p->R));
+    b->hpe = ref_arena_garbage(a, 4 * (size_t)L);
     epx_ht_dispatch_outputs_t outs = EPX_HT_DISPATCH_OUTPUTS_INIT;
     outs.recv_x = epx_tensor_2d(b->rx, p->dtype, rows, H);
     if (p->dtype == EPX_DTYPE_FP8_E4M3) outs.recv_x_scales = epx_tensor_2d(b->rxs, EPX_DTYPE_FP32, rows, SG);
@@ -92,6 +93,7 @@ static epx_ht_dispatch_outputs_t caller_outputs(ref_arena_t *a, const ref_proble
     outs.num_recv_tokens_per_expert = epx_tensor_1d(b->rpe, EPX_DTYPE_INT32, L);
     outs.num_recv_tokens = epx_tensor_1d(b->nrecv, EPX_DTYPE_INT32, 1);
     outs.rank_prefix_matrix = epx_tensor_2d(b->rpm, EPX_DTYPE_INT32, p->R, p->R);
+    outs.num_recv_tokens_per_expert_host = b->hpe;
     return outs;
 }
 
@@ -268,6 +270,9 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
         recv_bufs_t b;
         epx_ht_dispatch_args_t args = dispatch_args(&p, rank, &in, topk_t, with_weights, alignment);
         epx_ht_dispatch_outputs_t outs = caller_outputs(&a, &p, N, out_idx_dtype, with_weights, &b);
+        /* Odd iterations: the counts on the host only, without the tensor. */
+        const bool host_only = it % 2 == 1;
+        if (host_only) memset(&outs.num_recv_tokens_per_expert, 0, sizeof(outs.num_recv_tokens_per_expert));
         CALL(epx_ht_dispatch(buf, &args, &outs));
         handle = outs.handle;
         CHECK(handle != NULL, "dispatch returned no handle");
@@ -280,7 +285,8 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
             rc |= ref_check_bits(rank, "recv_topk_idx", b.ridx, e_idx, N * K, isz, K);
             rc |= ref_check_bits(rank, "recv_topk_weights", b.rw, rv.w, N * K, 4, K);
         }
-        rc |= ref_check_bits(rank, "num_recv_tokens_per_expert", b.rpe, rv.per_expert, L, 4, L);
+        if (!host_only) rc |= ref_check_bits(rank, "num_recv_tokens_per_expert", b.rpe, rv.per_expert, L, 4, L);
+        rc |= ref_check_bits(rank, "num_recv_tokens_per_expert_host", b.hpe, rv.per_expert, L, 4, L);
         rc |= ref_check_bits(rank, "rank_prefix_matrix", b.rpm, e_rpm, R * R, 4, R);
         if (!handle) goto out;
         rc |= ref_check_handle(rank, handle, Ts, N, R, L);
@@ -329,6 +335,8 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
         epx_ht_dispatch_args_t args = dispatch_args(&p, rank, &in, topk_t, true, alignment);
         args.num_worst_tokens = W;
         epx_ht_dispatch_outputs_t outs = caller_outputs(&a, &p, W, out_idx_dtype, true, &b);
+        int32_t *hpe_before = ref_arena_alloc(&a, 4 * (size_t)L);
+        memcpy(hpe_before, b.hpe, 4 * (size_t)L);
         CALL(epx_ht_dispatch(buf, &args, &outs));
         shandle = outs.handle;
         ref_set_case(
@@ -347,6 +355,8 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
             rc |= ref_check_bits(rank, "static num_recv_tokens_per_expert", b.rpe, rv.per_expert, L, 4, L);
         /* The matrix counts tokens sent, before any bound: the same with or without an overflow. */
         rc |= ref_check_bits(rank, "static rank_prefix_matrix", b.rpm, e_rpm, R * R, 4, R);
+        /* Static mode does not wait for the counts: the host array stays as it was. */
+        rc |= ref_check_bits(rank, "static num_recv_tokens_per_expert_host (untouched)", b.hpe, hpe_before, L, 4, L);
         rc |= ref_check_overflow(rank, buf, over ? EPX_ERR_OVERFLOW : EPX_SUCCESS);
         /* Combine after a static dispatch that kept every row (every rank must take part). */
         if (!want_overflow && shandle)
@@ -366,6 +376,8 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
         fill_idx(rv.idx, N * K, EPX_DTYPE_INT32, e_idx32);
         int32_t *rpe = ref_arena_garbage(&a, 4 * (size_t)L);
         int32_t *rpm = ref_arena_garbage(&a, 4 * (size_t)(R * R));
+        int32_t *hpe = ref_arena_garbage(&a, 4 * (size_t)L), *hpe_before = ref_arena_alloc(&a, 4 * (size_t)L);
+        memcpy(hpe_before, hpe, 4 * (size_t)L);
         epx_ht_dispatch_args_t args = dispatch_args(&p, rank, &in, topk_t, with_weights, alignment);
         args.num_worst_tokens = is_static ? W : 0;
         args.recv_in_buffer = 1;
@@ -375,6 +387,7 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
         epx_ht_dispatch_outputs_t outs = EPX_HT_DISPATCH_OUTPUTS_INIT;
         outs.num_recv_tokens_per_expert = epx_tensor_1d(rpe, EPX_DTYPE_INT32, L);
         outs.rank_prefix_matrix = epx_tensor_2d(rpm, EPX_DTYPE_INT32, R, R);
+        outs.num_recv_tokens_per_expert_host = hpe;
         CALL(epx_ht_dispatch(buf, &args, &outs));
         handle = outs.handle;
         ref_set_case("ht R=%d E=%d K=%d H=%lld iter %d view mode%s W=%lld N=%lld: x %s, routing %s", R, hc->E,
@@ -406,6 +419,9 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
                                  K);
         rc |= ref_check_bits(rank, "view num_recv_tokens_per_expert", rpe, rv.per_expert, L, 4, L);
         rc |= ref_check_bits(rank, "view rank_prefix_matrix", rpm, e_rpm, R * R, 4, R);
+        rc |= ref_check_bits(rank, is_static ? "view static num_recv_tokens_per_expert_host (untouched)"
+                                             : "view num_recv_tokens_per_expert_host",
+                             hpe, is_static ? hpe_before : rv.per_expert, L, 4, L);
 
         rc |= run_combine(buf, &p, rank, &rv, handle, rows, with_weights, bias0, bias1, seed ^ 0x766965ull, 1,
                           NULL);
