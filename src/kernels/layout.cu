@@ -51,6 +51,14 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const __grid_con
     for (int64_t tile = 0; tile < a.num_tokens; tile += blockDim.x) {
         const int64_t t = tile + threadIdx.x;
         uint64_t mask = 0;
+        /* A good id: its rank joins the token's mask, its expert's count grows. */
+        auto take = [&](int64_t e) {
+            mask |= 1ull << ((int)e / L);
+            if (smem_hist)
+                atomicAdd(&hist[e], 1);
+            else if (a.num_tokens_per_expert)
+                atomicAdd(&a.num_tokens_per_expert[e], 1);
+        };
         if (t < a.num_tokens) {
             if (stage) {
                 /* The row's ids, all loads in flight together (one block has few warps to hide their
@@ -72,28 +80,18 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const __grid_con
                     int64_t e = v;
                     /* A bad id is checked again on the caller's tensor, which reports it. */
                     if (bad) e = topk_checked(a.topk_idx, a.idx_is_64, t, K, k, E, a.host, a.bad);
-                    if (e < 0) {
+                    if (e >= 0)
+                        take(e);
+                    else
                         saw_bad |= bad;
-                        continue;
-                    }
-                    mask |= 1ull << ((int)e / L);
-                    if (smem_hist)
-                        atomicAdd(&hist[e], 1);
-                    else if (a.num_tokens_per_expert)
-                        atomicAdd(&a.num_tokens_per_expert[e], 1);
                 }
             } else {
                 for (int k = 0; k < K; k++) {
                     const int64_t e = topk_checked(a.topk_idx, a.idx_is_64, t, K, k, E, a.host, a.bad);
-                    if (e < 0) {
+                    if (e >= 0)
+                        take(e);
+                    else
                         saw_bad |= topk_at(a.topk_idx, a.idx_is_64, t * K + k) != -1;
-                        continue;
-                    }
-                    mask |= 1ull << ((int)e / L);
-                    if (smem_hist)
-                        atomicAdd(&hist[e], 1);
-                    else if (a.num_tokens_per_expert)
-                        atomicAdd(&a.num_tokens_per_expert[e], 1);
                 }
             }
             if (a.num_tokens_per_domain)
