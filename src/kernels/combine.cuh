@@ -8,16 +8,57 @@
 
 #include "kernels/common.cuh"
 
+/* reduce_token's vector path for a token of few rows (n <= kBatch / kChunks): each lane takes kChunks
+ * 16-byte columns at once (32 apart), so that kChunks * n loads are in flight where one column would
+ * have n. The same sums in the same order per column as the one-column path. */
+template <int kChunks, int kBatch, typename RowOf, typename WeightOf>
+__device__ __forceinline__ void reduce_token_wide(uint16_t *out, int64_t H, int n, RowOf row_of, bool weighted,
+                                                  WeightOf weight_of, const uint16_t *bias0,
+                                                  const uint16_t *bias1, int64_t bias_row, int lane)
+{
+    constexpr int kRows = kBatch / kChunks;
+    const int64_t nv = H / 8;
+    for (int64_t i0 = lane; i0 < nv; i0 += 32 * kChunks) {
+        int4 v[kChunks][kRows];
+#pragma unroll
+        for (int c = 0; c < kChunks; c++)
+#pragma unroll
+            for (int u = 0; u < kRows; u++)
+                if (u < n && i0 + 32 * c < nv) v[c][u] = ld_nc_v4((const int4 *)row_of(u) + i0 + 32 * c);
+#pragma unroll
+        for (int c = 0; c < kChunks; c++) {
+            const int64_t i = i0 + 32 * c;
+            if (i >= nv) break;
+            float acc[8];
+#pragma unroll
+            for (int q = 0; q < 8; q++) acc[q] = 0.0f;
+#pragma unroll
+            for (int u = 0; u < kRows; u++)
+                if (u < n) acc_add_bf16x8(acc, v[c][u], weighted, weighted ? weight_of(u) : 0.0f);
+            if (bias0) acc_add_bf16x8(acc, ld_nc_v4((const int4 *)(bias0 + bias_row) + i), false, 0.0f);
+            if (bias1) acc_add_bf16x8(acc, ld_nc_v4((const int4 *)(bias1 + bias_row) + i), false, 0.0f);
+            st_na_bf16x8((int4 *)out + i, acc);
+        }
+    }
+}
+
 /* One warp reduces one token: out[h] = bf16(sum over d < n of (weight_of(d) *) row_of(d)[h], d
  * ascending, then + bias0[bias_row + h] + bias1[bias_row + h] where given). `vec`: 16-byte loads
  * (H % 8 == 0, everything aligned). kBatch rows' loads are in flight before their adds; kGuarded
- * predicates each batch row by row (short lists keep their loads in flight too), else whole
- * batches run first and the rest one row at a time. */
+ * predicates each batch row by row (short lists keep their loads in flight too; a token of at most
+ * kBatch / 2 rows takes several columns at once, reduce_token_wide), else whole batches run first and
+ * the rest one row at a time. */
 template <int kBatch, bool kGuarded, typename RowOf, typename WeightOf>
 __device__ __forceinline__ void reduce_token(uint16_t *out, int64_t H, bool vec, int n, RowOf row_of,
                                              bool weighted, WeightOf weight_of, const uint16_t *bias0,
                                              const uint16_t *bias1, int64_t bias_row, int lane)
 {
+    if constexpr (kGuarded && kBatch >= 4 && kBatch % 4 == 0) {
+        if (vec && n <= kBatch / 2) {
+            reduce_token_wide<2, kBatch>(out, H, n, row_of, weighted, weight_of, bias0, bias1, bias_row, lane);
+            return;
+        }
+    }
     if (vec) {
         for (int64_t i = lane; i < H / 8; i += 32) {
             float acc[8];
