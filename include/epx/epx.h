@@ -370,7 +370,8 @@ typedef struct epx_buffer_config {
     int32_t num_topk;         /* K (1..64) */
     int32_t num_experts;      /* E (a multiple of nranks) */
     uint32_t modes;           /* EPX_MODE_* bits; 0 means EPX_MODE_ALL */
-    uint32_t dispatch_dtypes; /* EPX_DTYPE_BIT()s of x allowed in dispatch; 0 = bf16|fp32|fp8 */
+    uint32_t dispatch_dtypes; /* EPX_DTYPE_BIT()s of x allowed in dispatch; 0 = bf16|fp32, and fp8
+                                 when hidden % 128 == 0 (fp8 asked for explicitly needs that too) */
     int32_t max_pad_multiple; /* largest pad_multiple used with permute; 0 = 128 */
     int32_t num_sms;          /* GPU: SMs a kernel may take; 0 = tuned default for nranks */
     int32_t chunk_tokens;     /* reserved: checked (>= 0) and compared across ranks, currently ignored */

@@ -356,8 +356,9 @@ class Buffer(_epx.Buffer):
            max_pad_multiple=0, num_sms=0, chunk_tokens=0, views=None, view_areas=0)
 
     modes: "all" or any of "ht", "ll", "permute" (a string, a list of them, or EPX_MODE_* bits).
-    dispatch_dtypes: dtypes of x allowed in dispatch, any of "bf16", "fp32", "fp8" (default all
-    three; fp8 needs hidden % 128 == 0). Every rank must pass the same values.
+    dispatch_dtypes: dtypes of x allowed in dispatch, any of "bf16", "fp32", "fp8" (default: bf16 and
+    fp32, and fp8 when hidden % 128 == 0; fp8 asked for by name needs that too). Every rank must pass the
+    same values.
     views: what HT dispatch returns (None: epx.DEFAULT_VIEWS, which is False). False: outputs of their
     own, and combine reads x where it is (two passes over the bytes each). True: views of the buffer's
     memory, valid until the next dispatch into their view area. "pooled": views that no dispatch reuses

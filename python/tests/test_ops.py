@@ -318,3 +318,31 @@ def test_handles_and_destroy_order():
     h = buf.dispatch(p.x[0], p.topk_idx[0]).handle
     del comm, buf
     assert h.num_tokens == p.T_max
+
+
+# ------------------------------------------------------------------------------------ default dtypes
+
+
+def _odd_hidden(rank, nranks, uid):
+    """A hidden size that is not a multiple of 128 with the default dispatch dtypes: bf16 works, fp8 is
+    refused by name."""
+    p = problem(nranks, hidden=200)
+    comm = host_comm(rank, nranks, uid)
+    buf = epx.Buffer(comm, p.T_max, p.H, p.K, p.E, modes="ht", views=False)
+    out = buf.dispatch(p.x[rank], p.topk_idx[rank], p.weights[rank])
+    recv_x, _, _, _ = p.ht_dispatch(rank)
+    assert_equal(out.recv_x, recv_x, "recv_x (hidden 200, default dtypes)", rank)
+    x8 = np.zeros((p.tokens[rank], p.H), dtype=np.uint8)
+    scales = np.ones((p.tokens[rank], 1), dtype=np.float32)
+    # Every rank refuses the same call for itself.
+    with pytest.raises(epx.InvalidArgumentError, match="fp8"):
+        buf.dispatch(x8, p.topk_idx[rank], x_scales=scales)
+    # The buffer goes on after the refused call.
+    again = buf.dispatch(p.x[rank], p.topk_idx[rank], p.weights[rank])
+    assert_equal(again.recv_x, recv_x, "recv_x after the refused fp8 call", rank)
+    return True
+
+
+@pytest.mark.parametrize("nranks", [1, 2])
+def test_odd_hidden_default_dtypes(nranks):
+    run_ranks(nranks, _odd_hidden)

@@ -91,7 +91,10 @@ epx_result_t epx_api_buffer_config_normalize(epx_comm_t comm, const epx_buffer_c
     if (c.modes & ~EPX_MODE_ALL)
         return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
                            "config.modes = 0x%x has bits outside EPX_MODE_ALL (0x%x)", c.modes, EPX_MODE_ALL);
-    if (c.dispatch_dtypes == 0) c.dispatch_dtypes = EPX_API_DISPATCH_DTYPES;
+    /* The default takes fp8 only where the hidden size allows it (a multiple of 128); asking for fp8
+     * explicitly with another hidden size is refused below. */
+    if (c.dispatch_dtypes == 0)
+        c.dispatch_dtypes = EPX_API_DISPATCH_DTYPES & (c.hidden % 128 == 0 ? ~0u : ~EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3));
     if (c.dispatch_dtypes & ~EPX_API_DISPATCH_DTYPES)
         return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
                            "config.dispatch_dtypes = 0x%x allows dtypes other than bf16, fp32 and fp8_e4m3",
@@ -208,11 +211,13 @@ static epx_result_t check_dispatch_dtype(epx_buffer_t buffer, const epx_tensor_t
         (call_dtypes & EPX_DTYPE_BIT(x->dtype)) &&
         !(buffer->config.dispatch_dtypes & EPX_DTYPE_BIT(x->dtype))) {
         char allowed[96];
+        const int fp8_odd = x->dtype == EPX_DTYPE_FP8_E4M3 && buffer->config.hidden % 128 != 0;
         return EPX_API_ERR(
             buffer->comm, EPX_ERR_INVALID_ARG,
-            "%s has dtype %s, which the buffer was not created for (config.dispatch_dtypes allows %s)", name,
+            "%s has dtype %s, which the buffer was not created for (config.dispatch_dtypes allows %s%s)", name,
             epx_dtype_str(x->dtype),
-            epx_api_dtype_list(buffer->config.dispatch_dtypes, allowed, sizeof(allowed)));
+            epx_api_dtype_list(buffer->config.dispatch_dtypes, allowed, sizeof(allowed)),
+            fp8_odd ? "; fp8 needs hidden % 128 == 0" : "");
     }
     return EPX_SUCCESS;
 }

@@ -169,6 +169,7 @@ static int test_buffer_config(void)
     bad[6].cfg.modes = 0x8;
     bad[7].cfg.dispatch_dtypes = EPX_DTYPE_BIT(EPX_DTYPE_INT32);
     bad[8].cfg.hidden = 200;
+    bad[8].cfg.dispatch_dtypes = EPX_DTYPE_BIT(EPX_DTYPE_BF16) | EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3);
     bad[9].cfg.max_pad_multiple = -1;
     bad[10].cfg.num_sms = -1;
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
@@ -185,6 +186,15 @@ static int test_buffer_config(void)
     odd.modes = EPX_MODE_ALL;
     odd.dispatch_dtypes = EPX_DTYPE_BIT(EPX_DTYPE_BF16);
     EXPECT_OK(epx_api_buffer_config_normalize(NULL, &odd, 4, &out));
+    /* The default dtypes leave fp8 out where the hidden size cannot take it, and keep it where it can. */
+    odd.dispatch_dtypes = 0;
+    EXPECT_OK(epx_api_buffer_config_normalize(NULL, &odd, 4, &out));
+    EXPECT_EQ_INT(out.dispatch_dtypes, EPX_DTYPE_BIT(EPX_DTYPE_BF16) | EPX_DTYPE_BIT(EPX_DTYPE_FP32));
+    odd.hidden = 384;
+    EXPECT_OK(epx_api_buffer_config_normalize(NULL, &odd, 4, &out));
+    EXPECT_EQ_INT(out.dispatch_dtypes, EPX_DTYPE_BIT(EPX_DTYPE_BF16) | EPX_DTYPE_BIT(EPX_DTYPE_FP32) |
+                                           EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3));
+    odd.hidden = 200;
     /* Row counts are int32: nranks * max_tokens must fit. */
     odd.max_tokens = (int64_t)1 << 30;
     EXPECT_RES(epx_api_buffer_config_normalize(NULL, &odd, 4, &out), EPX_ERR_INVALID_ARG);
