@@ -253,8 +253,10 @@ COLLECTIVE_METHOD(buffer_dispatch, EPX_COLLECTIVE_HT_DISPATCH)
         c.items[9] = PyList_New(L);
         for (int64_t j = 0; c.items[9] && j < L; j++) {
             PyObject *v = PyLong_FromLong(host_counts[j]);
-            if (!v) Py_CLEAR(c.items[9]);
-            else PyList_SET_ITEM(c.items[9], j, v);
+            if (!v)
+                Py_CLEAR(c.items[9]);
+            else
+                PyList_SET_ITEM(c.items[9], j, v);
         }
         PyMem_Free(host_counts);
         if (!c.items[9]) return call_fail(&c);

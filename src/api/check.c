@@ -94,7 +94,8 @@ epx_result_t epx_api_buffer_config_normalize(epx_comm_t comm, const epx_buffer_c
     /* The default takes fp8 only where the hidden size allows it (a multiple of 128); asking for fp8
      * explicitly with another hidden size is refused below. */
     if (c.dispatch_dtypes == 0)
-        c.dispatch_dtypes = EPX_API_DISPATCH_DTYPES & (c.hidden % 128 == 0 ? ~0u : ~EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3));
+        c.dispatch_dtypes =
+            EPX_API_DISPATCH_DTYPES & (c.hidden % 128 == 0 ? ~0u : ~EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3));
     if (c.dispatch_dtypes & ~EPX_API_DISPATCH_DTYPES)
         return EPX_API_ERR(comm, EPX_ERR_INVALID_ARG,
                            "config.dispatch_dtypes = 0x%x allows dtypes other than bf16, fp32 and fp8_e4m3",

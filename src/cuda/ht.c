@@ -102,7 +102,8 @@ static epx_result_t ht_dispatch_view(epx_cuda_op_t *op, const epx_ht_dispatch_ar
         a->num_recv_tokens_per_expert = outputs->num_recv_tokens_per_expert.data;
         a->num_recv_tokens = outputs->num_recv_tokens.data;
         a->rank_prefix_matrix = outputs->rank_prefix_matrix.data;
-        if (!is_static && outputs->num_recv_tokens_per_expert_host) a->host_expert_counts = EPX_CUDA_HOST_COUNTS(cb->host_dev);
+        if (!is_static && outputs->num_recv_tokens_per_expert_host)
+            a->host_expert_counts = EPX_CUDA_HOST_COUNTS(cb->host_dev);
     }
     a->capacity = is_static && args->num_worst_tokens < cap_rows ? args->num_worst_tokens : cap_rows;
     a->static_mode = is_static;
@@ -201,7 +202,8 @@ epx_result_t epx_cuda_ht_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_h
         a.recv_idx_is_64 = outputs->recv_topk_idx.dtype == EPX_DTYPE_INT64;
         a.recv_topk_weights = outputs->recv_topk_weights.data;
         a.num_recv_tokens_per_expert = outputs->num_recv_tokens_per_expert.data;
-        if (!is_static && outputs->num_recv_tokens_per_expert_host) a.host_expert_counts = EPX_CUDA_HOST_COUNTS(cb->host_dev);
+        if (!is_static && outputs->num_recv_tokens_per_expert_host)
+            a.host_expert_counts = EPX_CUDA_HOST_COUNTS(cb->host_dev);
         a.num_recv_tokens = outputs->num_recv_tokens.data;
         a.rank_prefix_matrix = outputs->rank_prefix_matrix.data;
         cap = rows_of(&outputs->recv_topk_idx, cap);

@@ -429,8 +429,9 @@ static void dispatch_commit(host_buffer_t *hb, uint64_t seq, const epx_ht_dispat
 
     /* Per local expert counts over every arriving token, dropped or not; into the tensor, or the host
      * array when the tensor is absent (then copied to the array below). */
-    int32_t *per_expert = outputs->num_recv_tokens_per_expert.data ? (int32_t *)outputs->num_recv_tokens_per_expert.data
-                                                                    : outputs->num_recv_tokens_per_expert_host;
+    int32_t *per_expert = outputs->num_recv_tokens_per_expert.data
+                              ? (int32_t *)outputs->num_recv_tokens_per_expert.data
+                              : outputs->num_recv_tokens_per_expert_host;
     if (per_expert) {
         const int64_t align = args->expert_alignment > 1 ? args->expert_alignment : 1;
         memset(per_expert, 0, (size_t)L * sizeof(int32_t));
@@ -445,7 +446,8 @@ static void dispatch_commit(host_buffer_t *hb, uint64_t seq, const epx_ht_dispat
             }
         }
         for (int j = 0; j < L; j++) per_expert[j] = (int32_t)((per_expert[j] + align - 1) / align * align);
-        if (outputs->num_recv_tokens_per_expert_host && per_expert != outputs->num_recv_tokens_per_expert_host)
+        if (outputs->num_recv_tokens_per_expert_host &&
+            per_expert != outputs->num_recv_tokens_per_expert_host)
             memcpy(outputs->num_recv_tokens_per_expert_host, per_expert, (size_t)L * sizeof(int32_t));
     }
     /* The rank prefix matrix: every source's count per destination, summed down the sources. */

@@ -12,8 +12,8 @@
  * 16-byte columns at once (32 apart), so that kChunks * n loads are in flight where one column would
  * have n. The same sums in the same order per column as the one-column path. */
 template <int kChunks, int kBatch, typename RowOf, typename WeightOf>
-__device__ __forceinline__ void reduce_token_wide(uint16_t *out, int64_t H, int n, RowOf row_of, bool weighted,
-                                                  WeightOf weight_of, const uint16_t *bias0,
+__device__ __forceinline__ void reduce_token_wide(uint16_t *out, int64_t H, int n, RowOf row_of,
+                                                  bool weighted, WeightOf weight_of, const uint16_t *bias0,
                                                   const uint16_t *bias1, int64_t bias_row, int lane)
 {
     constexpr int kRows = kBatch / kChunks;
@@ -55,7 +55,8 @@ __device__ __forceinline__ void reduce_token(uint16_t *out, int64_t H, bool vec,
 {
     if constexpr (kGuarded && kBatch >= 4 && kBatch % 4 == 0) {
         if (vec && n <= kBatch / 2) {
-            reduce_token_wide<2, kBatch>(out, H, n, row_of, weighted, weight_of, bias0, bias1, bias_row, lane);
+            reduce_token_wide<2, kBatch>(out, H, n, row_of, weighted, weight_of, bias0, bias1, bias_row,
+                                         lane);
             return;
         }
     }

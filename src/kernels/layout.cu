@@ -24,7 +24,8 @@ constexpr int kLayoutStageK = 8;
 /* Experts counted in shared memory (written once at the end) when E is at most this. */
 constexpr int kLayoutHist = 4096;
 
-__global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const __grid_constant__ epx_cuda_layout_args_t a)
+__global__ void __launch_bounds__(kLayoutThreads)
+    layout_kernel(const __grid_constant__ epx_cuda_layout_args_t a)
 {
     const int R = a.nranks, K = a.num_topk, L = a.num_local_experts, E = a.num_experts;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -129,7 +130,8 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const __grid_con
             const uint32_t b = warp_ball[warp][r];
             const bool in = (b >> tok) & 1;
             if (a.send_row)
-                a.send_row[(first + tok) * R + r] = in ? warp_cnt[warp][r] + __popc(b & ((1u << tok) - 1u)) : -1;
+                a.send_row[(first + tok) * R + r] =
+                    in ? warp_cnt[warp][r] + __popc(b & ((1u << tok) - 1u)) : -1;
             if (a.is_token_in_rank) a.is_token_in_rank[(first + tok) * R + r] = (uint8_t)in;
         }
         __syncthreads();
@@ -138,7 +140,8 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const __grid_con
     for (int r = threadIdx.x; r < R; r += blockDim.x)
         if (a.num_tokens_per_rank) a.num_tokens_per_rank[r] = poison ? -1 : base[r];
     if (a.num_tokens_per_domain)
-        for (int d = threadIdx.x; d < R / D; d += blockDim.x) a.num_tokens_per_domain[d] = poison ? -1 : dom_cnt[d];
+        for (int d = threadIdx.x; d < R / D; d += blockDim.x)
+            a.num_tokens_per_domain[d] = poison ? -1 : dom_cnt[d];
     if (a.num_tokens_per_expert && (poison || smem_hist))
         for (int i = threadIdx.x; i < E; i += blockDim.x) a.num_tokens_per_expert[i] = poison ? -1 : hist[i];
 }

@@ -259,7 +259,8 @@ static int run_eager(epx_buffer_t buf, int rank, int R, const ht_case_t *cs, uin
             cudaMemcpy(got, dpe, (size_t)L * 4, cudaMemcpyDeviceToHost);
             if (ref_check_bits(rank, "num_recv_tokens_per_expert", got, ref.per_expert, L, 4, L)) goto out;
         }
-        if (ref_check_bits(rank, "num_recv_tokens_per_expert_host", host_pe, ref.per_expert, L, 4, L)) goto out;
+        if (ref_check_bits(rank, "num_recv_tokens_per_expert_host", host_pe, ref.per_expert, L, 4, L))
+            goto out;
         cudaMemcpy(got, dpm, (size_t)(R * R) * 4, cudaMemcpyDeviceToHost);
         if (ref_check_bits(rank, "rank_prefix_matrix", got, erpm, R * R, 4, R)) goto out;
 

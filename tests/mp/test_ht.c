@@ -285,7 +285,8 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
             rc |= ref_check_bits(rank, "recv_topk_idx", b.ridx, e_idx, N * K, isz, K);
             rc |= ref_check_bits(rank, "recv_topk_weights", b.rw, rv.w, N * K, 4, K);
         }
-        if (!host_only) rc |= ref_check_bits(rank, "num_recv_tokens_per_expert", b.rpe, rv.per_expert, L, 4, L);
+        if (!host_only)
+            rc |= ref_check_bits(rank, "num_recv_tokens_per_expert", b.rpe, rv.per_expert, L, 4, L);
         rc |= ref_check_bits(rank, "num_recv_tokens_per_expert_host", b.hpe, rv.per_expert, L, 4, L);
         rc |= ref_check_bits(rank, "rank_prefix_matrix", b.rpm, e_rpm, R * R, 4, R);
         if (!handle) goto out;
@@ -356,7 +357,8 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
         /* The matrix counts tokens sent, before any bound: the same with or without an overflow. */
         rc |= ref_check_bits(rank, "static rank_prefix_matrix", b.rpm, e_rpm, R * R, 4, R);
         /* Static mode does not wait for the counts: the host array stays as it was. */
-        rc |= ref_check_bits(rank, "static num_recv_tokens_per_expert_host (untouched)", b.hpe, hpe_before, L, 4, L);
+        rc |= ref_check_bits(rank, "static num_recv_tokens_per_expert_host (untouched)", b.hpe, hpe_before, L,
+                             4, L);
         rc |= ref_check_overflow(rank, buf, over ? EPX_ERR_OVERFLOW : EPX_SUCCESS);
         /* Combine after a static dispatch that kept every row (every rank must take part). */
         if (!want_overflow && shandle)
@@ -419,8 +421,9 @@ static int ht_iteration(epx_buffer_t buf, const ht_case_t *hc, int rank, int D, 
                                  K);
         rc |= ref_check_bits(rank, "view num_recv_tokens_per_expert", rpe, rv.per_expert, L, 4, L);
         rc |= ref_check_bits(rank, "view rank_prefix_matrix", rpm, e_rpm, R * R, 4, R);
-        rc |= ref_check_bits(rank, is_static ? "view static num_recv_tokens_per_expert_host (untouched)"
-                                             : "view num_recv_tokens_per_expert_host",
+        rc |= ref_check_bits(rank,
+                             is_static ? "view static num_recv_tokens_per_expert_host (untouched)"
+                                       : "view num_recv_tokens_per_expert_host",
                              hpe, is_static ? hpe_before : rv.per_expert, L, 4, L);
 
         rc |= run_combine(buf, &p, rank, &rv, handle, rows, with_weights, bias0, bias1, seed ^ 0x766965ull, 1,
