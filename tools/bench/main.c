@@ -23,14 +23,16 @@ const bench_kind_info_t bench_kinds[K_COUNT] = {
     [K_VIEW_DISPATCH] = {"view-dispatch", K_HT_CEILING, 0},
     [K_VIEW_CACHED] = {"view-cached", K_HT_CEILING, 0},
     [K_VIEW_COMBINE] = {"view-combine", K_HT_CEILING, 1},
-    [K_LL_DISPATCH] = {"ll-dispatch", K_LL_DISPATCH_FLOOR, 0},
-    [K_LL_DISPATCH_SEND] = {"ll-dispatch-send", K_LL_DISPATCH_FLOOR, 0},
-    [K_LL_DISPATCH_RECV] = {"ll-dispatch-recv", K_LL_DISPATCH_FLOOR, 0},
+    [K_LL_DISPATCH] = {"ll-dispatch", K_LL_DISPATCH_BOUND, 0},
+    [K_LL_DISPATCH_SEND] = {"ll-dispatch-send", K_LL_DISPATCH_BOUND, 0},
+    [K_LL_DISPATCH_RECV] = {"ll-dispatch-recv", K_LL_DISPATCH_BOUND, 0},
     [K_LL_DISPATCH_FLOOR] = {"ll-dispatch-floor", -2, 0},
-    [K_LL_COMBINE] = {"ll-combine", K_LL_COMBINE_FLOOR, 1},
-    [K_LL_COMBINE_SEND] = {"ll-combine-send", K_LL_COMBINE_FLOOR, 1},
-    [K_LL_COMBINE_RECV] = {"ll-combine-recv", K_LL_COMBINE_FLOOR, 1},
+    [K_LL_COMBINE] = {"ll-combine", K_LL_COMBINE_BOUND, 1},
+    [K_LL_COMBINE_SEND] = {"ll-combine-send", K_LL_COMBINE_BOUND, 1},
+    [K_LL_COMBINE_RECV] = {"ll-combine-recv", K_LL_COMBINE_BOUND, 1},
     [K_LL_COMBINE_FLOOR] = {"ll-combine-floor", -2, 1},
+    [K_LL_DISPATCH_BOUND] = {"ll-dispatch-bound", -3, 0},
+    [K_LL_COMBINE_BOUND] = {"ll-combine-bound", -3, 1},
     [K_RM_DISPATCH] = {"permute-dispatch", K_RM_CEIL_COPY, 0},
     [K_RM_COMBINE] = {"permute-combine", K_RM_CEIL_COPY, 1},
     [K_RM_CEIL_HT] = {"permute-ceil-ht", -2, 0},
@@ -253,14 +255,14 @@ static int check_opts(const bench_opts_t *opt)
 static int plan_rows(bench_opts_t *opt)
 {
     static const int first[GROUP_COUNT] = {K_HT_DISPATCH, K_LL_DISPATCH, K_RM_DISPATCH};
-    static const int last[GROUP_COUNT] = {K_VIEW_COMBINE, K_LL_COMBINE_FLOOR, K_RM_CEIL_COPY};
+    static const int last[GROUP_COUNT] = {K_VIEW_COMBINE, K_LL_COMBINE_BOUND, K_RM_CEIL_COPY};
     for (int i = 0; i < opt->ngroups; i++) {
         const int g = opt->groups[i];
         for (int s = 0; s < opt->nsizes; s++)
             for (int kind = first[g]; kind <= last[g]; kind++) {
                 if (g == GROUP_HT && kind <= K_HT_COMBINE && !opt->ht_rows) continue;
                 if (g == GROUP_HT && kind >= K_VIEW_DISPATCH && !opt->view_rows) continue;
-                if (bench_kinds[kind].ceiling == -2 && !opt->ceilings) continue;
+                if (bench_kinds[kind].ceiling == -2 && !opt->ceilings) continue; /* bounds (-3) run anywhere */
                 if (kind == K_RM_CEIL_HT && opt->nranks == 1) continue; /* no peer to copy to */
                 if (opt->nrows == BENCH_MAX_ROWS) {
                     fprintf(stderr, "epx-bench: more than %d rows; sweep fewer sizes\n", BENCH_MAX_ROWS);
@@ -393,11 +395,12 @@ static void print_header(const bench_opts_t *opt)
         "#   permute: the permuted rows read); permute pads groups to %d rows\n",
         opt->pad);
     printf(
-        "# ceil_us, ceil_GB/s: the same traffic with no protocol, timed in the same run (GPU only);\n"
-        "#   ratio = GB/s / ceil_GB/s. ht, view: plain copies of the same rows to the same peers\n"
-        "#   (ht-ceiling); ll: the same stores with no wait or flag (ll-*-floor); permute: a local device\n"
-        "#   copy of the permuted rows (permute-ceil-copy; permute-ceil-ht: the HT copy of its token "
-        "rows)\n");
+        "# ceil_us, ceil_GB/s: the same traffic with no protocol, timed in the same run (GPU only, but\n"
+        "#   ll-*-bound); ratio = GB/s / ceil_GB/s. ht, view: plain copies of the same rows to the same\n"
+        "#   peers (ht-ceiling); ll: one plain local copy of the call's bytes per rank, all ranks at once\n"
+        "#   (ll-*-bound: the bytes at copy speed); ll-*-floor: the same stores with no wait or flag, shown\n"
+        "#   alone; permute: a local device copy of the permuted rows (permute-ceil-copy; permute-ceil-ht:\n"
+        "#   the HT copy of its token rows)\n");
     printf("%-17s %5s %7s %7s %5s %8s %-9s %11s %12s %9s %9s %9s %6s  %s\n", "op", "ranks", "tokens",
            "hidden", "topk", "experts", "dtype", "time_us", "bytes", "GB/s", "ceil_us", "ceil_GB/s", "ratio",
            "check");

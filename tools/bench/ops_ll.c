@@ -1,8 +1,10 @@
 /*
  * epx-bench LL rows: dispatch (bf16 or fp8 cast) and combine (bf16) whole, then their send and
- * receive halves (return_recv_hook), and on the GPU the same-run floors: the same stores to the
- * same peers with no wait or flag. Each iteration times every row once, in that order, each call
- * after a barrier; the last iteration's outputs are checked.
+ * receive halves (return_recv_hook), on the GPU the same-run floors (the same stores to the same
+ * peers with no wait or flag), and the bounds the LL rows are compared with: one plain local copy of
+ * the call's bytes per rank, all ranks at once (what the bytes cost at copy speed, on any backend).
+ * Each iteration times every row once, in that order, each call after a barrier; the last
+ * iteration's outputs are checked.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,9 +13,10 @@
 #include "tool.h"
 
 /* The order of the calls within one iteration. */
-static const int ll_order[8] = {K_LL_DISPATCH,       K_LL_COMBINE,      K_LL_DISPATCH_SEND,
-                                K_LL_DISPATCH_RECV,  K_LL_COMBINE_SEND, K_LL_COMBINE_RECV,
-                                K_LL_DISPATCH_FLOOR, K_LL_COMBINE_FLOOR};
+enum { LL_KINDS = 10 };
+static const int ll_order[LL_KINDS] = {
+    K_LL_DISPATCH,     K_LL_COMBINE,        K_LL_DISPATCH_SEND, K_LL_DISPATCH_RECV,  K_LL_COMBINE_SEND,
+    K_LL_COMBINE_RECV, K_LL_DISPATCH_FLOOR, K_LL_COMBINE_FLOOR, K_LL_DISPATCH_BOUND, K_LL_COMBINE_BOUND};
 
 typedef struct ll_run {
     bench_op_t o;
@@ -22,6 +25,8 @@ typedef struct ll_run {
     epx_ll_dispatch_outputs_t out;
     epx_ll_combine_args_t ca;
     epx_ll_combine_outputs_t co;
+    double bytes[2];        /* per rank: [0] dispatch, [1] combine (as the rows count them) */
+    void *copy_src, *copy_dst; /* the bound rows' copy, max(bytes) each */
 } ll_run_t;
 
 static int ll_call(void *ctx, int kind)
@@ -45,6 +50,9 @@ static int ll_call(void *ctx, int kind)
         return bench_call(b, "combine epx_hook_run", epx_hook_run(&l->co.hook, b->stream));
     case K_LL_DISPATCH_FLOOR:
     case K_LL_COMBINE_FLOOR: return op_ll_floor(&l->o, kind == K_LL_COMBINE_FLOOR, &l->a, &l->out.handle);
+    case K_LL_DISPATCH_BOUND:
+    case K_LL_COMBINE_BOUND:
+        return mem_copy_async(b, l->copy_dst, l->copy_src, (size_t)l->bytes[kind == K_LL_COMBINE_BOUND]) ? -1 : 0;
     default: return -1;
     }
 }
@@ -82,24 +90,19 @@ static int ll_check(ll_run_t *l, bench_check_t *ckd, bench_check_t *ckc)
     return 0;
 }
 
-/* Bytes per rank, as the peer counts them: each token once per selected expert, each way. */
+/* Each row, with the bytes run_ll counted for it (dispatch or combine). */
 static void ll_report(ll_run_t *l, double *samples, bench_check_t *ck)
 {
     const bench_opts_t *opt = l->o.b->opt;
     const int warm = opt->warmup, n = opt->iters;
-    const double pairs = (double)l->o.rt->sent_expert_rows;
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < LL_KINDS; i++) {
         const int kind = ll_order[i];
-        const int comb = kind >= K_LL_COMBINE,
-                  is_floor = kind == K_LL_DISPATCH_FLOOR || kind == K_LL_COMBINE_FLOOR;
+        const int comb = bench_kinds[kind].combine, reference = bench_kinds[kind].ceiling < -1;
         const int whole = kind == K_LL_DISPATCH || kind == K_LL_COMBINE;
         const bench_check_t *c = &ck[2 * !whole + comb];
-        const int status = is_floor ? ROW_UNCHECKED : c->bad ? ROW_FAIL : ROW_OK;
-        const double bytes =
-            pairs * (comb ? (double)l->o.H * 2
-                          : (double)row_bytes(l->o.fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16, l->o.H));
+        const int status = reference ? ROW_UNCHECKED : c->bad ? ROW_FAIL : ROW_OK;
         if (has_row(l->o.b, kind))
-            report(l->o.b, kind, status, median(samples + i * (warm + n) + warm, n), bytes);
+            report(l->o.b, kind, status, median(samples + i * (warm + n) + warm, n), l->bytes[comb]);
     }
 }
 
@@ -146,7 +149,15 @@ int run_ll(bench_rank_t *b, epx_buffer_t buf, const bench_routing_t *rt, int64_t
     uint16_t *y = dev_take(b, &m, (size_t)(L * slots * H) * 2);
     uint16_t *combined = dev_take(b, &m, (size_t)(T * H) * 2);
     uint16_t *hrow = host_take(&m, (size_t)H * 2);
-    double *samples = host_take(&m, sizeof(double) * 8 * (size_t)(warm + n));
+    double *samples = host_take(&m, sizeof(double) * LL_KINDS * (size_t)(warm + n));
+    /* Bytes per rank, as the peer counts them: each token once per selected expert, each way. */
+    const double pairs = (double)rt->sent_expert_rows;
+    l.bytes[0] = pairs * (double)row_bytes(recv_dtype, H);
+    l.bytes[1] = pairs * (double)H * 2;
+    const size_t copy_bytes = (size_t)(l.bytes[0] > l.bytes[1] ? l.bytes[0] : l.bytes[1]);
+    const int bounds = has_row(b, K_LL_DISPATCH_BOUND) || has_row(b, K_LL_COMBINE_BOUND);
+    l.copy_src = dev_take(b, &m, bounds && copy_bytes ? copy_bytes : 1);
+    l.copy_dst = dev_take(b, &m, bounds && copy_bytes ? copy_bytes : 1);
     if (rc || m.failed) {
         rc = -1;
         goto out;
@@ -187,7 +198,7 @@ int run_ll(bench_rank_t *b, epx_buffer_t buf, const bench_routing_t *rt, int64_t
     const bench_loop_t loop = {ll_call, NULL, &l};
     rc = 0;
     for (int it = 0; it < warm + n && rc == 0; it++)
-        for (int i = 0; i < 8 && rc == 0; i++) {
+        for (int i = 0; i < LL_KINDS && rc == 0; i++) {
             if (!has_row(b, ll_order[i])) continue;
             rc = time_once(b, &loop, ll_order[i], &samples[i * (warm + n) + it]);
             if (rc == 0 && it == warm + n - 1 &&

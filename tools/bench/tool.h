@@ -37,6 +37,8 @@ typedef enum bench_kind {
     K_LL_COMBINE_SEND,
     K_LL_COMBINE_RECV,
     K_LL_COMBINE_FLOOR,
+    K_LL_DISPATCH_BOUND,
+    K_LL_COMBINE_BOUND,
     K_RM_DISPATCH,
     K_RM_COMBINE,
     K_RM_CEIL_HT,
@@ -45,7 +47,8 @@ typedef enum bench_kind {
 } bench_kind_t;
 
 /* What the table says of each kind: its name, the ceiling it is compared with (-1: none; a
- * ceiling row itself has -2) and whether its bytes are bf16 combine rows. */
+ * ceiling row itself has -2, a bound row -3: a plain local copy of the same bytes, which every
+ * backend can time) and whether its bytes are bf16 combine rows. */
 typedef struct bench_kind_info {
     const char *name;
     int8_t ceiling;
