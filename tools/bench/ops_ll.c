@@ -25,7 +25,7 @@ typedef struct ll_run {
     epx_ll_dispatch_outputs_t out;
     epx_ll_combine_args_t ca;
     epx_ll_combine_outputs_t co;
-    double bytes[2];        /* per rank: [0] dispatch, [1] combine (as the rows count them) */
+    double bytes[2];           /* per rank: [0] dispatch, [1] combine (as the rows count them) */
     void *copy_src, *copy_dst; /* the bound rows' copy, max(bytes) each */
 } ll_run_t;
 
@@ -52,7 +52,8 @@ static int ll_call(void *ctx, int kind)
     case K_LL_COMBINE_FLOOR: return op_ll_floor(&l->o, kind == K_LL_COMBINE_FLOOR, &l->a, &l->out.handle);
     case K_LL_DISPATCH_BOUND:
     case K_LL_COMBINE_BOUND:
-        return mem_copy_async(b, l->copy_dst, l->copy_src, (size_t)l->bytes[kind == K_LL_COMBINE_BOUND]) ? -1 : 0;
+        return mem_copy_async(b, l->copy_dst, l->copy_src, (size_t)l->bytes[kind == K_LL_COMBINE_BOUND]) ? -1
+                                                                                                         : 0;
     default: return -1;
     }
 }
