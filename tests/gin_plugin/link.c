@@ -133,6 +133,8 @@ int link_add_poll(link_t *l, int peer, uint64_t ticket, char *err, size_t err_le
     }
     if (__atomic_load_n(&ring->applied, __ATOMIC_ACQUIRE) > ticket) return 1;
     if (!link_peer_alive(l, peer)) {
+        /* It may have applied the add, then exited, after the check above: the ring outlives it. */
+        if (__atomic_load_n(&ring->applied, __ATOMIC_ACQUIRE) > ticket) return 1;
         snprintf(err, err_len, "peer %d (pid %d) is gone", peer, (int)l->peers[peer].pid);
         return -1;
     }
