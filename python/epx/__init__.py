@@ -63,7 +63,6 @@ peers' matching calls raise RemoteError instead of pairing with this rank's next
 """
 
 import collections
-import contextlib
 
 from . import _epx
 from ._epx import (  # noqa: F401  (re-exported)
@@ -399,20 +398,28 @@ LL_DISPATCH, LL_COMBINE = _epx.COLLECTIVE_LL_DISPATCH, _epx.COLLECTIVE_LL_COMBIN
 RM_DISPATCH, RM_COMBINE = _epx.COLLECTIVE_RM_DISPATCH, _epx.COLLECTIVE_RM_COMBINE
 
 
-@contextlib.contextmanager
-def collective(buffer, kind):
-    """For layers over Buffer (compat/): the block makes this rank's collective call of ``kind`` on
-    ``buffer`` (an epx.Buffer, or None when there is none yet). An exception raised in it before that
-    call reached the library refuses the call, as the library refuses bad arguments: the peers'
-    matching calls raise RemoteError instead of pairing with this rank's next call. The exception
-    then propagates unchanged. Buffer's own methods do the same for what they reject."""
-    calls = buffer._collective_calls if buffer is not None else None
-    try:
-        yield
-    except BaseException as exc:
-        if buffer is not None and not buffer.destroyed and buffer._collective_calls == calls:
-            buffer._refuse(kind, exc)
-        raise
+class collective:
+    """For layers over Buffer (compat/): ``with collective(buffer, kind):`` -- the block makes this rank's
+    collective call of ``kind`` on ``buffer`` (an epx.Buffer, or None when there is none yet). An exception
+    raised in it before that call reached the library refuses the call, as the library refuses bad
+    arguments: the peers' matching calls raise RemoteError instead of pairing with this rank's next call.
+    The exception then propagates unchanged. Buffer's own methods do the same for what they reject. (A
+    class rather than a generator: the fronts enter it on every call.)"""
+
+    __slots__ = ("_buffer", "_kind", "_calls")
+
+    def __init__(self, buffer, kind):
+        self._buffer, self._kind = buffer, kind
+        self._calls = buffer._collective_calls if buffer is not None else None
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, exc_type, exc, tb):
+        b = self._buffer
+        if exc_type is not None and b is not None and not b.destroyed and b._collective_calls == self._calls:
+            b._refuse(self._kind, exc if exc is not None else exc_type())
+        return False
 
 
 # ---------------------------------------------------------------------------------------- numpy helpers
