@@ -11,6 +11,7 @@ buffer (every rank re-makes it alike and dispatches again) or refused the call (
 """
 
 import epx
+from epx.compat import _torch  # torch, imported on first use
 
 # Fields of an agreement row: status, T, the top-k width the call needs, E, H.
 _STATUS, _T, _K, _E, _H = range(5)
@@ -19,13 +20,6 @@ _NUM_FIELDS = 5
 _OK, _REFUSED = 0, 1
 # Constant device tensors an HTPath keeps before its cache starts over (ragged T makes one per distinct T).
 _MAX_CONSTANTS = 256
-
-
-def _torch():
-    import torch
-
-    epx._epx._refresh_torch()
-    return torch
 
 
 class _State:

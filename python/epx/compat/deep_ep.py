@@ -9,18 +9,12 @@ import os
 import weakref
 
 import epx
+from epx.compat import _torch  # torch, imported on first use
 
 from . import _deep_ep_ht as _ht
 
 # topk_idx_t comes from __getattr__ (it needs torch); listing it lets `from ... import *` find it.
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
-
-
-def _torch():
-    import torch
-
-    epx._epx._refresh_torch()
-    return torch
 
 
 def __getattr__(name):  # torch is imported on first use, not with the module

@@ -20,15 +20,9 @@ main differences:
 import os
 
 import epx
+from epx.compat import _torch  # torch, imported on first use
 
 _NUM_TOPK_FLOOR = 8  # experts per token a default buffer takes (see HybridEPBuffer)
-
-
-def _torch():
-    import torch
-
-    epx._epx._refresh_torch()
-    return torch
 
 
 def indices_to_map(topk_idx, topk_weights, num_of_tokens, num_of_experts):
