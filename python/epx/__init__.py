@@ -418,7 +418,7 @@ class collective:
     def __exit__(self, exc_type, exc, tb):
         b = self._buffer
         if exc_type is not None and b is not None and not b.destroyed and b._collective_calls == self._calls:
-            b._refuse(self._kind, exc if exc is not None else exc_type())
+            b._refuse(self._kind, exc)
         return False
 
 

@@ -9,8 +9,8 @@
 #include "kernels/common.cuh"
 
 /* One block walks tiles of kLayoutThreads tokens, thread = token: it checks the token's ids and counts
- * them; per rank a warp ballot says which of the warp's tokens go there, threads r < R prefix the
- * warps' counts, and each warp then writes its tokens' rows in the rank's slice (prefix over
+ * them; per rank a warp ballot says which of the warp's tokens go there, one warp per rank scans the
+ * warps' counts (a prefix over the warps), and each warp then writes its tokens' rows in the rank's slice (prefix over
  * is_token_in_rank, so rows come out in ascending token order) and is_token_in_rank, lanes over
  * consecutive [token][rank] elements (coalesced stores). A bad id reads as -1; inside a dispatch it goes
  * to the handle's bad word (the dispatch then fails on the device), in a standalone layout every count

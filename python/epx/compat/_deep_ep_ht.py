@@ -371,8 +371,6 @@ class HTPath:
         elif req.topk_idx is not None:
             # The binding read them on the host (the call waited for them); no device copy.
             counts = out.num_recv_tokens_per_expert_list
-            if counts is None:
-                counts = out.num_recv_tokens_per_expert.tolist()
         else:
             counts = self._expert_counts(req)
         if req.topk_idx is not None:
