@@ -624,11 +624,14 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
     if (gpu_test_comm(ctx, id, rank, nranks, 0, &comm, &device)) return 1;
     epx_test_current_comm = comm;
     int rc = 0;
-    const int64_t Hs[2] = {7168, 2048};
-    for (int hi = ctx->quick ? 1 : 0; hi < 2 && rc == 0; hi++) {
+    /* 100: a hidden size that is not a multiple of 8 (the kernels' scalar paths: byte-wise row copies,
+     * the scalar combine reduce), bf16 only (fp8 needs a multiple of 128), default dtypes. */
+    const int64_t Hs[3] = {7168, 2048, 100};
+    for (int hi = ctx->quick ? 1 : 0; hi < 3 && rc == 0; hi++) {
         const int64_t H = Hs[hi], T_max = ctx->quick ? 64 : (H == 7168 ? 128 : 256);
+        const int fp8_ok = H % 128 == 0;
         epx_buffer_config_t bc = epx_test_buffer_config(T_max, H, TOPK, E_EXPERTS, EPX_MODE_HT);
-        bc.dispatch_dtypes = EPX_DTYPE_BIT(EPX_DTYPE_BF16) | EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3);
+        bc.dispatch_dtypes = fp8_ok ? EPX_DTYPE_BIT(EPX_DTYPE_BF16) | EPX_DTYPE_BIT(EPX_DTYPE_FP8_E4M3) : 0;
         bc.num_view_areas = VIEW_AREAS;
         epx_buffer_t buf;
         EXPECT_OK(epx_buffer_create(comm, &bc, &buf));
@@ -646,6 +649,7 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
         for (int i = 0; i < ncases && rc == 0; i++) {
             if (ctx->quick && i >= 2 && !cases[i].view) continue;
             if (cases[i].repeats > 3 && H != 2048) continue; /* long repeats at the smaller H */
+            if (!fp8_ok && cases[i].dtype == EPX_DTYPE_FP8_E4M3) continue;
             rc =
                 run_eager(buf, rank, nranks, &cases[i], ctx->seed + (uint64_t)i * 1000 + (uint64_t)H, device);
         }

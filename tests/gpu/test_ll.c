@@ -556,7 +556,9 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
     int device;
     if (gpu_test_comm(&ctx->gpu, id, rank, nranks, 0, &comm, &device)) return 1;
     /* E, K, H, T_max. */
-    static const int64_t cfgs[][4] = {{256, 8, 7168, 128}, {288, 9, 2048, 128}, {64, 1, 2048, 96}};
+    /* The last: a hidden size that is not a multiple of 8 (the kernels' scalar paths), bf16 cases only. */
+    static const int64_t cfgs[][4] = {
+        {256, 8, 7168, 128}, {288, 9, 2048, 128}, {64, 1, 2048, 96}, {64, 8, 100, 32}};
     static const int64_t quick_cfg[4] = {64, 8, 2048, 16};
     const int ncfg = ctx->gpu.quick ? 1 : (int)(sizeof(cfgs) / sizeof(cfgs[0]));
     int rc = 0;
@@ -571,8 +573,10 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
             {0, 0, 0, 1, 1, 1, 4, REF_ROUTE_RANDOM, 0, 1}, {1, 1, 1, 0, 0, 0, 1, REF_ROUTE_RANDOM, 0, 1},
         };
         const int ncases = ctx->gpu.quick ? 2 : (int)(sizeof(cases) / sizeof(cases[0]));
-        for (int i = 0; i < ncases && rc == 0; i++)
+        for (int i = 0; i < ncases && rc == 0; i++) {
+            if (cases[i].fp8 && g.H % 128 != 0) continue; /* fp8 needs a multiple of 128 */
             rc = run_case(buf, &g, rank, &cases[i], ctx->gpu.seed + (uint64_t)ci * 100 + (uint64_t)i);
+        }
         if (rc == 0) rc = run_double(buf, &g, rank, ctx->gpu.seed + 77);
         if (rc == 0 && (ctx->gpu.quick || ci == 2)) rc = run_graph(buf, &g, rank, ctx->gpu.seed + 99);
         if (rc == 0 && !ctx->gpu.quick && ci == 2) {
