@@ -92,14 +92,14 @@ else
     exit 1
 fi
 t0=$(date +%s)
-if ! timeout "$(secs_for 170 45)" cmake --build "$BUILD" --target nccl-net-epxtest gpu_gin_host \
+if ! timeout "$(secs_for 170 45)" cmake --build "$BUILD" --target nccl-net-epxtest gpu_net_host \
     -j"$(nproc)" >"$LOGDIR/build.log" 2>&1; then
     step build "FAILED or out of time (build.log; a rerun with EPX_BUILD_DIR=$BUILD resumes it)" \
         $(($(date +%s) - t0))
     tail -20 "$LOGDIR/build.log"
     exit 1
 fi
-TEST=$BUILD/tests/gin_transport/gpu_gin_host
+TEST=$BUILD/tests/gin_transport/gpu_net_host
 PLUGIN=$BUILD/tests/gin_plugin/libnccl-net-epxtest.so
 step build "ok: $(readelf -d "$TEST" 2>/dev/null | grep -o 'runpath: \[[^]]*\]' | head -1)" $(($(date +%s) - t0))
 
@@ -114,7 +114,7 @@ else
     step mps "ok: not started, ranks time-slice the GPU" 0
 fi
 
-# run R: gpu_gin_host with R ranks; stdout/stderr to ranks-R.log, NCCL's log to nccl-R/<host>.<pid>.log.
+# run R: gpu_net_host (transport gin) with R ranks; stdout/stderr to ranks-R.log, NCCL's log to nccl-R/<host>.<pid>.log.
 run() {
     local r=$1 secs rc line t0
     t0=$(date +%s)
@@ -125,7 +125,7 @@ run() {
     fi
     mkdir -p "$LOGDIR/nccl-$r"
     log "run $r ranks ($secs s at most)"
-    NCCL_DEBUG_FILE="$LOGDIR/nccl-$r/%h.%p.log" EPX_GPU_TEST_RANKS=$r \
+    NCCL_DEBUG_FILE="$LOGDIR/nccl-$r/%h.%p.log" EPX_GPU_TEST_RANKS=$r EPX_NET_TEST_TRANSPORT=gin \
         timeout -k 10 "$secs" "$TEST" >"$LOGDIR/ranks-$r.log" 2>&1
     rc=$?
     grep -E '^gin host( dead peer)?: [0-9]+ ranks: |FAILED' "$LOGDIR/ranks-$r.log" | head -20 | tee -a "$LOGDIR/summary.log"

@@ -47,6 +47,16 @@ if phase sanitize && command -v compute-sanitizer >/dev/null; then
     else
         log "  rm memcheck FAILED (see sanitizer-rm.log)"; status=1
     fi
+    for tool in memcheck racecheck; do
+        log "compute-sanitizer $tool, loop transport, 2 emulated nodes, normal and strict"
+        if timeout 200 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 9 \
+            env EPX_NET_TEST_TRANSPORT=loop EPX_LOOP_TEST_SPLITS=2x1 EPX_GIN_TEST_ITERATIONS=20 \
+            "$BUILD/tests/gin_transport/gpu_net_host" >"$LOGDIR/sanitizer-loop-$tool.log" 2>&1; then
+            log "  loop $tool clean"
+        else
+            log "  loop $tool FAILED (see sanitizer-loop-$tool.log)"; status=1
+        fi
+    done
     log "compute-sanitizer memcheck, ll, 2 ranks"
     if timeout 150 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
         env EPX_GPU_TEST_RANKS=2 EPX_GPU_TEST_QUICK=1 "$BUILD/tests/gpu_ll" >"$LOGDIR/sanitizer-ll.log" 2>&1; then

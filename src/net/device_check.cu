@@ -1,7 +1,7 @@
 /*
  * Compiles net.h's operations from device code (built only in cuda builds, linked into nothing): the
- * header must stay usable by kernels. On the device no transport is built yet, so every call answers
- * EPX_NET_UNSUPPORTED; the kernel records what it got.
+ * header must stay usable by kernels (the loop transport's device side included); the kernel records
+ * what it got.
  */
 #include "net/net.h"
 

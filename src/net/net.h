@@ -53,7 +53,7 @@ typedef enum epx_net_status {
 typedef enum epx_net_transport {
     EPX_NET_TRANSPORT_NONE = 0,
     EPX_NET_TRANSPORT_MODEL = 1, /* the host model (src/net/loop_model.c): tests only */
-    EPX_NET_TRANSPORT_LOOP = 2,  /* cuda IPC between emulated nodes: tests only (not yet built) */
+    EPX_NET_TRANSPORT_LOOP = 2,  /* cuda IPC between emulated nodes, device side: tests only (src/net/loop.cuh) */
     EPX_NET_TRANSPORT_GIN = 3,   /* NCCL GIN, device side (src/net/gin.cuh, with EPX_NET_HAVE_GIN) */
 } epx_net_transport_t;
 
@@ -148,6 +148,17 @@ extern "C" {
 #endif
 #endif
 
+/* The loop test transport's device side needs nothing but CUDA: every CUDA compile sees it. */
+#if defined(__CUDACC__)
+#ifdef __cplusplus
+}
+#endif
+#include "net/loop.cuh"
+#ifdef __cplusplus
+extern "C" {
+#endif
+#endif
+
 /* ---- operations ------------------------------------------------------------------------------- */
 
 /* Hands one operation to the handle's transport. Returns EPX_NET_INVALID (nothing posted) for a
@@ -158,6 +169,9 @@ EPX_NET_FN epx_net_status_t epx_net_post(const epx_net_t *net, const epx_net_op_
     switch (net->transport) {
 #if !defined(__CUDA_ARCH__)
     case EPX_NET_TRANSPORT_MODEL: return epx_net_model_post(net->impl, net->rank, op);
+#endif
+#if defined(__CUDA_ARCH__)
+    case EPX_NET_TRANSPORT_LOOP: return epx_net_loop_post(net, op);
 #endif
 #if defined(__CUDA_ARCH__) && defined(EPX_NET_GIN_DEVICE)
     case EPX_NET_TRANSPORT_GIN: return epx_net_gin_post(net, op);
@@ -215,6 +229,9 @@ EPX_NET_FN epx_net_status_t epx_net_signal_read(const epx_net_t *net, uint32_t s
 #if !defined(__CUDA_ARCH__)
     case EPX_NET_TRANSPORT_MODEL: return epx_net_model_signal_read(net->impl, net->rank, signal, value_out);
 #endif
+#if defined(__CUDA_ARCH__)
+    case EPX_NET_TRANSPORT_LOOP: return epx_net_loop_signal_read(net, signal, value_out);
+#endif
 #if defined(__CUDA_ARCH__) && defined(EPX_NET_GIN_DEVICE)
     case EPX_NET_TRANSPORT_GIN: return epx_net_gin_signal_read(net, signal, value_out);
 #endif
@@ -251,11 +268,14 @@ EPX_NET_FN epx_net_status_t epx_net_wait_signal(const epx_net_t *net, uint32_t s
  * Delivery at the peers is not implied. Bounded like a wait. */
 EPX_NET_FN epx_net_status_t epx_net_flush(const epx_net_t *net, uint32_t ctx, uint64_t deadline_ns)
 {
-    (void)deadline_ns; /* the model reads sources at once; a NIC transport waits until deadline_ns */
+    (void)deadline_ns; /* the model reads sources at once; a NIC or the strict loop waits until deadline_ns */
     if (epx_net_aborted(net)) return EPX_NET_ABORTED;
     switch (net->transport) {
 #if !defined(__CUDA_ARCH__)
     case EPX_NET_TRANSPORT_MODEL: return epx_net_model_flush(net->impl, net->rank, ctx);
+#endif
+#if defined(__CUDA_ARCH__)
+    case EPX_NET_TRANSPORT_LOOP: return epx_net_loop_flush(net, ctx, deadline_ns);
 #endif
 #if defined(__CUDA_ARCH__) && defined(EPX_NET_GIN_DEVICE)
     case EPX_NET_TRANSPORT_GIN: return epx_net_gin_flush(net, ctx, deadline_ns);

@@ -3,7 +3,7 @@
  * (kernels.cu) and the host (test_gin_host.c) both compute, so every received byte is checked against a
  * CPU computation; and the kernels' launchers (plain C). Regions: 0 the source, 1 the destination. Signals:
  * 0 the ring rounds, 1 soak data into slot 0, 2 soak acknowledgements, 3 never sent (the dead-peer wait),
- * 4 soak data into slot 1. One data signal per slot: the soak's puts alternate contexts and half are weak,
+ * 4 soak data into slot 1, 5 and 6 the wrong-on-purpose protocol's data and acknowledgement. One data signal per slot: the soak's puts alternate contexts and half are weak,
  * so one shared count can be reached by iteration i+1's signal while iteration i's put is still in flight.
  */
 #ifndef EPX_GIN_TEST_H
@@ -31,7 +31,10 @@ extern "C" {
 #define GIN_SIG_ACK      2
 #define GIN_SIG_NEVER    3
 #define GIN_SIG_SOAK1    4 /* soak data into slot 1 (GIN_SIG_SOAK: slot 0) */
-#define GIN_NSIGNALS     5
+#define GIN_SIG_WRONG    5
+#define GIN_SIG_WRONG_ACK 6
+#define GIN_NSIGNALS     7
+#define GIN_WRONG_BYTES  65536ull
 #define GIN_SOAK_MAX     65536ull              /* bytes of one soak iteration, at most */
 #define GIN_SOAK_SLOT    (GIN_SOAK_MAX + 64ull) /* two slots per region, alternating */
 
@@ -95,10 +98,19 @@ typedef struct gin_soak_args {
     uint64_t seed, iterations, timeout_ns;
 } gin_soak_args_t;
 
+/* The wrong-on-purpose protocol (a plain put, then a WEAK signal read as covering it): `dst` is this
+ * rank's destination region, checked against `left`'s pattern of round `round`. */
+typedef struct gin_wrong_args {
+    const unsigned char *dst;
+    int32_t right, left;
+    uint64_t seed, round, timeout_ns;
+} gin_wrong_args_t;
+
 /* Each launches one kernel on `stream` writing `result` (a device pointer to mapped host memory) and
  * returns the launch's cudaError_t. */
 int gin_launch_ring(const epx_net_t *net, void *stream, const gin_ring_args_t *args, gin_kernel_result_t *result);
 int gin_launch_soak(const epx_net_t *net, void *stream, const gin_soak_args_t *args, gin_kernel_result_t *result);
+int gin_launch_wrong(const epx_net_t *net, void *stream, const gin_wrong_args_t *args, gin_kernel_result_t *result);
 /* Waits for GIN_SIG_NEVER to reach 1 (it never does while the peer that would send it is dead). */
 int gin_launch_wait(const epx_net_t *net, void *stream, uint64_t timeout_ns, gin_kernel_result_t *result);
 

@@ -1,8 +1,8 @@
 /*
- * The GIN transport test's kernels, every operation through net.h over the handle epx_gin_open made
- * (src/net/gin.cuh): a ring round (one thread posts, waits, flushes), the soak (one block: all threads
- * write and check the bytes, thread 0 alone talks to the network), and the dead-peer wait. Compiled, not
- * yet run on a GPU.
+ * The network transport test's kernels, every operation through net.h over the handle the transport's
+ * open made (GIN: src/net/gin.cuh, loop: src/net/loop.cuh): a ring round (one thread posts, waits,
+ * flushes), the soak (one block: all threads write and check the bytes, thread 0 alone talks to the
+ * network), the wrong-on-purpose weak-cover protocol, and the dead-peer wait.
  */
 #include <cuda_runtime.h>
 
@@ -76,6 +76,7 @@ __global__ void __launch_bounds__(SOAK_THREADS) gin_soak_kernel(epx_net_t net, g
         const uint64_t n = gin_soak_bytes(a.seed, i), off = gin_soak_offset(a.seed, i);
         const uint32_t ctx = (uint32_t)(i % net.ncontexts);
         const uint32_t sig = (i & 1) ? GIN_SIG_SOAK1 : GIN_SIG_SOAK;
+        __syncthreads(); /* every thread has read the last iteration's `stop` before thread 0 writes it again */
         if (tid == 0 && i >= 2) {
             flush = epx_net_flush(&net, (uint32_t)((i - 2) % net.ncontexts), epx_net_now_ns() + a.timeout_ns);
             if (flush == EPX_NET_OK)
@@ -139,6 +140,31 @@ __global__ void __launch_bounds__(SOAK_THREADS) gin_soak_kernel(epx_net_t net, g
     result->done = 1;
 }
 
+/* One thread: a plain put of GIN_WRONG_BYTES to the right, a WEAK signal that covers nothing, the wait for
+ * the left's, the count of its bytes that are not there yet, an acknowledgement to the left, the wait for the
+ * right's, then the flush (the put's bytes land by then in every mode). */
+__global__ void gin_wrong_kernel(epx_net_t net, gin_wrong_args_t a, gin_kernel_result_t *result)
+{
+    const uint64_t start = epx_net_now_ns(), deadline = start + a.timeout_ns;
+    epx_net_status_t post = epx_net_put(&net, 0, a.right, GIN_DST, 0, GIN_SRC, 0, GIN_WRONG_BYTES);
+    if (post == EPX_NET_OK) post = epx_net_signal_add(&net, 0, a.right, GIN_SIG_WRONG, 1, EPX_NET_SIGNAL_WEAK);
+    epx_net_status_t wait = post == EPX_NET_OK ? epx_net_wait_signal(&net, GIN_SIG_WRONG, 1, deadline) : EPX_NET_ABORTED;
+    uint64_t stale = 0;
+    if (wait == EPX_NET_OK) {
+        for (uint64_t k = 0; k < GIN_WRONG_BYTES; k++)
+            stale += load_landed(a.dst + k) != gin_pattern_byte(a.seed, a.left, a.round, k);
+        post = epx_net_signal_add(&net, 0, a.left, GIN_SIG_WRONG_ACK, 1, EPX_NET_SIGNAL_WEAK);
+        if (post == EPX_NET_OK) wait = epx_net_wait_signal(&net, GIN_SIG_WRONG_ACK, 1, deadline);
+    }
+    result->post_status = post;
+    result->wait_status = wait;
+    result->flush_status = epx_net_flush(&net, 0, deadline);
+    result->mismatches = stale;
+    result->elapsed_ns = epx_net_now_ns() - start;
+    __threadfence_system();
+    result->done = 1;
+}
+
 __global__ void gin_wait_kernel(epx_net_t net, uint64_t timeout_ns, gin_kernel_result_t *result)
 {
     const uint64_t start = epx_net_now_ns();
@@ -162,6 +188,13 @@ extern "C" int gin_launch_soak(const epx_net_t *net, void *stream, const gin_soa
                                gin_kernel_result_t *result)
 {
     gin_soak_kernel<<<1, SOAK_THREADS, 0, (cudaStream_t)stream>>>(*net, *args, result);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int gin_launch_wrong(const epx_net_t *net, void *stream, const gin_wrong_args_t *args,
+                                gin_kernel_result_t *result)
+{
+    gin_wrong_kernel<<<1, 1, 0, (cudaStream_t)stream>>>(*net, *args, result);
     return (int)cudaGetLastError();
 }
 

@@ -1,14 +1,21 @@
 /*
- * gpu.gin_host: libepx's own GIN host setup (src/net/gin_host.c) end to end on one machine. R forked
- * ranks, each its own emulated node (NCCL_HOSTID, EPX_NODE_ID), NCCL loading the test GIN plugin
- * (tests/gin_plugin) for its proxy path. Each rank makes a cuda-backend epx comm over the TCP bootstrap and
- * calls epx_gin_open; kernels (kernels.cu) then use net.h over the handle: ring rounds (strong, weak and
- * bare signals, odd sizes and offsets) checked bit-exact by the host against a CPU-computed pattern, and a
- * soak of 1000 iterations whose hashes the parent compares across ranks; epx_gin_close within its
- * deadline. The dead-peer case: the last rank exits without closing; the survivors' signal wait must end
- * with EPX_ERR_REMOTE naming it within the timeout (EPX_TIMEOUT_MS, 20 s by default), and epx_gin_close
- * must return within its deadline. Ranks: EPX_GPU_TEST_RANKS (2,4); soak: EPX_GIN_TEST_ITERATIONS (1000);
- * plugin: EPX_GIN_TEST_PLUGIN (the built one). Skipped without a GPU or the plugin. Passed on one H200 at 2 and 4 ranks.
+ * gpu.gin_host and gpu.net_loop: a network transport of libepx end to end on one machine, through net.h
+ * only. R forked ranks, each making a cuda-backend epx comm over the TCP bootstrap.
+ *  - gin (EPX_NET_TEST_TRANSPORT=gin): libepx's GIN host setup (src/net/gin_host.c), each rank its own
+ *    emulated node (NCCL_HOSTID, EPX_NODE_ID), NCCL loading the test GIN plugin (tests/gin_plugin) for its
+ *    proxy path. Plugin: EPX_GIN_TEST_PLUGIN (the built one); skipped without it.
+ *  - loop (EPX_NET_TEST_TRANSPORT=loop): the loop test transport (src/net/loop_host.c), ranks split into
+ *    emulated nodes NxP (EPX_NODE_ID per node; EPX_LOOP_TEST_SPLITS, default 2x1,2x2,2x4,4x2), each split
+ *    run in normal and in strict mode.
+ * Kernels (kernels.cu) use net.h over the handle: ring rounds (strong, weak and bare signals, odd sizes and
+ * offsets) checked bit-exact by the host against a CPU-computed pattern, and a soak of 1000 iterations whose
+ * hashes the parent compares across ranks; the transport's close within its deadline. The loop runs add a
+ * protocol that is wrong on purpose (a plain put, then a WEAK signal read as covering it): in normal mode it
+ * reads the right bytes, in strict mode it must read none of them, and the bytes must land at the flush.
+ * The dead-peer case: the last rank exits without closing; the survivors' signal wait must end with
+ * EPX_ERR_REMOTE naming it within the timeout (EPX_TIMEOUT_MS, 20 s by default), and close must return
+ * within its deadline. Ranks (gin): EPX_GPU_TEST_RANKS (2,4); soak: EPX_GIN_TEST_ITERATIONS (1000).
+ * gin passed on one H200 at 2 and 4 ranks.
  */
 #include <cuda_runtime.h>
 #include <errno.h>
@@ -23,10 +30,14 @@
 #include "core/internal.h"
 #include "gin_test.h"
 #include "gpu_test.h"
+#include "net/loop_host.h"
+#if EPX_TEST_HAVE_GIN
 #include "net/gin_host.h"
-
 #ifndef EPX_GIN_TEST_PLUGIN_PATH
 #error "tests/gin_transport/CMakeLists.txt passes the plugin's path"
+#endif
+#else
+typedef struct epx_gin epx_gin_t;
 #endif
 
 #define SLACK_MS 3000 /* what a bounded call may take past its deadline on a loaded machine */
@@ -34,6 +45,10 @@
 typedef struct run_ctx {
     gpu_ctx_t gpu;
     const char *plugin;
+    const char *name;   /* "gin host" or "loop" */
+    int loop;           /* the loop transport (else GIN) */
+    int strict;         /* loop: strict mode */
+    int per_node;       /* loop: ranks per emulated node */
     int dead_peer;      /* the last rank exits after the first round */
     int64_t timeout_ms; /* the comm's: every wait of open, the kernels and close */
     uint64_t iterations;
@@ -49,6 +64,7 @@ typedef struct rank_state {
     const run_ctx_t *c;
     epx_comm_t comm;
     epx_gin_t *gin;
+    epx_loop_t *lp;
     epx_net_t net;
     cudaStream_t stream;
     gin_kernel_result_t *res_host, *res_dev;
@@ -63,7 +79,7 @@ static int fail(const rank_state_t *s, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(line, sizeof(line), fmt, ap);
     va_end(ap);
-    fprintf(stderr, "gin host rank %d/%d: FAILED: %s\n", s->rank, s->nranks, line);
+    fprintf(stderr, "%s rank %d/%d: FAILED: %s\n", s->c->name, s->rank, s->nranks, line);
     return 1;
 }
 
@@ -84,10 +100,53 @@ static double ms_since(uint64_t t0)
     return (double)(epx_time_ns() - t0) / 1e6;
 }
 
-/* Each rank its own emulated node, NCCL's proxy GIN through the test plugin, on loopback. */
+/* The transport's calls (the open one: loop or GIN). */
+#if !EPX_TEST_HAVE_GIN
+static epx_result_t epx_gin_poll(epx_gin_t *g) { (void)g; return EPX_ERR_UNSUPPORTED; }
+static void epx_gin_abort(epx_gin_t *g) { (void)g; }
+static void *epx_gin_region(const epx_gin_t *g, int i) { (void)g; (void)i; return NULL; }
+static epx_result_t epx_gin_wait_result(epx_gin_t *g, epx_net_status_t st, const char *w)
+{
+    (void)g; (void)st; (void)w;
+    return EPX_ERR_UNSUPPORTED;
+}
+static epx_result_t epx_gin_close(epx_gin_t *g) { (void)g; return EPX_SUCCESS; }
+#endif
+static epx_result_t t_poll(rank_state_t *s) { return s->lp ? epx_loop_poll(s->lp) : epx_gin_poll(s->gin); }
+static void t_abort(rank_state_t *s)
+{
+    if (s->lp)
+        epx_loop_abort(s->lp);
+    else
+        epx_gin_abort(s->gin);
+}
+static unsigned char *t_region(rank_state_t *s, int i)
+{
+    return s->lp ? epx_loop_region(s->lp, i) : epx_gin_region(s->gin, i);
+}
+static epx_result_t t_wait_result(rank_state_t *s, epx_net_status_t st, const char *what)
+{
+    return s->lp ? epx_loop_wait_result(s->lp, st, what) : epx_gin_wait_result(s->gin, st, what);
+}
+static epx_result_t t_close(rank_state_t *s)
+{
+    const epx_result_t r = s->lp ? epx_loop_close(s->lp) : epx_gin_close(s->gin);
+    s->lp = NULL;
+    s->gin = NULL;
+    return r;
+}
+
+/* GIN: each rank its own emulated node, NCCL's proxy GIN through the test plugin, on loopback. Loop: ranks
+ * per_node to a node. */
 static void rank_env(int rank, const run_ctx_t *c)
 {
     char name[64];
+    if (c->loop) {
+        snprintf(name, sizeof(name), "epx-loop-node-%d", rank / c->per_node);
+        setenv("EPX_NODE_ID", name, 1);
+        epx_params_reload();
+        return;
+    }
     snprintf(name, sizeof(name), "epx-gin-host-node-%d", rank);
     setenv("NCCL_HOSTID", name, 1);
     setenv("EPX_NODE_ID", name, 1);
@@ -100,7 +159,7 @@ static void rank_env(int rank, const run_ctx_t *c)
 
 enum { KERNEL_OK = 0, KERNEL_FAILED = 1, KERNEL_STUCK = 2 };
 
-/* Waits for the stream's kernel at most limit_ms, asking epx_gin_poll about the peers meanwhile (it sets
+/* Waits for the stream's kernel at most limit_ms, asking the transport's poll about the peers meanwhile (it sets
  * the abort word when one is gone). Past the limit the abort word ends every wait; a kernel still running
  * 5 s later is stuck in a post and the rank must leave without teardown. */
 static int wait_kernel(rank_state_t *s, int64_t limit_ms, double *ms_out)
@@ -112,8 +171,8 @@ static int wait_kernel(rank_state_t *s, int64_t limit_ms, double *ms_out)
         const cudaError_t e = cudaStreamQuery(s->stream);
         if (e == cudaSuccess) break;
         if (e != cudaErrorNotReady) return fail(s, "the kernel failed: %s", cudaGetErrorString(e));
-        if ((i & 15) == 0 && epx_gin_poll(s->gin) != EPX_SUCCESS && !aborted) {
-            printf("gin host rank %d: %s\n", s->rank, epx_last_error_message());
+        if ((i & 15) == 0 && t_poll(s) != EPX_SUCCESS && !aborted) {
+            printf("%s rank %d: %s\n", s->c->name, s->rank, epx_last_error_message());
             aborted = 1;
         }
         if (epx_time_ns() > deadline) {
@@ -121,7 +180,7 @@ static int wait_kernel(rank_state_t *s, int64_t limit_ms, double *ms_out)
                 fail(s, "the kernel still runs 5 s after the abort word was set: stuck in a post");
                 return KERNEL_STUCK;
             }
-            epx_gin_abort(s->gin);
+            t_abort(s);
             aborted = 1;
             deadline = epx_time_ns() + 5000000000ull;
         }
@@ -158,7 +217,7 @@ static uint64_t round_adds(const ring_round_t *r)
     return (r->bytes + chunk - 1) / chunk;
 }
 
-/* The kernel's statuses, all EPX_NET_OK, or the error epx_gin_wait_result makes of the first other. */
+/* The kernel's statuses, all EPX_NET_OK, or the error the transport's wait_result makes of the first other. */
 static int kernel_statuses(rank_state_t *s, const char *what)
 {
     const gin_kernel_result_t *k = s->res_host;
@@ -168,7 +227,7 @@ static int kernel_statuses(rank_state_t *s, const char *what)
         if (st[i] != EPX_NET_OK) {
             char op[128];
             snprintf(op, sizeof(op), "%s: %s", what, names[i]);
-            const epx_result_t r = epx_gin_wait_result(s->gin, (epx_net_status_t)st[i], op);
+            const epx_result_t r = t_wait_result(s, (epx_net_status_t)st[i], op);
             return fail(s, "%s (%s; signal seen %" PRIu64 ")", epx_last_error_message(), epx_result_name(r),
                         k->signal_seen);
         }
@@ -181,7 +240,7 @@ static int ring_round(rank_state_t *s, int round, uint64_t *target)
 {
     const ring_round_t *r = &ring_rounds[round];
     const uint64_t seed = s->c->gpu.seed;
-    unsigned char *src = epx_gin_region(s->gin, GIN_SRC), *dst = epx_gin_region(s->gin, GIN_DST);
+    unsigned char *src = t_region(s, GIN_SRC), *dst = t_region(s, GIN_DST);
     for (uint64_t k = 0; k < r->bytes; k++) s->host[k] = gin_pattern_byte(seed, s->rank, (uint64_t)round, k);
     CUDA_TRY(cudaMemcpy(src + r->src_offset, s->host, r->bytes, cudaMemcpyHostToDevice));
     for (uint64_t k = 0; k < GIN_REGION_BYTES; k++) s->host[k] = guard_byte(k, (uint64_t)round);
@@ -217,8 +276,8 @@ static int ring_round(rank_state_t *s, int round, uint64_t *target)
                     "ring round %d: %" PRIu64 " of %d bytes differ from rank %d's pattern or the guard; first at "
                     "byte %" PRIu64 " (the put covers %" PRIu64 " .. %" PRIu64 ")",
                     round, bad, (int)GIN_REGION_BYTES, s->left, first, r->dst_offset, r->dst_offset + r->bytes);
-    printf("gin host rank %d/%d: ring round %d ok: %" PRIu64 " bytes from rank %d bit-exact, mode %u, %.2f ms\n",
-           s->rank, s->nranks, round, r->bytes, s->left, r->mode, ms);
+    printf("%s rank %d/%d: ring round %d ok: %" PRIu64 " bytes from rank %d bit-exact, mode %u, %.2f ms\n",
+           s->c->name, s->rank, s->nranks, round, r->bytes, s->left, r->mode, ms);
     return 0;
 }
 
@@ -236,7 +295,7 @@ static uint64_t soak_hash(uint64_t seed, int sender, uint64_t iterations)
 static int soak(rank_state_t *s, rank_result_t *out)
 {
     EPX_TRY(epx_comm_barrier(s->comm));
-    gin_soak_args_t a = {epx_gin_region(s->gin, GIN_SRC), epx_gin_region(s->gin, GIN_DST), s->right, s->left,
+    gin_soak_args_t a = {t_region(s, GIN_SRC), t_region(s, GIN_DST), s->right, s->left,
                          s->c->gpu.seed, s->c->iterations, (uint64_t)s->c->timeout_ms * 1000000ull};
     memset(s->res_host, 0, sizeof(*s->res_host));
     CUDA_TRY((cudaError_t)gin_launch_soak(&s->net, s->stream, &a, s->res_dev));
@@ -260,9 +319,9 @@ static int soak(rank_state_t *s, rank_result_t *out)
                     "soak hashes: sent %016" PRIx64 " (the CPU's %016" PRIx64 "), received %016" PRIx64
                     " (the CPU's for rank %d %016" PRIx64 ")",
                     r->sent_hash, want_sent, r->recv_hash, s->left, want_recv);
-    printf("gin host rank %d/%d: soak ok: %" PRIu64 " iterations in %.0f ms, sent %016" PRIx64
+    printf("%s rank %d/%d: soak ok: %" PRIu64 " iterations in %.0f ms, sent %016" PRIx64
            ", received %016" PRIx64 " (both as the CPU computed)\n",
-           s->rank, s->nranks, r->iterations, out->soak_ms, r->sent_hash, r->recv_hash);
+           s->c->name, s->rank, s->nranks, r->iterations, out->soak_ms, r->sent_hash, r->recv_hash);
     return 0;
 }
 
@@ -276,43 +335,99 @@ static int dead_peer_wait(rank_state_t *s, rank_result_t *out)
     const int k = wait_kernel(s, s->c->timeout_ms + SLACK_MS, &out->wait_ms);
     if (k != KERNEL_OK) return k;
     const epx_net_status_t st = (epx_net_status_t)s->res_host->wait_status;
-    const epx_result_t r = epx_gin_wait_result(s->gin, st, "the wait for a signal from the dead rank");
+    const epx_result_t r = t_wait_result(s, st, "the wait for a signal from the dead rank");
     char name[32];
     snprintf(name, sizeof(name), "rank %d ", victim);
     if (r != EPX_ERR_REMOTE || !strstr(epx_last_error_message(), name) || !strstr(epx_last_error_message(), "exited"))
-        return fail(s, "the wait ended with %s, epx_gin_wait_result gave %s (%s); expected EPX_ERR_REMOTE naming %s",
+        return fail(s, "the wait ended with %s, wait_result gave %s (%s); expected EPX_ERR_REMOTE naming %s",
                     epx_net_status_name(st), epx_result_name(r), epx_last_error_message(), name);
     if (out->wait_ms > (double)(s->c->timeout_ms + SLACK_MS))
         return fail(s, "the wait took %.0f ms, past the %lld ms timeout", out->wait_ms, (long long)s->c->timeout_ms);
-    printf("gin host rank %d/%d: dead peer seen in %.0f ms (%s): %s\n", s->rank, s->nranks, out->wait_ms,
+    printf("%s rank %d/%d: dead peer seen in %.0f ms (%s): %s\n", s->c->name, s->rank, s->nranks, out->wait_ms,
            epx_net_status_name(st), epx_last_error_message());
+    return 0;
+}
+
+/* A protocol that is wrong on purpose (loop only): a plain put to the right, then a WEAK signal, read by
+ * the right rank as if it covered the put. Normal mode copies at the post, so every byte is there; strict
+ * mode keeps the put queued until the sender's flush, which comes after the reader's acknowledgement, so
+ * no byte is. Either way every byte is there once every rank's kernel has ended (the flush delivered it). */
+static int wrong_weak_cover(rank_state_t *s, rank_result_t *out)
+{
+    const uint64_t seed = s->c->gpu.seed, round = 100, bytes = GIN_WRONG_BYTES;
+    unsigned char *src = t_region(s, GIN_SRC), *dst = t_region(s, GIN_DST);
+    for (uint64_t k = 0; k < bytes; k++) s->host[k] = gin_pattern_byte(seed, s->rank, round, k);
+    CUDA_TRY(cudaMemcpy(src, s->host, bytes, cudaMemcpyHostToDevice));
+    for (uint64_t k = 0; k < bytes; k++) s->host[k] = (unsigned char)~gin_pattern_byte(seed, s->left, round, k);
+    CUDA_TRY(cudaMemcpy(dst, s->host, bytes, cudaMemcpyHostToDevice));
+    EPX_TRY(epx_comm_barrier(s->comm));
+    gin_wrong_args_t a = {dst, s->right, s->left, seed, round, (uint64_t)s->c->timeout_ms * 1000000ull};
+    memset(s->res_host, 0, sizeof(*s->res_host));
+    CUDA_TRY((cudaError_t)gin_launch_wrong(&s->net, s->stream, &a, s->res_dev));
+    const int k = wait_kernel(s, s->c->timeout_ms + SLACK_MS, &out->wait_ms);
+    if (k != KERNEL_OK) return k;
+    if (kernel_statuses(s, "the weak-cover protocol")) return 1;
+    const uint64_t stale = s->res_host->mismatches, want = s->c->strict ? bytes : 0;
+    if (stale != want)
+        return fail(s, "the weak-cover protocol read %" PRIu64 " of %" PRIu64 " bytes before they landed; %s mode "
+                    "must show %" PRIu64, stale, bytes, s->c->strict ? "strict" : "normal", want);
+    /* The left rank's flush (which lands its put) may end after our kernel did: wait for every kernel. */
+    EPX_TRY(epx_comm_barrier(s->comm));
+    CUDA_TRY(cudaMemcpy(s->host, dst, bytes, cudaMemcpyDeviceToHost));
+    for (uint64_t i = 0; i < bytes; i++)
+        if (s->host[i] != gin_pattern_byte(seed, s->left, round, i))
+            return fail(s, "the weak-cover put had not landed after the sender's flush (byte %" PRIu64 ")", i);
+    printf("%s rank %d/%d: weak-cover protocol read %" PRIu64 " stale bytes of %" PRIu64 " (%s mode), all landed "
+           "at the flush\n", s->c->name, s->rank, s->nranks, stale, bytes, s->c->strict ? "strict" : "normal");
+    return 0;
+}
+
+static int open_transport(rank_state_t *s, rank_result_t *out)
+{
+    uint64_t t0 = epx_time_ns();
+    if (s->c->loop) {
+        epx_loop_open_args_t args;
+        memset(&args, 0, sizeof(args));
+        args.nregions = 2;
+        args.region_bytes[GIN_SRC] = args.region_bytes[GIN_DST] = GIN_REGION_BYTES;
+        args.contexts = 2;
+        args.nsignals = GIN_NSIGNALS;
+        args.strict = s->c->strict;
+        EPX_TRY(epx_loop_open(s->comm, &args, &s->lp));
+        s->net = epx_loop_net(s->lp);
+    } else {
+#if EPX_TEST_HAVE_GIN
+        epx_gin_open_args_t args;
+        memset(&args, 0, sizeof(args));
+        args.nregions = 2;
+        args.region_bytes[GIN_SRC] = args.region_bytes[GIN_DST] = GIN_REGION_BYTES;
+        args.contexts = 2;
+        args.nsignals = GIN_NSIGNALS;
+        EPX_TRY(epx_gin_open(s->comm, &args, &s->gin));
+        s->net = epx_gin_net(s->gin);
+#else
+        return fail(s, "this build has no GIN host setup");
+#endif
+    }
+    out->open_ms = ms_since(t0);
+    printf("%s rank %d/%d: open ok in %.0f ms: %u contexts, %u signals\n", s->c->name, s->rank, s->nranks,
+           out->open_ms, s->net.ncontexts, s->net.nsignals);
     return 0;
 }
 
 static int rank_run(rank_state_t *s, rank_result_t *out)
 {
-    const size_t bytes[2] = {GIN_REGION_BYTES, GIN_REGION_BYTES};
-    epx_gin_open_args_t args;
-    memset(&args, 0, sizeof(args));
-    args.nregions = 2;
-    for (int i = 0; i < 2; i++) args.region_bytes[i] = bytes[i];
-    args.contexts = 2;
-    args.nsignals = GIN_NSIGNALS;
-    uint64_t t0 = epx_time_ns();
-    EPX_TRY(epx_gin_open(s->comm, &args, &s->gin));
-    out->open_ms = ms_since(t0);
-    s->net = epx_gin_net(s->gin);
-    printf("gin host rank %d/%d: epx_gin_open ok in %.0f ms: %u contexts, %u signals\n", s->rank, s->nranks,
-           out->open_ms, s->net.ncontexts, s->net.nsignals);
+    if (open_transport(s, out)) return 1;
     uint64_t target = 0;
     int rc = ring_round(s, 0, &target);
     const int rounds = s->c->dead_peer ? 1 : (int)(sizeof(ring_rounds) / sizeof(ring_rounds[0]));
     for (int round = 1; rc == 0 && round < rounds; round++) rc = ring_round(s, round, &target);
+    if (rc == 0 && !s->c->dead_peer && s->c->loop) rc = wrong_weak_cover(s, out);
     if (rc == 0 && !s->c->dead_peer) rc = soak(s, out);
     if (rc == 0 && s->c->dead_peer) {
         EPX_TRY(epx_comm_barrier(s->comm));
         if (s->rank == s->nranks - 1) {
-            printf("gin host rank %d/%d: exits without epx_gin_close\n", s->rank, s->nranks);
+            printf("%s rank %d/%d: exits without closing the transport\n", s->c->name, s->rank, s->nranks);
             fflush(stdout);
             _exit(0);
         }
@@ -322,19 +437,17 @@ static int rank_run(rank_state_t *s, rank_result_t *out)
         fflush(NULL);
         _exit(3); /* a kernel still uses the handle: no teardown is safe */
     }
-    t0 = epx_time_ns();
-    const epx_result_t closed = epx_gin_close(s->gin);
+    const uint64_t t0 = epx_time_ns();
+    const epx_result_t closed = t_close(s);
     out->close_ms = ms_since(t0);
-    s->gin = NULL;
     const epx_result_t want = s->c->dead_peer ? EPX_ERR_REMOTE : EPX_SUCCESS;
     if (rc == 0 && closed != want)
-        rc = fail(s, "epx_gin_close returned %s (%s), expected %s", epx_result_name(closed), epx_last_error_message(),
+        rc = fail(s, "close returned %s (%s), expected %s", epx_result_name(closed), epx_last_error_message(),
                   epx_result_name(want));
     if (rc == 0 && out->close_ms > (double)(s->c->timeout_ms + SLACK_MS))
-        rc = fail(s, "epx_gin_close took %.0f ms, past its %lld ms deadline", out->close_ms,
-                  (long long)s->c->timeout_ms);
+        rc = fail(s, "close took %.0f ms, past its %lld ms deadline", out->close_ms, (long long)s->c->timeout_ms);
     if (rc == 0)
-        printf("gin host rank %d/%d: epx_gin_close %s in %.0f ms\n", s->rank, s->nranks, epx_result_name(closed),
+        printf("%s rank %d/%d: close %s in %.0f ms\n", s->c->name, s->rank, s->nranks, epx_result_name(closed),
                out->close_ms);
     return rc;
 }
@@ -342,8 +455,14 @@ static int rank_run(rank_state_t *s, rank_result_t *out)
 static int rank_body(int rank, int nranks, const epx_unique_id_t *id, void *arg, void *result)
 {
     const run_ctx_t *c = arg;
-    rank_state_t st = {rank, nranks, (rank + nranks - 1) % nranks, (rank + 1) % nranks, c, NULL, NULL};
+    rank_state_t st;
+    memset(&st, 0, sizeof(st));
     rank_state_t *s = &st;
+    s->rank = rank;
+    s->nranks = nranks;
+    s->left = (rank + nranks - 1) % nranks;
+    s->right = (rank + 1) % nranks;
+    s->c = c;
     rank_env(rank, c);
     int device = 0;
     if (gpu_test_comm(&c->gpu, id, rank, nranks, (int)c->timeout_ms, &s->comm, &device)) return 1;
@@ -352,7 +471,7 @@ static int rank_body(int rank, int nranks, const epx_unique_id_t *id, void *arg,
     CUDA_TRY(cudaHostGetDevicePointer((void **)&s->res_dev, s->res_host, 0));
     CUDA_TRY(cudaMallocHost((void **)&s->host, GIN_REGION_BYTES));
     const int rc = rank_run(s, result);
-    if (s->gin) epx_gin_close(s->gin); /* a failed step left it open: bounded like any close */
+    if (s->lp || s->gin) t_close(s); /* a failed step left it open: bounded like any close */
     cudaFreeHost(s->host);
     cudaFreeHost(s->res_host);
     cudaStreamDestroy(s->stream);
@@ -367,8 +486,9 @@ static int run_nranks(int nranks, void *arg)
     for (int dead = 0; dead < 2; dead++) {
         if (dead && nranks < 2) continue;
         c->dead_peer = dead;
-        epx_harness_opts_t o = {dead ? "gin host dead peer" : "gin host", nranks, rank_body, c,
-                                sizeof(rank_result_t), 200, NULL};
+        char label[96];
+        snprintf(label, sizeof(label), "%s%s", c->name, dead ? " dead peer" : "");
+        epx_harness_opts_t o = {label, nranks, rank_body, c, sizeof(rank_result_t), 200, NULL};
         epx_harness_report_t report;
         const int rc = epx_harness_run(&o, &report);
         int bad = rc != 0;
@@ -376,20 +496,48 @@ static int run_nranks(int nranks, void *arg)
             const rank_result_t *me = epx_harness_result(&report, r);
             const rank_result_t *left = epx_harness_result(&report, (r + nranks - 1) % nranks);
             if (me->recv_hash != left->sent_hash) {
-                fprintf(stderr, "gin host: rank %d received hash %016" PRIx64 ", rank %d sent %016" PRIx64 "\n", r,
+                fprintf(stderr, "%s: rank %d received hash %016" PRIx64 ", rank %d sent %016" PRIx64 "\n", label, r,
                         me->recv_hash, (r + nranks - 1) % nranks, left->sent_hash);
                 bad = 1;
             }
         }
         for (int r = 0; r < nranks && report.results; r++) {
             const rank_result_t *x = epx_harness_result(&report, r);
-            printf("gin host%s: %d ranks, rank %d: open %.0f ms, soak %.0f ms, dead-peer wait %.0f ms, close %.0f ms\n",
-                   dead ? " dead peer" : "", nranks, r, x->open_ms, x->soak_ms, x->wait_ms, x->close_ms);
+            printf("%s: %d ranks, rank %d: open %.0f ms, soak %.0f ms, wait %.0f ms, close %.0f ms\n", label, nranks,
+                   r, x->open_ms, x->soak_ms, x->wait_ms, x->close_ms);
         }
         epx_harness_report_free(&report);
-        printf("gin host%s: %d ranks: %s\n", dead ? " dead peer" : "", nranks, bad ? "FAILED" : "ok");
+        printf("%s: %d ranks: %s\n", label, nranks, bad ? "FAILED" : "ok");
         if (bad) return 1;
     }
+    return 0;
+}
+
+/* The loop transport: every split NxP of EPX_LOOP_TEST_SPLITS, normal mode then strict mode. */
+static int run_loop(run_ctx_t *c)
+{
+    const char *env = getenv("EPX_LOOP_TEST_SPLITS");
+    char list[256];
+    snprintf(list, sizeof(list), "%s", env && env[0] ? env : "2x1,2x2,2x4,4x2");
+    int ran = 0;
+    for (char *save = NULL, *tok = strtok_r(list, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        int nodes = 0, per = 0;
+        if (sscanf(tok, "%dx%d", &nodes, &per) != 2 || nodes < 1 || per < 1 || nodes * per > 16) {
+            fprintf(stderr, "loop: bad split '%s' in EPX_LOOP_TEST_SPLITS (NxP, at most 16 ranks)\n", tok);
+            return 1;
+        }
+        for (int strict = 0; strict < 2; strict++) {
+            char name[64];
+            snprintf(name, sizeof(name), "loop %dx%d %s", nodes, per, strict ? "strict" : "normal");
+            c->name = name;
+            c->per_node = per;
+            c->strict = strict;
+            printf("%s: %d emulated nodes of %d ranks\n", name, nodes, per);
+            if (run_nranks(nodes * per, c)) return 1;
+            ran++;
+        }
+    }
+    printf("loop: all passed (%d runs)\n", ran);
     return 0;
 }
 
@@ -399,6 +547,20 @@ int main(void)
     memset(&c, 0, sizeof(c));
     const int g = gpu_test_init(&c.gpu);
     if (g) return g;
+    const char *tr = getenv("EPX_NET_TEST_TRANSPORT");
+    c.loop = !tr || strcmp(tr, "gin") != 0;
+    const char *it = getenv("EPX_GIN_TEST_ITERATIONS");
+    c.iterations = it && atoll(it) > 0 ? (uint64_t)atoll(it) : 1000;
+    /* The comm's timeout, hence open's, every kernel wait's and close's deadline. */
+    const char *t = getenv("EPX_TIMEOUT_MS");
+    c.timeout_ms = t && atoll(t) > 0 ? atoll(t) : 20000;
+    if (c.loop) {
+        printf("loop: seed %" PRIu64 ", %" PRIu64 " soak iterations, timeout %lld ms\n", c.gpu.seed, c.iterations,
+               (long long)c.timeout_ms);
+        return run_loop(&c);
+    }
+#if EPX_TEST_HAVE_GIN
+    c.name = "gin host";
     c.plugin = getenv("EPX_GIN_TEST_PLUGIN");
     if (!c.plugin || !c.plugin[0]) c.plugin = EPX_GIN_TEST_PLUGIN_PATH;
     if (access(c.plugin, R_OK) != 0) {
@@ -407,12 +569,11 @@ int main(void)
                c.plugin, strerror(errno));
         return EPX_TEST_SKIP;
     }
-    const char *it = getenv("EPX_GIN_TEST_ITERATIONS");
-    c.iterations = it && atoll(it) > 0 ? (uint64_t)atoll(it) : 1000;
-    /* The comm's timeout, hence open's, every kernel wait's and close's deadline. */
-    const char *t = getenv("EPX_TIMEOUT_MS");
-    c.timeout_ms = t && atoll(t) > 0 ? atoll(t) : 20000;
     printf("gin host: plugin %s, seed %" PRIu64 ", %" PRIu64 " soak iterations, timeout %lld ms\n", c.plugin,
            c.gpu.seed, c.iterations, (long long)c.timeout_ms);
     return epx_harness_each_nranks("gin host", "EPX_GPU_TEST_RANKS", "2,4", 16, run_nranks, &c);
+#else
+    printf("gin: this build has no GIN host setup (NCCL): skipped\n");
+    return EPX_TEST_SKIP;
+#endif
 }

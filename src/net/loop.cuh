@@ -1,0 +1,186 @@
+/*
+ * The `loop` test transport of net.h, device side (its state and modes: src/net/loop.h). Every operation
+ * is issued by the calling thread alone, like GIN's: a put reads what that thread may read (bytes other
+ * threads wrote must be made visible to it first, a barrier), and a copy of a queued put may be done by
+ * another thread of the rank later, reading the source through L2. Included by net.h in CUDA compiles.
+ */
+#include "net/net.h"
+
+#ifndef EPX_NET_LOOP_CUH
+#define EPX_NET_LOOP_CUH
+
+#if defined(__CUDACC__)
+
+#include "net/loop.h"
+
+__device__ static inline unsigned long long epx_net_loop_ld_acquire(const unsigned long long *p)
+{
+    unsigned long long v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ static inline void epx_net_loop_st_release(unsigned long long *p, unsigned long long v)
+{
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ static inline int epx_net_loop_range_ok(const epx_net_loop_t *l, uint32_t region, uint64_t offset,
+                                                   uint64_t bytes)
+{
+    if (region >= l->nregions) return 0;
+    const uint64_t size = l->region_bytes[region];
+    return offset <= size && bytes <= size - offset;
+}
+
+/* The host model's checks, in its order. */
+__device__ static inline epx_net_status_t epx_net_loop_check(const epx_net_t *net, const epx_net_loop_t *l,
+                                                             const epx_net_op_t *op)
+{
+    if (!l || net->nranks > EPX_NET_LOOP_MAX_RANKS || net->ncontexts > EPX_NET_LOOP_MAX_CONTEXTS)
+        return EPX_NET_INVALID;
+    if (op->kind < EPX_NET_OP_PUT || op->kind > EPX_NET_OP_SIGNAL) return EPX_NET_INVALID;
+    if (op->ctx >= net->ncontexts) return EPX_NET_INVALID;
+    if (op->peer < 0 || op->peer >= net->nranks) return EPX_NET_INVALID;
+    const int bytes = op->kind != EPX_NET_OP_SIGNAL;
+    const int signal = op->kind != EPX_NET_OP_PUT;
+    if (bytes && !epx_net_loop_range_ok(l, op->src_region, op->src_offset, op->bytes)) return EPX_NET_INVALID;
+    if (bytes && !epx_net_loop_range_ok(l, op->dst_region, op->dst_offset, op->bytes)) return EPX_NET_INVALID;
+    if (signal && op->signal >= net->nsignals) return EPX_NET_INVALID;
+    if (signal && op->signal_mode != EPX_NET_SIGNAL_STRONG && op->signal_mode != EPX_NET_SIGNAL_WEAK)
+        return EPX_NET_INVALID;
+    return EPX_NET_OK;
+}
+
+/* Copies `n` bytes through L2 (the source may have been written by another thread of the rank, the
+ * destination is read by another process); `reverse`: the last 16-byte word first. */
+__device__ static inline void epx_net_loop_copy(uint8_t *dst, const uint8_t *src, uint64_t n, int reverse)
+{
+    if (((uintptr_t)dst & 15) == 0 && ((uintptr_t)src & 15) == 0) {
+        const uint64_t n16 = n >> 4;
+        for (uint64_t i = 0; i < n16; i++) {
+            const uint64_t k = reverse ? n16 - 1 - i : i;
+            __stcg((int4 *)dst + k, __ldcg((const int4 *)src + k));
+        }
+        for (uint64_t i = n16 << 4; i < n; i++) __stcg(dst + i, __ldcg(src + i));
+    } else {
+        for (uint64_t i = 0; i < n; i++) {
+            const uint64_t k = reverse ? n - 1 - i : i;
+            __stcg(dst + k, __ldcg(src + k));
+        }
+    }
+}
+
+/* Adds `add` to `peer`'s signal after every byte this thread has copied or seen delivered. */
+__device__ static inline void epx_net_loop_signal(const epx_net_loop_t *l, int peer, uint32_t signal, uint64_t add)
+{
+    __threadfence_system();
+    atomicAdd_system(l->signals[peer] + signal, (unsigned long long)add);
+}
+
+/* Copies a queued put whose slot this thread claimed (phase 2 for `ticket`), then frees the slot. */
+__device__ static inline void epx_net_loop_land(epx_net_loop_entry_t *e, unsigned long long ticket)
+{
+    epx_net_loop_copy(e->dst, e->src, e->bytes, 1);
+    __threadfence_system();
+    epx_net_loop_st_release(&e->state, 4ull * (ticket + EPX_NET_LOOP_QUEUE));
+}
+
+/* Lands the queued puts of `ctx` (to `peer` only, or every peer when peer < 0), newest first, and waits
+ * for those another thread is copying. EPX_NET_TIMEOUT past `deadline_ns`, EPX_NET_ABORTED when the abort
+ * word is set while it waits. A put queued concurrently (not before this call) may or may not land. */
+__device__ static inline epx_net_status_t epx_net_loop_deliver(const epx_net_t *net, const epx_net_loop_t *l,
+                                                               uint32_t ctx, int peer, uint64_t deadline_ns)
+{
+    const unsigned long long tail = epx_net_loop_ld_acquire(l->tail + ctx);
+    const unsigned long long n = tail < EPX_NET_LOOP_QUEUE ? tail : EPX_NET_LOOP_QUEUE;
+    epx_net_loop_entry_t *q = l->queue + (uint64_t)ctx * EPX_NET_LOOP_QUEUE;
+    for (unsigned long long i = 0; i < n; i++) {
+        epx_net_loop_entry_t *e = q + (tail - 1 - i) % EPX_NET_LOOP_QUEUE;
+        for (;;) {
+            const unsigned long long s = epx_net_loop_ld_acquire(&e->state);
+            const unsigned long long phase = s & 3, ticket = s >> 2;
+            if (phase == 0 || (peer >= 0 && e->peer != peer)) break;
+            if (phase == 1 && atomicCAS(&e->state, s, 4ull * ticket + 2) == s) {
+                epx_net_loop_land(e, ticket);
+                break;
+            }
+            if (phase == 2) { /* another thread copies it: it must land before we go on */
+                if (epx_net_aborted(net)) return EPX_NET_ABORTED;
+                if (epx_net_now_ns() > deadline_ns) return EPX_NET_TIMEOUT;
+            }
+        }
+    }
+    return EPX_NET_OK;
+}
+
+/* Queues a put (strict mode). Its slot may still hold the put of ticket - QUEUE: that one lands first. */
+__device__ static inline epx_net_status_t epx_net_loop_enqueue(const epx_net_t *net, const epx_net_loop_t *l,
+                                                               uint32_t ctx, int peer, uint8_t *dst,
+                                                               const uint8_t *src, uint64_t bytes)
+{
+    const unsigned long long ticket = atomicAdd(l->tail + ctx, 1ull);
+    epx_net_loop_entry_t *e = l->queue + (uint64_t)ctx * EPX_NET_LOOP_QUEUE + ticket % EPX_NET_LOOP_QUEUE;
+    const uint64_t deadline = epx_net_now_ns() + EPX_NET_LOOP_POST_WAIT_NS;
+    for (;;) {
+        const unsigned long long s = epx_net_loop_ld_acquire(&e->state);
+        if (s == 4ull * ticket) break;
+        if ((s & 3) == 1 && atomicCAS(&e->state, s, (s & ~3ull) + 2) == s) {
+            epx_net_loop_land(e, s >> 2);
+            continue;
+        }
+        if (epx_net_aborted(net)) return EPX_NET_ABORTED;
+        if (epx_net_now_ns() > deadline) return EPX_NET_TIMEOUT;
+    }
+    e->peer = peer;
+    e->bytes = bytes;
+    e->dst = dst;
+    e->src = src;
+    __threadfence();
+    epx_net_loop_st_release(&e->state, 4ull * ticket + 1);
+    return EPX_NET_OK;
+}
+
+__device__ static inline epx_net_status_t epx_net_loop_post(const epx_net_t *net, const epx_net_op_t *op)
+{
+    const epx_net_loop_t *l = (const epx_net_loop_t *)net->impl;
+    const epx_net_status_t s = epx_net_loop_check(net, l, op);
+    if (s != EPX_NET_OK) return s;
+    const int strong = op->kind != EPX_NET_OP_PUT && op->signal_mode == EPX_NET_SIGNAL_STRONG;
+    if (l->strict && strong) {
+        const epx_net_status_t d =
+            epx_net_loop_deliver(net, l, op->ctx, op->peer, epx_net_now_ns() + EPX_NET_LOOP_POST_WAIT_NS);
+        if (d != EPX_NET_OK) return d;
+    }
+    if (op->kind != EPX_NET_OP_SIGNAL) {
+        uint8_t *dst = l->base[op->peer][op->dst_region] + op->dst_offset;
+        const uint8_t *src = l->base[net->rank][op->src_region] + op->src_offset;
+        if (l->strict && op->kind == EPX_NET_OP_PUT) return epx_net_loop_enqueue(net, l, op->ctx, op->peer, dst, src,
+                                                                                  op->bytes);
+        epx_net_loop_copy(dst, src, op->bytes, (int)l->strict);
+    }
+    if (op->kind != EPX_NET_OP_PUT) epx_net_loop_signal(l, op->peer, op->signal, op->signal_add);
+    return EPX_NET_OK;
+}
+
+__device__ static inline epx_net_status_t epx_net_loop_signal_read(const epx_net_t *net, uint32_t signal,
+                                                                   uint64_t *value_out)
+{
+    const epx_net_loop_t *l = (const epx_net_loop_t *)net->impl;
+    if (!l || net->rank < 0 || net->rank >= EPX_NET_LOOP_MAX_RANKS || signal >= net->nsignals)
+        return EPX_NET_INVALID;
+    *value_out = epx_net_loop_ld_acquire(l->signals[net->rank] + signal);
+    return EPX_NET_OK;
+}
+
+/* Normal mode: every put was copied when posted. Strict mode: the context's queued puts land now. */
+__device__ static inline epx_net_status_t epx_net_loop_flush(const epx_net_t *net, uint32_t ctx, uint64_t deadline_ns)
+{
+    const epx_net_loop_t *l = (const epx_net_loop_t *)net->impl;
+    if (!l || ctx >= net->ncontexts || net->ncontexts > EPX_NET_LOOP_MAX_CONTEXTS) return EPX_NET_INVALID;
+    return l->strict ? epx_net_loop_deliver(net, l, ctx, -1, deadline_ns) : EPX_NET_OK;
+}
+
+#endif /* __CUDACC__ */
+
+#endif
