@@ -518,7 +518,10 @@ static PyObject *torch_template(const call_ctx_t *ctx, epx_dtype_t dtype)
         !py_state.torch_empty || !py_state.torch_dtypes[dtype])
         return NULL;
     if (!kept[slot][dtype]) {
-        PyObject *kwargs = Py_BuildValue("{sOsO}", "dtype", py_state.torch_dtypes[dtype], "device", ctx->device);
+        /* fp8 outputs are made as torch's float8 directly when torch has it (no view per call). */
+        PyObject *tdt = dtype == EPX_DTYPE_FP8_E4M3 && py_state.torch_fp8 ? py_state.torch_fp8
+                                                                         : py_state.torch_dtypes[dtype];
+        PyObject *kwargs = Py_BuildValue("{sOsO}", "dtype", tdt, "device", ctx->device);
         PyObject *args = Py_BuildValue("((i))", 0);
         kept[slot][dtype] = kwargs && args ? PyObject_Call(py_state.torch_empty, args, kwargs) : NULL;
         Py_XDECREF(kwargs);
@@ -542,6 +545,41 @@ int py_alloc_tensor(call_ctx_t *ctx, keep_t *keep, epx_dtype_t dtype, int ndim, 
     PyObject *tmpl = ctx->fw == FW_TORCH ? torch_template(ctx, dtype) : NULL;
     if (tmpl) {
         obj = PyObject_CallMethodOneArg(tmpl, g_names.new_empty, py_shape);
+        Py_DECREF(py_shape);
+        if (!obj) return -1;
+        /* Our own new tensor: contiguous, of the template's dtype and device, no grad, no neg or conj
+         * view. Only its address is read (the general import asks torch for about ten attributes). On
+         * cuda only when the call runs on torch's current stream, where the allocator's own ordering
+         * holds; on another stream the DLPack import below orders it. */
+        void *s = ctx->dl_device_type == DL_CUDA ? resolve_stream(ctx) : NULL;
+        (void)s;
+        if (PyErr_Occurred()) {
+            Py_DECREF(obj);
+            return -1;
+        }
+        if (ctx->dl_device_type == DL_CPU || (ctx->dl_device_type == DL_CUDA && ctx->stream_is_torch_current)) {
+            PyObject *ptr = PyObject_CallMethodNoArgs(obj, g_names.data_ptr);
+            void *data = ptr ? PyLong_AsVoidPtr(ptr) : NULL;
+            Py_XDECREF(ptr);
+            if (PyErr_Occurred()) {
+                Py_DECREF(obj);
+                return -1;
+            }
+            memset(t, 0, sizeof(*t));
+            t->dtype = dtype;
+            t->ndim = ndim;
+            int empty = 0;
+            for (int i = 0; i < ndim; i++) {
+                t->shape[i] = shape[i] > 0 ? shape[i] : 0;
+                empty |= t->shape[i] == 0;
+            }
+            t->data = data || !empty ? data : (void *)&g_empty_data;
+            t->device_type = ctx->dl_device_type == DL_CUDA ? EPX_DEVICE_CUDA : EPX_DEVICE_HOST;
+            t->device_id = ctx->dl_device_type == DL_CUDA ? ctx->device_id : 0;
+            *obj_out = obj;
+            return 0;
+        }
+        py_shape = NULL;
     } else if (ctx->fw == FW_TORCH) {
         PyObject *kwargs =
             Py_BuildValue("{sOsO}", "dtype", py_state.torch_dtypes[dtype], "device", ctx->device);
@@ -553,7 +591,7 @@ int py_alloc_tensor(call_ctx_t *ctx, keep_t *keep, epx_dtype_t dtype, int ndim, 
         obj =
             PyObject_CallFunctionObjArgs(py_state.numpy_empty, py_shape, py_state.numpy_dtypes[dtype], NULL);
     }
-    Py_DECREF(py_shape);
+    Py_XDECREF(py_shape);
     if (!obj) return -1;
     if (ctx->fw != FW_TORCH) {
         /* A contiguous numpy array of our own: its address through the buffer protocol, without the
@@ -578,7 +616,7 @@ int py_alloc_tensor(call_ctx_t *ctx, keep_t *keep, epx_dtype_t dtype, int ndim, 
         Py_DECREF(obj);
         return -1;
     }
-    if (ctx->fw == FW_TORCH && dtype == EPX_DTYPE_FP8_E4M3 && py_state.torch_fp8) {
+    if (ctx->fw == FW_TORCH && dtype == EPX_DTYPE_FP8_E4M3 && py_state.torch_fp8 && !tmpl) {
         PyObject *view = PyObject_CallMethodOneArg(obj, py_state.str_view, py_state.torch_fp8);
         Py_DECREF(obj);
         if (!view) return -1;
