@@ -54,6 +54,23 @@ const char *epx_net_gin_unavailable(char *why, size_t n)
     return why;
 }
 
+epx_result_t epx_net_status_error(int rank, int status, const char *what, int64_t timeout_ms)
+{
+    switch ((epx_net_status_t)status) {
+    case EPX_NET_OK: return EPX_SUCCESS;
+    case EPX_NET_TIMEOUT:
+        return epx_error(EPX_ERR_TIMEOUT, "rank %d: %s passed its deadline (%lld ms) with every peer alive", rank,
+                         what, (long long)timeout_ms);
+    case EPX_NET_ABORTED:
+        return epx_error(EPX_ERR_TIMEOUT, "rank %d: %s ended by the abort word (set on this rank)", rank, what);
+    case EPX_NET_INVALID:
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: %s: an argument out of the handle's range", rank, what);
+    default:
+        return epx_error(EPX_ERR_INTERNAL, "rank %d: %s ended with %s", rank, what,
+                         epx_net_status_name((epx_net_status_t)status));
+    }
+}
+
 epx_result_t epx_gin_check_args(epx_comm_t comm, const epx_gin_open_args_t *args, epx_gin_t **out)
 {
     EPX_CHECK(epx_comm_check(comm, "epx_gin_open"));

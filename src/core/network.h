@@ -22,6 +22,12 @@ void epx_net_build_info(epx_build_info_t *info);
  * most n bytes (NUL-terminated when n > 0) and returns why. */
 const char *epx_net_gin_unavailable(char *why, size_t n);
 
+/* A kernel's net.h status as an epx error naming `what`, for a transport that found every peer alive
+ * (each transport reports a peer gone itself): EPX_SUCCESS for EPX_NET_OK, EPX_ERR_TIMEOUT for
+ * EPX_NET_TIMEOUT (naming timeout_ms) and EPX_NET_ABORTED, EPX_ERR_INVALID_ARG for EPX_NET_INVALID,
+ * EPX_ERR_INTERNAL for the rest. */
+epx_result_t epx_net_status_error(int rank, int status, const char *what, int64_t timeout_ms);
+
 #ifdef __cplusplus
 }
 #endif

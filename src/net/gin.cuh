@@ -89,30 +89,12 @@ __device__ static inline int epx_net_gin_shape_ok(const epx_net_t *net, const ep
            (uint64_t)g->counter_base + net->ncontexts <= (uint64_t)g->comm.ginCounterCount;
 }
 
-__device__ static inline int epx_net_gin_range_ok(const epx_net_gin_t *g, uint32_t region, uint64_t offset,
-                                                  uint64_t bytes)
-{
-    if (region >= g->nregions) return 0;
-    const uint64_t size = g->region_bytes[region];
-    return offset <= size && bytes <= size - offset;
-}
-
-/* The same checks as the host model's, in the same order. */
+/* The handle fits its device communicator, then net.h's checks of the operation. */
 __device__ static inline epx_net_status_t epx_net_gin_check(const epx_net_t *net, const epx_net_gin_t *g,
                                                             const epx_net_op_t *op)
 {
     if (!epx_net_gin_shape_ok(net, g)) return EPX_NET_INVALID;
-    if (op->kind < EPX_NET_OP_PUT || op->kind > EPX_NET_OP_SIGNAL) return EPX_NET_INVALID;
-    if (op->ctx >= net->ncontexts) return EPX_NET_INVALID;
-    if (op->peer < 0 || op->peer >= net->nranks) return EPX_NET_INVALID;
-    const int bytes = op->kind != EPX_NET_OP_SIGNAL;
-    const int signal = op->kind != EPX_NET_OP_PUT;
-    if (bytes && !epx_net_gin_range_ok(g, op->src_region, op->src_offset, op->bytes)) return EPX_NET_INVALID;
-    if (bytes && !epx_net_gin_range_ok(g, op->dst_region, op->dst_offset, op->bytes)) return EPX_NET_INVALID;
-    if (signal && op->signal >= net->nsignals) return EPX_NET_INVALID;
-    if (signal && op->signal_mode != EPX_NET_SIGNAL_STRONG && op->signal_mode != EPX_NET_SIGNAL_WEAK)
-        return EPX_NET_INVALID;
-    return EPX_NET_OK;
+    return epx_net_check_op(net, op, g->nregions, g->region_bytes);
 }
 
 /* Every operation is issued by the calling thread alone (ncclCoopThread). NCCL's default release

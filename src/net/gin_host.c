@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "core/internal.h"
+#include "core/network.h"
 #include "cuda/cuda.h"
 #include "net/gin_dev.h"
 #include "net/gin_host.h"
@@ -393,17 +394,7 @@ epx_result_t epx_gin_wait_result(epx_gin_t *g, epx_net_status_t status, const ch
     if (peer_trouble(g, why, sizeof(why)))
         return epx_error(EPX_ERR_REMOTE, "rank %d: %s ended with %s: %s", g->rank, what, epx_net_status_name(status),
                          why);
-    switch (status) {
-    case EPX_NET_TIMEOUT:
-        return epx_error(EPX_ERR_TIMEOUT, "rank %d: %s passed its deadline (%lld ms) with every peer alive", g->rank,
-                         what, (long long)g->timeout_ms);
-    case EPX_NET_ABORTED:
-        return epx_error(EPX_ERR_TIMEOUT, "rank %d: %s ended by the abort word (set on this rank)", g->rank, what);
-    case EPX_NET_INVALID:
-        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: %s: an argument out of the handle's range", g->rank, what);
-    default:
-        return epx_error(EPX_ERR_INTERNAL, "rank %d: %s ended with %s", g->rank, what, epx_net_status_name(status));
-    }
+    return epx_net_status_error(g->rank, status, what, g->timeout_ms);
 }
 
 /* One collective teardown step on a live communicator; the first failure is kept in *res. */

@@ -25,31 +25,13 @@ __device__ static inline void epx_net_loop_st_release(unsigned long long *p, uns
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-__device__ static inline int epx_net_loop_range_ok(const epx_net_loop_t *l, uint32_t region, uint64_t offset,
-                                                   uint64_t bytes)
-{
-    if (region >= l->nregions) return 0;
-    const uint64_t size = l->region_bytes[region];
-    return offset <= size && bytes <= size - offset;
-}
-
-/* The host model's checks, in its order. */
+/* The handle fits the transport's limits, then net.h's checks of the operation. */
 __device__ static inline epx_net_status_t epx_net_loop_check(const epx_net_t *net, const epx_net_loop_t *l,
                                                              const epx_net_op_t *op)
 {
     if (!l || net->nranks > EPX_NET_LOOP_MAX_RANKS || net->ncontexts > EPX_NET_LOOP_MAX_CONTEXTS)
         return EPX_NET_INVALID;
-    if (op->kind < EPX_NET_OP_PUT || op->kind > EPX_NET_OP_SIGNAL) return EPX_NET_INVALID;
-    if (op->ctx >= net->ncontexts) return EPX_NET_INVALID;
-    if (op->peer < 0 || op->peer >= net->nranks) return EPX_NET_INVALID;
-    const int bytes = op->kind != EPX_NET_OP_SIGNAL;
-    const int signal = op->kind != EPX_NET_OP_PUT;
-    if (bytes && !epx_net_loop_range_ok(l, op->src_region, op->src_offset, op->bytes)) return EPX_NET_INVALID;
-    if (bytes && !epx_net_loop_range_ok(l, op->dst_region, op->dst_offset, op->bytes)) return EPX_NET_INVALID;
-    if (signal && op->signal >= net->nsignals) return EPX_NET_INVALID;
-    if (signal && op->signal_mode != EPX_NET_SIGNAL_STRONG && op->signal_mode != EPX_NET_SIGNAL_WEAK)
-        return EPX_NET_INVALID;
-    return EPX_NET_OK;
+    return epx_net_check_op(net, op, l->nregions, l->region_bytes);
 }
 
 /* Copies `n` bytes through L2 (the source may have been written by another thread of the rank, the

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "core/network.h"
 #include "cuda/cuda.h"
 #include "net/loop_host.h"
 
@@ -267,17 +268,7 @@ epx_result_t epx_loop_wait_result(epx_loop_t *l, epx_net_status_t status, const 
     if (dead >= 0)
         return epx_error(EPX_ERR_REMOTE, "rank %d: %s ended with %s: rank %d (pid %d) has exited", l->rank, what,
                          epx_net_status_name(status), dead, (int)l->comm->peers[dead].pid);
-    switch (status) {
-    case EPX_NET_TIMEOUT:
-        return epx_error(EPX_ERR_TIMEOUT, "rank %d: %s passed its deadline (%lld ms) with every peer alive", l->rank,
-                         what, (long long)l->timeout_ms);
-    case EPX_NET_ABORTED:
-        return epx_error(EPX_ERR_TIMEOUT, "rank %d: %s ended by the abort word (set on this rank)", l->rank, what);
-    case EPX_NET_INVALID:
-        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: %s: an argument out of the handle's range", l->rank, what);
-    default:
-        return epx_error(EPX_ERR_INTERNAL, "rank %d: %s ended with %s", l->rank, what, epx_net_status_name(status));
-    }
+    return epx_net_status_error(l->rank, status, what, l->timeout_ms);
 }
 
 epx_result_t epx_loop_close(epx_loop_t *l)

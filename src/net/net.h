@@ -135,25 +135,43 @@ EPX_NET_FN int epx_net_aborted(const epx_net_t *net)
 #endif
 }
 
-/* The GIN transport's device side needs NCCL's C++ device headers: only CUDA compiles that define
- * EPX_NET_HAVE_GIN (and have NCCL 2.28+) see it; everywhere else GIN answers EPX_NET_UNSUPPORTED. */
+/* The checks every transport makes of an operation, in the host model's order: kind, context, peer,
+ * both byte ranges against the regions (`nregions` of `region_bytes` each, equal on every rank), signal
+ * and its mode. EPX_NET_INVALID for the first that fails. */
+EPX_NET_FN epx_net_status_t epx_net_check_op(const epx_net_t *net, const epx_net_op_t *op, uint32_t nregions,
+                                             const uint64_t *region_bytes)
+{
+    if (op->kind < EPX_NET_OP_PUT || op->kind > EPX_NET_OP_SIGNAL) return EPX_NET_INVALID;
+    if (op->ctx >= net->ncontexts) return EPX_NET_INVALID;
+    if (op->peer < 0 || op->peer >= net->nranks) return EPX_NET_INVALID;
+    if (op->kind != EPX_NET_OP_SIGNAL) {
+        const uint32_t region[2] = {op->src_region, op->dst_region};
+        const uint64_t offset[2] = {op->src_offset, op->dst_offset};
+        for (int i = 0; i < 2; i++)
+            if (region[i] >= nregions || offset[i] > region_bytes[region[i]] ||
+                op->bytes > region_bytes[region[i]] - offset[i])
+                return EPX_NET_INVALID;
+    }
+    if (op->kind != EPX_NET_OP_PUT && (op->signal >= net->nsignals || (op->signal_mode != EPX_NET_SIGNAL_STRONG &&
+                                                                      op->signal_mode != EPX_NET_SIGNAL_WEAK)))
+        return EPX_NET_INVALID;
+    return EPX_NET_OK;
+}
+
+/* The device transports. GIN's device side needs NCCL's C++ device headers: only CUDA compiles that define
+ * EPX_NET_HAVE_GIN (and have NCCL 2.28+) see it; everywhere else GIN answers EPX_NET_UNSUPPORTED. The
+ * loop test transport's needs nothing but CUDA: every CUDA compile sees it. */
 #if defined(EPX_NET_HAVE_GIN) && defined(__CUDACC__)
 #define EPX_NET_GIN_DEVICE 1
-#ifdef __cplusplus
-}
 #endif
-#include "net/gin.cuh"
-#ifdef __cplusplus
-extern "C" {
-#endif
-#endif
-
-/* The loop test transport's device side needs nothing but CUDA: every CUDA compile sees it. */
 #if defined(__CUDACC__)
 #ifdef __cplusplus
 }
 #endif
 #include "net/loop.cuh"
+#if defined(EPX_NET_GIN_DEVICE)
+#include "net/gin.cuh"
+#endif
 #ifdef __cplusplus
 extern "C" {
 #endif

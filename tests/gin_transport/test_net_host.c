@@ -385,25 +385,25 @@ static int wrong_weak_cover(rank_state_t *s, rank_result_t *out)
 static int open_transport(rank_state_t *s, rank_result_t *out)
 {
     uint64_t t0 = epx_time_ns();
+    epx_loop_open_args_t args; /* the GIN args take the same shape */
+    memset(&args, 0, sizeof(args));
+    args.nregions = 2;
+    args.region_bytes[GIN_SRC] = args.region_bytes[GIN_DST] = GIN_REGION_BYTES;
+    args.contexts = 2;
+    args.nsignals = GIN_NSIGNALS;
+    args.strict = s->c->strict;
     if (s->c->loop) {
-        epx_loop_open_args_t args;
-        memset(&args, 0, sizeof(args));
-        args.nregions = 2;
-        args.region_bytes[GIN_SRC] = args.region_bytes[GIN_DST] = GIN_REGION_BYTES;
-        args.contexts = 2;
-        args.nsignals = GIN_NSIGNALS;
-        args.strict = s->c->strict;
         EPX_TRY(epx_loop_open(s->comm, &args, &s->lp));
         s->net = epx_loop_net(s->lp);
     } else {
 #if EPX_TEST_HAVE_GIN
-        epx_gin_open_args_t args;
-        memset(&args, 0, sizeof(args));
-        args.nregions = 2;
-        args.region_bytes[GIN_SRC] = args.region_bytes[GIN_DST] = GIN_REGION_BYTES;
-        args.contexts = 2;
-        args.nsignals = GIN_NSIGNALS;
-        EPX_TRY(epx_gin_open(s->comm, &args, &s->gin));
+        epx_gin_open_args_t gin;
+        memset(&gin, 0, sizeof(gin));
+        gin.nregions = args.nregions;
+        memcpy(gin.region_bytes, args.region_bytes, sizeof(gin.region_bytes));
+        gin.contexts = args.contexts;
+        gin.nsignals = args.nsignals;
+        EPX_TRY(epx_gin_open(s->comm, &gin, &s->gin));
         s->net = epx_gin_net(s->gin);
 #else
         return fail(s, "this build has no GIN host setup");

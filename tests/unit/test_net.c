@@ -450,11 +450,59 @@ static int test_threaded(void)
     return 0;
 }
 
+/* net.h's operation check, which the device transports (loop, GIN) share: every field out of range is
+ * refused, a signal's byte fields and a put's signal fields are not looked at. */
+static int test_check_op(void)
+{
+    epx_net_t net;
+    memset(&net, 0, sizeof(net));
+    net.nranks = 3;
+    net.ncontexts = 2;
+    net.nsignals = 4;
+    const uint64_t bytes[2] = {BUF, BUF};
+    const epx_net_op_t ok = {EPX_NET_OP_PUT_SIGNAL, 1, 2, EPX_NET_SIGNAL_WEAK, 0, 1, 0, BUF - 8, 8, 3, 0, 1};
+    EXPECT_EQ_INT(epx_net_check_op(&net, &ok, 2, bytes), EPX_NET_OK);
+    epx_net_op_t b = ok;
+    b.kind = 0;
+    EXPECT_EQ_INT(epx_net_check_op(&net, &b, 2, bytes), EPX_NET_INVALID);
+    b = ok;
+    b.ctx = 2;
+    EXPECT_EQ_INT(epx_net_check_op(&net, &b, 2, bytes), EPX_NET_INVALID);
+    b = ok;
+    b.peer = 3;
+    EXPECT_EQ_INT(epx_net_check_op(&net, &b, 2, bytes), EPX_NET_INVALID);
+    b.peer = -1;
+    EXPECT_EQ_INT(epx_net_check_op(&net, &b, 2, bytes), EPX_NET_INVALID);
+    b = ok;
+    b.dst_offset = BUF - 4;
+    EXPECT_EQ_INT(epx_net_check_op(&net, &b, 2, bytes), EPX_NET_INVALID);
+    b.dst_offset = UINT64_MAX;
+    EXPECT_EQ_INT(epx_net_check_op(&net, &b, 2, bytes), EPX_NET_INVALID);
+    b = ok;
+    b.src_region = 2;
+    EXPECT_EQ_INT(epx_net_check_op(&net, &b, 2, bytes), EPX_NET_INVALID);
+    b = ok;
+    b.signal = 4;
+    EXPECT_EQ_INT(epx_net_check_op(&net, &b, 2, bytes), EPX_NET_INVALID);
+    b = ok;
+    b.signal_mode = 7;
+    EXPECT_EQ_INT(epx_net_check_op(&net, &b, 2, bytes), EPX_NET_INVALID);
+    b = ok;
+    b.kind = EPX_NET_OP_SIGNAL;
+    b.src_region = 9;
+    EXPECT_EQ_INT(epx_net_check_op(&net, &b, 2, bytes), EPX_NET_OK);
+    b = ok;
+    b.kind = EPX_NET_OP_PUT;
+    b.signal = 99;
+    EXPECT_EQ_INT(epx_net_check_op(&net, &b, 2, bytes), EPX_NET_OK);
+    return 0;
+}
+
 int main(void)
 {
     if (test_strong_covers_earlier_puts() || test_strong_other_peer_not_covered() ||
         test_weak_covers_own_put_only() || test_contexts_and_puts_unordered() || test_wait_bounds() ||
-        test_flush_is_local() || test_normal_in_order() || test_bad_input() || test_threaded())
+        test_flush_is_local() || test_normal_in_order() || test_bad_input() || test_check_op() || test_threaded())
         return 1;
     printf("ok\n");
     return 0;
