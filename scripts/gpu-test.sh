@@ -48,9 +48,9 @@ if phase sanitize && command -v compute-sanitizer >/dev/null; then
         log "  rm memcheck FAILED (see sanitizer-rm.log)"; status=1
     fi
     for tool in memcheck racecheck; do
-        log "compute-sanitizer $tool, loop transport, 2 emulated nodes, normal and strict"
+        log "compute-sanitizer $tool, loop transport, 3 emulated nodes, normal and strict"
         if timeout 200 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 9 \
-            env EPX_NET_TEST_TRANSPORT=loop EPX_LOOP_TEST_SPLITS=2x1 EPX_GIN_TEST_ITERATIONS=20 \
+            env EPX_NET_TEST_TRANSPORT=loop EPX_LOOP_TEST_SPLITS=3x1 EPX_GIN_TEST_ITERATIONS=5 \
             "$BUILD/tests/gin_transport/gpu_net_host" >"$LOGDIR/sanitizer-loop-$tool.log" 2>&1; then
             log "  loop $tool clean"
         else

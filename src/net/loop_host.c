@@ -100,9 +100,9 @@ static epx_result_t open_local(epx_loop_t *l, loop_rec_t *rec)
     EPX_CHECK(epx_cuda_check(cudaMalloc((void **)&l->dev, sizeof(epx_net_loop_t)), "cudaMalloc(loop state)", me));
     if (l->strict) {
         const size_t n = (size_t)l->ncontexts * EPX_NET_LOOP_QUEUE;
-        EPX_CHECK(epx_cuda_check(cudaMalloc((void **)&l->tail, l->ncontexts * sizeof(*l->tail)),
-                                 "cudaMalloc(loop queue tails)", me));
-        EPX_CHECK(epx_cuda_check(cudaMemset(l->tail, 0, l->ncontexts * sizeof(*l->tail)), "cudaMemset", me));
+        const size_t words = 2 * (size_t)l->ncontexts * sizeof(*l->tail); /* tails, weak operations queued */
+        EPX_CHECK(epx_cuda_check(cudaMalloc((void **)&l->tail, words), "cudaMalloc(loop queue tails)", me));
+        EPX_CHECK(epx_cuda_check(cudaMemset(l->tail, 0, words), "cudaMemset", me));
         EPX_CHECK(epx_cuda_check(cudaMalloc((void **)&l->queue, n * sizeof(*l->queue)), "cudaMalloc(loop queues)",
                                  me));
         epx_net_loop_entry_t *init = calloc(n, sizeof(*init));

@@ -257,11 +257,14 @@ EPX_NET_FN epx_net_status_t epx_net_signal_read(const epx_net_t *net, uint32_t s
     }
 }
 
-/* Lets a transport that needs it move (the model when it progresses inside waits); nothing else. */
+/* Lets a transport that needs it move (the model when it progresses inside waits, the strict loop's queued
+ * weak operations); nothing else. */
 EPX_NET_FN void epx_net_poll(const epx_net_t *net)
 {
 #if !defined(__CUDA_ARCH__)
     if (net->transport == EPX_NET_TRANSPORT_MODEL) epx_net_model_poll(net->impl);
+#else
+    if (net->transport == EPX_NET_TRANSPORT_LOOP) epx_net_loop_poll(net);
 #endif
 }
 

@@ -3,7 +3,8 @@
  * (kernels.cu) and the host (test_gin_host.c) both compute, so every received byte is checked against a
  * CPU computation; and the kernels' launchers (plain C). Regions: 0 the source, 1 the destination. Signals:
  * 0 the ring rounds, 1 soak data into slot 0, 2 soak acknowledgements, 3 never sent (the dead-peer wait),
- * 4 soak data into slot 1, 5 and 6 the wrong-on-purpose protocol's data and acknowledgement. One data signal per slot: the soak's puts alternate contexts and half are weak,
+ * 4 soak data into slot 1, 5 and 6 the weak-cover protocol's data and acknowledgement, 7 to 9 the
+ * strong-other-peer protocol's. One data signal per slot: the soak's puts alternate contexts and half are weak,
  * so one shared count can be reached by iteration i+1's signal while iteration i's put is still in flight.
  */
 #ifndef EPX_GIN_TEST_H
@@ -33,7 +34,10 @@ extern "C" {
 #define GIN_SIG_SOAK1    4 /* soak data into slot 1 (GIN_SIG_SOAK: slot 0) */
 #define GIN_SIG_WRONG    5
 #define GIN_SIG_WRONG_ACK 6
-#define GIN_NSIGNALS     7
+#define GIN_SIG_STRONG2  7 /* the strong-other-peer protocol: its strong signal, relay, acknowledgement */
+#define GIN_SIG_RELAY    8
+#define GIN_SIG_ACK2     9
+#define GIN_NSIGNALS     10
 #define GIN_WRONG_BYTES  65536ull
 #define GIN_SOAK_MAX     65536ull              /* bytes of one soak iteration, at most */
 #define GIN_SOAK_SLOT    (GIN_SOAK_MAX + 64ull) /* two slots per region, alternating */
@@ -98,11 +102,14 @@ typedef struct gin_soak_args {
     uint64_t seed, iterations, timeout_ns;
 } gin_soak_args_t;
 
-/* The wrong-on-purpose protocol (a plain put, then a WEAK signal read as covering it): `dst` is this
- * rank's destination region, checked against `left`'s pattern of round `round`. */
+/* The protocols wrong on purpose: `dst` is this rank's destination region, checked against `left`'s pattern
+ * of round `round`. weak cover: a plain put, then a WEAK signal read as covering it. strong other peer
+ * (3 ranks or more): a plain put to the right, then a STRONG signal to the left read as covering it. */
+enum gin_wrong_kind { GIN_WRONG_WEAK_COVER = 0, GIN_WRONG_STRONG_OTHER = 1 };
 typedef struct gin_wrong_args {
     const unsigned char *dst;
-    int32_t right, left;
+    int32_t right, left, right2; /* right2: the right's right */
+    uint32_t kind;
     uint64_t seed, round, timeout_ns;
 } gin_wrong_args_t;
 

@@ -2,7 +2,7 @@
  * The network transport test's kernels, every operation through net.h over the handle the transport's
  * open made (GIN: src/net/gin.cuh, loop: src/net/loop.cuh): a ring round (one thread posts, waits,
  * flushes), the soak (one block: all threads write and check the bytes, thread 0 alone talks to the
- * network), the wrong-on-purpose weak-cover protocol, and the dead-peer wait.
+ * network), the protocols wrong on purpose (weak cover, strong other peer), and the dead-peer wait.
  */
 #include <cuda_runtime.h>
 
@@ -140,21 +140,32 @@ __global__ void __launch_bounds__(SOAK_THREADS) gin_soak_kernel(epx_net_t net, g
     result->done = 1;
 }
 
-/* One thread: a plain put of GIN_WRONG_BYTES to the right, a WEAK signal that covers nothing, the wait for
- * the left's, the count of its bytes that are not there yet, an acknowledgement to the left, the wait for the
- * right's, then the flush (the put's bytes land by then in every mode). */
+/* One thread. Weak cover: a plain put of GIN_WRONG_BYTES to the right, a WEAK signal to it that covers
+ * nothing, the wait for the left's, the count of the left's bytes not there yet, an acknowledgement to the
+ * left, the wait for the right's, then the flush (the put lands by then in every mode). Strong other peer: the
+ * same put, then a STRONG signal to the left, which covers only puts to the left; a rank that sees its
+ * right's relays it to the right's right, which counts the bytes of its left (the put the strong signal was
+ * read as covering), acknowledges, and the sender flushes after its right's acknowledgement. */
 __global__ void gin_wrong_kernel(epx_net_t net, gin_wrong_args_t a, gin_kernel_result_t *result)
 {
     const uint64_t start = epx_net_now_ns(), deadline = start + a.timeout_ns;
+    const bool weak = a.kind == GIN_WRONG_WEAK_COVER;
+    const uint32_t sig = weak ? GIN_SIG_WRONG : GIN_SIG_STRONG2, ack = weak ? GIN_SIG_WRONG_ACK : GIN_SIG_ACK2;
     epx_net_status_t post = epx_net_put(&net, 0, a.right, GIN_DST, 0, GIN_SRC, 0, GIN_WRONG_BYTES);
-    if (post == EPX_NET_OK) post = epx_net_signal_add(&net, 0, a.right, GIN_SIG_WRONG, 1, EPX_NET_SIGNAL_WEAK);
-    epx_net_status_t wait = post == EPX_NET_OK ? epx_net_wait_signal(&net, GIN_SIG_WRONG, 1, deadline) : EPX_NET_ABORTED;
+    if (post == EPX_NET_OK)
+        post = epx_net_signal_add(&net, 0, weak ? a.right : a.left, sig, 1,
+                                  weak ? EPX_NET_SIGNAL_WEAK : EPX_NET_SIGNAL_STRONG);
+    epx_net_status_t wait = post == EPX_NET_OK ? epx_net_wait_signal(&net, sig, 1, deadline) : EPX_NET_ABORTED;
+    if (!weak && wait == EPX_NET_OK) { /* the right's strong signal: relay it to the right's right */
+        post = epx_net_signal_add(&net, 0, a.right2, GIN_SIG_RELAY, 1, EPX_NET_SIGNAL_WEAK);
+        wait = post == EPX_NET_OK ? epx_net_wait_signal(&net, GIN_SIG_RELAY, 1, deadline) : EPX_NET_ABORTED;
+    }
     uint64_t stale = 0;
     if (wait == EPX_NET_OK) {
         for (uint64_t k = 0; k < GIN_WRONG_BYTES; k++)
             stale += load_landed(a.dst + k) != gin_pattern_byte(a.seed, a.left, a.round, k);
-        post = epx_net_signal_add(&net, 0, a.left, GIN_SIG_WRONG_ACK, 1, EPX_NET_SIGNAL_WEAK);
-        if (post == EPX_NET_OK) wait = epx_net_wait_signal(&net, GIN_SIG_WRONG_ACK, 1, deadline);
+        post = epx_net_signal_add(&net, 0, a.left, ack, 1, EPX_NET_SIGNAL_WEAK);
+        if (post == EPX_NET_OK) wait = epx_net_wait_signal(&net, ack, 1, deadline);
     }
     result->post_status = post;
     result->wait_status = wait;

@@ -9,9 +9,10 @@
  *    run in normal and in strict mode.
  * Kernels (kernels.cu) use net.h over the handle: ring rounds (strong, weak and bare signals, odd sizes and
  * offsets) checked bit-exact by the host against a CPU-computed pattern, and a soak of 1000 iterations whose
- * hashes the parent compares across ranks; the transport's close within its deadline. The loop runs add a
- * protocol that is wrong on purpose (a plain put, then a WEAK signal read as covering it): in normal mode it
- * reads the right bytes, in strict mode it must read none of them, and the bytes must land at the flush.
+ * hashes the parent compares across ranks; the transport's close within its deadline. The loop runs add two
+ * protocols that are wrong on purpose (a plain put, then a WEAK signal read as covering it; with 3 ranks or
+ * more a plain put to the right, then a STRONG signal to the left read as covering it): in normal mode they
+ * read the right bytes, in strict mode they must read none of them, and the bytes must land at the flush.
  * The dead-peer case: the last rank exits without closing; the survivors' signal wait must end with
  * EPX_ERR_REMOTE naming it within the timeout (EPX_TIMEOUT_MS, 20 s by default), and close must return
  * within its deadline. Ranks (gin): EPX_GPU_TEST_RANKS (2,4); soak: EPX_GIN_TEST_ITERATIONS (1000).
@@ -348,37 +349,42 @@ static int dead_peer_wait(rank_state_t *s, rank_result_t *out)
     return 0;
 }
 
-/* A protocol that is wrong on purpose (loop only): a plain put to the right, then a WEAK signal, read by
- * the right rank as if it covered the put. Normal mode copies at the post, so every byte is there; strict
- * mode keeps the put queued until the sender's flush, which comes after the reader's acknowledgement, so
- * no byte is. Either way every byte is there once every rank's kernel has ended (the flush delivered it). */
-static int wrong_weak_cover(rank_state_t *s, rank_result_t *out)
+/* The protocols wrong on purpose (loop only; kernels.cu): weak cover (a plain put, then a WEAK signal read
+ * as covering it) and, with 3 ranks or more, strong other peer (a plain put to the right, then a STRONG
+ * signal to the left read as covering it). Normal mode copies at the post, so every byte is there; strict
+ * mode keeps the put queued until the sender's flush, which comes after the reader's acknowledgement, so no
+ * byte is. Either way every byte is there once every rank's kernel has ended (the flush delivered it). */
+static int wrong_protocol(rank_state_t *s, rank_result_t *out, uint32_t kind)
 {
-    const uint64_t seed = s->c->gpu.seed, round = 100, bytes = GIN_WRONG_BYTES;
+    static const char *const names[2] = {"weak-cover", "strong-other-peer"};
+    if (kind == GIN_WRONG_STRONG_OTHER && s->nranks < 3) return 0;
+    const uint64_t seed = s->c->gpu.seed, round = 100 + kind, bytes = GIN_WRONG_BYTES;
     unsigned char *src = t_region(s, GIN_SRC), *dst = t_region(s, GIN_DST);
     for (uint64_t k = 0; k < bytes; k++) s->host[k] = gin_pattern_byte(seed, s->rank, round, k);
     CUDA_TRY(cudaMemcpy(src, s->host, bytes, cudaMemcpyHostToDevice));
     for (uint64_t k = 0; k < bytes; k++) s->host[k] = (unsigned char)~gin_pattern_byte(seed, s->left, round, k);
     CUDA_TRY(cudaMemcpy(dst, s->host, bytes, cudaMemcpyHostToDevice));
     EPX_TRY(epx_comm_barrier(s->comm));
-    gin_wrong_args_t a = {dst, s->right, s->left, seed, round, (uint64_t)s->c->timeout_ms * 1000000ull};
+    gin_wrong_args_t a = {dst,  s->right, s->left, (s->rank + 2) % s->nranks,
+                          kind, seed,     round,   (uint64_t)s->c->timeout_ms * 1000000ull};
     memset(s->res_host, 0, sizeof(*s->res_host));
     CUDA_TRY((cudaError_t)gin_launch_wrong(&s->net, s->stream, &a, s->res_dev));
     const int k = wait_kernel(s, s->c->timeout_ms + SLACK_MS, &out->wait_ms);
     if (k != KERNEL_OK) return k;
-    if (kernel_statuses(s, "the weak-cover protocol")) return 1;
+    if (kernel_statuses(s, names[kind])) return 1;
     const uint64_t stale = s->res_host->mismatches, want = s->c->strict ? bytes : 0;
     if (stale != want)
-        return fail(s, "the weak-cover protocol read %" PRIu64 " of %" PRIu64 " bytes before they landed; %s mode "
-                    "must show %" PRIu64, stale, bytes, s->c->strict ? "strict" : "normal", want);
+        return fail(s, "the %s protocol read %" PRIu64 " of %" PRIu64 " bytes before they landed; %s mode must "
+                    "show %" PRIu64, names[kind], stale, bytes, s->c->strict ? "strict" : "normal", want);
     /* The left rank's flush (which lands its put) may end after our kernel did: wait for every kernel. */
     EPX_TRY(epx_comm_barrier(s->comm));
     CUDA_TRY(cudaMemcpy(s->host, dst, bytes, cudaMemcpyDeviceToHost));
     for (uint64_t i = 0; i < bytes; i++)
         if (s->host[i] != gin_pattern_byte(seed, s->left, round, i))
-            return fail(s, "the weak-cover put had not landed after the sender's flush (byte %" PRIu64 ")", i);
-    printf("%s rank %d/%d: weak-cover protocol read %" PRIu64 " stale bytes of %" PRIu64 " (%s mode), all landed "
-           "at the flush\n", s->c->name, s->rank, s->nranks, stale, bytes, s->c->strict ? "strict" : "normal");
+            return fail(s, "the %s put had not landed after the sender's flush (byte %" PRIu64 ")", names[kind], i);
+    printf("%s rank %d/%d: %s protocol read %" PRIu64 " stale bytes of %" PRIu64 " (%s mode), all landed at "
+           "the flush\n", s->c->name, s->rank, s->nranks, names[kind], stale, bytes,
+           s->c->strict ? "strict" : "normal");
     return 0;
 }
 
@@ -422,7 +428,8 @@ static int rank_run(rank_state_t *s, rank_result_t *out)
     int rc = ring_round(s, 0, &target);
     const int rounds = s->c->dead_peer ? 1 : (int)(sizeof(ring_rounds) / sizeof(ring_rounds[0]));
     for (int round = 1; rc == 0 && round < rounds; round++) rc = ring_round(s, round, &target);
-    if (rc == 0 && !s->c->dead_peer && s->c->loop) rc = wrong_weak_cover(s, out);
+    for (uint32_t kind = 0; rc == 0 && !s->c->dead_peer && s->c->loop && kind < 2; kind++)
+        rc = wrong_protocol(s, out, kind);
     if (rc == 0 && !s->c->dead_peer) rc = soak(s, out);
     if (rc == 0 && s->c->dead_peer) {
         EPX_TRY(epx_comm_barrier(s->comm));
