@@ -5,6 +5,7 @@
  * gets when it asks for ranks on other nodes of a backend that cannot reach them, and the GIN host
  * calls' argument checks (and their refusal in a build without the host setup).
  */
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -71,25 +72,34 @@ epx_result_t epx_net_status_error(int rank, int status, const char *what, int64_
     }
 }
 
+epx_result_t epx_net_check_shape(int rank, const char *call, int nregions, const uint64_t *region_bytes,
+                                 int max_regions, int contexts, int max_contexts, int nsignals)
+{
+    if (nregions < 1 || nregions > max_regions)
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: %s: nregions %d is outside [1, %d]", rank, call, nregions,
+                         max_regions);
+    for (int i = 0; i < nregions; i++)
+        if (region_bytes[i] == 0)
+            return epx_error(EPX_ERR_INVALID_ARG, "rank %d: %s: region_bytes[%d] is 0", rank, call, i);
+    if (contexts < 1)
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: %s: contexts %d is below 1", rank, call, contexts);
+    if (contexts > max_contexts)
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: %s: contexts %d is above %d", rank, call, contexts,
+                         max_contexts);
+    if (nsignals < 1)
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: %s: nsignals %d is below 1", rank, call, nsignals);
+    return EPX_SUCCESS;
+}
+
 epx_result_t epx_gin_check_args(epx_comm_t comm, const epx_gin_open_args_t *args, epx_gin_t **out)
 {
     EPX_CHECK(epx_comm_check(comm, "epx_gin_open"));
     const int rank = comm->rank;
     if (!args) return epx_error(EPX_ERR_INVALID_ARG, "rank %d: epx_gin_open: args is NULL", rank);
     if (!out) return epx_error(EPX_ERR_INVALID_ARG, "rank %d: epx_gin_open: out is NULL", rank);
-    if (args->nregions < 1 || args->nregions > EPX_GIN_MAX_REGIONS)
-        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: epx_gin_open: nregions %d is outside [1, %d]", rank,
-                         (int)args->nregions, EPX_GIN_MAX_REGIONS);
-    for (int i = 0; i < args->nregions; i++)
-        if (args->region_bytes[i] == 0)
-            return epx_error(EPX_ERR_INVALID_ARG, "rank %d: epx_gin_open: region_bytes[%d] is 0", rank, i);
-    if (args->contexts < 1)
-        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: epx_gin_open: contexts %d is below 1", rank,
-                         (int)args->contexts);
-    if (args->nsignals < 1)
-        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: epx_gin_open: nsignals %d is below 1", rank,
-                         (int)args->nsignals);
-    return EPX_SUCCESS;
+    /* NCCL decides how many contexts it gives: any wish of 1 or more is taken. */
+    return epx_net_check_shape(rank, "epx_gin_open", args->nregions, args->region_bytes, EPX_GIN_MAX_REGIONS,
+                               args->contexts, INT32_MAX, args->nsignals);
 }
 
 #ifndef EPX_HAVE_GIN_HOST

@@ -28,6 +28,12 @@ const char *epx_net_gin_unavailable(char *why, size_t n);
  * EPX_ERR_INTERNAL for the rest. */
 epx_result_t epx_net_status_error(int rank, int status, const char *what, int64_t timeout_ms);
 
+/* The shape a transport's open is asked for, checked alike for every transport: nregions in
+ * [1, max_regions], each of its region_bytes > 0, contexts in [1, max_contexts], nsignals >= 1.
+ * EPX_ERR_INVALID_ARG naming `call` and the first bad one. */
+epx_result_t epx_net_check_shape(int rank, const char *call, int nregions, const uint64_t *region_bytes,
+                                 int max_regions, int contexts, int max_contexts, int nsignals);
+
 #ifdef __cplusplus
 }
 #endif

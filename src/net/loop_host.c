@@ -41,21 +41,12 @@ typedef struct loop_rec {
 
 static epx_result_t check_args(epx_comm_t comm, const epx_loop_open_args_t *args, epx_loop_t **out)
 {
-    if (!comm) return epx_error(EPX_ERR_INVALID_ARG, "epx_loop_open: comm is NULL");
+    EPX_CHECK(epx_comm_check(comm, "epx_loop_open"));
     const int me = comm->rank;
     if (!args) return epx_error(EPX_ERR_INVALID_ARG, "rank %d: epx_loop_open: args is NULL", me);
     if (!out) return epx_error(EPX_ERR_INVALID_ARG, "rank %d: epx_loop_open: out is NULL", me);
-    if (args->nregions < 1 || args->nregions > EPX_NET_LOOP_MAX_REGIONS)
-        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: epx_loop_open: nregions %d is outside 1 .. %d", me,
-                         args->nregions, EPX_NET_LOOP_MAX_REGIONS);
-    for (int i = 0; i < args->nregions; i++)
-        if (args->region_bytes[i] < 1)
-            return epx_error(EPX_ERR_INVALID_ARG, "rank %d: epx_loop_open: region %d has 0 bytes", me, i);
-    if (args->contexts < 1 || args->contexts > EPX_NET_LOOP_MAX_CONTEXTS)
-        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: epx_loop_open: contexts %d is outside 1 .. %d", me,
-                         args->contexts, EPX_NET_LOOP_MAX_CONTEXTS);
-    if (args->nsignals < 1)
-        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: epx_loop_open: nsignals %d is below 1", me, args->nsignals);
+    EPX_CHECK(epx_net_check_shape(me, "epx_loop_open", args->nregions, args->region_bytes, EPX_NET_LOOP_MAX_REGIONS,
+                                  args->contexts, EPX_NET_LOOP_MAX_CONTEXTS, args->nsignals));
     if (comm->backend != EPX_BACKEND_CUDA)
         return epx_error(EPX_ERR_UNSUPPORTED,
                          "rank %d: the loop transport needs a communicator of the cuda backend, not the %s backend",
