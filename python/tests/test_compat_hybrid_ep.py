@@ -158,6 +158,16 @@ def _dispatch_combine(rank, nranks, dist, ragged):
     # A dispatch with the handle repeats the routing it was made with.
     again, _, _, _ = buf.dispatch(hidden, handle=handle, num_dispatched_tokens=bound)
     same(again, tokens, "dispatch with a handle", rank)
+    # A bound past the buffer's R * T_max rows: the same rows, zeros after; the combine takes them all.
+    big = nranks * buf.max_num_of_tokens_per_rank + 3
+    tokens, d_probs, _, handle = buf.dispatch(hidden, sf, routing_map=rmap, probs=probs,
+                                              num_dispatched_tokens=big)
+    assert tokens.shape[0] == big and d_probs.shape[0] == big and not tokens[n:].any()
+    same(tokens[:n].contiguous(), ref.tokens, "tokens past the cap", rank)
+    y = torch.zeros_like(tokens)
+    y[:n] = (tokens[:n].float() * handle[4][:n].sum(dim=1, keepdim=True)).to(torch.bfloat16)
+    combined, _ = buf.combine(y, handle=handle)
+    expect_combined(combined, hidden, rmap, rank)
     return True
 
 
@@ -217,6 +227,23 @@ def _permute(rank, nranks, dist, ragged):
     same(c_probs, probs, "bounded combined probs", rank)
     with pytest.raises(ValueError, match="num_permuted_tokens"):
         buf.dispatch_with_permute(hidden=hidden, routing_map=rmap, non_blocking=True)
+    # A bound past what the buffer can ever produce (HybridEP sizes its output to any bound, e.g. T * R *
+    # TOPK with few local experts): the same rows, zeros after, and the combine takes them all.
+    cap = nranks * buf.max_num_of_tokens_per_rank * min(buf.num_topk, L) + L * (PAD - 1)
+    big = cap + 5
+    tokens, p_probs, _, per_expert, handle = buf.dispatch_with_permute(
+        hidden=hidden, routing_map=rmap, probs=probs, pad_multiple=PAD, num_permuted_tokens=big,
+        non_blocking=True, use_fp8=False)
+    assert tokens.shape[0] == big and p_probs.shape[0] == big and not tokens[P:].any() and not p_probs[P:].any()
+    same(tokens[:P].contiguous(), ref.p_tokens, "permuted tokens past the cap", rank)
+    assert int(handle[-1].item()) == 0
+    combined, c_probs = buf.combine_with_unpermute(hidden=tokens, probs=p_probs, handle=handle,
+                                                   pad_multiple=PAD)
+    expect_combined(combined, hidden, rmap, rank)
+    same(c_probs, probs, "combined probs past the cap", rank)
+    combined, _ = buf.combine_with_unpermute(hidden=tokens, probs=p_probs, handle=handle,
+                                             apply_probs_to_hidden=True)
+    assert combined.shape == hidden.shape
     return True
 
 
@@ -468,6 +495,32 @@ def _sizes_and_names(rank, nranks, dist):
     with pytest.raises(epx.InvalidArgumentError, match="num_topk="):
         buf.dispatch(hidden, routing_map=rmap)
     return True
+
+
+def _older_names(rank, nranks, dist):
+    """Earlier releases' keywords: the domain size under its older names, num_of_experts for the experts,
+    num_sms_permute_api; update_template_config's max_num_of_tokens_per_rank; use_fp8 with float8 rows."""
+    comm = epx.Comm.from_torch(dist.group.WORLD, backend="host")
+    buf = HybridEPBuffer(dist.group.WORLD, hidden_dim=H, max_num_of_tokens_per_rank=T_MAX, num_of_experts=L * nranks,
+                         max_pad_multiple=PAD, comm=comm, nvlink_domain_size=nranks, num_sms_permute_api=4,
+                         use_fp8=True)
+    assert buf.num_local_experts == L and buf.num_of_hybrid_ep_ranks_per_nvlink_domain == nranks
+    buf.update_template_config(max_num_of_tokens_per_rank=buf.max_num_of_tokens_per_rank)
+    with pytest.raises(ValueError, match="num_of_tokens_per_rank"):
+        buf.update_template_config(max_num_of_tokens_per_rank=buf.max_num_of_tokens_per_rank + 1)
+    with pytest.raises(ValueError, match="num_of_experts"):
+        HybridEPBuffer(dist.group.WORLD, hidden_dim=H, max_num_of_tokens_per_rank=T_MAX, num_local_experts=L,
+                       num_of_experts=L * nranks + 1, comm=comm)
+    hidden, sf, _, _, rmap, _ = inputs(rank, 8, buf.num_of_experts, fp8=True)
+    tokens, _, scales, _, handle = buf.dispatch_with_permute(
+        hidden=hidden.view(torch.float8_e4m3fn), scaling_factor=sf, routing_map=rmap, pad_multiple=PAD,
+        use_fp8=True)
+    assert tokens.dtype == torch.float8_e4m3fn and scales is not None
+    return True
+
+
+def test_older_keywords():
+    assert run_in_group(2, _older_names) == [True] * 2
 
 
 def test_token_rounding_and_topk_message():

@@ -63,8 +63,12 @@ class _State:
     """epx's part of a handle: the epx handle, the routing it was made from (for a dispatch with the
     handle) and the layout a combine needs."""
 
-    def __init__(self, handle, permute, pad_multiple, routing_map, rows, tokens_per_expert, bounded=False):
+    def __init__(self, handle, permute, pad_multiple, routing_map, rows, tokens_per_expert, bounded=False,
+                 lib_rows=None):
         self.bounded = bounded  # made with a bound: handle[3] and [4] have the bounded shapes
+        # A bound past what the library can produce: the library made lib_rows rows, the front padded them to
+        # the bound with zeros, and a combine hands the library its first lib_rows rows.
+        self.lib_rows = lib_rows
         self.handle = handle
         self.permute = permute
         self.pad_multiple = pad_multiple
@@ -81,7 +85,10 @@ class HybridEPBuffer:
 
     Accepted as HybridEP accepts them and without effect in epx: num_sms_preprocessing_api,
     num_blocks_permute, num_blocks_unpermute, load_cached_kernels, use_shared_buffer,
-    enable_custom_allgather, use_mnnvl. num_sms_dispatch_api / num_sms_combine_api (None = epx's
+    enable_custom_allgather, use_mnnvl, and earlier releases' num_sms_permute_api. Earlier releases'
+    names num_of_ranks_per_nvlink_domain and nvlink_domain_size (and the environment's NVLINK_DOMAIN_SIZE)
+    stand for num_of_hybrid_ep_ranks_per_nvlink_domain; num_of_experts (keyword) may replace
+    num_local_experts, or must equal num_local_experts times the group size. num_sms_dispatch_api / num_sms_combine_api (None = epx's
     default) give the buffer's num_sms, their maximum.
 
     epx's own keywords: num_topk, the most experts one token may select (default max(8,
@@ -98,7 +105,18 @@ class HybridEPBuffer:
                  num_sms_preprocessing_api=None, num_blocks_permute=None, num_blocks_unpermute=None,
                  load_cached_kernels=False, use_shared_buffer=True, enable_custom_allgather=False,
                  num_of_hybrid_ep_ranks_per_nvlink_domain=None, use_mnnvl=None, *, num_topk=None,
-                 max_pad_multiple=128, comm=None):
+                 max_pad_multiple=128, comm=None, num_sms_permute_api=None, num_of_ranks_per_nvlink_domain=None,
+                 nvlink_domain_size=None, num_of_experts=None):
+        # Keywords of earlier HybridEP releases: the domain size under two older names, the experts in all.
+        for older in (num_of_ranks_per_nvlink_domain, nvlink_domain_size):
+            if num_of_hybrid_ep_ranks_per_nvlink_domain is None:
+                num_of_hybrid_ep_ranks_per_nvlink_domain = older
+        if num_local_experts is None and num_of_experts is not None:
+            group_size = comm.nranks if comm is not None else _torch().distributed.get_world_size(group)
+            if num_of_experts % group_size:
+                raise ValueError("num_of_experts = %d is not a multiple of the group size %d"
+                                 % (num_of_experts, group_size))
+            num_local_experts = num_of_experts // group_size
         if hidden_dim is None or max_num_of_tokens_per_rank is None or num_local_experts is None:
             raise ValueError(
                 "HybridEPBuffer needs hidden_dim, max_num_of_tokens_per_rank and num_local_experts")
@@ -114,8 +132,9 @@ class HybridEPBuffer:
                 "RDMA path, num_of_nodes > 1 over the network) needs epx's network path"
                 % (self.comm.nranks // max(self.comm.local_nranks, 1)))
         per_domain = num_of_hybrid_ep_ranks_per_nvlink_domain
-        if per_domain is None and os.getenv("NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"):
-            per_domain = int(os.environ["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"])
+        for name in ("NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN", "NVLINK_DOMAIN_SIZE"):  # the second: older
+            if per_domain is None and os.getenv(name):
+                per_domain = int(os.environ[name])
         if per_domain is None:
             per_domain = self.comm.ranks_per_nvlink_domain
             if per_domain < 1 or self.group_size % per_domain:
@@ -129,6 +148,11 @@ class HybridEPBuffer:
         self.num_of_nodes = self.group_size // per_domain
         self.num_local_experts = num_local_experts
         self.num_of_experts = self.num_experts = num_local_experts * self.group_size
+        if num_of_experts is not None and num_of_experts != self.num_experts:
+            if comm is None:
+                self.comm.destroy()
+            raise ValueError("num_of_experts = %d, but num_local_experts %d * group size %d = %d"
+                             % (num_of_experts, num_local_experts, self.group_size, self.num_experts))
         self.hidden_dim = hidden_dim
         self.use_fp8 = use_fp8
         # HybridEP rounds the tokens per rank up to a multiple of 16 and sizes its buffer for at least 512
@@ -147,10 +171,13 @@ class HybridEPBuffer:
 
     def update_template_config(self, hidden_dim=None, num_of_tokens_per_rank=None, num_local_experts=None,
                                pad_multiple=None, use_fp8=None, fuse_permute_dispatch=False,
-                               **kernel_settings):
+                               max_num_of_tokens_per_rank=None, **kernel_settings):
         """HybridEP's per-call kernel configuration, which may grow its buffer. epx's buffer is sized once:
         values it holds are accepted (kernel settings without effect), others raise ValueError naming
-        them. Not collective; returns None (HybridEP returns its kernel config)."""
+        them. max_num_of_tokens_per_rank is an earlier release's name of num_of_tokens_per_rank. Not
+        collective; returns None (HybridEP returns its kernel config)."""
+        if num_of_tokens_per_rank is None:
+            num_of_tokens_per_rank = max_num_of_tokens_per_rank
         tokens_cap = self.max_num_of_tokens_per_rank
         checks = (("hidden_dim", hidden_dim, hidden_dim is None or hidden_dim == self.hidden_dim,
                    "the buffer's hidden_dim is %d" % self.hidden_dim),
@@ -237,7 +264,10 @@ class HybridEPBuffer:
         if isinstance(probs, torch.Tensor) and probs.dtype != torch.float32:
             probs = probs.float()
         x, sf = self._hidden(hidden, scaling_factor)
-        kw = {"num_permuted_tokens": bound} if permute else {"num_dispatched_tokens": bound}
+        # HybridEP sizes its outputs to any bound; epx refuses one past what the buffer can produce, so the
+        # library gets the largest it takes and the front pads the rest (rows no dispatch can fill) with zeros.
+        lib_bound = min(bound, self._bound_cap(permute)) if bound is not None and bound >= 0 else bound
+        kw = {"num_permuted_tokens": lib_bound} if permute else {"num_dispatched_tokens": lib_bound}
         try:
             out = self.buffer.rm_dispatch(x, routing_map, probs, sf, permute=permute,
                                           pad_multiple=pad_multiple, local_map=True, **kw)
@@ -247,7 +277,33 @@ class HybridEPBuffer:
             raise epx.InvalidArgumentError("%s (K is HybridEPBuffer's num_topk=, by default max(%d, group size))"
                                            % (e, _NUM_TOPK_FLOOR)) from e
         tokens = out.tokens.view(torch.uint8) if hidden.dtype == torch.uint8 else out.tokens
-        return out, tokens
+        probs_out, sf_out, lib_rows = out.probs, out.scaling_factor, None
+        if lib_bound is not None and bound is not None and bound > lib_bound:
+            lib_rows = lib_bound
+            fp8 = getattr(torch, "float8_e4m3fn", None)
+            tokens = self._pad_rows(tokens.view(torch.uint8) if tokens.dtype == fp8 else tokens, bound)
+            if out.tokens.dtype == fp8 and hidden.dtype != torch.uint8:
+                tokens = tokens.view(fp8)
+            probs_out, sf_out = self._pad_rows(probs_out, bound), self._pad_rows(sf_out, bound)
+        return out, tokens, probs_out, sf_out, lib_rows
+
+    def _bound_cap(self, permute):
+        """The largest bound the library takes (docs/reference.md): R * T_max rows without permute; with it
+        R * T_max * min(K, L) + L * (max_pad_multiple - 1)."""
+        plain = self.group_size * self.max_num_of_tokens_per_rank
+        if not permute:
+            return plain
+        L = self.num_local_experts
+        return plain * min(self.num_topk, L) + L * (max(self.max_pad_multiple, 1) - 1)
+
+    @staticmethod
+    def _pad_rows(t, rows):
+        """t [n, ...] -> [rows, ...] with zero rows after its own (t itself when it has the rows)."""
+        if t is None or t.shape[0] >= rows:
+            return t
+        torch = _torch()
+        return torch.cat([t, torch.zeros((rows - t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype,
+                                          device=t.device)])
 
     def _local_map(self, out, bounded):
         """(num_dispatched_tokens_tensor [1] int32, local_expert_routing_map [N_r, L] bool) of this rank, from
@@ -354,7 +410,11 @@ class HybridEPBuffer:
         return out.view(torch.float32)
 
     def _combine(self, state, hidden, probs, weighted):
-        """The combine of the hidden rows, then (with probs) of the probs; both collective."""
+        """The combine of the hidden rows, then (with probs) of the probs; both collective. Rows the front
+        padded past the library's (state.lib_rows) are left out: no dispatch filled them."""
+        if state.lib_rows is not None:
+            hidden = hidden[:state.lib_rows] if hidden is not None and hidden.shape[0] > state.lib_rows else hidden
+            probs = probs[:state.lib_rows] if probs is not None and probs.shape[0] > state.lib_rows else probs
         with epx.collective(self.buffer, epx.RM_COMBINE):
             packed = self._pack_probs(state, probs) if probs is not None else None
             combined = self.buffer.rm_combine(hidden, state.handle, weighted=weighted)
@@ -376,8 +436,9 @@ class HybridEPBuffer:
             _unsupported(async_mode=(async_mode, False))
             routing_map, probs = self._routing(hidden, routing_map, probs, topk_idx, topk_weights,
                                                num_of_experts, handle)
-            out, tokens = self._dispatch("dispatch", hidden, scaling_factor, routing_map, probs, handle,
-                                         False, 1, num_dispatched_tokens, num_of_tokens_per_rank)
+            out, tokens, d_probs, d_sf, lib_rows = self._dispatch(
+                "dispatch", hidden, scaling_factor, routing_map, probs, handle, False, 1, num_dispatched_tokens,
+                num_of_tokens_per_rank)
         bounded = num_dispatched_tokens is not None
         if handle is not None:
             count, local_map = handle[3], self._replayed_map(handle, bounded, out.num_tokens)
@@ -385,9 +446,9 @@ class HybridEPBuffer:
             count, local_map = self._local_map(out, bounded)
         if count is None:
             count = _torch().tensor([out.num_tokens], dtype=_torch().int32)
-        state = _State(out.handle, False, 1, routing_map, out.num_tokens, None, bounded)
+        state = _State(out.handle, False, 1, routing_map, out.num_tokens, None, bounded, lib_rows)
         new_handle = (state, None, None, count, local_map, hidden.shape[0], None)
-        return tokens, self._wide_probs(out.probs), out.scaling_factor, new_handle
+        return tokens, self._wide_probs(d_probs), d_sf, new_handle
 
     def combine(self, hidden, probs=None, handle=None):
         """hidden [N_r, H] bf16 -> (combined_token [T, H] bf16, combined_probs [T, E] float32 or None): an
@@ -418,7 +479,8 @@ class HybridEPBuffer:
                 raise ValueError("non_blocking=True needs num_permuted_tokens (an upper bound on the rows)")
             if hidden is None:
                 raise ValueError("dispatch_with_permute needs hidden")
-            if use_fp8 is not None and use_fp8 != (hidden.dtype == _torch().uint8):
+            if use_fp8 is not None and use_fp8 != (hidden.dtype in (_torch().uint8,
+                                                                    getattr(_torch(), "float8_e4m3fn", None))):
                 raise ValueError("use_fp8=%s does not match hidden's dtype %s" % (use_fp8, hidden.dtype))
             routing_map, probs = self._routing(hidden, routing_map, probs, topk_idx, topk_weights,
                                                num_of_experts, handle)
@@ -428,14 +490,16 @@ class HybridEPBuffer:
             if handle is not None and handle[0].pad_multiple != pad:
                 raise ValueError("pad_multiple = %d, the handle's dispatch used %d"
                                  % (pad, handle[0].pad_multiple))
-            out, tokens = self._dispatch("dispatch_with_permute", hidden, scaling_factor, routing_map, probs,
-                                         handle, True, pad, num_permuted_tokens, num_of_tokens_per_rank)
+            out, tokens, p_probs, p_sf, lib_rows = self._dispatch(
+                "dispatch_with_permute", hidden, scaling_factor, routing_map, probs, handle, True, pad,
+                num_permuted_tokens, num_of_tokens_per_rank)
         bounded = num_permuted_tokens is not None
         if handle is not None:
             count, local_map = handle[3], self._replayed_map(handle, bounded, out.num_tokens)
         else:
             count, local_map = self._local_map(out, bounded)
-        state = _State(out.handle, True, pad, routing_map, out.num_tokens, out.tokens_per_expert, bounded)
+        state = _State(out.handle, True, pad, routing_map, out.num_tokens, out.tokens_per_expert, bounded,
+                       lib_rows)
         T = hidden.shape[0]
         overflow = self._overflow_flag(out, num_permuted_tokens)
         if fuse_permute_dispatch:
@@ -444,7 +508,7 @@ class HybridEPBuffer:
         else:
             row_id_map = self._row_id_map(local_map, out.tokens_per_expert)
             new_handle = (state, None, None, count, local_map, row_id_map, T, None, overflow)
-        return tokens, out.probs, out.scaling_factor, out.tokens_per_expert, new_handle
+        return tokens, p_probs, p_sf, out.tokens_per_expert, new_handle
 
     def combine_with_unpermute(self, hidden=None, *, probs=None, handle=None, pad_multiple=None,
                                fuse_unpermute_combine=False, num_dispatched_tokens=None,
