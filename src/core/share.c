@@ -113,12 +113,15 @@ static int peer_of(const share_t *sh, int sock)
     return -1;
 }
 
-/* Waits up to one poll period on `fd`; EPX_ERR_REMOTE when `peer` (or, for -1, any peer not yet
- * served) exited, EPX_ERR_TIMEOUT past the deadline. */
+/* Waits up to one poll period on `fd`; EPX_ERR_REMOTE when any peer exited (`peer`, the one waited for,
+ * named first), EPX_ERR_TIMEOUT past the deadline. Any peer: a dead one fails the exchange on every rank,
+ * and the peer we wait for may be stuck on it (a rank that could not serve the dead one still serves the
+ * others, but one that died before serving us never will). */
 static epx_result_t wait_readable(const share_t *sh, int fd, int peer, const char *doing)
 {
-    for (int p = 0; p < sh->nranks; p++) {
-        if (p == sh->rank || (peer >= 0 && p != peer) || (peer < 0 && sh->served[p])) continue;
+    for (int i = -1; i < sh->nranks; i++) {
+        const int p = i < 0 ? peer : i;
+        if (p < 0 || p == sh->rank || (i >= 0 && p == peer)) continue;
         if (epx_peer_exited(sh->peers, p))
             return epx_error(EPX_ERR_REMOTE, "rank %d: peer %d (pid %d) exited while we %s", sh->rank, p,
                              (int)sh->peers->pid[p], doing);
@@ -131,10 +134,14 @@ static epx_result_t wait_readable(const share_t *sh, int fd, int peer, const cha
     return EPX_SUCCESS;
 }
 
-/* Accepts every peer once and hands it our descriptor; strangers are dropped. */
+/* Accepts every peer once and hands it our descriptor; strangers are dropped. A peer we cannot send to
+ * (it died or left after connecting) fails the exchange, but the others are still served first: they
+ * wait for our descriptor, and would otherwise wait for it until the deadline. */
 static epx_result_t serve_peers(share_t *sh, int own_fd)
 {
     int32_t rank = sh->rank;
+    epx_result_t failed = EPX_SUCCESS;
+    char message[1024] = "";
     for (int left = sh->nranks - 1; left > 0;) {
         int sock = accept4(sh->listener, NULL, NULL, SOCK_CLOEXEC);
         if (sock < 0) {
@@ -153,18 +160,18 @@ static epx_result_t serve_peers(share_t *sh, int own_fd)
             cmsg->cmsg_type = SCM_RIGHTS;
             cmsg->cmsg_len = CMSG_LEN(sizeof(int));
             memcpy(CMSG_DATA(cmsg), &own_fd, sizeof(int));
-            if (sendmsg(sock, &msg, MSG_NOSIGNAL) != (ssize_t)sizeof(rank)) {
-                epx_result_t res = epx_error(EPX_ERR_SYSTEM, "rank %d: cannot send our region to peer %d: %s",
-                                             sh->rank, p, strerror(errno));
-                close(sock);
-                return res;
+            if (sendmsg(sock, &msg, MSG_NOSIGNAL) != (ssize_t)sizeof(rank) && failed == EPX_SUCCESS) {
+                failed = epx_error(EPX_ERR_SYSTEM, "rank %d: cannot send our region to peer %d: %s", sh->rank, p,
+                                   strerror(errno));
+                epx_error_copy(message, sizeof(message));
             }
             sh->served[p] = 1;
             left--;
         }
         close(sock);
     }
-    return EPX_SUCCESS;
+    if (failed != EPX_SUCCESS) epx_error_set_message(message);
+    return failed;
 }
 
 /* Receives peer p's descriptor over our connection to it. */
