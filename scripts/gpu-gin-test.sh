@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs gpu.gin_host on the GPU machine: libepx's own GIN host setup (src/net/gin_host.c) through NCCL's
 # proxy path and the test GIN plugin, one emulated node per rank. Builds libepx, the plugin
-# (nccl-net-epxtest) and the test (gpu_gin_host) against the torch venv's pip NCCL found as
+# (nccl-net-epxtest) and the test (gpu_net_host, transport gin) against the torch venv's pip NCCL found as
 # scripts/gpu-gin-probe.sh finds it (the toolkit's when the wheel lacks the device headers), then runs the
 # test with 2 ranks and with 4 (each: ring rounds, a 1000-iteration soak, a dead-peer case) under a private
 # MPS daemon, NCCL_DEBUG=INFO into one file per process. Every step under `timeout`, the whole within
