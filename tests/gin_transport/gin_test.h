@@ -1,7 +1,7 @@
 /*
- * The network transport tests' shared parts (GIN and loop): the byte pattern and the order-free hash that the kernels
- * (kernels.cu) and the host (test_net_host.c) both compute, so every received byte is checked against a
- * CPU computation; and the kernels' launchers (plain C). Regions: 0 the source, 1 the destination. Signals:
+ * The network transport tests' shared parts (GIN and loop): the byte pattern and the order-free hash
+ * that the kernels (kernels.cu) and the host (test_net_host.c) both compute, so every received byte is
+ * checked against a CPU computation; and the kernels' launchers (plain C). Regions: 0 the source, 1 the destination. Signals:
  * 0 the ring rounds, 1 soak data into slot 0, 2 soak acknowledgements, 3 never sent (the dead-peer wait),
  * 4 soak data into slot 1, 5 and 6 the weak-cover protocol's data and acknowledgement, 7 to 9 the
  * strong-other-peer protocol's. One data signal per slot: the soak's puts alternate contexts and half are weak,
