@@ -60,12 +60,14 @@ epx_result_t epx_net_status_error(int rank, int status, const char *what, int64_
     switch ((epx_net_status_t)status) {
     case EPX_NET_OK: return EPX_SUCCESS;
     case EPX_NET_TIMEOUT:
-        return epx_error(EPX_ERR_TIMEOUT, "rank %d: %s passed its deadline (%lld ms) with every peer alive", rank,
-                         what, (long long)timeout_ms);
+        return epx_error(EPX_ERR_TIMEOUT, "rank %d: %s passed its deadline (%lld ms) with every peer alive",
+                         rank, what, (long long)timeout_ms);
     case EPX_NET_ABORTED:
-        return epx_error(EPX_ERR_TIMEOUT, "rank %d: %s ended by the abort word (set on this rank)", rank, what);
+        return epx_error(EPX_ERR_TIMEOUT, "rank %d: %s ended by the abort word (set on this rank)", rank,
+                         what);
     case EPX_NET_INVALID:
-        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: %s: an argument out of the handle's range", rank, what);
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: %s: an argument out of the handle's range", rank,
+                         what);
     default:
         return epx_error(EPX_ERR_INTERNAL, "rank %d: %s ended with %s", rank, what,
                          epx_net_status_name((epx_net_status_t)status));
@@ -76,8 +78,8 @@ epx_result_t epx_net_check_shape(int rank, const char *call, int nregions, const
                                  int max_regions, int contexts, int max_contexts, int nsignals)
 {
     if (nregions < 1 || nregions > max_regions)
-        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: %s: nregions %d is outside [1, %d]", rank, call, nregions,
-                         max_regions);
+        return epx_error(EPX_ERR_INVALID_ARG, "rank %d: %s: nregions %d is outside [1, %d]", rank, call,
+                         nregions, max_regions);
     for (int i = 0; i < nregions; i++)
         if (region_bytes[i] == 0)
             return epx_error(EPX_ERR_INVALID_ARG, "rank %d: %s: region_bytes[%d] is 0", rank, call, i);

@@ -161,8 +161,8 @@ static epx_result_t serve_peers(share_t *sh, int own_fd)
             cmsg->cmsg_len = CMSG_LEN(sizeof(int));
             memcpy(CMSG_DATA(cmsg), &own_fd, sizeof(int));
             if (sendmsg(sock, &msg, MSG_NOSIGNAL) != (ssize_t)sizeof(rank) && failed == EPX_SUCCESS) {
-                failed = epx_error(EPX_ERR_SYSTEM, "rank %d: cannot send our region to peer %d: %s", sh->rank, p,
-                                   strerror(errno));
+                failed = epx_error(EPX_ERR_SYSTEM, "rank %d: cannot send our region to peer %d: %s", sh->rank,
+                                   p, strerror(errno));
                 epx_error_copy(message, sizeof(message));
             }
             sh->served[p] = 1;

@@ -54,7 +54,8 @@ __device__ static inline void epx_net_loop_copy(uint8_t *dst, const uint8_t *src
 }
 
 /* Adds `add` to `peer`'s signal after every byte this thread has copied or seen delivered. */
-__device__ static inline void epx_net_loop_signal(const epx_net_loop_t *l, int peer, uint32_t signal, uint64_t add)
+__device__ static inline void epx_net_loop_signal(const epx_net_loop_t *l, int peer, uint32_t signal,
+                                                  uint64_t add)
 {
     __threadfence_system();
     atomicAdd_system(l->signals[peer] + signal, (unsigned long long)add);
@@ -190,7 +191,8 @@ __device__ static inline epx_net_status_t epx_net_loop_signal_read(const epx_net
 }
 
 /* Normal mode: every put was copied when posted. Strict mode: the context's queued operations land now. */
-__device__ static inline epx_net_status_t epx_net_loop_flush(const epx_net_t *net, uint32_t ctx, uint64_t deadline_ns)
+__device__ static inline epx_net_status_t epx_net_loop_flush(const epx_net_t *net, uint32_t ctx,
+                                                             uint64_t deadline_ns)
 {
     const epx_net_loop_t *l = (const epx_net_loop_t *)net->impl;
     if (!l || ctx >= net->ncontexts || net->ncontexts > EPX_NET_LOOP_MAX_CONTEXTS) return EPX_NET_INVALID;

@@ -52,7 +52,7 @@ typedef struct epx_net_loop_entry {
 typedef struct epx_net_loop {
     uint32_t nregions;
     uint32_t strict;
-    uint64_t region_bytes[EPX_NET_LOOP_MAX_REGIONS];    /* equal on every rank */
+    uint64_t region_bytes[EPX_NET_LOOP_MAX_REGIONS];                 /* equal on every rank */
     uint8_t *base[EPX_NET_LOOP_MAX_RANKS][EPX_NET_LOOP_MAX_REGIONS]; /* rank r's region i, mapped here */
     unsigned long long *signals[EPX_NET_LOOP_MAX_RANKS];             /* rank r's signal words, mapped here */
     unsigned long long *tail;    /* strict: [ncontexts] tickets handed out, then [ncontexts] weak

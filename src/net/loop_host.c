@@ -45,21 +45,24 @@ static epx_result_t check_args(epx_comm_t comm, const epx_loop_open_args_t *args
     const int me = comm->rank;
     if (!args) return epx_error(EPX_ERR_INVALID_ARG, "rank %d: epx_loop_open: args is NULL", me);
     if (!out) return epx_error(EPX_ERR_INVALID_ARG, "rank %d: epx_loop_open: out is NULL", me);
-    EPX_CHECK(epx_net_check_shape(me, "epx_loop_open", args->nregions, args->region_bytes, EPX_NET_LOOP_MAX_REGIONS,
-                                  args->contexts, EPX_NET_LOOP_MAX_CONTEXTS, args->nsignals));
+    EPX_CHECK(epx_net_check_shape(me, "epx_loop_open", args->nregions, args->region_bytes,
+                                  EPX_NET_LOOP_MAX_REGIONS, args->contexts, EPX_NET_LOOP_MAX_CONTEXTS,
+                                  args->nsignals));
     if (comm->backend != EPX_BACKEND_CUDA)
-        return epx_error(EPX_ERR_UNSUPPORTED,
-                         "rank %d: the loop transport needs a communicator of the cuda backend, not the %s backend",
-                         me, epx_backend_name(comm->backend));
+        return epx_error(
+            EPX_ERR_UNSUPPORTED,
+            "rank %d: the loop transport needs a communicator of the cuda backend, not the %s backend", me,
+            epx_backend_name(comm->backend));
     if (comm->nranks > EPX_NET_LOOP_MAX_RANKS)
-        return epx_error(EPX_ERR_UNSUPPORTED, "rank %d: the loop transport takes at most %d ranks, not %d", me,
-                         EPX_NET_LOOP_MAX_RANKS, comm->nranks);
+        return epx_error(EPX_ERR_UNSUPPORTED, "rank %d: the loop transport takes at most %d ranks, not %d",
+                         me, EPX_NET_LOOP_MAX_RANKS, comm->nranks);
     for (int r = 0; r < comm->nranks; r++)
         if (comm->peers[r].host_hash != comm->peers[me].host_hash)
-            return epx_error(EPX_ERR_UNSUPPORTED,
-                             "rank %d: rank %d is on host %s, not %s: the loop transport joins processes of one "
-                             "machine only (a test instrument; between machines use the GIN transport)",
-                             me, r, comm->peers[r].hostname, comm->peers[me].hostname);
+            return epx_error(
+                EPX_ERR_UNSUPPORTED,
+                "rank %d: rank %d is on host %s, not %s: the loop transport joins processes of one "
+                "machine only (a test instrument; between machines use the GIN transport)",
+                me, r, comm->peers[r].hostname, comm->peers[me].hostname);
     return EPX_SUCCESS;
 }
 
@@ -84,21 +87,24 @@ static epx_result_t open_local(epx_loop_t *l, loop_rec_t *rec)
                              i < l->nregions ? "region" : "signal words", i, (unsigned long long)l->bytes[i],
                              cudaGetErrorString(e));
         }
-        EPX_CHECK(epx_cuda_check(cudaMemset(l->mem[i], 0, (size_t)l->bytes[i]), "cudaMemset(loop region)", me));
+        EPX_CHECK(
+            epx_cuda_check(cudaMemset(l->mem[i], 0, (size_t)l->bytes[i]), "cudaMemset(loop region)", me));
         EPX_CHECK(epx_cuda_check(cudaIpcGetMemHandle(&rec->handle[i], l->mem[i]), "cudaIpcGetMemHandle", me));
         rec->ptr[i] = (uint64_t)(uintptr_t)l->mem[i];
     }
-    EPX_CHECK(epx_cuda_check(cudaMalloc((void **)&l->dev, sizeof(epx_net_loop_t)), "cudaMalloc(loop state)", me));
+    EPX_CHECK(
+        epx_cuda_check(cudaMalloc((void **)&l->dev, sizeof(epx_net_loop_t)), "cudaMalloc(loop state)", me));
     if (l->strict) {
         const size_t n = (size_t)l->ncontexts * EPX_NET_LOOP_QUEUE;
         const size_t words = 2 * (size_t)l->ncontexts * sizeof(*l->tail); /* tails, weak operations queued */
         EPX_CHECK(epx_cuda_check(cudaMalloc((void **)&l->tail, words), "cudaMalloc(loop queue tails)", me));
         EPX_CHECK(epx_cuda_check(cudaMemset(l->tail, 0, words), "cudaMemset", me));
-        EPX_CHECK(epx_cuda_check(cudaMalloc((void **)&l->queue, n * sizeof(*l->queue)), "cudaMalloc(loop queues)",
-                                 me));
+        EPX_CHECK(epx_cuda_check(cudaMalloc((void **)&l->queue, n * sizeof(*l->queue)),
+                                 "cudaMalloc(loop queues)", me));
         epx_net_loop_entry_t *init = calloc(n, sizeof(*init));
         if (!init) return epx_error(EPX_ERR_OUT_OF_MEMORY, "rank %d: loop queue image", me);
-        for (size_t k = 0; k < n; k++) init[k].state = 4ull * (k % EPX_NET_LOOP_QUEUE); /* free for ticket k */
+        for (size_t k = 0; k < n; k++)
+            init[k].state = 4ull * (k % EPX_NET_LOOP_QUEUE); /* free for ticket k */
         const cudaError_t e = cudaMemcpy(l->queue, init, n * sizeof(*init), cudaMemcpyHostToDevice);
         free(init);
         EPX_CHECK(epx_cuda_check(e, "cudaMemcpy(loop queues)", me));
@@ -118,8 +124,9 @@ static epx_result_t open_map(epx_loop_t *l, const loop_rec_t *all)
             void *p = NULL;
             const cudaError_t e = cudaIpcOpenMemHandle(&p, all[r].handle[i], cudaIpcMemLazyEnablePeerAccess);
             if (e != cudaSuccess)
-                return epx_error(EPX_ERR_CUDA, "rank %d: cudaIpcOpenMemHandle of rank %d's loop %s %d: %s", me, r,
-                                 i < l->nregions ? "region" : "signal words", i, cudaGetErrorString(e));
+                return epx_error(EPX_ERR_CUDA, "rank %d: cudaIpcOpenMemHandle of rank %d's loop %s %d: %s",
+                                 me, r, i < l->nregions ? "region" : "signal words", i,
+                                 cudaGetErrorString(e));
             l->mapped[r][i] = p;
         }
     }
@@ -130,7 +137,9 @@ static epx_result_t open_map(epx_loop_t *l, const loop_rec_t *all)
     for (int i = 0; i < l->nregions; i++) st.region_bytes[i] = l->bytes[i];
     for (int r = 0; r < l->nranks; r++) {
         for (int i = 0; i < l->nregions + 1; i++) {
-            uint8_t *p = r == me ? l->mem[i] : l->mapped[r][i] ? l->mapped[r][i] : (uint8_t *)(uintptr_t)all[r].ptr[i];
+            uint8_t *p = r == me           ? l->mem[i]
+                         : l->mapped[r][i] ? l->mapped[r][i]
+                                           : (uint8_t *)(uintptr_t)all[r].ptr[i];
             if (i < l->nregions)
                 st.base[r][i] = p;
             else
@@ -139,8 +148,8 @@ static epx_result_t open_map(epx_loop_t *l, const loop_rec_t *all)
     }
     st.tail = l->tail;
     st.queue = l->queue;
-    return epx_cuda_check(cudaMemcpy(l->dev, &st, sizeof(st), cudaMemcpyHostToDevice), "cudaMemcpy(loop state)",
-                          me);
+    return epx_cuda_check(cudaMemcpy(l->dev, &st, sizeof(st), cudaMemcpyHostToDevice),
+                          "cudaMemcpy(loop state)", me);
 }
 
 static void loop_free(epx_loop_t *l)
@@ -191,13 +200,15 @@ epx_result_t epx_loop_open(epx_comm_t comm, const epx_loop_open_args_t *args, ep
         const loop_rec_t *a = &all[r];
         if (a->nregions != mine.nregions || a->contexts != mine.contexts || a->nsignals != mine.nsignals ||
             a->strict != mine.strict || memcmp(a->bytes, mine.bytes, sizeof(mine.bytes)) != 0)
-            res = epx_error(EPX_ERR_MISMATCH,
-                            "rank %d: epx_loop_open: rank %d asks for %d regions, %d contexts, %d signals, strict %d "
-                            "(or other region sizes); this rank %d, %d, %d, %d",
-                            l->rank, r, a->nregions, a->contexts, a->nsignals, a->strict, mine.nregions,
-                            mine.contexts, mine.nsignals, mine.strict);
+            res = epx_error(
+                EPX_ERR_MISMATCH,
+                "rank %d: epx_loop_open: rank %d asks for %d regions, %d contexts, %d signals, strict %d "
+                "(or other region sizes); this rank %d, %d, %d, %d",
+                l->rank, r, a->nregions, a->contexts, a->nsignals, a->strict, mine.nregions, mine.contexts,
+                mine.nsignals, mine.strict);
     }
-    if (res == EPX_SUCCESS) res = epx_comm_agree(comm, open_map(l, all), "mapping the loop transport's peers");
+    if (res == EPX_SUCCESS)
+        res = epx_comm_agree(comm, open_map(l, all), "mapping the loop transport's peers");
     free(all);
     if (res != EPX_SUCCESS) {
         char message[1024];
@@ -206,8 +217,9 @@ epx_result_t epx_loop_open(epx_comm_t comm, const epx_loop_open_args_t *args, ep
         epx_error_set_message(message);
         return res;
     }
-    EPX_INFO(EPX_SUBSYS_INIT, "rank %d of %d: loop transport open (%s mode, %u contexts, %u signals, %d regions)",
-             l->rank, l->nranks, l->strict ? "strict" : "normal", l->ncontexts, l->nsignals, l->nregions);
+    EPX_INFO(EPX_SUBSYS_INIT,
+             "rank %d of %d: loop transport open (%s mode, %u contexts, %u signals, %d regions)", l->rank,
+             l->nranks, l->strict ? "strict" : "normal", l->ncontexts, l->nsignals, l->nregions);
     *out = l;
     return EPX_SUCCESS;
 }
@@ -248,7 +260,8 @@ epx_result_t epx_loop_poll(epx_loop_t *l)
     const int dead = dead_peer(l);
     if (dead < 0) return EPX_SUCCESS;
     epx_loop_abort(l);
-    return epx_error(EPX_ERR_REMOTE, "rank %d: the loop transport cannot reach its peers: rank %d (pid %d) has exited",
+    return epx_error(EPX_ERR_REMOTE,
+                     "rank %d: the loop transport cannot reach its peers: rank %d (pid %d) has exited",
                      l->rank, dead, (int)l->comm->peers[dead].pid);
 }
 
@@ -257,8 +270,8 @@ epx_result_t epx_loop_wait_result(epx_loop_t *l, epx_net_status_t status, const 
     if (status == EPX_NET_OK) return EPX_SUCCESS;
     const int dead = dead_peer(l);
     if (dead >= 0)
-        return epx_error(EPX_ERR_REMOTE, "rank %d: %s ended with %s: rank %d (pid %d) has exited", l->rank, what,
-                         epx_net_status_name(status), dead, (int)l->comm->peers[dead].pid);
+        return epx_error(EPX_ERR_REMOTE, "rank %d: %s ended with %s: rank %d (pid %d) has exited", l->rank,
+                         what, epx_net_status_name(status), dead, (int)l->comm->peers[dead].pid);
     return epx_net_status_error(l->rank, status, what, l->timeout_ms);
 }
 
@@ -269,8 +282,9 @@ epx_result_t epx_loop_close(epx_loop_t *l)
     epx_result_t res = EPX_SUCCESS;
     const int dead = dead_peer(l);
     if (dead >= 0)
-        res = epx_error(EPX_ERR_REMOTE, "rank %d: epx_loop_close: rank %d (pid %d) has exited: unmapping at once",
-                        l->rank, dead, (int)l->comm->peers[dead].pid);
+        res = epx_error(EPX_ERR_REMOTE,
+                        "rank %d: epx_loop_close: rank %d (pid %d) has exited: unmapping at once", l->rank,
+                        dead, (int)l->comm->peers[dead].pid);
     else
         res = epx_comm_barrier(l->comm); /* no rank unmaps or frees what another still writes */
     char message[1024];

@@ -53,8 +53,9 @@ typedef enum epx_net_status {
 typedef enum epx_net_transport {
     EPX_NET_TRANSPORT_NONE = 0,
     EPX_NET_TRANSPORT_MODEL = 1, /* the host model (src/net/loop_model.c): tests only */
-    EPX_NET_TRANSPORT_LOOP = 2,  /* cuda IPC between emulated nodes, device side: tests only (src/net/loop.cuh) */
-    EPX_NET_TRANSPORT_GIN = 3,   /* NCCL GIN, device side (src/net/gin.cuh, with EPX_NET_HAVE_GIN) */
+    EPX_NET_TRANSPORT_LOOP =
+        2, /* cuda IPC between emulated nodes, device side: tests only (src/net/loop.cuh) */
+    EPX_NET_TRANSPORT_GIN = 3, /* NCCL GIN, device side (src/net/gin.cuh, with EPX_NET_HAVE_GIN) */
 } epx_net_transport_t;
 
 typedef enum epx_net_signal_mode {
@@ -152,8 +153,9 @@ EPX_NET_FN epx_net_status_t epx_net_check_op(const epx_net_t *net, const epx_net
                 op->bytes > region_bytes[region[i]] - offset[i])
                 return EPX_NET_INVALID;
     }
-    if (op->kind != EPX_NET_OP_PUT && (op->signal >= net->nsignals || (op->signal_mode != EPX_NET_SIGNAL_STRONG &&
-                                                                      op->signal_mode != EPX_NET_SIGNAL_WEAK)))
+    if (op->kind != EPX_NET_OP_PUT &&
+        (op->signal >= net->nsignals ||
+         (op->signal_mode != EPX_NET_SIGNAL_STRONG && op->signal_mode != EPX_NET_SIGNAL_WEAK)))
         return EPX_NET_INVALID;
     return EPX_NET_OK;
 }

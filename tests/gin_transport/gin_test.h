@@ -1,11 +1,12 @@
 /*
  * The network transport tests' shared parts (GIN and loop): the byte pattern and the order-free hash
  * that the kernels (kernels.cu) and the host (test_net_host.c) both compute, so every received byte is
- * checked against a CPU computation; and the kernels' launchers (plain C). Regions: 0 the source, 1 the destination. Signals:
- * 0 the ring rounds, 1 soak data into slot 0, 2 soak acknowledgements, 3 never sent (the dead-peer wait),
- * 4 soak data into slot 1, 5 and 6 the weak-cover protocol's data and acknowledgement, 7 to 9 the
- * strong-other-peer protocol's. One data signal per slot: the soak's puts alternate contexts and half are weak,
- * so one shared count can be reached by iteration i+1's signal while iteration i's put is still in flight.
+ * checked against a CPU computation; and the kernels' launchers (plain C). Regions: 0 the source, 1 the
+ * destination. Signals: 0 the ring rounds, 1 soak data into slot 0, 2 soak acknowledgements, 3 never sent
+ * (the dead-peer wait), 4 soak data into slot 1, 5 and 6 the weak-cover protocol's data and acknowledgement,
+ * 7 to 9 the strong-other-peer protocol's. One data signal per slot: the soak's puts alternate contexts and
+ * half are weak, so one shared count can be reached by iteration i+1's signal while iteration i's put is
+ * still in flight.
  */
 #ifndef EPX_GIN_TEST_H
 #define EPX_GIN_TEST_H
@@ -32,13 +33,13 @@ extern "C" {
 #define GIN_SIG_ACK      2
 #define GIN_SIG_NEVER    3
 #define GIN_SIG_SOAK1    4 /* soak data into slot 1 (GIN_SIG_SOAK: slot 0) */
-#define GIN_SIG_WRONG    5
+#define GIN_SIG_WRONG     5
 #define GIN_SIG_WRONG_ACK 6
-#define GIN_SIG_STRONG2  7 /* the strong-other-peer protocol: its strong signal, relay, acknowledgement */
-#define GIN_SIG_RELAY    8
-#define GIN_SIG_ACK2     9
-#define GIN_NSIGNALS     10
-#define GIN_WRONG_BYTES  65536ull
+#define GIN_SIG_STRONG2   7 /* the strong-other-peer protocol: its strong signal, relay, acknowledgement */
+#define GIN_SIG_RELAY     8
+#define GIN_SIG_ACK2      9
+#define GIN_NSIGNALS      10
+#define GIN_WRONG_BYTES   65536ull
 #define GIN_SOAK_MAX     65536ull              /* bytes of one soak iteration, at most */
 #define GIN_SOAK_SLOT    (GIN_SOAK_MAX + 64ull) /* two slots per region, alternating */
 
@@ -117,7 +118,8 @@ typedef struct gin_wrong_args {
  * returns the launch's cudaError_t. */
 int gin_launch_ring(const epx_net_t *net, void *stream, const gin_ring_args_t *args, gin_kernel_result_t *result);
 int gin_launch_soak(const epx_net_t *net, void *stream, const gin_soak_args_t *args, gin_kernel_result_t *result);
-int gin_launch_wrong(const epx_net_t *net, void *stream, const gin_wrong_args_t *args, gin_kernel_result_t *result);
+int gin_launch_wrong(const epx_net_t *net, void *stream, const gin_wrong_args_t *args,
+                     gin_kernel_result_t *result);
 /* Waits for GIN_SIG_NEVER to reach 1 (it never does while the peer that would send it is dead). */
 int gin_launch_wait(const epx_net_t *net, void *stream, uint64_t timeout_ns, gin_kernel_result_t *result);
 

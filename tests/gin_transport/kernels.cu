@@ -76,7 +76,8 @@ __global__ void __launch_bounds__(SOAK_THREADS) gin_soak_kernel(epx_net_t net, g
         const uint64_t n = gin_soak_bytes(a.seed, i), off = gin_soak_offset(a.seed, i);
         const uint32_t ctx = (uint32_t)(i % net.ncontexts);
         const uint32_t sig = (i & 1) ? GIN_SIG_SOAK1 : GIN_SIG_SOAK;
-        __syncthreads(); /* every thread has read the last iteration's `stop` before thread 0 writes it again */
+        __syncthreads(); /* every thread has read the last iteration's `stop` before thread 0 writes it again
+                          */
         if (tid == 0 && i >= 2) {
             flush = epx_net_flush(&net, (uint32_t)((i - 2) % net.ncontexts), epx_net_now_ns() + a.timeout_ns);
             if (flush == EPX_NET_OK)
@@ -142,20 +143,22 @@ __global__ void __launch_bounds__(SOAK_THREADS) gin_soak_kernel(epx_net_t net, g
 
 /* One thread. Weak cover: a plain put of GIN_WRONG_BYTES to the right, a WEAK signal to it that covers
  * nothing, the wait for the left's, the count of the left's bytes not there yet, an acknowledgement to the
- * left, the wait for the right's, then the flush (the put lands by then in every mode). Strong other peer: the
- * same put, then a STRONG signal to the left, which covers only puts to the left; a rank that sees its
+ * left, the wait for the right's, then the flush (the put lands by then in every mode). Strong other peer:
+ * the same put, then a STRONG signal to the left, which covers only puts to the left; a rank that sees its
  * right's relays it to the right's right, which counts the bytes of its left (the put the strong signal was
  * read as covering), acknowledges, and the sender flushes after its right's acknowledgement. */
 __global__ void gin_wrong_kernel(epx_net_t net, gin_wrong_args_t a, gin_kernel_result_t *result)
 {
     const uint64_t start = epx_net_now_ns(), deadline = start + a.timeout_ns;
     const bool weak = a.kind == GIN_WRONG_WEAK_COVER;
-    const uint32_t sig = weak ? GIN_SIG_WRONG : GIN_SIG_STRONG2, ack = weak ? GIN_SIG_WRONG_ACK : GIN_SIG_ACK2;
+    const uint32_t sig = weak ? GIN_SIG_WRONG : GIN_SIG_STRONG2,
+                   ack = weak ? GIN_SIG_WRONG_ACK : GIN_SIG_ACK2;
     epx_net_status_t post = epx_net_put(&net, 0, a.right, GIN_DST, 0, GIN_SRC, 0, GIN_WRONG_BYTES);
     if (post == EPX_NET_OK)
         post = epx_net_signal_add(&net, 0, weak ? a.right : a.left, sig, 1,
                                   weak ? EPX_NET_SIGNAL_WEAK : EPX_NET_SIGNAL_STRONG);
-    epx_net_status_t wait = post == EPX_NET_OK ? epx_net_wait_signal(&net, sig, 1, deadline) : EPX_NET_ABORTED;
+    epx_net_status_t wait =
+        post == EPX_NET_OK ? epx_net_wait_signal(&net, sig, 1, deadline) : EPX_NET_ABORTED;
     if (!weak && wait == EPX_NET_OK) { /* the right's strong signal: relay it to the right's right */
         post = epx_net_signal_add(&net, 0, a.right2, GIN_SIG_RELAY, 1, EPX_NET_SIGNAL_WEAK);
         wait = post == EPX_NET_OK ? epx_net_wait_signal(&net, GIN_SIG_RELAY, 1, deadline) : EPX_NET_ABORTED;

@@ -20,8 +20,8 @@
  */
 #include <cuda_runtime.h>
 #include <errno.h>
-#include <stdarg.h>
 #include <inttypes.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -85,15 +85,16 @@ static int fail(const rank_state_t *s, const char *fmt, ...)
 }
 
 /* In a function of a rank_state_t *s returning int: a failed CUDA call reports and returns 1. */
-#define CUDA_TRY(call)                                                                 \
-    do {                                                                               \
-        cudaError_t e_ = (call);                                                       \
+#define CUDA_TRY(call)                                                                  \
+    do {                                                                                \
+        cudaError_t e_ = (call);                                                        \
         if (e_ != cudaSuccess) return fail(s, "%s: %s", #call, cudaGetErrorString(e_)); \
     } while (0)
-#define EPX_TRY(call)                                                                                 \
-    do {                                                                                              \
-        epx_result_t r_ = (call);                                                                     \
-        if (r_ != EPX_SUCCESS) return fail(s, "%s: %s (%s)", #call, epx_result_name(r_), epx_last_error_message()); \
+#define EPX_TRY(call)                                                                            \
+    do {                                                                                         \
+        epx_result_t r_ = (call);                                                                \
+        if (r_ != EPX_SUCCESS)                                                                   \
+            return fail(s, "%s: %s (%s)", #call, epx_result_name(r_), epx_last_error_message()); \
     } while (0)
 
 static double ms_since(uint64_t t0)
@@ -103,17 +104,38 @@ static double ms_since(uint64_t t0)
 
 /* The transport's calls (the open one: loop or GIN). */
 #if !EPX_TEST_HAVE_GIN
-static epx_result_t epx_gin_poll(epx_gin_t *g) { (void)g; return EPX_ERR_UNSUPPORTED; }
-static void epx_gin_abort(epx_gin_t *g) { (void)g; }
-static void *epx_gin_region(const epx_gin_t *g, int i) { (void)g; (void)i; return NULL; }
-static epx_result_t epx_gin_wait_result(epx_gin_t *g, epx_net_status_t st, const char *w)
+static epx_result_t epx_gin_poll(epx_gin_t *g)
 {
-    (void)g; (void)st; (void)w;
+    (void)g;
     return EPX_ERR_UNSUPPORTED;
 }
-static epx_result_t epx_gin_close(epx_gin_t *g) { (void)g; return EPX_SUCCESS; }
+static void epx_gin_abort(epx_gin_t *g)
+{
+    (void)g;
+}
+static void *epx_gin_region(const epx_gin_t *g, int i)
+{
+    (void)g;
+    (void)i;
+    return NULL;
+}
+static epx_result_t epx_gin_wait_result(epx_gin_t *g, epx_net_status_t st, const char *w)
+{
+    (void)g;
+    (void)st;
+    (void)w;
+    return EPX_ERR_UNSUPPORTED;
+}
+static epx_result_t epx_gin_close(epx_gin_t *g)
+{
+    (void)g;
+    return EPX_SUCCESS;
+}
 #endif
-static epx_result_t t_poll(rank_state_t *s) { return s->lp ? epx_loop_poll(s->lp) : epx_gin_poll(s->gin); }
+static epx_result_t t_poll(rank_state_t *s)
+{
+    return s->lp ? epx_loop_poll(s->lp) : epx_gin_poll(s->gin);
+}
 static void t_abort(rank_state_t *s)
 {
     if (s->lp)
@@ -160,9 +182,9 @@ static void rank_env(int rank, const run_ctx_t *c)
 
 enum { KERNEL_OK = 0, KERNEL_FAILED = 1, KERNEL_STUCK = 2 };
 
-/* Waits for the stream's kernel at most limit_ms, asking the transport's poll about the peers meanwhile (it sets
- * the abort word when one is gone). Past the limit the abort word ends every wait; a kernel still running
- * 5 s later is stuck in a post and the rank must leave without teardown. */
+/* Waits for the stream's kernel at most limit_ms, asking the transport's poll about the peers meanwhile (it
+ * sets the abort word when one is gone). Past the limit the abort word ends every wait; a kernel still
+ * running 5 s later is stuck in a post and the rank must leave without teardown. */
 static int wait_kernel(rank_state_t *s, int64_t limit_ms, double *ms_out)
 {
     const uint64_t t0 = epx_time_ns();
@@ -203,10 +225,8 @@ typedef struct ring_round {
 } ring_round_t;
 
 static const ring_round_t ring_rounds[] = {
-    {GIN_MODE_STRONG, 1, 4, 0, 0},
-    {GIN_MODE_WEAK, 3, 4097, 8, 3},
-    {GIN_MODE_SIGNAL, 4, 1u << 20, 0, 4096},
-    {GIN_MODE_STRONG, 8, (2u << 20) - 8192, 64, 4103},
+    {GIN_MODE_STRONG, 1, 4, 0, 0},           {GIN_MODE_WEAK, 3, 4097, 8, 3},
+    {GIN_MODE_SIGNAL, 4, 1u << 20, 0, 4096}, {GIN_MODE_STRONG, 8, (2u << 20) - 8192, 64, 4103},
     {GIN_MODE_WEAK, 2, 65541, 1, 0},
 };
 
@@ -218,7 +238,8 @@ static uint64_t round_adds(const ring_round_t *r)
     return (r->bytes + chunk - 1) / chunk;
 }
 
-/* The kernel's statuses, all EPX_NET_OK, or the error the transport's wait_result makes of the first other. */
+/* The kernel's statuses, all EPX_NET_OK, or the error the transport's wait_result makes of the first other.
+ */
 static int kernel_statuses(rank_state_t *s, const char *what)
 {
     const gin_kernel_result_t *k = s->res_host;
@@ -251,8 +272,15 @@ static int ring_round(rank_state_t *s, int round, uint64_t *target)
     /* No rank puts before its right neighbour has prepared the destination. */
     EPX_TRY(epx_comm_barrier(s->comm));
     *target += round_adds(r);
-    gin_ring_args_t a = {s->right, (uint32_t)round % s->net.ncontexts, r->mode, r->chunks, r->bytes,
-                         r->src_offset, r->dst_offset, *target, (uint64_t)s->c->timeout_ms * 1000000ull};
+    gin_ring_args_t a = {s->right,
+                         (uint32_t)round % s->net.ncontexts,
+                         r->mode,
+                         r->chunks,
+                         r->bytes,
+                         r->src_offset,
+                         r->dst_offset,
+                         *target,
+                         (uint64_t)s->c->timeout_ms * 1000000ull};
     memset(s->res_host, 0, sizeof(*s->res_host));
     CUDA_TRY((cudaError_t)gin_launch_ring(&s->net, s->stream, &a, s->res_dev));
     double ms = 0;
@@ -265,18 +293,20 @@ static int ring_round(rank_state_t *s, int round, uint64_t *target)
     uint64_t bad = 0, first = UINT64_MAX;
     for (uint64_t i = 0; i < GIN_REGION_BYTES; i++) {
         const int inside = i >= r->dst_offset && i < r->dst_offset + r->bytes;
-        const unsigned char want = inside ? gin_pattern_byte(seed, s->left, (uint64_t)round, i - r->dst_offset)
-                                          : guard_byte(i, (uint64_t)round);
+        const unsigned char want = inside
+                                       ? gin_pattern_byte(seed, s->left, (uint64_t)round, i - r->dst_offset)
+                                       : guard_byte(i, (uint64_t)round);
         if (s->host[i] != want) {
             if (!bad) first = i;
             bad++;
         }
     }
     if (bad)
-        return fail(s,
-                    "ring round %d: %" PRIu64 " of %d bytes differ from rank %d's pattern or the guard; first at "
-                    "byte %" PRIu64 " (the put covers %" PRIu64 " .. %" PRIu64 ")",
-                    round, bad, (int)GIN_REGION_BYTES, s->left, first, r->dst_offset, r->dst_offset + r->bytes);
+        return fail(
+            s,
+            "ring round %d: %" PRIu64 " of %d bytes differ from rank %d's pattern or the guard; first at "
+            "byte %" PRIu64 " (the put covers %" PRIu64 " .. %" PRIu64 ")",
+            round, bad, (int)GIN_REGION_BYTES, s->left, first, r->dst_offset, r->dst_offset + r->bytes);
     printf("%s rank %d/%d: ring round %d ok: %" PRIu64 " bytes from rank %d bit-exact, mode %u, %.2f ms\n",
            s->c->name, s->rank, s->nranks, round, r->bytes, s->left, r->mode, ms);
     return 0;
@@ -296,8 +326,13 @@ static uint64_t soak_hash(uint64_t seed, int sender, uint64_t iterations)
 static int soak(rank_state_t *s, rank_result_t *out)
 {
     EPX_TRY(epx_comm_barrier(s->comm));
-    gin_soak_args_t a = {t_region(s, GIN_SRC), t_region(s, GIN_DST), s->right, s->left,
-                         s->c->gpu.seed, s->c->iterations, (uint64_t)s->c->timeout_ms * 1000000ull};
+    gin_soak_args_t a = {t_region(s, GIN_SRC),
+                         t_region(s, GIN_DST),
+                         s->right,
+                         s->left,
+                         s->c->gpu.seed,
+                         s->c->iterations,
+                         (uint64_t)s->c->timeout_ms * 1000000ull};
     memset(s->res_host, 0, sizeof(*s->res_host));
     CUDA_TRY((cudaError_t)gin_launch_soak(&s->net, s->stream, &a, s->res_dev));
     /* Meanwhile the CPU computes what must have gone and come. */
@@ -306,15 +341,16 @@ static int soak(rank_state_t *s, rank_result_t *out)
     const int k = wait_kernel(s, 2 * s->c->timeout_ms + 120000, &out->soak_ms);
     if (k != KERNEL_OK) return k;
     const gin_kernel_result_t *r = s->res_host;
-    if (kernel_statuses(s, "the soak")) return fail(s, "the soak stopped at iteration %" PRIu64, r->failed_at);
+    if (kernel_statuses(s, "the soak"))
+        return fail(s, "the soak stopped at iteration %" PRIu64, r->failed_at);
     out->sent_hash = r->sent_hash;
     out->recv_hash = r->recv_hash;
     out->iterations = r->iterations;
     if (r->iterations != a.iterations)
         return fail(s, "the soak ran %" PRIu64 " of %" PRIu64 " iterations", r->iterations, a.iterations);
     if (r->mismatches)
-        return fail(s, "the soak received %" PRIu64 " bytes that differ from rank %d's pattern", r->mismatches,
-                    s->left);
+        return fail(s, "the soak received %" PRIu64 " bytes that differ from rank %d's pattern",
+                    r->mismatches, s->left);
     if (r->sent_hash != want_sent || r->recv_hash != want_recv)
         return fail(s,
                     "soak hashes: sent %016" PRIx64 " (the CPU's %016" PRIx64 "), received %016" PRIx64
@@ -332,20 +368,23 @@ static int dead_peer_wait(rank_state_t *s, rank_result_t *out)
 {
     const int victim = s->nranks - 1;
     memset(s->res_host, 0, sizeof(*s->res_host));
-    CUDA_TRY((cudaError_t)gin_launch_wait(&s->net, s->stream, (uint64_t)s->c->timeout_ms * 1000000ull, s->res_dev));
+    CUDA_TRY((cudaError_t)gin_launch_wait(&s->net, s->stream, (uint64_t)s->c->timeout_ms * 1000000ull,
+                                          s->res_dev));
     const int k = wait_kernel(s, s->c->timeout_ms + SLACK_MS, &out->wait_ms);
     if (k != KERNEL_OK) return k;
     const epx_net_status_t st = (epx_net_status_t)s->res_host->wait_status;
     const epx_result_t r = t_wait_result(s, st, "the wait for a signal from the dead rank");
     char name[32];
     snprintf(name, sizeof(name), "rank %d ", victim);
-    if (r != EPX_ERR_REMOTE || !strstr(epx_last_error_message(), name) || !strstr(epx_last_error_message(), "exited"))
+    if (r != EPX_ERR_REMOTE || !strstr(epx_last_error_message(), name) ||
+        !strstr(epx_last_error_message(), "exited"))
         return fail(s, "the wait ended with %s, wait_result gave %s (%s); expected EPX_ERR_REMOTE naming %s",
                     epx_net_status_name(st), epx_result_name(r), epx_last_error_message(), name);
     if (out->wait_ms > (double)(s->c->timeout_ms + SLACK_MS))
-        return fail(s, "the wait took %.0f ms, past the %lld ms timeout", out->wait_ms, (long long)s->c->timeout_ms);
-    printf("%s rank %d/%d: dead peer seen in %.0f ms (%s): %s\n", s->c->name, s->rank, s->nranks, out->wait_ms,
-           epx_net_status_name(st), epx_last_error_message());
+        return fail(s, "the wait took %.0f ms, past the %lld ms timeout", out->wait_ms,
+                    (long long)s->c->timeout_ms);
+    printf("%s rank %d/%d: dead peer seen in %.0f ms (%s): %s\n", s->c->name, s->rank, s->nranks,
+           out->wait_ms, epx_net_status_name(st), epx_last_error_message());
     return 0;
 }
 
@@ -362,7 +401,8 @@ static int wrong_protocol(rank_state_t *s, rank_result_t *out, uint32_t kind)
     unsigned char *src = t_region(s, GIN_SRC), *dst = t_region(s, GIN_DST);
     for (uint64_t k = 0; k < bytes; k++) s->host[k] = gin_pattern_byte(seed, s->rank, round, k);
     CUDA_TRY(cudaMemcpy(src, s->host, bytes, cudaMemcpyHostToDevice));
-    for (uint64_t k = 0; k < bytes; k++) s->host[k] = (unsigned char)~gin_pattern_byte(seed, s->left, round, k);
+    for (uint64_t k = 0; k < bytes; k++)
+        s->host[k] = (unsigned char)~gin_pattern_byte(seed, s->left, round, k);
     CUDA_TRY(cudaMemcpy(dst, s->host, bytes, cudaMemcpyHostToDevice));
     EPX_TRY(epx_comm_barrier(s->comm));
     gin_wrong_args_t a = {dst,  s->right, s->left, (s->rank + 2) % s->nranks,
@@ -374,17 +414,20 @@ static int wrong_protocol(rank_state_t *s, rank_result_t *out, uint32_t kind)
     if (kernel_statuses(s, names[kind])) return 1;
     const uint64_t stale = s->res_host->mismatches, want = s->c->strict ? bytes : 0;
     if (stale != want)
-        return fail(s, "the %s protocol read %" PRIu64 " of %" PRIu64 " bytes before they landed; %s mode must "
-                    "show %" PRIu64, names[kind], stale, bytes, s->c->strict ? "strict" : "normal", want);
+        return fail(s,
+                    "the %s protocol read %" PRIu64 " of %" PRIu64 " bytes before they landed; %s mode must "
+                    "show %" PRIu64,
+                    names[kind], stale, bytes, s->c->strict ? "strict" : "normal", want);
     /* The left rank's flush (which lands its put) may end after our kernel did: wait for every kernel. */
     EPX_TRY(epx_comm_barrier(s->comm));
     CUDA_TRY(cudaMemcpy(s->host, dst, bytes, cudaMemcpyDeviceToHost));
     for (uint64_t i = 0; i < bytes; i++)
         if (s->host[i] != gin_pattern_byte(seed, s->left, round, i))
-            return fail(s, "the %s put had not landed after the sender's flush (byte %" PRIu64 ")", names[kind], i);
+            return fail(s, "the %s put had not landed after the sender's flush (byte %" PRIu64 ")",
+                        names[kind], i);
     printf("%s rank %d/%d: %s protocol read %" PRIu64 " stale bytes of %" PRIu64 " (%s mode), all landed at "
-           "the flush\n", s->c->name, s->rank, s->nranks, names[kind], stale, bytes,
-           s->c->strict ? "strict" : "normal");
+           "the flush\n",
+           s->c->name, s->rank, s->nranks, names[kind], stale, bytes, s->c->strict ? "strict" : "normal");
     return 0;
 }
 
@@ -452,10 +495,11 @@ static int rank_run(rank_state_t *s, rank_result_t *out)
         rc = fail(s, "close returned %s (%s), expected %s", epx_result_name(closed), epx_last_error_message(),
                   epx_result_name(want));
     if (rc == 0 && out->close_ms > (double)(s->c->timeout_ms + SLACK_MS))
-        rc = fail(s, "close took %.0f ms, past its %lld ms deadline", out->close_ms, (long long)s->c->timeout_ms);
+        rc = fail(s, "close took %.0f ms, past its %lld ms deadline", out->close_ms,
+                  (long long)s->c->timeout_ms);
     if (rc == 0)
-        printf("%s rank %d/%d: close %s in %.0f ms\n", s->c->name, s->rank, s->nranks, epx_result_name(closed),
-               out->close_ms);
+        printf("%s rank %d/%d: close %s in %.0f ms\n", s->c->name, s->rank, s->nranks,
+               epx_result_name(closed), out->close_ms);
     return rc;
 }
 
@@ -503,15 +547,15 @@ static int run_nranks(int nranks, void *arg)
             const rank_result_t *me = epx_harness_result(&report, r);
             const rank_result_t *left = epx_harness_result(&report, (r + nranks - 1) % nranks);
             if (me->recv_hash != left->sent_hash) {
-                fprintf(stderr, "%s: rank %d received hash %016" PRIx64 ", rank %d sent %016" PRIx64 "\n", label, r,
-                        me->recv_hash, (r + nranks - 1) % nranks, left->sent_hash);
+                fprintf(stderr, "%s: rank %d received hash %016" PRIx64 ", rank %d sent %016" PRIx64 "\n",
+                        label, r, me->recv_hash, (r + nranks - 1) % nranks, left->sent_hash);
                 bad = 1;
             }
         }
         for (int r = 0; r < nranks && report.results; r++) {
             const rank_result_t *x = epx_harness_result(&report, r);
-            printf("%s: %d ranks, rank %d: open %.0f ms, soak %.0f ms, wait %.0f ms, close %.0f ms\n", label, nranks,
-                   r, x->open_ms, x->soak_ms, x->wait_ms, x->close_ms);
+            printf("%s: %d ranks, rank %d: open %.0f ms, soak %.0f ms, wait %.0f ms, close %.0f ms\n", label,
+                   nranks, r, x->open_ms, x->soak_ms, x->wait_ms, x->close_ms);
         }
         epx_harness_report_free(&report);
         printf("%s: %d ranks: %s\n", label, nranks, bad ? "FAILED" : "ok");
@@ -562,8 +606,8 @@ int main(void)
     const char *t = getenv("EPX_TIMEOUT_MS");
     c.timeout_ms = t && atoll(t) > 0 ? atoll(t) : 20000;
     if (c.loop) {
-        printf("loop: seed %" PRIu64 ", %" PRIu64 " soak iterations, timeout %lld ms\n", c.gpu.seed, c.iterations,
-               (long long)c.timeout_ms);
+        printf("loop: seed %" PRIu64 ", %" PRIu64 " soak iterations, timeout %lld ms\n", c.gpu.seed,
+               c.iterations, (long long)c.timeout_ms);
         return run_loop(&c);
     }
 #if EPX_TEST_HAVE_GIN

@@ -80,7 +80,8 @@ static int refused(int which, epx_comm_t comm, const shape_t *a, epx_result_t re
     EXPECT_RES(open_with(which, comm, a, &out), res);
     EXPECT_MSG_HAS(needle);
     EXPECT_TRUE(out == sentinel);
-    printf("%s refused (%s): %s\n", which == GIN ? "gin" : "loop", epx_result_name(res), epx_last_error_message());
+    printf("%s refused (%s): %s\n", which == GIN ? "gin" : "loop", epx_result_name(res),
+           epx_last_error_message());
     return 0;
 }
 
@@ -123,7 +124,8 @@ static int check_refusal(int which, epx_comm_t comm)
 {
     const shape_t a = good_shape();
     if (which == LOOP) {
-        if (refused(which, comm, &a, EPX_ERR_UNSUPPORTED, "loop transport needs a communicator of the cuda backend"))
+        if (refused(which, comm, &a, EPX_ERR_UNSUPPORTED,
+                    "loop transport needs a communicator of the cuda backend"))
             return 1;
 #if EPX_TEST_LOOP
         EXPECT_OK(epx_loop_close(NULL));
@@ -131,7 +133,8 @@ static int check_refusal(int which, epx_comm_t comm)
         return 0;
     }
 #if EPX_TEST_GIN_HOST
-    if (refused(which, comm, &a, EPX_ERR_UNSUPPORTED, "needs a communicator of the cuda backend, not the host backend"))
+    if (refused(which, comm, &a, EPX_ERR_UNSUPPORTED,
+                "needs a communicator of the cuda backend, not the host backend"))
         return 1;
 #else
     char why[256];

@@ -501,7 +501,8 @@ int main(void)
 {
     if (test_strong_covers_earlier_puts() || test_strong_other_peer_not_covered() ||
         test_weak_covers_own_put_only() || test_contexts_and_puts_unordered() || test_wait_bounds() ||
-        test_flush_is_local() || test_normal_in_order() || test_bad_input() || test_check_op() || test_threaded())
+        test_flush_is_local() || test_normal_in_order() || test_bad_input() || test_check_op() ||
+        test_threaded())
         return 1;
     printf("ok\n");
     return 0;
