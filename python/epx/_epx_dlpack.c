@@ -557,7 +557,8 @@ int py_alloc_tensor(call_ctx_t *ctx, keep_t *keep, epx_dtype_t dtype, int ndim, 
             Py_DECREF(obj);
             return -1;
         }
-        if (ctx->dl_device_type == DL_CPU || (ctx->dl_device_type == DL_CUDA && ctx->stream_is_torch_current)) {
+        const int cuda_ok = ctx->dl_device_type == DL_CUDA && ctx->stream_is_torch_current;
+        if (ctx->dl_device_type == DL_CPU || cuda_ok) {
             PyObject *ptr = PyObject_CallMethodNoArgs(obj, g_names.data_ptr);
             void *data = ptr ? PyLong_AsVoidPtr(ptr) : NULL;
             Py_XDECREF(ptr);

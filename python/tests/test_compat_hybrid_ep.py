@@ -234,7 +234,8 @@ def _permute(rank, nranks, dist, ragged):
     tokens, p_probs, _, per_expert, handle = buf.dispatch_with_permute(
         hidden=hidden, routing_map=rmap, probs=probs, pad_multiple=PAD, num_permuted_tokens=big,
         non_blocking=True, use_fp8=False)
-    assert tokens.shape[0] == big and p_probs.shape[0] == big and not tokens[P:].any() and not p_probs[P:].any()
+    assert tokens.shape[0] == big and p_probs.shape[0] == big
+    assert not tokens[P:].any() and not p_probs[P:].any()
     same(tokens[:P].contiguous(), ref.p_tokens, "permuted tokens past the cap", rank)
     assert int(handle[-1].item()) == 0
     combined, c_probs = buf.combine_with_unpermute(hidden=tokens, probs=p_probs, handle=handle,
@@ -501,9 +502,9 @@ def _older_names(rank, nranks, dist):
     """Earlier releases' keywords: the domain size under its older names, num_of_experts for the experts,
     num_sms_permute_api; update_template_config's max_num_of_tokens_per_rank; use_fp8 with float8 rows."""
     comm = epx.Comm.from_torch(dist.group.WORLD, backend="host")
-    buf = HybridEPBuffer(dist.group.WORLD, hidden_dim=H, max_num_of_tokens_per_rank=T_MAX, num_of_experts=L * nranks,
-                         max_pad_multiple=PAD, comm=comm, nvlink_domain_size=nranks, num_sms_permute_api=4,
-                         use_fp8=True)
+    buf = HybridEPBuffer(dist.group.WORLD, hidden_dim=H, max_num_of_tokens_per_rank=T_MAX,
+                         num_of_experts=L * nranks, max_pad_multiple=PAD, comm=comm, nvlink_domain_size=nranks,
+                         num_sms_permute_api=4, use_fp8=True)
     assert buf.num_local_experts == L and buf.num_of_hybrid_ep_ranks_per_nvlink_domain == nranks
     buf.update_template_config(max_num_of_tokens_per_rank=buf.max_num_of_tokens_per_rank)
     with pytest.raises(ValueError, match="num_of_tokens_per_rank"):

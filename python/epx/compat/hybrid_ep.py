@@ -88,8 +88,8 @@ class HybridEPBuffer:
     enable_custom_allgather, use_mnnvl, and earlier releases' num_sms_permute_api. Earlier releases'
     names num_of_ranks_per_nvlink_domain and nvlink_domain_size (and the environment's NVLINK_DOMAIN_SIZE)
     stand for num_of_hybrid_ep_ranks_per_nvlink_domain; num_of_experts (keyword) may replace
-    num_local_experts, or must equal num_local_experts times the group size. num_sms_dispatch_api / num_sms_combine_api (None = epx's
-    default) give the buffer's num_sms, their maximum.
+    num_local_experts, or must equal num_local_experts times the group size. num_sms_dispatch_api /
+    num_sms_combine_api (None = epx's default) give the buffer's num_sms, their maximum.
 
     epx's own keywords: num_topk, the most experts one token may select (default max(8,
     group size), at most E; a routing map selecting more is refused, naming num_topk); max_pad_multiple
@@ -105,8 +105,8 @@ class HybridEPBuffer:
                  num_sms_preprocessing_api=None, num_blocks_permute=None, num_blocks_unpermute=None,
                  load_cached_kernels=False, use_shared_buffer=True, enable_custom_allgather=False,
                  num_of_hybrid_ep_ranks_per_nvlink_domain=None, use_mnnvl=None, *, num_topk=None,
-                 max_pad_multiple=128, comm=None, num_sms_permute_api=None, num_of_ranks_per_nvlink_domain=None,
-                 nvlink_domain_size=None, num_of_experts=None):
+                 max_pad_multiple=128, comm=None, num_sms_permute_api=None,
+                 num_of_ranks_per_nvlink_domain=None, nvlink_domain_size=None, num_of_experts=None):
         # Keywords of earlier HybridEP releases: the domain size under two older names, the experts in all.
         for older in (num_of_ranks_per_nvlink_domain, nvlink_domain_size):
             if num_of_hybrid_ep_ranks_per_nvlink_domain is None:
@@ -265,7 +265,8 @@ class HybridEPBuffer:
             probs = probs.float()
         x, sf = self._hidden(hidden, scaling_factor)
         # HybridEP sizes its outputs to any bound; epx refuses one past what the buffer can produce, so the
-        # library gets the largest it takes and the front pads the rest (rows no dispatch can fill) with zeros.
+        # library gets the largest it takes and the front pads the rest (rows no dispatch can fill) with
+        # zeros.
         lib_bound = min(bound, self._bound_cap(permute)) if bound is not None and bound >= 0 else bound
         kw = {"num_permuted_tokens": lib_bound} if permute else {"num_dispatched_tokens": lib_bound}
         try:
@@ -413,8 +414,9 @@ class HybridEPBuffer:
         """The combine of the hidden rows, then (with probs) of the probs; both collective. Rows the front
         padded past the library's (state.lib_rows) are left out: no dispatch filled them."""
         if state.lib_rows is not None:
-            hidden = hidden[:state.lib_rows] if hidden is not None and hidden.shape[0] > state.lib_rows else hidden
-            probs = probs[:state.lib_rows] if probs is not None and probs.shape[0] > state.lib_rows else probs
+            n = state.lib_rows
+            hidden = hidden[:n] if hidden is not None and hidden.shape[0] > n else hidden
+            probs = probs[:n] if probs is not None and probs.shape[0] > n else probs
         with epx.collective(self.buffer, epx.RM_COMBINE):
             packed = self._pack_probs(state, probs) if probs is not None else None
             combined = self.buffer.rm_combine(hidden, state.handle, weighted=weighted)
@@ -437,8 +439,8 @@ class HybridEPBuffer:
             routing_map, probs = self._routing(hidden, routing_map, probs, topk_idx, topk_weights,
                                                num_of_experts, handle)
             out, tokens, d_probs, d_sf, lib_rows = self._dispatch(
-                "dispatch", hidden, scaling_factor, routing_map, probs, handle, False, 1, num_dispatched_tokens,
-                num_of_tokens_per_rank)
+                "dispatch", hidden, scaling_factor, routing_map, probs, handle, False, 1,
+                num_dispatched_tokens, num_of_tokens_per_rank)
         bounded = num_dispatched_tokens is not None
         if handle is not None:
             count, local_map = handle[3], self._replayed_map(handle, bounded, out.num_tokens)
@@ -479,8 +481,8 @@ class HybridEPBuffer:
                 raise ValueError("non_blocking=True needs num_permuted_tokens (an upper bound on the rows)")
             if hidden is None:
                 raise ValueError("dispatch_with_permute needs hidden")
-            if use_fp8 is not None and use_fp8 != (hidden.dtype in (_torch().uint8,
-                                                                    getattr(_torch(), "float8_e4m3fn", None))):
+            fp8_rows = (_torch().uint8, getattr(_torch(), "float8_e4m3fn", None))
+            if use_fp8 is not None and use_fp8 != (hidden.dtype in fp8_rows):
                 raise ValueError("use_fp8=%s does not match hidden's dtype %s" % (use_fp8, hidden.dtype))
             routing_map, probs = self._routing(hidden, routing_map, probs, topk_idx, topk_weights,
                                                num_of_experts, handle)
