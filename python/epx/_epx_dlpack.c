@@ -531,6 +531,24 @@ static PyObject *torch_template(const call_ctx_t *ctx, epx_dtype_t dtype)
     return kept[slot][dtype];
 }
 
+/* A contiguous output of our own making (numpy array or torch tensor from a template): its description
+ * from what we asked for, without asking the framework. A zero-element tensor's NULL data gets the
+ * stand-in address, as describe_tensor gives it. */
+static void describe_own(epx_tensor_t *t, void *data, epx_dtype_t dtype, int ndim, const int64_t *shape,
+                         int cuda, int device_id)
+{
+    memset(t, 0, sizeof(*t));
+    t->dtype = dtype;
+    t->ndim = ndim;
+    int empty = 0;
+    for (int i = 0; i < ndim; i++) {
+        t->shape[i] = shape[i] > 0 ? shape[i] : 0;
+        empty |= t->shape[i] == 0;
+    }
+    t->data = data || !empty ? data : (void *)&g_empty_data;
+    t->device_type = cuda ? EPX_DEVICE_CUDA : EPX_DEVICE_HOST;
+    t->device_id = cuda ? device_id : 0;
+}
 /* *obj_out gets the new reference the caller returns (for torch fp8, the float8 view of the exported
  * bytes). */
 int py_alloc_tensor(call_ctx_t *ctx, keep_t *keep, epx_dtype_t dtype, int ndim, const int64_t *shape,
@@ -566,17 +584,7 @@ int py_alloc_tensor(call_ctx_t *ctx, keep_t *keep, epx_dtype_t dtype, int ndim, 
                 Py_DECREF(obj);
                 return -1;
             }
-            memset(t, 0, sizeof(*t));
-            t->dtype = dtype;
-            t->ndim = ndim;
-            int empty = 0;
-            for (int i = 0; i < ndim; i++) {
-                t->shape[i] = shape[i] > 0 ? shape[i] : 0;
-                empty |= t->shape[i] == 0;
-            }
-            t->data = data || !empty ? data : (void *)&g_empty_data;
-            t->device_type = ctx->dl_device_type == DL_CUDA ? EPX_DEVICE_CUDA : EPX_DEVICE_HOST;
-            t->device_id = ctx->dl_device_type == DL_CUDA ? ctx->device_id : 0;
+            describe_own(t, data, dtype, ndim, shape, ctx->dl_device_type == DL_CUDA, ctx->device_id);
             *obj_out = obj;
             return 0;
         }
@@ -602,13 +610,8 @@ int py_alloc_tensor(call_ctx_t *ctx, keep_t *keep, epx_dtype_t dtype, int ndim, 
             Py_DECREF(obj);
             return -1;
         }
-        memset(t, 0, sizeof(*t));
-        t->data = view.buf;
+        describe_own(t, view.buf, dtype, ndim, shape, 0, 0);
         PyBuffer_Release(&view); /* the array itself stays alive as the call's output */
-        t->dtype = dtype;
-        t->ndim = ndim;
-        for (int i = 0; i < ndim; i++) t->shape[i] = shape[i] > 0 ? shape[i] : 0;
-        t->device_type = EPX_DEVICE_HOST;
         *obj_out = obj;
         return 0;
     }

@@ -117,10 +117,8 @@ static epx_result_t open_map(epx_loop_t *l, const loop_rec_t *all)
 {
     const int me = l->rank;
     for (int r = 0; r < l->nranks; r++) {
-        if (r == me) continue;
-        const int same = l->comm->peers[r].pid == l->comm->peers[me].pid;
+        if (r == me || l->comm->peers[r].pid == l->comm->peers[me].pid) continue; /* ours: as they are */
         for (int i = 0; i < l->nregions + 1; i++) {
-            if (same) continue;
             void *p = NULL;
             const cudaError_t e = cudaIpcOpenMemHandle(&p, all[r].handle[i], cudaIpcMemLazyEnablePeerAccess);
             if (e != cudaSuccess)

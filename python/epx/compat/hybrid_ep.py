@@ -338,11 +338,7 @@ class HybridEPBuffer:
             return local_map
         if not bounded:
             return local_map[:num_tokens]
-        torch = _torch()
-        rows = self.group_size * self.max_num_of_tokens_per_rank
-        pad = torch.zeros((rows - local_map.shape[0], local_map.shape[1]), dtype=local_map.dtype,
-                          device=local_map.device)
-        return torch.cat([local_map, pad])
+        return self._pad_rows(local_map, self.group_size * self.max_num_of_tokens_per_rank)
 
     @staticmethod
     def _row_id_map(local_map, tokens_per_expert):
