@@ -175,7 +175,8 @@ epx_result_t epx_cuda_report_record(cuda_buffer_t *cb, uint64_t min_epoch, int s
     if (code == 0 || epoch < min_epoch) return EPX_SUCCESS;
     static const char *what_names[] = {"?", "release of its dispatch area", "dispatch rows", "release of its combine area",
                                        "combine rows", "expert id", "capacity", "call",
-                                       "acceptance of its row count (its outputs are too small)", "routing map"};
+                                       "acceptance of its row count (its outputs are too small)", "routing map",
+                                       "earlier call"};
     const int nwhat = (int)(sizeof(what_names) / sizeof(what_names[0]));
     int what = hb->err.what >= 0 && hb->err.what < nwhat ? hb->err.what : 0;
     char msg[512];
@@ -190,6 +191,10 @@ epx_result_t epx_cuda_report_record(cuda_buffer_t *cb, uint64_t min_epoch, int s
                  "past them); this rank's outputs of collective epoch %llu are poisoned (counts -1, rows NaN)",
                  hb->err.rank, (long long)where, cb->buffer->config.num_topk, (long long)hb->err.seen,
                  (unsigned long long)epoch);
+    else if (what == EPX_CUDA_WAIT_NET_FAILED)
+        snprintf(msg, sizeof(msg), "rank %d: collective epoch %llu not run: an LL call of this buffer across nodes "
+                 "failed at epoch %llu (on this rank or a peer), which leaves the ranks out of step; destroy the "
+                 "buffer", hb->err.rank, (unsigned long long)epoch, (unsigned long long)hb->err.seen);
     else if (code == EPX_ERR_MISMATCH)
         describe_mismatch(msg, sizeof(msg), hb->err.rank, hb->err.peer, (uint32_t)hb->err.seen,
                           (uint32_t)hb->err.expected, epoch);
@@ -297,16 +302,20 @@ static epx_result_t cuda_buffer_create(epx_buffer_t buffer)
     if (R > EPX_CUDA_MAX_RANKS)
         return epx_error(EPX_ERR_UNSUPPORTED, "rank %d: the cuda backend supports at most %d ranks, not %d", me,
                          EPX_CUDA_MAX_RANKS, R);
-    if (comm->num_nodes > 1) {
+    /* Across nodes only LL runs: its kernels reach every rank through the network transport
+     * (src/kernels/ll_net.cu); HT and the routing map have no kernels across nodes yet. */
+    const int across = comm->num_nodes > 1;
+    if (across && buffer->config.modes != EPX_MODE_LL) {
         char why[192];
         return epx_error(EPX_ERR_UNSUPPORTED,
                          "rank %d: the ranks span %d nodes (node 0 '%s', node 1 '%s', %d ranks each); the cuda "
-                         "backend reaches only ranks of its own node without its network transport: %s",
+                         "backend runs only EPX_MODE_LL across nodes (HT and routing-map kernels across nodes do not "
+                         "exist yet); GIN: %s",
                          me, comm->num_nodes, comm->peers[0].node_id, comm->peers[comm->ranks_per_node].node_id,
                          comm->ranks_per_node, epx_net_gin_unavailable(why, sizeof(why)));
     }
     /* Fabric handles reach every GPU of a multi-node NVLink domain; other exports only this host's. */
-    for (int r = 0; r < R && !epx_cuda_ipc_asks_fabric(); r++)
+    for (int r = 0; r < R && !across && !epx_cuda_ipc_asks_fabric(); r++)
         if (comm->peers[r].host_hash != comm->peers[me].host_hash)
             return epx_error(EPX_ERR_UNSUPPORTED, "rank %d: rank %d is on host %s, not %s; the cuda backend needs "
                              "every rank in one nvlink domain on one machine", me, r, comm->peers[r].hostname,
@@ -342,7 +351,17 @@ static epx_result_t cuda_buffer_create(epx_buffer_t buffer)
     EPX_CHECK_GOTO(default_num_sms(buffer, &num_sms, asked), res, err_free_state);
     cb->num_blocks = num_sms;
 
-    EPX_CHECK_GOTO(epx_cuda_ipc_alloc(cb), res, err_free_region);
+    if (across) { /* nothing of the region is shared: the transport carries what peers see */
+        cb->ipc_fd = -1;
+        cb->ipc_kind = EPX_CUDA_IPC_LEGACY;
+        EPX_CHECK_GOTO(epx_comm_agree(comm,
+                                      epx_cuda_check(cudaMalloc((void **)&cb->region, cb->lay.total),
+                                                     "cudaMalloc(region)", me),
+                                      "allocate its region"),
+                       res, err_free_region);
+    } else {
+        EPX_CHECK_GOTO(epx_cuda_ipc_alloc(cb), res, err_free_region);
+    }
     EPX_CHECK_GOTO(epx_cuda_check(cudaMemset(cb->region, 0, cb->lay.total), "cudaMemset(region)", me), res,
                    err_free_region);
     /* The block, then the per-expert counts of a default-mode dispatch (EPX_CUDA_HOST_COUNTS). */
@@ -362,18 +381,21 @@ static epx_result_t cuda_buffer_create(epx_buffer_t buffer)
     cb->internal_stream = st;
     EPX_CHECK_GOTO(epx_cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize", me), res, err_destroy_stream);
 
-    /* Every peer's region mapped here (the sizes were agreed with the kind of export). */
-    EPX_CHECK_GOTO(epx_cuda_ipc_map_peers(cb), res, err_destroy_stream);
+    /* Every peer's region mapped here (the sizes were agreed with the kind of export); across nodes
+     * only our own. */
+    if (across)
+        cb->peers[me] = cb->region;
+    else
+        EPX_CHECK_GOTO(epx_cuda_ipc_map_peers(cb), res, err_destroy_stream);
     /* Nobody writes into a peer's region before every rank has mapped every region. */
     EPX_CHECK_GOTO(epx_comm_barrier(comm), res, err_close_peers);
 
-    EPX_CHECK_GOTO(epx_cuda_watch_start(cb), res, err_close_peers);
-    if (buffer->config.modes & EPX_MODE_LL) {
-        res = epx_cuda_ll_init(cb);
-        if (res != EPX_SUCCESS) {
-            epx_cuda_watch_stop(cb);
-            goto err_close_peers;
-        }
+    /* LL state first (across nodes it opens the transport, which the watcher then polls). */
+    if (buffer->config.modes & EPX_MODE_LL) EPX_CHECK_GOTO(epx_cuda_ll_init(cb), res, err_close_peers);
+    res = epx_cuda_watch_start(cb);
+    if (res != EPX_SUCCESS) {
+        epx_cuda_ll_fini(cb);
+        goto err_close_peers;
     }
     buffer->backend_state = cb;
     live_add(cb);
@@ -602,7 +624,7 @@ static void tell_peers_gone(cuda_buffer_t *cb)
         (void)cudaGetLastError();
     internal_stream_wait(cb);
     for (int r = 0; r < comm->nranks; r++) {
-        if (r == comm->rank || told[r] == ~0ull) continue;
+        if (r == comm->rank || told[r] == ~0ull || !cb->peers[r]) continue; /* across nodes: none mapped */
         uint64_t *word = &((epx_cuda_ctrl_t *)cb->peers[r])->fail[comm->rank];
         if (cudaMemcpyAsync(word, (const void *)&cb->host->gone, sizeof(*word), cudaMemcpyDefault, st) !=
             cudaSuccess)

@@ -155,6 +155,11 @@ epx_result_t epx_cuda_ht_get_combine_input(epx_buffer_t buffer, epx_handle_t han
 uint64_t epx_cuda_ll_bytes(epx_buffer_t buffer);
 epx_result_t epx_cuda_ll_init(cuda_buffer_t *cb);
 void epx_cuda_ll_fini(cuda_buffer_t *cb);
+/* Across nodes: ends every wait of the LL kernels on the network transport (a peer gone, teardown). */
+void epx_cuda_ll_abort(cuda_buffer_t *cb);
+/* Across nodes: the transport's own look at the peers (never blocks); EPX_ERR_REMOTE once one is gone (the
+ * transport's waits then end). EPX_SUCCESS without a transport. */
+epx_result_t epx_cuda_ll_poll(cuda_buffer_t *cb);
 /* Called by epx_cuda_tell_peers before the epoch of the failed call is closed. */
 void epx_cuda_ll_on_fail(cuda_buffer_t *cb, void *stream);
 epx_result_t epx_cuda_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ll_dispatch_args_t *args,

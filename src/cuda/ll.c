@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "cuda/cuda.h"
+#include "net/loop_host.h"
 
 enum { LL_PENDING_NONE = 0, LL_PENDING_DISPATCH = 1, LL_PENDING_COMBINE = 2 };
 
@@ -26,6 +27,11 @@ typedef struct ll_slot {
 
 typedef struct cuda_ll {
     epx_cuda_ll_layout_t lay;
+    /* Across nodes (src/kernels/ll_net.cu): the transport, its layout and our two regions. */
+    epx_loop_t *loop;
+    epx_net_t net;
+    epx_cuda_ll_net_layout_t nl;
+    uint8_t *net_recv, *net_send;
     ll_slot_t slots[2];
     uint64_t dispatches_seen; /* buffer->ll_dispatches at our last dispatch */
     uint64_t last_disp_epoch; /* epoch of our last LL dispatch (0: none, or given back) */
@@ -39,6 +45,8 @@ static uint64_t ll_align(uint64_t v, uint64_t a)
 /* Offsets relative to `base`; the same numbers on every rank. */
 static void ll_compute(epx_buffer_t b, uint64_t base, epx_cuda_ll_layout_t *l)
 {
+    /* Across nodes the areas peers write or read are the transport's (ll_net_compute): none here. */
+    const uint64_t here = b->comm->num_nodes > 1 ? 0 : 1;
     const uint64_t R = (uint64_t)b->comm->nranks, T = (uint64_t)b->config.max_tokens;
     const uint64_t H = (uint64_t)b->config.hidden, K = (uint64_t)b->config.num_topk;
     const uint64_t L = (uint64_t)b->num_local_experts, RT = R * T;
@@ -48,18 +56,82 @@ static void ll_compute(epx_buffer_t b, uint64_t base, epx_cuda_ll_layout_t *l)
     l->ctrl = off;
     off = ll_align(off + sizeof(epx_cuda_ll_ctrl_t), 256);
     l->cnt = off;
-    off = ll_align(off + 2 * R * L * 4, 256);
+    off = ll_align(off + here * 2 * R * L * 4, 256);
     l->disp = off;
-    off = ll_align(off + 2 * L * RT * l->row_stride, 256);
+    off = ll_align(off + here * 2 * L * RT * l->row_stride, 256);
     l->comb = off;
-    off = ll_align(off + 2 * T * K * H * 2, 256);
+    off = ll_align(off + here * 2 * T * K * H * 2, 256);
     l->zc = off;
-    off = ll_align(off + 2 * L * RT * H * 2, 256);
+    off = ll_align(off + here * 2 * L * RT * H * 2, 256);
     l->meta = off;
     off = ll_align(off + 2 * L * RT * 8, 256);
     l->rcount = off;
     off = ll_align(off + 2 * L * 4, 256);
     l->total = off - base;
+}
+
+/* The transport regions of a buffer across nodes (contract.h: epx_cuda_ll_net_layout_t). */
+static void ll_net_compute(epx_buffer_t b, uint64_t row_stride, epx_cuda_ll_net_layout_t *n)
+{
+    const uint64_t R = (uint64_t)b->comm->nranks, T = (uint64_t)b->config.max_tokens;
+    const uint64_t H = (uint64_t)b->config.hidden, K = (uint64_t)b->config.num_topk;
+    const uint64_t L = (uint64_t)b->num_local_experts, E = (uint64_t)b->config.num_experts;
+    memset(n, 0, sizeof(*n));
+    uint64_t off = 0;
+    n->r_cnt = off;
+    off = ll_align(off + R * L * 4, 256);
+    n->r_disp = off;
+    off = ll_align(off + L * R * T * row_stride, 256);
+    n->r_comb = off;
+    off = ll_align(off + T * K * H * 2, 256);
+    n->recv_slot = off;
+    n->recv_bytes = 2 * off;
+    off = 0;
+    n->s_cnt = off;
+    off = ll_align(off + E * 4, 256);
+    n->s_msg = off;
+    off = ll_align(off + T * row_stride, 256);
+    n->s_tail = off;
+    off = ll_align(off + T * K * 16, 256);
+    n->s_zc = off;
+    off = ll_align(off + L * R * T * H * 2, 256);
+    n->send_slot = off;
+    n->send_bytes = 2 * off;
+}
+
+/* Opens the network transport of a buffer across nodes (collective): EPX_NET_TRANSPORT=loop takes the
+ * loop test transport (EPX_NET_LOOP_STRICT=1 its strict mode); this version's LL kernels across nodes
+ * run over nothing else yet. */
+static epx_result_t ll_net_open(cuda_buffer_t *cb, cuda_ll_t *ll)
+{
+    epx_buffer_t b = cb->buffer;
+    epx_comm_t comm = b->comm;
+    const int me = comm->rank;
+    const char *t = getenv("EPX_NET_TRANSPORT");
+    if (!t || strcmp(t, "loop") != 0)
+        return epx_error(EPX_ERR_UNSUPPORTED,
+                         "rank %d: an LL buffer across %d nodes needs a network transport; this version's LL kernels "
+                         "across nodes run over the loop test transport only (EPX_NET_TRANSPORT=loop, every rank on "
+                         "one machine), not over %s%s%s", me, comm->num_nodes, t ? "EPX_NET_TRANSPORT=" : "GIN",
+                         t ? t : "", t ? "" : " (next)");
+    ll_net_compute(b, ll->lay.row_stride, &ll->nl);
+    epx_loop_open_args_t a;
+    memset(&a, 0, sizeof(a));
+    a.nregions = 2;
+    a.region_bytes[EPX_LL_NET_RECV] = ll->nl.recv_bytes;
+    a.region_bytes[EPX_LL_NET_SEND] = ll->nl.send_bytes;
+    a.contexts = EPX_LL_NET_CONTEXTS;
+    a.nsignals = EPX_LL_NET_SIGNALS(comm->nranks);
+    const char *strict = getenv("EPX_NET_LOOP_STRICT");
+    a.strict = strict && strcmp(strict, "0") != 0;
+    EPX_CHECK(epx_loop_open(comm, &a, &ll->loop));
+    ll->net = epx_loop_net(ll->loop);
+    ll->net_recv = epx_loop_region(ll->loop, EPX_LL_NET_RECV);
+    ll->net_send = epx_loop_region(ll->loop, EPX_LL_NET_SEND);
+    EPX_INFO(EPX_SUBSYS_LL, "rank %d: ll across %d nodes over the loop transport%s: %llu + %llu bytes of regions",
+             me, comm->num_nodes, a.strict ? " (strict)" : "", (unsigned long long)ll->nl.recv_bytes,
+             (unsigned long long)ll->nl.send_bytes);
+    return EPX_SUCCESS;
 }
 
 uint64_t epx_cuda_ll_bytes(epx_buffer_t buffer)
@@ -87,8 +159,28 @@ epx_result_t epx_cuda_ll_init(cuda_buffer_t *cb)
             return res;
         }
     }
+    if (b->comm->num_nodes > 1) {
+        epx_result_t res = ll_net_open(cb, ll);
+        if (res != EPX_SUCCESS) {
+            for (int i = 0; i < 2; i++) (void)cudaEventDestroy(ll->slots[i].sent);
+            free(ll);
+            return res;
+        }
+    }
     cb->ll = ll;
     return EPX_SUCCESS;
+}
+
+void epx_cuda_ll_abort(cuda_buffer_t *cb)
+{
+    cuda_ll_t *ll = cb->ll;
+    if (ll && ll->loop) epx_loop_abort(ll->loop);
+}
+
+epx_result_t epx_cuda_ll_poll(cuda_buffer_t *cb)
+{
+    cuda_ll_t *ll = cb->ll;
+    return ll && ll->loop ? epx_loop_poll(ll->loop) : EPX_SUCCESS;
 }
 
 void epx_cuda_ll_fini(cuda_buffer_t *cb)
@@ -96,6 +188,12 @@ void epx_cuda_ll_fini(cuda_buffer_t *cb)
     cuda_ll_t *ll = cb->ll;
     if (!ll) return;
     for (int i = 0; i < 2; i++) (void)cudaEventDestroy(ll->slots[i].sent);
+    if (ll->loop) {
+        epx_result_t res = epx_loop_close(ll->loop);
+        if (res != EPX_SUCCESS)
+            EPX_WARN(EPX_SUBSYS_LL, "rank %d: closing the loop transport: %s", cb->buffer->comm->rank,
+                     epx_last_error_message());
+    }
     free(ll);
     cb->ll = NULL;
     if (cb->ll_stamps) (void)cudaFree(cb->ll_stamps);
@@ -111,6 +209,21 @@ void epx_cuda_ll_fill(cuda_buffer_t *cb, int slot, epx_cuda_ll_args_t *a)
     a->slot = slot;
     a->num_experts = cb->buffer->config.num_experts;
     a->stamps = cb->ll_stamps;
+    a->net = ll->net;
+    a->nl = ll->nl;
+    a->net_recv = ll->net_recv;
+    a->net_send = ll->net_send;
+}
+
+/* The launch of one half: the network path on a buffer across nodes. */
+static int ll_launch_half(const epx_cuda_ll_args_t *a, int dispatch, int32_t phase, void *stream)
+{
+    if (a->net.transport != EPX_NET_TRANSPORT_NONE) return epx_cuda_launch_ll_net(a, dispatch, phase, stream);
+    if (dispatch)
+        return phase == EPX_LL_PHASE_SEND ? epx_cuda_launch_ll_dispatch_send(a, stream)
+                                          : epx_cuda_launch_ll_dispatch_recv(a, stream);
+    return phase == EPX_LL_PHASE_SEND ? epx_cuda_launch_ll_combine_send(a, stream)
+                                      : epx_cuda_launch_ll_combine_recv(a, stream);
 }
 
 /* Starts an LL call. A device failure of an earlier LL call reaches the comm now rather than at
@@ -204,7 +317,7 @@ epx_result_t epx_cuda_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_l
     a.c.call_sig = epx_cuda_sig(EPX_CUDA_CALL_LL_DISPATCH, a.use_fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16, 0, 0);
 
     EPX_CHECK(
-        epx_cuda_op_sent(&op, epx_cuda_launch_ll_dispatch_send(&a, args->stream), "ll dispatch send launch"));
+        epx_cuda_op_sent(&op, ll_launch_half(&a, 1, EPX_LL_PHASE_SEND, args->stream), "ll dispatch send launch"));
     ll->dispatches_seen = buffer->ll_dispatches;
     ll->last_disp_epoch = op.epoch;
     ll_mark_sent(sl, &op);
@@ -222,7 +335,7 @@ epx_result_t epx_cuda_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_l
         outputs->hook = (epx_hook_t){buffer, seq, LL_PENDING_DISPATCH, slot};
         return epx_cuda_op_record(&op);
     }
-    EPX_CHECK(epx_cuda_op_launched(&op, epx_cuda_launch_ll_dispatch_recv(&a, args->stream),
+    EPX_CHECK(epx_cuda_op_launched(&op, ll_launch_half(&a, 1, EPX_LL_PHASE_RECV, args->stream),
                                    "ll dispatch recv launch"));
     sl->recv_done = 1;
     outputs->handle = handle;
@@ -257,6 +370,7 @@ void *epx_cuda_ll_zc_ptr(cuda_buffer_t *cb, int slot)
 {
     cuda_ll_t *ll = cb->ll;
     epx_buffer_t b = cb->buffer;
+    if (ll->net_send) return ll->net_send + (uint64_t)slot * ll->nl.send_slot + ll->nl.s_zc;
     const uint64_t view = (uint64_t)b->num_local_experts * (uint64_t)b->comm->nranks *
                           (uint64_t)b->config.max_tokens * (uint64_t)b->config.hidden * 2;
     return cb->region + ll->lay.zc + (uint64_t)slot * view;
@@ -289,7 +403,7 @@ epx_result_t epx_cuda_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll
     a.combined_x = outputs->combined_x.data;
     a.c.call_sig = epx_cuda_sig(EPX_CUDA_CALL_LL_COMBINE, 0, 0, args->handle.seq);
     EPX_CHECK(
-        epx_cuda_op_sent(&op, epx_cuda_launch_ll_combine_send(&a, args->stream), "ll combine send launch"));
+        epx_cuda_op_sent(&op, ll_launch_half(&a, 0, EPX_LL_PHASE_SEND, args->stream), "ll combine send launch"));
     ll_mark_sent(sl, &op);
     EPX_TRACE(EPX_SUBSYS_LL, "rank %d: ll combine seq %llu of dispatch %llu epoch %llu slot %d%s%s", me,
               (unsigned long long)seq, (unsigned long long)args->handle.seq, (unsigned long long)op.epoch,
@@ -302,7 +416,7 @@ epx_result_t epx_cuda_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll
         outputs->hook = (epx_hook_t){buffer, seq, LL_PENDING_COMBINE, slot};
         return epx_cuda_op_record(&op);
     }
-    return epx_cuda_op_launched(&op, epx_cuda_launch_ll_combine_recv(&a, args->stream),
+    return epx_cuda_op_launched(&op, ll_launch_half(&a, 0, EPX_LL_PHASE_RECV, args->stream),
                                 "ll combine recv launch");
 }
 
@@ -346,8 +460,7 @@ epx_result_t epx_cuda_hook_run(const epx_hook_t *hook, void *stream)
         EPX_CHECK(epx_cuda_check(cudaStreamWaitEvent((cudaStream_t)stream, sl->sent, 0),
                                  "cudaStreamWaitEvent", me));
     const int is_dispatch = hook->kind == LL_PENDING_DISPATCH;
-    const int err = is_dispatch ? epx_cuda_launch_ll_dispatch_recv(&sl->recv_args, stream)
-                                : epx_cuda_launch_ll_combine_recv(&sl->recv_args, stream);
+    const int err = ll_launch_half(&sl->recv_args, is_dispatch, EPX_LL_PHASE_RECV, stream);
     EPX_CHECK(
         epx_cuda_op_launched(&op, err, is_dispatch ? "ll dispatch recv launch" : "ll combine recv launch"));
     sl->pending = LL_PENDING_NONE;
@@ -373,5 +486,9 @@ void epx_cuda_ll_on_fail(cuda_buffer_t *cb, void *stream)
         sl->recv_done = 0;
         sl->seq = 0;
     }
+    /* Across nodes nothing is released: a call refused on every rank (the same bad handle everywhere)
+     * moved no signal, so the ranks stay in step; where only some refuse, the others' waits on them end
+     * at the deadline and fail the buffer (src/kernels/ll_net.cu). */
+    if (ll->loop) return;
     if (epx_cuda_launch_ll_fail(&a, stream) != cudaSuccess) (void)cudaGetLastError();
 }

@@ -20,6 +20,7 @@ static void peer_exited(cuda_buffer_t *cb, int r)
     snprintf(msg, sizeof(msg), "rank %d: peer %d (pid %d) exited", comm->rank, r, (int)cb->procs.pid[r]);
     EPX_WARN(EPX_SUBSYS_IPC, "%s", msg);
     epx_comm_set_async_error(comm, EPX_ERR_REMOTE, msg);
+    epx_cuda_ll_abort(cb); /* across nodes: the transport's waits end too */
     uint64_t *word = &((epx_cuda_ctrl_t *)cb->region)->fail[r];
     if (cudaMemcpyAsync(word, (const void *)&cb->host->dead, sizeof(*word), cudaMemcpyHostToDevice,
                         (cudaStream_t)cb->watch_stream) != cudaSuccess)
@@ -38,6 +39,7 @@ static void *watch_main(void *arg)
         struct timespec ts = {0, 2 * 1000 * 1000};
         nanosleep(&ts, NULL);
         (void)epx_cuda_report_record(cb, cb->reported_epoch + 1, 0);
+        (void)epx_cuda_ll_poll(cb); /* across nodes: a peer gone ends the transport's waits */
         char msg[256];
         if (epx_cuda_bad_topk(cb, msg, sizeof(msg), 1))
             epx_comm_set_async_error(cb->buffer->comm, EPX_ERR_INVALID_ARG, msg);

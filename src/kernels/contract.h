@@ -9,6 +9,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "net/net.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -26,6 +28,7 @@ typedef enum epx_cuda_wait {
     EPX_CUDA_WAIT_CALL = 7,          /* not a wait: the peer's call differs from ours (call words) */
     EPX_CUDA_WAIT_ACCEPT = 8,        /* receiver's acceptance of its row count (accept words) */
     EPX_CUDA_WAIT_BAD_MAP = 9,       /* not a wait: a routing_map row with more than K true entries */
+    EPX_CUDA_WAIT_NET_FAILED = 10,   /* not a wait: an earlier LL call of a buffer across nodes failed */
 } epx_cuda_wait_t;
 
 /* The call word every collective kernel posts to every peer when it starts: epoch << 24 | signature.
@@ -333,6 +336,11 @@ typedef struct epx_cuda_ll_ctrl {
     uint64_t refused[2][2];                    /* owner: [slot][0 dispatch, 1 combine] epoch of the
                                                   slot's call that this rank refused (a bad id in its
                                                   topk_idx): its receive half poisons, waits for nothing */
+    /* Buffers across nodes (the network path, epx_cuda_ll_net_t): */
+    uint64_t net_disp[2];                      /* owner: [slot] dispatches of the slot so far */
+    uint64_t net_comb[2];                      /* owner: [slot] combines of the slot so far */
+    uint64_t net_failed;                       /* owner: epoch of the first failed call (0: none); every
+                                                  later call fails at once (the counts are out of step) */
 } epx_cuda_ll_ctrl_t;
 
 /* Absolute byte offsets of the LL areas inside a region (the same on every rank). */
@@ -348,9 +356,42 @@ typedef struct epx_cuda_ll_layout {
     uint64_t row_stride; /* bytes per dispatch row; the last 16 hold t and k */
 } epx_cuda_ll_layout_t;
 
+/* LL on a buffer whose ranks span nodes: every LL byte goes through the network transport (net.h), to
+ * the node's own ranks too; the region keeps only what no peer touches (ctrl, meta, rcount). Two
+ * transport regions, the same offsets on every rank, one area per double-buffer slot:
+ *  RECV (region 0): what peers put here;  SEND (region 1): what our puts read. */
+enum { EPX_LL_NET_RECV = 0, EPX_LL_NET_SEND = 1 };
+typedef struct epx_cuda_ll_net_layout {
+    uint64_t recv_slot; /* bytes of one slot's RECV area */
+    uint64_t r_cnt;     /* [R][L] int32: rows source s placed for each of our local experts */
+    uint64_t r_disp;    /* [L][R][T_max] rows of row_stride bytes (as epx_cuda_ll_layout_t.disp) */
+    uint64_t r_comb;    /* [T_max][K][H] bf16: the expert rows of our tokens, by (t, k) */
+    uint64_t recv_bytes;
+    uint64_t send_slot; /* bytes of one slot's SEND area */
+    uint64_t s_cnt;     /* [E] int32: our rows per expert (rank r's at r * L) */
+    uint64_t s_msg;     /* [T_max][row_stride]: each token's row, cast once */
+    uint64_t s_tail;    /* [T_max][K][16]: (t, k) of each (token, destination) */
+    uint64_t s_zc;      /* [L][R*T_max][H] bf16: combine input (the zero-copy view) */
+    uint64_t send_bytes;
+} epx_cuda_ll_net_layout_t;
+
+/* Signals of the network path (each rank has 9R): counts of events, never reset. */
+#define EPX_LL_NET_SIG_DISP(R, slot, s) ((uint32_t)((slot) * (R) + (s)))         /* source s's rows landed */
+#define EPX_LL_NET_SIG_COMB(R, slot, o) ((uint32_t)(2 * (R) + (slot) * (R) + (o))) /* owner o's rows landed */
+#define EPX_LL_NET_SIG_DACK(R, slot, r) ((uint32_t)(4 * (R) + (slot) * (R) + (r))) /* r read our dispatch rows */
+#define EPX_LL_NET_SIG_CACK(R, slot, r) ((uint32_t)(6 * (R) + (slot) * (R) + (r))) /* r read our combine rows */
+#define EPX_LL_NET_SIG_FAIL(R, s) ((uint32_t)(8 * (R) + (s)))                      /* s failed a call */
+#define EPX_LL_NET_SIGNALS(R) (9 * (R))
+#define EPX_LL_NET_CONTEXTS 4 /* dispatch of slot 0, 1; combine of slot 0, 1 */
+
 typedef struct epx_cuda_ll_args {
     epx_cuda_common_t c;
     epx_cuda_ll_layout_t ll;
+    /* Across nodes (net.transport != EPX_NET_TRANSPORT_NONE): the transport, its layout and our own
+     * RECV and SEND regions. */
+    epx_net_t net;
+    epx_cuda_ll_net_layout_t nl;
+    uint8_t *net_recv, *net_send;
     int32_t slot;
     int32_t num_experts;
     int32_t drop_disp;  /* release this slot's dispatch rows whose receive half never ran */
@@ -389,6 +430,9 @@ int epx_cuda_launch_ll_combine_recv(const epx_cuda_ll_args_t *args, void *stream
 /* This rank fails the collective about to get the next epoch: release both combine slots and, with
  * drop_disp, the dispatch slot `slot`, so the peers' next LL calls do not wait for us. */
 int epx_cuda_launch_ll_fail(const epx_cuda_ll_args_t *args, void *stream);
+/* The same four halves on a buffer across nodes (src/kernels/ll_net.cu): `dispatch` 1 or 0 (combine),
+ * `phase` EPX_LL_PHASE_*. */
+int epx_cuda_launch_ll_net(const epx_cuda_ll_args_t *args, int dispatch, int32_t phase, void *stream);
 
 #ifdef __cplusplus
 }

@@ -159,7 +159,7 @@ __global__ void fail_kernel(const __grid_constant__ epx_cuda_common_t c)
 {
     epx_cuda_ctrl_t *own = peer_ctrl(&c, c.rank);
     const uint64_t epoch = ld_volatile_u64(&own->epoch) + 1;
-    if ((int)threadIdx.x < c.nranks) {
+    if ((int)threadIdx.x < c.nranks && c.peers[threadIdx.x]) { /* across nodes only our own is mapped */
         epx_cuda_ctrl_t *peer = peer_ctrl(&c, threadIdx.x);
         st_release_sys(&peer->fail[c.rank], epoch);
         st_release_sys(&peer->disp_ack[c.rank], epoch);

@@ -7,7 +7,9 @@
  * expert and combine captured in one CUDA graph and replayed with new tokens and routing; repeated
  * iterations with matching hashes (EPX_GPU_TEST_LL_ITERS, default 20); a receive whose peer never
  * sends (recv_count -1, EPX_ERR_TIMEOUT, NaN combine rows). EPX_GPU_TEST_RANKS
- * (default "2,4,8") and EPX_GPU_TEST_QUICK=1 (sanitizer runs) shrink it.
+ * (default "2,4,8") and EPX_GPU_TEST_QUICK=1 (sanitizer runs) shrink it. EPX_GPU_TEST_NODES=1 runs the
+ * same across nodes instead: every split of EPX_TEST_NODE_SPLITS (EPX_NODE_ID per rank; the network
+ * transport from EPX_NET_TRANSPORT, e.g. loop), the failed receive on 2 nodes of 1.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,7 +22,18 @@
 typedef struct ctx {
     gpu_ctx_t gpu; /* first: the shared main passes &ctx.gpu */
     int iters;     /* EPX_GPU_TEST_LL_ITERS */
+    int per_node;  /* > 0: ranks form nodes of this many (EPX_NODE_ID), the LL path across nodes */
 } ctx_t;
+
+/* This rank's node id under the context's split (before its comm exists); 0, or 1 after reporting. */
+static int set_node(const ctx_t *ctx, int rank)
+{
+    char node[32];
+    snprintf(node, sizeof(node), "ll-node%d", ctx->per_node > 0 ? rank / ctx->per_node : 0);
+    if (epx_test_set_env("EPX_NODE_ID", ctx->per_node > 0 ? node : NULL))
+        return ref_fail(rank, "cannot set EPX_NODE_ID");
+    return 0;
+}
 
 /* One buffer configuration and the device tensors sized for it. */
 typedef struct cfg {
@@ -554,7 +567,14 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
     const ctx_t *ctx = vctx;
     epx_comm_t comm;
     int device;
-    if (gpu_test_comm(&ctx->gpu, id, rank, nranks, 0, &comm, &device)) return 1;
+    if (set_node(ctx, rank) || gpu_test_comm(&ctx->gpu, id, rank, nranks, 0, &comm, &device)) return 1;
+    if (ctx->per_node > 0) {
+        epx_node_topology_t nt = EPX_NODE_TOPOLOGY_INIT;
+        EXPECT_OK(epx_comm_get_node_topology(comm, &nt));
+        if (nt.num_nodes != nranks / ctx->per_node || nt.node != rank / ctx->per_node)
+            return ref_fail(rank, "node topology: node %d of %d, expected %d of %d", nt.node, nt.num_nodes,
+                            rank / ctx->per_node, nranks / ctx->per_node);
+    }
     /* E, K, H, T_max. */
     /* The last: a hidden size that is not a multiple of 8 (the kernels' scalar paths), bf16 cases only. */
     static const int64_t cfgs[][4] = {
@@ -604,7 +624,7 @@ static int fail_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
     static const int64_t cf[4] = {16, 4, 1024, 8}; /* E, K, H, T_max */
     epx_comm_t comm;
     int device;
-    if (gpu_test_comm(&ctx->gpu, id, rank, nranks, timeout_ms, &comm, &device)) return 1;
+    if (set_node(ctx, rank) || gpu_test_comm(&ctx->gpu, id, rank, nranks, timeout_ms, &comm, &device)) return 1;
     ref_set_case("failed receive R=%d", nranks);
     cfg_t g;
     epx_buffer_t buf;
@@ -666,8 +686,29 @@ int main(void)
     if (gpu_test_init(&ctx.gpu)) return EPX_TEST_SKIP;
     const char *iters = getenv("EPX_GPU_TEST_LL_ITERS");
     ctx.iters = iters && atoi(iters) > 0 ? atoi(iters) : 20;
-    if (gpu_test_each_nranks("ll", "2,4,8", rank_main, &ctx.gpu)) return 1;
-    printf("ll: failed receive, 2 ranks\n");
+    ctx.per_node = 0;
+    const char *nodes = getenv("EPX_GPU_TEST_NODES");
+    if (nodes && atoi(nodes) != 0) {
+        /* Across nodes: every split of EPX_TEST_NODE_SPLITS (ranks of one node each) on the network path. */
+        ref_split_t splits[REF_MAX_SPLITS];
+        const int n = ref_node_splits(splits);
+        if (n < 0) return 1;
+        for (int i = 0; i < n; i++) {
+            ctx.per_node = splits[i].per_node;
+            const int R = splits[i].nodes * splits[i].per_node;
+            printf("ll: %d node(s) of %d ranks (%s)\n", splits[i].nodes, splits[i].per_node,
+                   getenv("EPX_NET_TRANSPORT") ? getenv("EPX_NET_TRANSPORT") : "no transport set");
+            fflush(stdout);
+            if (epx_test_run_ranks(R, rank_main, &ctx, 500) != 0) {
+                fprintf(stderr, "ll: %dx%d failed\n", splits[i].nodes, splits[i].per_node);
+                return 1;
+            }
+        }
+        ctx.per_node = 1;
+    } else if (gpu_test_each_nranks("ll", "2,4,8", rank_main, &ctx.gpu)) {
+        return 1;
+    }
+    printf("ll: failed receive, 2 ranks%s\n", ctx.per_node ? " on 2 nodes" : "");
     fflush(stdout);
     if (epx_test_run_ranks(2, fail_main, &ctx, 200) != 0) {
         fprintf(stderr, "ll: failed-receive check failed\n");
