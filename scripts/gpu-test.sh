@@ -57,6 +57,19 @@ if phase sanitize && command -v compute-sanitizer >/dev/null; then
             log "  loop $tool FAILED (see sanitizer-loop-$tool.log)"; status=1
         fi
     done
+    # LL across 2 emulated nodes over the loop transport: memcheck in strict mode (queued puts landed by
+    # other threads), racecheck in normal mode.
+    for run in "memcheck 1" "racecheck 0"; do
+        set -- $run
+        log "compute-sanitizer $1, ll across 2 nodes, loop transport (strict $2)"
+        if timeout 200 compute-sanitizer --tool "$1" --target-processes all --error-exitcode 9 \
+            env EPX_GPU_TEST_NODES=1 EPX_TEST_NODE_SPLITS=2x1 EPX_NET_TRANSPORT=loop EPX_NET_LOOP_STRICT="$2" \
+            EPX_GPU_TEST_QUICK=1 "$BUILD/tests/gpu_ll" >"$LOGDIR/sanitizer-ll-nodes-$1.log" 2>&1; then
+            log "  ll nodes $1 clean"
+        else
+            log "  ll nodes $1 FAILED (see sanitizer-ll-nodes-$1.log)"; status=1
+        fi
+    done
     log "compute-sanitizer memcheck, ll, 2 ranks"
     if timeout 150 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
         env EPX_GPU_TEST_RANKS=2 EPX_GPU_TEST_QUICK=1 "$BUILD/tests/gpu_ll" >"$LOGDIR/sanitizer-ll.log" 2>&1; then

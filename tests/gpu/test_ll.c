@@ -680,6 +680,72 @@ static int fail_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
     return rc;
 }
 
+/* Across nodes, a rank killed between calls: rank 1 of 2 (one per node) exits after a good round
+ * without destroying anything; rank 0's next dispatch must end with EPX_ERR_REMOTE naming peer 1 well
+ * inside the comm's timeout (the watcher sees the process gone and aborts the transport's waits), its
+ * combine must write NaN, and its destroy must return within the timeout. */
+static int kill_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx)
+{
+    const ctx_t *ctx = vctx;
+    const int timeout_ms = 20000;
+    static const int64_t cf[4] = {16, 4, 1024, 8}; /* E, K, H, T_max */
+    epx_comm_t comm;
+    int device;
+    if (set_node(ctx, rank) || gpu_test_comm(&ctx->gpu, id, rank, nranks, timeout_ms, &comm, &device)) return 1;
+    ref_set_case("killed peer across nodes R=%d", nranks);
+    cfg_t g;
+    epx_buffer_t buf;
+    int rc = cfg_open(&g, comm, rank, nranks, device, cf, &buf);
+    const ll_case_t cs = {0, 0, 0, 0, 0, 0, 0, REF_ROUTE_RANDOM, 0, 1};
+    if (rc == 0) rc = run_case(buf, &g, rank, &cs, ctx->gpu.seed + 4343);
+    if (rc == 0 && rank == 1) {
+        fflush(stdout);
+        _exit(0); /* killed: nothing torn down */
+    }
+    if (rc == 0) {
+        usleep(200 * 1000); /* the peer is gone */
+        const uint64_t t0 = epx_time_ns();
+        epx_ll_dispatch_args_t a = EPX_LL_DISPATCH_ARGS_INIT;
+        epx_ll_dispatch_outputs_t o = EPX_LL_DISPATCH_OUTPUTS_INIT;
+        dispatch_args(&g, &cs, g.T_max, &a, &o);
+        a.cumulative_recv_stats.data = NULL;
+        EXPECT_OK(epx_ll_dispatch(buf, &a, &o));
+        CUDA_OK(cudaStreamSynchronize(g.st));
+        epx_result_t r = EPX_SUCCESS;
+        for (int i = 0; i < 2000 && r == EPX_SUCCESS; i++) {
+            r = epx_get_async_error(comm);
+            if (r == EPX_SUCCESS) usleep(2000);
+        }
+        const double ms = (double)(epx_time_ns() - t0) / 1e6;
+        printf("ll: killed peer reported in %.1f ms: %s\n", ms, epx_last_error_message());
+        if (r != EPX_ERR_REMOTE) rc = ref_fail(rank, "killed peer: async error %s, expected ERR_REMOTE", epx_result_name(r));
+        if (rc == 0 && !strstr(epx_last_error_message(), "peer 1"))
+            rc = ref_fail(rank, "killed peer: message '%s' does not name peer 1", epx_last_error_message());
+        if (rc == 0 && ms > timeout_ms / 2)
+            rc = ref_fail(rank, "killed peer: reported after %.0f ms (timeout %d ms)", ms, timeout_ms);
+        if (rc == 0) {
+            epx_ll_combine_args_t ca;
+            epx_ll_combine_outputs_t co;
+            combine_args(&g, g.T_max, &a.topk_idx, &ca, &co);
+            ca.handle = o.handle;
+            EXPECT_OK(epx_ll_combine(buf, &ca, &co));
+            CUDA_OK(cudaStreamSynchronize(g.st));
+            uint16_t first = 0;
+            cudaMemcpy(&first, g.out, 2, cudaMemcpyDeviceToHost);
+            if (first != 0x7fc0) rc = ref_fail(rank, "combine after a killed peer: 0x%x, expected NaN", first);
+        }
+    }
+    cfg_free(&g);
+    if (!buf) return 1;
+    const uint64_t t1 = epx_time_ns();
+    epx_buffer_destroy(buf); /* its verdict names the dead peer; bounded is what counts */
+    epx_comm_destroy(comm);
+    const double dms = (double)(epx_time_ns() - t1) / 1e6;
+    printf("ll: destroy after a killed peer took %.1f ms\n", dms);
+    if (rc == 0 && dms > timeout_ms + 5000) rc = ref_fail(rank, "destroy took %.0f ms", dms);
+    return rc;
+}
+
 int main(void)
 {
     ctx_t ctx;
@@ -715,5 +781,14 @@ int main(void)
         return 1;
     }
     printf("ll: failed receive passed\n");
+    if (ctx.per_node) {
+        printf("ll: killed peer, 2 ranks on 2 nodes\n");
+        fflush(stdout);
+        if (epx_test_run_ranks(2, kill_main, &ctx, 200) != 0) {
+            fprintf(stderr, "ll: killed-peer check failed\n");
+            return 1;
+        }
+        printf("ll: killed peer passed\n");
+    }
     return 0;
 }
