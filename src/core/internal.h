@@ -112,6 +112,8 @@ typedef struct epx_params {
     char node_id[EPX_NODE_ID_MAX];   /* EPX_NODE_ID, "" = the config's or the host's identity */
     int32_t print_env;               /* EPX_PRINT_ENV */
     char cuda_ipc[16];               /* EPX_CUDA_IPC: auto, fd, fabric or legacy (src/cuda/ipc.c) */
+    char net_transport[16];          /* EPX_NET_TRANSPORT: "" or loop (src/cuda/ll.c) */
+    int32_t net_loop_strict;         /* EPX_NET_LOOP_STRICT */
 } epx_params_t;
 
 /* Parses the environment once per process (thread-safe) and returns the parameters, or

@@ -58,6 +58,12 @@ static const param_def_t param_table[] = {
      "can, else legacy), fd (virtual memory passed as file descriptors), fabric (fabric handles, "
      "multi-node NVLink), legacy (cudaIpc handles)",
      "auto,fd,fabric,legacy"},
+    {"EPX_NET_TRANSPORT", PARAM_STRING, "", 0, 0, P_OFF(net_transport), P_CAP(net_transport),
+     "the network transport of a cuda-backend LL buffer across nodes: loop (the test transport, every "
+     "rank on one machine; the only one this version runs)"},
+    {"EPX_NET_LOOP_STRICT", PARAM_BOOL, "0", 0, 1, P_OFF(net_loop_strict), 4,
+     "1: the loop transport's strict mode (puts and weak signals land as late and out of order as GIN "
+     "allows)"},
 };
 
 static pthread_mutex_t params_lock_g = PTHREAD_MUTEX_INITIALIZER;

@@ -107,7 +107,9 @@ static epx_result_t ll_net_open(cuda_buffer_t *cb, cuda_ll_t *ll)
     epx_buffer_t b = cb->buffer;
     epx_comm_t comm = b->comm;
     const int me = comm->rank;
-    const char *t = getenv("EPX_NET_TRANSPORT");
+    const epx_params_t *p = NULL;
+    EPX_CHECK(epx_params_get(&p));
+    const char *t = p->net_transport[0] ? p->net_transport : NULL;
     if (!t || strcmp(t, "loop") != 0)
         return epx_error(EPX_ERR_UNSUPPORTED,
                          "rank %d: an LL buffer across %d nodes needs a network transport; this version's LL kernels "
@@ -122,8 +124,7 @@ static epx_result_t ll_net_open(cuda_buffer_t *cb, cuda_ll_t *ll)
     a.region_bytes[EPX_LL_NET_SEND] = ll->nl.send_bytes;
     a.contexts = EPX_LL_NET_CONTEXTS;
     a.nsignals = EPX_LL_NET_SIGNALS(comm->nranks);
-    const char *strict = getenv("EPX_NET_LOOP_STRICT");
-    a.strict = strict && strcmp(strict, "0") != 0;
+    a.strict = p->net_loop_strict != 0;
     EPX_CHECK(epx_loop_open(comm, &a, &ll->loop));
     ll->net = epx_loop_net(ll->loop);
     ll->net_recv = epx_loop_region(ll->loop, EPX_LL_NET_RECV);

@@ -12,7 +12,7 @@
 static const char *const all_vars[] = {
     "EPX_TIMEOUT_MS",   "EPX_RANKS_PER_NVLINK_DOMAIN", "EPX_HOST_THREADS",  "EPX_DEBUG",
     "EPX_DEBUG_SUBSYS", "EPX_BOOTSTRAP_ADDR",          "EPX_SOCKET_IFNAME", "EPX_SHM_DIR",
-    "EPX_PRINT_ENV",    "EPX_CUDA_IPC"};
+    "EPX_PRINT_ENV",    "EPX_CUDA_IPC",                "EPX_NET_TRANSPORT", "EPX_NET_LOOP_STRICT"};
 
 static int test_defaults(void)
 {
@@ -30,6 +30,8 @@ static int test_defaults(void)
     EXPECT_TRUE(strcmp(p->shm_dir, "/dev/shm") == 0);
     EXPECT_EQ_INT(p->print_env, 0);
     EXPECT_TRUE(strcmp(p->cuda_ipc, "auto") == 0);
+    EXPECT_TRUE(strcmp(p->net_transport, "") == 0);
+    EXPECT_EQ_INT(p->net_loop_strict, 0);
     /* A valid value is taken. */
     setenv("EPX_TIMEOUT_MS", "2500", 1);
     setenv("EPX_DEBUG_SUBSYS", "init,bootstrap", 1);
@@ -78,6 +80,7 @@ static int test_malformed(void)
     if (expect_malformed("EPX_TIMEOUT_MS", "-5")) return 1;
     if (expect_malformed("EPX_TIMEOUT_MS", "12ms")) return 1;
     if (expect_malformed("EPX_DEBUG", "loud")) return 1;
+    if (expect_malformed("EPX_NET_LOOP_STRICT", "yes")) return 1;
     if (expect_malformed("EPX_DEBUG_SUBSYS", "foo")) return 1;
     if (expect_malformed("EPX_DEBUG_SUBSYS", "init,foo")) return 1;
     if (expect_malformed("EPX_RANKS_PER_NVLINK_DOMAIN", "x")) return 1;
