@@ -3,9 +3,10 @@
 # proxy path and the test GIN plugin, one emulated node per rank. Builds libepx, the plugin
 # (nccl-net-epxtest) and the test (gpu_net_host, transport gin) against the torch venv's pip NCCL found as
 # scripts/gpu-gin-probe.sh finds it (the toolkit's when the wheel lacks the device headers), then runs the
-# test with 2 ranks and with 4 (each: ring rounds, a 1000-iteration soak, a dead-peer case) under a private
+# test with 2 ranks and with 4 (each: ring rounds, a 1000-iteration soak, a dead-peer case) and the LL suite
+# across 2, 4 and 8 emulated nodes over GIN (gpu_ll, EPX_GIN_LL=0 skips it), under a private
 # MPS daemon, NCCL_DEBUG=INFO into one file per process. Every step under `timeout`, the whole within
-# EPX_GIN_TEST_BUDGET_S seconds (default 240); a build directory kept from an earlier run (EPX_BUILD_DIR)
+# EPX_GIN_TEST_BUDGET_S seconds (default 540); a build directory kept from an earlier run (EPX_BUILD_DIR)
 # makes the build quick. Ends with a table of each step's verdict and one line: gin-test verdict: PASS|FAIL.
 # Usage: scripts/gpu-gin-test.sh [LOGDIR]
 set -u -o pipefail
@@ -14,7 +15,7 @@ LOGDIR=${1:-$ROOT/gin-test-logs}
 mkdir -p "$LOGDIR" && LOGDIR=$(cd "$LOGDIR" && pwd)
 BUILD=${EPX_BUILD_DIR:-$ROOT/build-gintest}
 PY=${EPX_TORCH_PYTHON:-/opt/torch/.venv/bin/python}
-BUDGET=${EPX_GIN_TEST_BUDGET_S:-240}
+BUDGET=${EPX_GIN_TEST_BUDGET_S:-540}
 START=$(date +%s)
 STEPS=()    # "name|verdict|seconds"
 FAILED=0
@@ -92,7 +93,7 @@ else
     exit 1
 fi
 t0=$(date +%s)
-if ! timeout "$(secs_for 170 45)" cmake --build "$BUILD" --target nccl-net-epxtest gpu_net_host \
+if ! timeout "$(secs_for 170 45)" cmake --build "$BUILD" --target nccl-net-epxtest gpu_net_host gpu_ll \
     -j"$(nproc)" >"$LOGDIR/build.log" 2>&1; then
     step build "FAILED or out of time (build.log; a rerun with EPX_BUILD_DIR=$BUILD resumes it)" \
         $(($(date +%s) - t0))
@@ -149,6 +150,27 @@ run() {
 }
 run 2
 run 4
+# The LL kernels across nodes over GIN (src/kernels/ll_net.cu): gpu_ll's suite on 2, 4 and 8 emulated nodes
+# of one rank each, bit-exact against the reference, a 200-iteration soak, a silent and a killed peer.
+ll_gin() {
+    local t0 secs rc
+    t0=$(date +%s)
+    secs=$(secs_for 300 5)
+    mkdir -p "$LOGDIR/nccl-ll"
+    log "ll across ${EPX_GIN_LL_SPLITS:-2x1,4x1,8x1} nodes over gin ($secs s at most)"
+    NCCL_DEBUG_FILE="$LOGDIR/nccl-ll/%h.%p.log" EPX_GPU_TEST_NODES=1 \
+        EPX_TEST_NODE_SPLITS=${EPX_GIN_LL_SPLITS:-2x1,4x1,8x1} EPX_NET_TRANSPORT=gin \
+        EPX_GPU_TEST_LL_ITERS=${EPX_GIN_LL_ITERS:-200} timeout -k 10 "$secs" "$BUILD/tests/gpu_ll" >"$LOGDIR/ll-gin.log" 2>&1
+    rc=$?
+    grep -E '^ll: |FAILED' "$LOGDIR/ll-gin.log" | grep -v stale | head -20 | tee -a "$LOGDIR/summary.log"
+    if [ "$rc" = 0 ]; then
+        step ll-gin "PASS: every LL case bit-exact, soak, silent and killed peer" $(($(date +%s) - t0))
+    else
+        step ll-gin "FAILED: exit $rc ($(grep -m1 -E 'FAILED|failed' "$LOGDIR/ll-gin.log" || tail -1 "$LOGDIR/ll-gin.log"))" \
+            $(($(date +%s) - t0))
+    fi
+}
+[ "${EPX_GIN_LL:-1}" = 1 ] && ll_gin
 log "done"
 
 # The exit status is the verdict: 0 on PASS.

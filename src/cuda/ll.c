@@ -8,8 +8,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/network.h"
 #include "cuda/cuda.h"
 #include "net/loop_host.h"
+#ifdef EPX_HAVE_GIN_HOST
+#include "net/gin_host.h"
+#endif
 
 enum { LL_PENDING_NONE = 0, LL_PENDING_DISPATCH = 1, LL_PENDING_COMBINE = 2 };
 
@@ -27,8 +31,10 @@ typedef struct ll_slot {
 
 typedef struct cuda_ll {
     epx_cuda_ll_layout_t lay;
-    /* Across nodes (src/kernels/ll_net.cu): the transport, its layout and our two regions. */
+    /* Across nodes (src/kernels/ll_net.cu): the transport (one of loop, gin), its layout and our two
+     * regions. */
     epx_loop_t *loop;
+    void *gin; /* epx_gin_t, in builds with the GIN host setup */
     epx_net_t net;
     epx_cuda_ll_net_layout_t nl;
     uint8_t *net_recv, *net_send;
@@ -100,8 +106,7 @@ static void ll_net_compute(epx_buffer_t b, uint64_t row_stride, epx_cuda_ll_net_
 }
 
 /* Opens the network transport of a buffer across nodes (collective): EPX_NET_TRANSPORT=loop takes the
- * loop test transport (EPX_NET_LOOP_STRICT=1 its strict mode); this version's LL kernels across nodes
- * run over nothing else yet. */
+ * loop test transport (EPX_NET_LOOP_STRICT=1 its strict mode), gin NCCL's GIN (builds with NCCL). */
 static epx_result_t ll_net_open(cuda_buffer_t *cb, cuda_ll_t *ll)
 {
     epx_buffer_t b = cb->buffer;
@@ -109,29 +114,51 @@ static epx_result_t ll_net_open(cuda_buffer_t *cb, cuda_ll_t *ll)
     const int me = comm->rank;
     const epx_params_t *p = NULL;
     EPX_CHECK(epx_params_get(&p));
-    const char *t = p->net_transport[0] ? p->net_transport : NULL;
-    if (!t || strcmp(t, "loop") != 0)
+    const char *t = p->net_transport;
+    const int loop = strcmp(t, "loop") == 0, gin = strcmp(t, "gin") == 0;
+    if (!loop && !gin)
         return epx_error(EPX_ERR_UNSUPPORTED,
-                         "rank %d: an LL buffer across %d nodes needs a network transport; this version's LL kernels "
-                         "across nodes run over the loop test transport only (EPX_NET_TRANSPORT=loop, every rank on "
-                         "one machine), not over %s%s%s", me, comm->num_nodes, t ? "EPX_NET_TRANSPORT=" : "GIN",
-                         t ? t : "", t ? "" : " (next)");
+                         "rank %d: an LL buffer across %d nodes needs a network transport: EPX_NET_TRANSPORT=gin "
+                         "(NCCL GIN) or loop (the test transport, every rank on one machine), not '%s'",
+                         me, comm->num_nodes, t);
     ll_net_compute(b, ll->lay.row_stride, &ll->nl);
-    epx_loop_open_args_t a;
-    memset(&a, 0, sizeof(a));
-    a.nregions = 2;
-    a.region_bytes[EPX_LL_NET_RECV] = ll->nl.recv_bytes;
-    a.region_bytes[EPX_LL_NET_SEND] = ll->nl.send_bytes;
-    a.contexts = EPX_LL_NET_CONTEXTS;
-    a.nsignals = EPX_LL_NET_SIGNALS(comm->nranks);
-    a.strict = p->net_loop_strict != 0;
-    EPX_CHECK(epx_loop_open(comm, &a, &ll->loop));
-    ll->net = epx_loop_net(ll->loop);
-    ll->net_recv = epx_loop_region(ll->loop, EPX_LL_NET_RECV);
-    ll->net_send = epx_loop_region(ll->loop, EPX_LL_NET_SEND);
-    EPX_INFO(EPX_SUBSYS_LL, "rank %d: ll across %d nodes over the loop transport%s: %llu + %llu bytes of regions",
-             me, comm->num_nodes, a.strict ? " (strict)" : "", (unsigned long long)ll->nl.recv_bytes,
-             (unsigned long long)ll->nl.send_bytes);
+    if (gin) {
+#ifdef EPX_HAVE_GIN_HOST
+        epx_gin_open_args_t a;
+        memset(&a, 0, sizeof(a));
+        a.nregions = 2;
+        a.region_bytes[EPX_LL_NET_RECV] = ll->nl.recv_bytes;
+        a.region_bytes[EPX_LL_NET_SEND] = ll->nl.send_bytes;
+        a.contexts = EPX_LL_NET_CONTEXTS;
+        a.nsignals = EPX_LL_NET_SIGNALS(comm->nranks);
+        epx_gin_t *g = NULL;
+        EPX_CHECK(epx_gin_open(comm, &a, &g));
+        ll->gin = g;
+        ll->net = epx_gin_net(g);
+        ll->net_recv = epx_gin_region(g, EPX_LL_NET_RECV);
+        ll->net_send = epx_gin_region(g, EPX_LL_NET_SEND);
+#else
+        char why[192];
+        return epx_error(EPX_ERR_UNSUPPORTED, "rank %d: EPX_NET_TRANSPORT=gin: %s", me,
+                         epx_net_gin_unavailable(why, sizeof(why)));
+#endif
+    } else {
+        epx_loop_open_args_t a;
+        memset(&a, 0, sizeof(a));
+        a.nregions = 2;
+        a.region_bytes[EPX_LL_NET_RECV] = ll->nl.recv_bytes;
+        a.region_bytes[EPX_LL_NET_SEND] = ll->nl.send_bytes;
+        a.contexts = EPX_LL_NET_CONTEXTS;
+        a.nsignals = EPX_LL_NET_SIGNALS(comm->nranks);
+        a.strict = p->net_loop_strict != 0;
+        EPX_CHECK(epx_loop_open(comm, &a, &ll->loop));
+        ll->net = epx_loop_net(ll->loop);
+        ll->net_recv = epx_loop_region(ll->loop, EPX_LL_NET_RECV);
+        ll->net_send = epx_loop_region(ll->loop, EPX_LL_NET_SEND);
+    }
+    EPX_INFO(EPX_SUBSYS_LL, "rank %d: ll across %d nodes over %s%s: %llu + %llu bytes of regions, %u contexts", me,
+             comm->num_nodes, t, loop && p->net_loop_strict ? " (strict)" : "",
+             (unsigned long long)ll->nl.recv_bytes, (unsigned long long)ll->nl.send_bytes, ll->net.ncontexts);
     return EPX_SUCCESS;
 }
 
@@ -176,12 +203,19 @@ void epx_cuda_ll_abort(cuda_buffer_t *cb)
 {
     cuda_ll_t *ll = cb->ll;
     if (ll && ll->loop) epx_loop_abort(ll->loop);
+#ifdef EPX_HAVE_GIN_HOST
+    if (ll && ll->gin) epx_gin_abort(ll->gin);
+#endif
 }
 
 epx_result_t epx_cuda_ll_poll(cuda_buffer_t *cb)
 {
     cuda_ll_t *ll = cb->ll;
-    return ll && ll->loop ? epx_loop_poll(ll->loop) : EPX_SUCCESS;
+    if (ll && ll->loop) return epx_loop_poll(ll->loop);
+#ifdef EPX_HAVE_GIN_HOST
+    if (ll && ll->gin) return epx_gin_poll(ll->gin);
+#endif
+    return EPX_SUCCESS;
 }
 
 void epx_cuda_ll_fini(cuda_buffer_t *cb)
@@ -189,12 +223,14 @@ void epx_cuda_ll_fini(cuda_buffer_t *cb)
     cuda_ll_t *ll = cb->ll;
     if (!ll) return;
     for (int i = 0; i < 2; i++) (void)cudaEventDestroy(ll->slots[i].sent);
-    if (ll->loop) {
-        epx_result_t res = epx_loop_close(ll->loop);
-        if (res != EPX_SUCCESS)
-            EPX_WARN(EPX_SUBSYS_LL, "rank %d: closing the loop transport: %s", cb->buffer->comm->rank,
-                     epx_last_error_message());
-    }
+    epx_result_t res = EPX_SUCCESS;
+    if (ll->loop) res = epx_loop_close(ll->loop);
+#ifdef EPX_HAVE_GIN_HOST
+    if (ll->gin) res = epx_gin_close(ll->gin);
+#endif
+    if (res != EPX_SUCCESS)
+        EPX_WARN(EPX_SUBSYS_LL, "rank %d: closing the network transport: %s", cb->buffer->comm->rank,
+                 epx_last_error_message());
     free(ll);
     cb->ll = NULL;
     if (cb->ll_stamps) (void)cudaFree(cb->ll_stamps);
@@ -490,6 +526,6 @@ void epx_cuda_ll_on_fail(cuda_buffer_t *cb, void *stream)
     /* Across nodes nothing is released: a call refused on every rank (the same bad handle everywhere)
      * moved no signal, so the ranks stay in step; where only some refuse, the others' waits on them end
      * at the deadline and fail the buffer (src/kernels/ll_net.cu). */
-    if (ll->loop) return;
+    if (ll->net.transport != EPX_NET_TRANSPORT_NONE) return;
     if (epx_cuda_launch_ll_fail(&a, stream) != cudaSuccess) (void)cudaGetLastError();
 }

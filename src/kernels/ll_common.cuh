@@ -216,9 +216,9 @@ __device__ __forceinline__ const int32_t *ll_stage_topk(const epx_cuda_ll_args_t
 }
 
 /* True in a receive half whose send half refused the call (`epoch`: the slot's call). */
-__device__ __forceinline__ bool ll_refused(const epx_cuda_ll_args_t &a, uint64_t epoch, int half)
+__device__ __forceinline__ bool ll_refused(const epx_cuda_ll_args_t &a, uint64_t epoch, int which)
 {
-    return ld_volatile_u64(&ll_ctrl(a, a.c.rank)->refused[a.slot][half]) == epoch;
+    return ld_volatile_u64(&ll_ctrl(a, a.c.rank)->refused[a.slot][which]) == epoch;
 }
 
 /* The receive outputs of a dispatch this rank refused never look like data: rows and scales NaN,

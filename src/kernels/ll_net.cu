@@ -18,14 +18,15 @@
 
 namespace {
 
-/* What a net wait was for, in the error record. */
+/* The contexts of a slot's dispatch and combine (EPX_LL_NET_CONTEXTS of them; where the transport gave
+ * fewer, several share one: contexts only add freedom, so sharing one never breaks a rule). */
 __device__ __forceinline__ uint32_t ctx_dispatch(const epx_cuda_ll_args_t &a)
 {
-    return (uint32_t)a.slot;
+    return (uint32_t)a.slot % a.net.ncontexts;
 }
 __device__ __forceinline__ uint32_t ctx_combine(const epx_cuda_ll_args_t &a)
 {
-    return 2u + (uint32_t)a.slot;
+    return (2u + (uint32_t)a.slot) % a.net.ncontexts;
 }
 
 __device__ __forceinline__ uint64_t recv_off(const epx_cuda_ll_args_t &a, uint64_t area)
@@ -129,7 +130,7 @@ __device__ __forceinline__ void net_end(const epx_cuda_ll_args_t &a, uint32_t ct
  * the failed-buffer check, and the drops of the slot's receive halves that never ran: they consume
  * what they would have read (so a later put cannot be overtaken by an old one) and acknowledge it.
  * Returns whether the call may go on (the same in every thread). */
-__device__ bool net_open(const epx_cuda_ll_args_t &a, uint64_t epoch, int half, const int32_t *staged)
+__device__ bool net_open(const epx_cuda_ll_args_t &a, uint64_t epoch, int which, const int32_t *staged)
 {
     const epx_cuda_common_t *c = &a.c;
     const int R = c->nranks, me = c->rank;
@@ -144,7 +145,7 @@ __device__ bool net_open(const epx_cuda_ll_args_t &a, uint64_t epoch, int half, 
         if (where) {
             record_error(c, epoch, EPX_ERR_INVALID_ARG, me, EPX_CUDA_WAIT_BAD_EXPERT, (uint64_t)value,
                          (uint64_t)where);
-            st_volatile_u64(&own->refused[a.slot][half], epoch);
+            st_volatile_u64(&own->refused[a.slot][which], epoch);
         } else if (failed_at) {
             record_error(c, epoch, EPX_ERR_REMOTE, me, EPX_CUDA_WAIT_NET_FAILED, failed_at, epoch);
         }
@@ -394,8 +395,8 @@ __global__ void __launch_bounds__(kBlockThreads) combine(const __grid_constant__
 
 extern "C" int epx_cuda_launch_ll_net(const epx_cuda_ll_args_t *args, int dispatch, int32_t phase, void *stream)
 {
-    epx_cuda_ll_args_t half = *args;
-    half.phase = phase;
-    return launch_kernel(dispatch ? epx_ll_net::dispatch : epx_ll_net::combine, half, args->c.num_blocks,
+    epx_cuda_ll_args_t one = *args;
+    one.phase = phase;
+    return launch_kernel(dispatch ? epx_ll_net::dispatch : epx_ll_net::combine, one, args->c.num_blocks,
                          kBlockThreads, 0, stream);
 }

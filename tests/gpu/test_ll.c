@@ -32,6 +32,16 @@ static int set_node(const ctx_t *ctx, int rank)
     snprintf(node, sizeof(node), "ll-node%d", ctx->per_node > 0 ? rank / ctx->per_node : 0);
     if (epx_test_set_env("EPX_NODE_ID", ctx->per_node > 0 ? node : NULL))
         return ref_fail(rank, "cannot set EPX_NODE_ID");
+    /* Over GIN, NCCL runs the test GIN plugin (EPX_GIN_TEST_PLUGIN) through its proxy path, one host id per
+     * emulated node. */
+    const char *t = getenv("EPX_NET_TRANSPORT"), *plugin = getenv("EPX_GIN_TEST_PLUGIN");
+    if (ctx->per_node > 0 && t && !strcmp(t, "gin")) {
+        if (!plugin || !*plugin) return ref_fail(rank, "EPX_NET_TRANSPORT=gin needs EPX_GIN_TEST_PLUGIN");
+        if (setenv("NCCL_HOSTID", node, 1) || setenv("NCCL_NET_PLUGIN", plugin, 1) ||
+            setenv("NCCL_GIN_TYPE", "2", 0) || setenv("NCCL_SOCKET_IFNAME", "lo", 0) ||
+            setenv("NCCL_NVLS_ENABLE", "0", 1))
+            return ref_fail(rank, "cannot set NCCL's environment");
+    }
     return 0;
 }
 
