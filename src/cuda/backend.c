@@ -175,8 +175,7 @@ epx_result_t epx_cuda_report_record(cuda_buffer_t *cb, uint64_t min_epoch, int s
     if (code == 0 || epoch < min_epoch) return EPX_SUCCESS;
     static const char *what_names[] = {"?", "release of its dispatch area", "dispatch rows", "release of its combine area",
                                        "combine rows", "expert id", "capacity", "call",
-                                       "acceptance of its row count (its outputs are too small)", "routing map",
-                                       "earlier call"};
+                                       "acceptance of its row count (its outputs are too small)", "routing map"};
     const int nwhat = (int)(sizeof(what_names) / sizeof(what_names[0]));
     int what = hb->err.what >= 0 && hb->err.what < nwhat ? hb->err.what : 0;
     char msg[512];
@@ -191,10 +190,6 @@ epx_result_t epx_cuda_report_record(cuda_buffer_t *cb, uint64_t min_epoch, int s
                  "past them); this rank's outputs of collective epoch %llu are poisoned (counts -1, rows NaN)",
                  hb->err.rank, (long long)where, cb->buffer->config.num_topk, (long long)hb->err.seen,
                  (unsigned long long)epoch);
-    else if (what == EPX_CUDA_WAIT_NET_FAILED)
-        snprintf(msg, sizeof(msg), "rank %d: collective epoch %llu not run: an LL call of this buffer across nodes "
-                 "failed at epoch %llu (on this rank or a peer), which leaves the ranks out of step; destroy the "
-                 "buffer", hb->err.rank, (unsigned long long)epoch, (unsigned long long)hb->err.seen);
     else if (code == EPX_ERR_MISMATCH)
         describe_mismatch(msg, sizeof(msg), hb->err.rank, hb->err.peer, (uint32_t)hb->err.seen,
                           (uint32_t)hb->err.expected, epoch);

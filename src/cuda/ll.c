@@ -5,6 +5,7 @@
  * (LL).
  */
 #include <cuda_runtime.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -35,6 +36,7 @@ typedef struct cuda_ll {
      * regions. */
     epx_loop_t *loop;
     void *gin; /* epx_gin_t, in builds with the GIN host setup */
+    atomic_int net_gone; /* the transport reported a peer gone: polled no more (its verdict stands) */
     epx_net_t net;
     epx_cuda_ll_net_layout_t nl;
     uint8_t *net_recv, *net_send;
@@ -211,11 +213,14 @@ void epx_cuda_ll_abort(cuda_buffer_t *cb)
 epx_result_t epx_cuda_ll_poll(cuda_buffer_t *cb)
 {
     cuda_ll_t *ll = cb->ll;
-    if (ll && ll->loop) return epx_loop_poll(ll->loop);
+    if (!ll || atomic_load(&ll->net_gone)) return EPX_SUCCESS; /* said once: the abort word is set */
+    epx_result_t res = EPX_SUCCESS;
+    if (ll->loop) res = epx_loop_poll(ll->loop);
 #ifdef EPX_HAVE_GIN_HOST
-    if (ll && ll->gin) return epx_gin_poll(ll->gin);
+    if (ll->gin) res = epx_gin_poll(ll->gin);
 #endif
-    return EPX_SUCCESS;
+    if (res != EPX_SUCCESS) atomic_store(&ll->net_gone, 1);
+    return res;
 }
 
 void epx_cuda_ll_fini(cuda_buffer_t *cb)
@@ -269,8 +274,17 @@ static int ll_launch_half(const epx_cuda_ll_args_t *a, int dispatch, int32_t pha
 static epx_result_t ll_begin(epx_cuda_op_t *op, epx_buffer_t buffer, uint64_t seq, void *stream)
 {
     cuda_buffer_t *cb = buffer->backend_state;
-    if (cb->ll && ((volatile epx_cuda_host_block_t *)cb->host)->err.code != 0)
+    const cuda_ll_t *ll = cb->ll;
+    const volatile epx_cuda_host_block_t *hb = cb->host;
+    if (ll && hb->err.code != 0) {
         (void)epx_cuda_report_record(cb, 1, 0);
+        /* Across nodes a device failure leaves the ranks' call counts out of step (docs/reference.md). */
+        if (ll->net.transport != EPX_NET_TRANSPORT_NONE)
+            return epx_error((epx_result_t)hb->err.code,
+                             "rank %d: an LL call of this buffer across nodes failed at collective epoch %llu (see "
+                             "epx_get_async_error); the ranks are out of step: destroy the buffer",
+                             buffer->comm->rank, (unsigned long long)hb->err.epoch);
+    }
     return epx_cuda_op_begin(op, buffer, seq, stream);
 }
 

@@ -28,7 +28,6 @@ typedef enum epx_cuda_wait {
     EPX_CUDA_WAIT_CALL = 7,          /* not a wait: the peer's call differs from ours (call words) */
     EPX_CUDA_WAIT_ACCEPT = 8,        /* receiver's acceptance of its row count (accept words) */
     EPX_CUDA_WAIT_BAD_MAP = 9,       /* not a wait: a routing_map row with more than K true entries */
-    EPX_CUDA_WAIT_NET_FAILED = 10,   /* not a wait: an earlier LL call of a buffer across nodes failed */
 } epx_cuda_wait_t;
 
 /* The call word every collective kernel posts to every peer when it starts: epoch << 24 | signature.

@@ -107,7 +107,7 @@ __device__ __forceinline__ void net_end(const epx_cuda_ll_args_t &a, uint32_t ct
     const epx_cuda_common_t *c = &a.c;
     __shared__ int failed;
     __syncthreads();
-    if (threadIdx.x == 0) failed = epoch_failed(c, epoch);
+    if (threadIdx.x == 0) failed = epoch_failed(c, epoch) || ld_volatile_u64(&ll_ctrl(a, c->rank)->net_failed) != 0;
     __syncthreads();
     const int r = (int)threadIdx.x;
     if (r < c->nranks) {
@@ -118,10 +118,9 @@ __device__ __forceinline__ void net_end(const epx_cuda_ll_args_t &a, uint32_t ct
     if (threadIdx.x == 0) {
         /* Our puts' sources may be reused once the flush returns. */
         net_check(a, epx_net_flush(&a.net, ctx, globaltimer_ns() + c->timeout_ns), epoch, c->rank, what);
-        if (failed || epoch_failed(c, epoch)) {
-            epx_cuda_ll_ctrl_t *own = ll_ctrl(a, c->rank);
-            if (ld_volatile_u64(&own->net_failed) == 0) st_volatile_u64(&own->net_failed, epoch);
-        }
+        epx_cuda_ll_ctrl_t *own = ll_ctrl(a, c->rank);
+        if ((failed || epoch_failed(c, epoch)) && ld_volatile_u64(&own->net_failed) == 0)
+            st_volatile_u64(&own->net_failed, epoch);
     }
 }
 
@@ -141,15 +140,12 @@ __device__ bool net_open(const epx_cuda_ll_args_t &a, uint64_t epoch, int which,
                                                    a.num_experts, &value);
     if (where && staged) value = ll_topk(a, (where - 1) / EPX_MAX_TOPK * c->num_topk + (where - 1) % EPX_MAX_TOPK);
     const uint64_t failed_at = ld_volatile_u64(&own->net_failed);
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        if (where) {
-            record_error(c, epoch, EPX_ERR_INVALID_ARG, me, EPX_CUDA_WAIT_BAD_EXPERT, (uint64_t)value,
-                         (uint64_t)where);
-            st_volatile_u64(&own->refused[a.slot][which], epoch);
-        } else if (failed_at) {
-            record_error(c, epoch, EPX_ERR_REMOTE, me, EPX_CUDA_WAIT_NET_FAILED, failed_at, epoch);
-        }
+    if (blockIdx.x == 0 && threadIdx.x == 0 && where) {
+        record_error(c, epoch, EPX_ERR_INVALID_ARG, me, EPX_CUDA_WAIT_BAD_EXPERT, (uint64_t)value, (uint64_t)where);
+        st_volatile_u64(&own->refused[a.slot][which], epoch);
     }
+    /* A failed buffer runs nothing and records nothing new: the record of the first failure stays for
+     * the host (the next call is refused there once it has seen it). */
     if (where || failed_at) return false;
     const uint64_t nd = ld_volatile_u64(&own->net_disp[a.slot]), nc = ld_volatile_u64(&own->net_comb[a.slot]);
     bool ok = true;
@@ -254,7 +250,7 @@ __device__ void net_dispatch_send(const epx_cuda_ll_args_t &a)
         }
     }
     if (last_block_arrive(&own->done_counter[a.slot][LL_DONE_DISP_SEND])) {
-        if (!epoch_failed(c, f.epoch) && (int)threadIdx.x < R) {
+        if (ok && !epoch_failed(c, f.epoch) && (int)threadIdx.x < R) {
             const int r = (int)threadIdx.x;
             net_check(a,
                       epx_net_put(&a.net, ctx, r, EPX_LL_NET_RECV, recv_off(a, a.nl.r_cnt) + (uint64_t)me * L * 4,

@@ -622,6 +622,23 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
     return rc;
 }
 
+/* Across nodes, after a device failure: the buffer refuses the next LL call with a message saying so and
+ * leaves its outputs untouched, and destroy is bounded. Returns rc, or 1 after reporting. */
+static int after_net_failure(epx_buffer_t buf, cfg_t *g, int rank, epx_ll_combine_args_t *ca,
+                             epx_ll_combine_outputs_t *co, int rc)
+{
+    CUDA_OK(cudaMemset(g->out, 0x11, 2));
+    CUDA_OK(cudaDeviceSynchronize());
+    const epx_result_t r = epx_ll_combine(buf, ca, co);
+    if (r == EPX_SUCCESS || !strstr(epx_last_error_message(), "destroy the buffer"))
+        rc = ref_fail(rank, "combine on a failed buffer across nodes: %s ('%s'), expected a refusal", epx_result_name(r),
+                      epx_last_error_message());
+    uint16_t got = 0;
+    cudaMemcpy(&got, g->out, 2, cudaMemcpyDeviceToHost);
+    if (rc == 0 && got != 0x1111) rc = ref_fail(rank, "the refused combine wrote its output (0x%x)", got);
+    return rc;
+}
+
 /* A receive that fails must say so: rank 1 skips the second round, so rank 0's dispatch times out
  * (recv_count -1 on every expert, EPX_ERR_TIMEOUT through epx_get_async_error) and its combine
  * writes NaN rows instead of stale or zero values. */
@@ -668,17 +685,21 @@ static int fail_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
             epx_ll_combine_outputs_t co;
             combine_args(&g, g.T_max, &a.topk_idx, &ca, &co);
             ca.handle = o.handle;
-            EXPECT_OK(epx_ll_combine(buf, &ca, &co));
-            CUDA_OK(cudaStreamSynchronize(g.st));
-            uint16_t *got = malloc((size_t)(g.T_max * g.H) * 2);
-            if (!got) return ref_fail(rank, "malloc");
-            cudaMemcpy(got, g.out, (size_t)(g.T_max * g.H) * 2, cudaMemcpyDeviceToHost);
-            for (int64_t i = 0; i < g.T_max * g.H && rc == 0; i++)
-                if (got[i] != 0x7fc0)
-                    rc = ref_fail(
-                        rank, "combine after a failed dispatch: combined_x[%lld][%lld] = 0x%x, expected NaN",
-                        (long long)(i / g.H), (long long)(i % g.H), got[i]);
-            free(got);
+            if (ctx->per_node > 0) { /* across nodes the failed buffer refuses every later call */
+                rc = after_net_failure(buf, &g, rank, &ca, &co, rc);
+            } else {
+                EXPECT_OK(epx_ll_combine(buf, &ca, &co));
+                CUDA_OK(cudaStreamSynchronize(g.st));
+                uint16_t *got = malloc((size_t)(g.T_max * g.H) * 2);
+                if (!got) return ref_fail(rank, "malloc");
+                cudaMemcpy(got, g.out, (size_t)(g.T_max * g.H) * 2, cudaMemcpyDeviceToHost);
+                for (int64_t i = 0; i < g.T_max * g.H && rc == 0; i++)
+                    if (got[i] != 0x7fc0)
+                        rc = ref_fail(
+                            rank, "combine after a failed dispatch: combined_x[%lld][%lld] = 0x%x, expected NaN",
+                            (long long)(i / g.H), (long long)(i % g.H), got[i]);
+                free(got);
+            }
         }
     } else if (rc == 0) {
         usleep((useconds_t)(timeout_ms + 2500) * 1000u); /* rank 0 gives up meanwhile */
@@ -738,11 +759,13 @@ static int kill_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
             epx_ll_combine_outputs_t co;
             combine_args(&g, g.T_max, &a.topk_idx, &ca, &co);
             ca.handle = o.handle;
-            EXPECT_OK(epx_ll_combine(buf, &ca, &co));
+            uint16_t before = 0, after = 0;
+            CUDA_OK(cudaMemcpy(g.out, &before, 2, cudaMemcpyHostToDevice));
+            if (epx_ll_combine(buf, &ca, &co) == EPX_SUCCESS || !strstr(epx_last_error_message(), "destroy the buffer"))
+                rc = ref_fail(rank, "combine after a killed peer: not refused ('%s')", epx_last_error_message());
             CUDA_OK(cudaStreamSynchronize(g.st));
-            uint16_t first = 0;
-            cudaMemcpy(&first, g.out, 2, cudaMemcpyDeviceToHost);
-            if (first != 0x7fc0) rc = ref_fail(rank, "combine after a killed peer: 0x%x, expected NaN", first);
+            cudaMemcpy(&after, g.out, 2, cudaMemcpyDeviceToHost);
+            if (rc == 0 && after != before) rc = ref_fail(rank, "combine after a killed peer wrote its output");
         }
     }
     cfg_free(&g);
