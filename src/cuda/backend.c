@@ -302,12 +302,13 @@ static epx_result_t cuda_buffer_create(epx_buffer_t buffer)
     const int across = comm->num_nodes > 1;
     if (across && buffer->config.modes != EPX_MODE_LL) {
         char why[192];
-        return epx_error(EPX_ERR_UNSUPPORTED,
-                         "rank %d: the ranks span %d nodes (node 0 '%s', node 1 '%s', %d ranks each); the cuda "
-                         "backend runs only EPX_MODE_LL across nodes (HT and routing-map kernels across nodes do not "
-                         "exist yet); GIN: %s",
-                         me, comm->num_nodes, comm->peers[0].node_id, comm->peers[comm->ranks_per_node].node_id,
-                         comm->ranks_per_node, epx_net_gin_unavailable(why, sizeof(why)));
+        return epx_error(
+            EPX_ERR_UNSUPPORTED,
+            "rank %d: the ranks span %d nodes (node 0 '%s', node 1 '%s', %d ranks each); the cuda "
+            "backend runs only EPX_MODE_LL across nodes (HT and routing-map kernels across nodes do not "
+            "exist yet); GIN: %s",
+            me, comm->num_nodes, comm->peers[0].node_id, comm->peers[comm->ranks_per_node].node_id,
+            comm->ranks_per_node, epx_net_gin_unavailable(why, sizeof(why)));
     }
     /* Fabric handles reach every GPU of a multi-node NVLink domain; other exports only this host's. */
     for (int r = 0; r < R && !across && !epx_cuda_ipc_asks_fabric(); r++)

@@ -35,7 +35,7 @@ typedef struct cuda_ll {
     /* Across nodes (src/kernels/ll_net.cu): the transport (one of loop, gin), its layout and our two
      * regions. */
     epx_loop_t *loop;
-    void *gin; /* epx_gin_t, in builds with the GIN host setup */
+    void *gin;           /* epx_gin_t, in builds with the GIN host setup */
     atomic_int net_gone; /* the transport reported a peer gone: polled no more (its verdict stands) */
     epx_net_t net;
     epx_cuda_ll_net_layout_t nl;
@@ -119,10 +119,11 @@ static epx_result_t ll_net_open(cuda_buffer_t *cb, cuda_ll_t *ll)
     const char *t = p->net_transport;
     const int loop = strcmp(t, "loop") == 0, gin = strcmp(t, "gin") == 0;
     if (!loop && !gin)
-        return epx_error(EPX_ERR_UNSUPPORTED,
-                         "rank %d: an LL buffer across %d nodes needs a network transport: EPX_NET_TRANSPORT=gin "
-                         "(NCCL GIN) or loop (the test transport, every rank on one machine), not '%s'",
-                         me, comm->num_nodes, t);
+        return epx_error(
+            EPX_ERR_UNSUPPORTED,
+            "rank %d: an LL buffer across %d nodes needs a network transport: EPX_NET_TRANSPORT=gin "
+            "(NCCL GIN) or loop (the test transport, every rank on one machine), not '%s'",
+            me, comm->num_nodes, t);
     ll_net_compute(b, ll->lay.row_stride, &ll->nl);
     if (gin) {
 #ifdef EPX_HAVE_GIN_HOST
@@ -158,7 +159,8 @@ static epx_result_t ll_net_open(cuda_buffer_t *cb, cuda_ll_t *ll)
         ll->net_recv = epx_loop_region(ll->loop, EPX_LL_NET_RECV);
         ll->net_send = epx_loop_region(ll->loop, EPX_LL_NET_SEND);
     }
-    EPX_INFO(EPX_SUBSYS_LL, "rank %d: ll across %d nodes over %s%s: %llu + %llu bytes of regions, %u contexts", me,
+    EPX_INFO(EPX_SUBSYS_LL,
+             "rank %d: ll across %d nodes over %s%s: %llu + %llu bytes of regions, %u contexts", me,
              comm->num_nodes, t, loop && p->net_loop_strict ? " (strict)" : "",
              (unsigned long long)ll->nl.recv_bytes, (unsigned long long)ll->nl.send_bytes, ll->net.ncontexts);
     return EPX_SUCCESS;
@@ -280,10 +282,11 @@ static epx_result_t ll_begin(epx_cuda_op_t *op, epx_buffer_t buffer, uint64_t se
         (void)epx_cuda_report_record(cb, 1, 0);
         /* Across nodes a device failure leaves the ranks' call counts out of step (docs/reference.md). */
         if (ll->net.transport != EPX_NET_TRANSPORT_NONE)
-            return epx_error((epx_result_t)hb->err.code,
-                             "rank %d: an LL call of this buffer across nodes failed at collective epoch %llu (see "
-                             "epx_get_async_error); the ranks are out of step: destroy the buffer",
-                             buffer->comm->rank, (unsigned long long)hb->err.epoch);
+            return epx_error(
+                (epx_result_t)hb->err.code,
+                "rank %d: an LL call of this buffer across nodes failed at collective epoch %llu (see "
+                "epx_get_async_error); the ranks are out of step: destroy the buffer",
+                buffer->comm->rank, (unsigned long long)hb->err.epoch);
     }
     return epx_cuda_op_begin(op, buffer, seq, stream);
 }
@@ -367,8 +370,8 @@ epx_result_t epx_cuda_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_l
     a.cumulative = args->cumulative_recv_stats.data;
     a.c.call_sig = epx_cuda_sig(EPX_CUDA_CALL_LL_DISPATCH, a.use_fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16, 0, 0);
 
-    EPX_CHECK(
-        epx_cuda_op_sent(&op, ll_launch_half(&a, 1, EPX_LL_PHASE_SEND, args->stream), "ll dispatch send launch"));
+    EPX_CHECK(epx_cuda_op_sent(&op, ll_launch_half(&a, 1, EPX_LL_PHASE_SEND, args->stream),
+                               "ll dispatch send launch"));
     ll->dispatches_seen = buffer->ll_dispatches;
     ll->last_disp_epoch = op.epoch;
     ll_mark_sent(sl, &op);
@@ -453,8 +456,8 @@ epx_result_t epx_cuda_ll_combine(epx_buffer_t buffer, uint64_t seq, const epx_ll
     a.topk_weights = args->topk_weights.data;
     a.combined_x = outputs->combined_x.data;
     a.c.call_sig = epx_cuda_sig(EPX_CUDA_CALL_LL_COMBINE, 0, 0, args->handle.seq);
-    EPX_CHECK(
-        epx_cuda_op_sent(&op, ll_launch_half(&a, 0, EPX_LL_PHASE_SEND, args->stream), "ll combine send launch"));
+    EPX_CHECK(epx_cuda_op_sent(&op, ll_launch_half(&a, 0, EPX_LL_PHASE_SEND, args->stream),
+                               "ll combine send launch"));
     ll_mark_sent(sl, &op);
     EPX_TRACE(EPX_SUBSYS_LL, "rank %d: ll combine seq %llu of dispatch %llu epoch %llu slot %d%s%s", me,
               (unsigned long long)seq, (unsigned long long)args->handle.seq, (unsigned long long)op.epoch,

@@ -335,11 +335,11 @@ typedef struct epx_cuda_ll_ctrl {
     uint64_t refused[2][2];                    /* owner: [slot][0 dispatch, 1 combine] epoch of the
                                                   slot's call that this rank refused (a bad id in its
                                                   topk_idx): its receive half poisons, waits for nothing */
-    /* Buffers across nodes (the network path, epx_cuda_ll_net_t): */
-    uint64_t net_disp[2];                      /* owner: [slot] dispatches of the slot so far */
-    uint64_t net_comb[2];                      /* owner: [slot] combines of the slot so far */
-    uint64_t net_failed;                       /* owner: epoch of the first failed call (0: none); every
-                                                  later call fails at once (the counts are out of step) */
+    /* Buffers across nodes (src/kernels/ll_net.cu), owner only: [slot] dispatches and combines of the
+     * slot so far; the epoch of the first failed call (0: none), after which every call fails at once. */
+    uint64_t net_disp[2];
+    uint64_t net_comb[2];
+    uint64_t net_failed;
 } epx_cuda_ll_ctrl_t;
 
 /* Absolute byte offsets of the LL areas inside a region (the same on every rank). */
@@ -374,14 +374,16 @@ typedef struct epx_cuda_ll_net_layout {
     uint64_t send_bytes;
 } epx_cuda_ll_net_layout_t;
 
-/* Signals of the network path (each rank has 9R): counts of events, never reset. */
-#define EPX_LL_NET_SIG_DISP(R, slot, s) ((uint32_t)((slot) * (R) + (s)))         /* source s's rows landed */
-#define EPX_LL_NET_SIG_COMB(R, slot, o) ((uint32_t)(2 * (R) + (slot) * (R) + (o))) /* owner o's rows landed */
-#define EPX_LL_NET_SIG_DACK(R, slot, r) ((uint32_t)(4 * (R) + (slot) * (R) + (r))) /* r read our dispatch rows */
-#define EPX_LL_NET_SIG_CACK(R, slot, r) ((uint32_t)(6 * (R) + (slot) * (R) + (r))) /* r read our combine rows */
-#define EPX_LL_NET_SIG_FAIL(R, s) ((uint32_t)(8 * (R) + (s)))                      /* s failed a call */
-#define EPX_LL_NET_SIGNALS(R) (9 * (R))
-#define EPX_LL_NET_CONTEXTS 4 /* dispatch of slot 0, 1; combine of slot 0, 1 */
+/* Signals of the network path (each rank has 9R), counts of events, never reset: per slot DISP(s) source
+ * s's rows landed, COMB(o) owner o's rows landed, DACK(r) r read our dispatch rows, CACK(r) r read our
+ * combine rows; FAIL(s) s failed a call. Contexts: the dispatch of slot 0, 1, the combine of slot 0, 1. */
+#define EPX_LL_NET_SIG_DISP(R, slot, s) ((uint32_t)((slot) * (R) + (s)))
+#define EPX_LL_NET_SIG_COMB(R, slot, o) ((uint32_t)(2 * (R) + (slot) * (R) + (o)))
+#define EPX_LL_NET_SIG_DACK(R, slot, r) ((uint32_t)(4 * (R) + (slot) * (R) + (r)))
+#define EPX_LL_NET_SIG_CACK(R, slot, r) ((uint32_t)(6 * (R) + (slot) * (R) + (r)))
+#define EPX_LL_NET_SIG_FAIL(R, s)       ((uint32_t)(8 * (R) + (s)))
+#define EPX_LL_NET_SIGNALS(R)           (9 * (R))
+#define EPX_LL_NET_CONTEXTS             4
 
 typedef struct epx_cuda_ll_args {
     epx_cuda_common_t c;

@@ -16,7 +16,8 @@
 
 #include "kernels/ll_common.cuh"
 
-namespace {
+namespace
+{
 
 /* The contexts of a slot's dispatch and combine (EPX_LL_NET_CONTEXTS of them; where the transport gave
  * fewer, several share one: contexts only add freedom, so sharing one never breaks a rule). */
@@ -93,8 +94,8 @@ __device__ __forceinline__ void net_check(const epx_cuda_ll_args_t &a, epx_net_s
                                           int peer, int what)
 {
     if (s != EPX_NET_OK)
-        record_error(&a.c, epoch, s == EPX_NET_ABORTED ? EPX_ERR_REMOTE : EPX_ERR_INTERNAL, peer, what, (uint64_t)s,
-                     0);
+        record_error(&a.c, epoch, s == EPX_NET_ABORTED ? EPX_ERR_REMOTE : EPX_ERR_INTERNAL, peer, what,
+                     (uint64_t)s, 0);
 }
 
 /* Thread r < R adds 1 to signal sig_of(r)'s at rank r on `ctx` (STRONG: it lands after every earlier put
@@ -107,7 +108,8 @@ __device__ __forceinline__ void net_end(const epx_cuda_ll_args_t &a, uint32_t ct
     const epx_cuda_common_t *c = &a.c;
     __shared__ int failed;
     __syncthreads();
-    if (threadIdx.x == 0) failed = epoch_failed(c, epoch) || ld_volatile_u64(&ll_ctrl(a, c->rank)->net_failed) != 0;
+    if (threadIdx.x == 0)
+        failed = epoch_failed(c, epoch) || ld_volatile_u64(&ll_ctrl(a, c->rank)->net_failed) != 0;
     __syncthreads();
     const int r = (int)threadIdx.x;
     if (r < c->nranks) {
@@ -135,13 +137,15 @@ __device__ bool net_open(const epx_cuda_ll_args_t &a, uint64_t epoch, int which,
     const int R = c->nranks, me = c->rank;
     epx_cuda_ll_ctrl_t *own = ll_ctrl(a, me);
     int64_t value = 0;
-    const int64_t where = staged ? block_first_bad(staged, 0, a.num_tokens, c->num_topk, a.num_experts, &value)
-                                 : block_first_bad(a.topk_idx, a.idx_is_64, a.num_tokens, c->num_topk,
-                                                   a.num_experts, &value);
-    if (where && staged) value = ll_topk(a, (where - 1) / EPX_MAX_TOPK * c->num_topk + (where - 1) % EPX_MAX_TOPK);
+    const int64_t where =
+        staged ? block_first_bad(staged, 0, a.num_tokens, c->num_topk, a.num_experts, &value)
+               : block_first_bad(a.topk_idx, a.idx_is_64, a.num_tokens, c->num_topk, a.num_experts, &value);
+    if (where && staged)
+        value = ll_topk(a, (where - 1) / EPX_MAX_TOPK * c->num_topk + (where - 1) % EPX_MAX_TOPK);
     const uint64_t failed_at = ld_volatile_u64(&own->net_failed);
     if (blockIdx.x == 0 && threadIdx.x == 0 && where) {
-        record_error(c, epoch, EPX_ERR_INVALID_ARG, me, EPX_CUDA_WAIT_BAD_EXPERT, (uint64_t)value, (uint64_t)where);
+        record_error(c, epoch, EPX_ERR_INVALID_ARG, me, EPX_CUDA_WAIT_BAD_EXPERT, (uint64_t)value,
+                     (uint64_t)where);
         st_volatile_u64(&own->refused[a.slot][which], epoch);
     }
     /* A failed buffer runs nothing and records nothing new: the record of the first failure stays for
@@ -151,22 +155,22 @@ __device__ bool net_open(const epx_cuda_ll_args_t &a, uint64_t epoch, int which,
     bool ok = true;
     if (a.drop_disp) {
         ok = net_wait_peers(
-            a, [&](int r) { return EPX_LL_NET_SIG_DISP(R, a.slot, r); }, nd, epoch, EPX_CUDA_WAIT_DISPATCH_DATA,
-            true);
+            a, [&](int r) { return EPX_LL_NET_SIG_DISP(R, a.slot, r); }, nd, epoch,
+            EPX_CUDA_WAIT_DISPATCH_DATA, true);
         if (ok && blockIdx.x == 0 && (int)threadIdx.x < R)
             net_check(a,
-                      epx_net_signal_add(&a.net, ctx_dispatch(a), (int)threadIdx.x, EPX_LL_NET_SIG_DACK(R, a.slot, me),
-                                         1, EPX_NET_SIGNAL_STRONG),
+                      epx_net_signal_add(&a.net, ctx_dispatch(a), (int)threadIdx.x,
+                                         EPX_LL_NET_SIG_DACK(R, a.slot, me), 1, EPX_NET_SIGNAL_STRONG),
                       epoch, (int)threadIdx.x, EPX_CUDA_WAIT_DISPATCH_ACK);
     }
     if (ok && a.drop_comb) {
         ok = net_wait_peers(
-            a, [&](int r) { return EPX_LL_NET_SIG_COMB(R, a.slot, r); }, nc, epoch, EPX_CUDA_WAIT_COMBINE_DATA,
-            true);
+            a, [&](int r) { return EPX_LL_NET_SIG_COMB(R, a.slot, r); }, nc, epoch,
+            EPX_CUDA_WAIT_COMBINE_DATA, true);
         if (ok && blockIdx.x == 0 && (int)threadIdx.x < R)
             net_check(a,
-                      epx_net_signal_add(&a.net, ctx_combine(a), (int)threadIdx.x, EPX_LL_NET_SIG_CACK(R, a.slot, me),
-                                         1, EPX_NET_SIGNAL_STRONG),
+                      epx_net_signal_add(&a.net, ctx_combine(a), (int)threadIdx.x,
+                                         EPX_LL_NET_SIG_CACK(R, a.slot, me), 1, EPX_NET_SIGNAL_STRONG),
                       epoch, (int)threadIdx.x, EPX_CUDA_WAIT_COMBINE_ACK);
     }
     return ok;
@@ -198,8 +202,8 @@ __device__ void net_dispatch_send(const epx_cuda_ll_args_t &a)
     auto topk = [&](int64_t i) -> int64_t { return staged ? (int64_t)staged[i] : ll_topk(a, i); };
     bool ok = net_open(a, f.epoch, 0, staged);
     ok = net_wait_peers(
-        a, [&](int r) { return EPX_LL_NET_SIG_DACK(R, a.slot, r); }, n_prev, f.epoch, EPX_CUDA_WAIT_DISPATCH_ACK,
-        ok);
+        a, [&](int r) { return EPX_LL_NET_SIG_DACK(R, a.slot, r); }, n_prev, f.epoch,
+        EPX_CUDA_WAIT_DISPATCH_ACK, ok);
     const uint32_t ctx = ctx_dispatch(a);
     if (ok) {
         int32_t *cnt = (int32_t *)(a.net_send + send_off(a, a.nl.s_cnt));
@@ -221,7 +225,8 @@ __device__ void net_dispatch_send(const epx_cuda_ll_args_t &a)
             ll_fan_out(a, a.x + t * H, &row, 1, lo, hi, lane);
             if (part == 0)
                 for (int k = lane; k < K; k += 32)
-                    *(int2 *)(a.net_send + send_off(a, a.nl.s_tail) + ((uint64_t)t * K + k) * 16) = make_int2((int)t, k);
+                    *(int2 *)(a.net_send + send_off(a, a.nl.s_tail) + ((uint64_t)t * K + k) * 16) =
+                        make_int2((int)t, k);
             __syncwarp();
             __threadfence();
             /* Lane k puts the part to slot k's expert (first occurrences only). */
@@ -229,20 +234,27 @@ __device__ void net_dispatch_send(const epx_cuda_ll_args_t &a)
                 const int e = sel[warp][k];
                 if (e < 0) continue;
                 const int dr = e / L, j = e % L;
-                const uint64_t dst = recv_off(a, a.nl.r_disp) +
-                                     (((uint64_t)j * R + me) * (uint64_t)Tm + (uint64_t)pos[warp][k]) * stride;
-                const uint64_t bl = fp8 ? (uint64_t)lo : 2 * (uint64_t)lo, bh = fp8 ? (uint64_t)hi : 2 * (uint64_t)hi;
-                net_check(a, epx_net_put(&a.net, ctx, dr, EPX_LL_NET_RECV, dst + bl, EPX_LL_NET_SEND, msg + bl, bh - bl),
+                const uint64_t dst =
+                    recv_off(a, a.nl.r_disp) +
+                    (((uint64_t)j * R + me) * (uint64_t)Tm + (uint64_t)pos[warp][k]) * stride;
+                const uint64_t bl = fp8 ? (uint64_t)lo : 2 * (uint64_t)lo,
+                               bh = fp8 ? (uint64_t)hi : 2 * (uint64_t)hi;
+                net_check(a,
+                          epx_net_put(&a.net, ctx, dr, EPX_LL_NET_RECV, dst + bl, EPX_LL_NET_SEND, msg + bl,
+                                      bh - bl),
                           f.epoch, dr, EPX_CUDA_WAIT_DISPATCH_DATA);
                 if (fp8) { /* the part's scales after the H bytes */
-                    const uint64_t sl = (uint64_t)H + (uint64_t)lo / 128 * 4, sh = (uint64_t)H + (uint64_t)hi / 128 * 4;
+                    const uint64_t sl = (uint64_t)H + (uint64_t)lo / 128 * 4,
+                                   sh = (uint64_t)H + (uint64_t)hi / 128 * 4;
                     net_check(a,
-                              epx_net_put(&a.net, ctx, dr, EPX_LL_NET_RECV, dst + sl, EPX_LL_NET_SEND, msg + sl, sh - sl),
+                              epx_net_put(&a.net, ctx, dr, EPX_LL_NET_RECV, dst + sl, EPX_LL_NET_SEND,
+                                          msg + sl, sh - sl),
                               f.epoch, dr, EPX_CUDA_WAIT_DISPATCH_DATA);
                 }
                 if (part == 0)
                     net_check(a,
-                              epx_net_put(&a.net, ctx, dr, EPX_LL_NET_RECV, dst + stride - 16, EPX_LL_NET_SEND,
+                              epx_net_put(&a.net, ctx, dr, EPX_LL_NET_RECV, dst + stride - 16,
+                                          EPX_LL_NET_SEND,
                                           send_off(a, a.nl.s_tail) + ((uint64_t)t * K + k) * 16, 16),
                               f.epoch, dr, EPX_CUDA_WAIT_DISPATCH_DATA);
             }
@@ -253,11 +265,13 @@ __device__ void net_dispatch_send(const epx_cuda_ll_args_t &a)
         if (ok && !epoch_failed(c, f.epoch) && (int)threadIdx.x < R) {
             const int r = (int)threadIdx.x;
             net_check(a,
-                      epx_net_put(&a.net, ctx, r, EPX_LL_NET_RECV, recv_off(a, a.nl.r_cnt) + (uint64_t)me * L * 4,
-                                  EPX_LL_NET_SEND, send_off(a, a.nl.s_cnt) + (uint64_t)r * L * 4, (uint64_t)L * 4),
+                      epx_net_put(&a.net, ctx, r, EPX_LL_NET_RECV,
+                                  recv_off(a, a.nl.r_cnt) + (uint64_t)me * L * 4, EPX_LL_NET_SEND,
+                                  send_off(a, a.nl.s_cnt) + (uint64_t)r * L * 4, (uint64_t)L * 4),
                       f.epoch, r, EPX_CUDA_WAIT_DISPATCH_DATA);
         }
-        net_end(a, ctx, f.epoch, EPX_CUDA_WAIT_DISPATCH_DATA, [&](int r) { return EPX_LL_NET_SIG_DISP(R, a.slot, me); });
+        net_end(a, ctx, f.epoch, EPX_CUDA_WAIT_DISPATCH_DATA,
+                [&](int r) { return EPX_LL_NET_SIG_DISP(R, a.slot, me); });
         if (threadIdx.x == 0) st_volatile_u64(&own->net_disp[a.slot], n_prev + 1);
         close_epoch(peer_ctrl(c, me), &own->disp_epoch[a.slot], f.epoch);
     }
@@ -278,9 +292,10 @@ __device__ void net_dispatch_recv(const epx_cuda_ll_args_t &a)
     const bool go = !refused && !epoch_failed(c, epoch) && ld_volatile_u64(&own->net_failed) == 0;
     const int first_expert = (int)blockIdx.x < L ? me * L + (int)blockIdx.x : -1;
     const bool ok = net_wait_peers(
-        a, [&](int s) { return EPX_LL_NET_SIG_DISP(R, a.slot, s); }, n, epoch, EPX_CUDA_WAIT_DISPATCH_DATA, go,
-        first_expert);
-    ll_unpack(a, ok, (const int32_t *)(a.net_recv + recv_off(a, a.nl.r_cnt)), a.net_recv + recv_off(a, a.nl.r_disp));
+        a, [&](int s) { return EPX_LL_NET_SIG_DISP(R, a.slot, s); }, n, epoch, EPX_CUDA_WAIT_DISPATCH_DATA,
+        go, first_expert);
+    ll_unpack(a, ok, (const int32_t *)(a.net_recv + recv_off(a, a.nl.r_cnt)),
+              a.net_recv + recv_off(a, a.nl.r_disp));
     if (refused) ll_poison_recv(a);
     if (last_block_arrive(&own->done_counter[a.slot][LL_DONE_DISP_RECV]))
         net_end(a, ctx_dispatch(a), epoch, EPX_CUDA_WAIT_DISPATCH_ACK,
@@ -306,8 +321,8 @@ __device__ void net_combine_send(const epx_cuda_ll_args_t &a)
     __shared__ int32_t staged_buf[kLlStage];
     bool ok = net_open(a, f.epoch, 1, ll_stage_topk(a, staged_buf));
     ok = net_wait_peers(
-        a, [&](int r) { return EPX_LL_NET_SIG_CACK(R, a.slot, r); }, n_prev, f.epoch, EPX_CUDA_WAIT_COMBINE_ACK,
-        ok);
+        a, [&](int r) { return EPX_LL_NET_SIG_CACK(R, a.slot, r); }, n_prev, f.epoch,
+        EPX_CUDA_WAIT_COMBINE_ACK, ok);
     const uint32_t ctx = ctx_combine(a);
     const int32_t *rcount = (const int32_t *)(f.region + a.ll.rcount) + (int64_t)a.slot * L;
     const int2 *meta = (const int2 *)(f.region + a.ll.meta) + (int64_t)a.slot * L * RT;
@@ -321,7 +336,8 @@ __device__ void net_combine_send(const epx_cuda_ll_args_t &a)
                 if (copy)
                     for (int i = 0; i < nq; i++) {
                         const uint64_t row = (uint64_t)j * RT + q0 + i;
-                        warp_copy<4>(a.net_send + zc + row * rb, (const uint8_t *)a.y + row * rb, (int64_t)rb, lane);
+                        warp_copy<4>(a.net_send + zc + row * rb, (const uint8_t *)a.y + row * rb, (int64_t)rb,
+                                     lane);
                     }
                 __syncwarp();
                 __threadfence();
@@ -331,8 +347,8 @@ __device__ void net_combine_send(const epx_cuda_ll_args_t &a)
                     const uint64_t row = (uint64_t)j * RT + q0 + lane;
                     net_check(a,
                               epx_net_put(&a.net, ctx, s, EPX_LL_NET_RECV,
-                                          recv_off(a, a.nl.r_comb) + ((uint64_t)m.x * K + k) * rb, EPX_LL_NET_SEND,
-                                          zc + row * rb, rb),
+                                          recv_off(a, a.nl.r_comb) + ((uint64_t)m.x * K + k) * rb,
+                                          EPX_LL_NET_SEND, zc + row * rb, rb),
                               f.epoch, s, EPX_CUDA_WAIT_COMBINE_DATA);
                 }
                 __syncwarp();
@@ -340,7 +356,8 @@ __device__ void net_combine_send(const epx_cuda_ll_args_t &a)
         }
     }
     if (last_block_arrive(&own->done_counter[a.slot][LL_DONE_COMB_SEND])) {
-        net_end(a, ctx, f.epoch, EPX_CUDA_WAIT_COMBINE_DATA, [&](int r) { return EPX_LL_NET_SIG_COMB(R, a.slot, me); });
+        net_end(a, ctx, f.epoch, EPX_CUDA_WAIT_COMBINE_DATA,
+                [&](int r) { return EPX_LL_NET_SIG_COMB(R, a.slot, me); });
         if (threadIdx.x == 0) st_volatile_u64(&own->net_comb[a.slot], n_prev + 1);
         close_epoch(peer_ctrl(c, me), &own->comb_epoch[a.slot], f.epoch);
     }
@@ -360,7 +377,8 @@ __device__ void net_combine_recv(const epx_cuda_ll_args_t &a)
     const bool go = !epoch_failed(c, disp_epoch) && !ll_refused(a, epoch, 1) && !epoch_failed(c, epoch) &&
                     ld_volatile_u64(&own->net_failed) == 0;
     const bool ok = net_wait_peers(
-        a, [&](int r) { return EPX_LL_NET_SIG_COMB(R, a.slot, r); }, n, epoch, EPX_CUDA_WAIT_COMBINE_DATA, go);
+        a, [&](int r) { return EPX_LL_NET_SIG_COMB(R, a.slot, r); }, n, epoch, EPX_CUDA_WAIT_COMBINE_DATA,
+        go);
     ll_reduce(a, ok, (const uint16_t *)(a.net_recv + recv_off(a, a.nl.r_comb)));
     if (last_block_arrive(&own->done_counter[a.slot][LL_DONE_COMB_RECV]))
         net_end(a, ctx_combine(a), epoch, EPX_CUDA_WAIT_COMBINE_ACK,
@@ -371,7 +389,8 @@ __device__ void net_combine_recv(const epx_cuda_ll_args_t &a)
 
 /* ----------------------------------------------------------------------------- kernels ---- */
 
-namespace epx_ll_net {
+namespace epx_ll_net
+{
 __global__ void __launch_bounds__(kBlockThreads) dispatch(const __grid_constant__ epx_cuda_ll_args_t a)
 {
     if (a.phase == EPX_LL_PHASE_SEND)
@@ -389,7 +408,8 @@ __global__ void __launch_bounds__(kBlockThreads) combine(const __grid_constant__
 }
 } // namespace epx_ll_net
 
-extern "C" int epx_cuda_launch_ll_net(const epx_cuda_ll_args_t *args, int dispatch, int32_t phase, void *stream)
+extern "C" int epx_cuda_launch_ll_net(const epx_cuda_ll_args_t *args, int dispatch, int32_t phase,
+                                      void *stream)
 {
     epx_cuda_ll_args_t one = *args;
     one.phase = phase;

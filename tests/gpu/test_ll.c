@@ -631,8 +631,8 @@ static int after_net_failure(epx_buffer_t buf, cfg_t *g, int rank, epx_ll_combin
     CUDA_OK(cudaDeviceSynchronize());
     const epx_result_t r = epx_ll_combine(buf, ca, co);
     if (r == EPX_SUCCESS || !strstr(epx_last_error_message(), "destroy the buffer"))
-        rc = ref_fail(rank, "combine on a failed buffer across nodes: %s ('%s'), expected a refusal", epx_result_name(r),
-                      epx_last_error_message());
+        rc = ref_fail(rank, "combine on a failed buffer across nodes: %s ('%s'), expected a refusal",
+                      epx_result_name(r), epx_last_error_message());
     uint16_t got = 0;
     cudaMemcpy(&got, g->out, 2, cudaMemcpyDeviceToHost);
     if (rc == 0 && got != 0x1111) rc = ref_fail(rank, "the refused combine wrote its output (0x%x)", got);
@@ -651,7 +651,8 @@ static int fail_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
     static const int64_t cf[4] = {16, 4, 1024, 8}; /* E, K, H, T_max */
     epx_comm_t comm;
     int device;
-    if (set_node(ctx, rank) || gpu_test_comm(&ctx->gpu, id, rank, nranks, timeout_ms, &comm, &device)) return 1;
+    if (set_node(ctx, rank) || gpu_test_comm(&ctx->gpu, id, rank, nranks, timeout_ms, &comm, &device))
+        return 1;
     ref_set_case("failed receive R=%d", nranks);
     cfg_t g;
     epx_buffer_t buf;
@@ -696,7 +697,8 @@ static int fail_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
                 for (int64_t i = 0; i < g.T_max * g.H && rc == 0; i++)
                     if (got[i] != 0x7fc0)
                         rc = ref_fail(
-                            rank, "combine after a failed dispatch: combined_x[%lld][%lld] = 0x%x, expected NaN",
+                            rank,
+                            "combine after a failed dispatch: combined_x[%lld][%lld] = 0x%x, expected NaN",
                             (long long)(i / g.H), (long long)(i % g.H), got[i]);
                 free(got);
             }
@@ -722,7 +724,8 @@ static int kill_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
     static const int64_t cf[4] = {16, 4, 1024, 8}; /* E, K, H, T_max */
     epx_comm_t comm;
     int device;
-    if (set_node(ctx, rank) || gpu_test_comm(&ctx->gpu, id, rank, nranks, timeout_ms, &comm, &device)) return 1;
+    if (set_node(ctx, rank) || gpu_test_comm(&ctx->gpu, id, rank, nranks, timeout_ms, &comm, &device))
+        return 1;
     ref_set_case("killed peer across nodes R=%d", nranks);
     cfg_t g;
     epx_buffer_t buf;
@@ -749,7 +752,8 @@ static int kill_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
         }
         const double ms = (double)(epx_time_ns() - t0) / 1e6;
         printf("ll: killed peer reported in %.1f ms: %s\n", ms, epx_last_error_message());
-        if (r != EPX_ERR_REMOTE) rc = ref_fail(rank, "killed peer: async error %s, expected ERR_REMOTE", epx_result_name(r));
+        if (r != EPX_ERR_REMOTE)
+            rc = ref_fail(rank, "killed peer: async error %s, expected ERR_REMOTE", epx_result_name(r));
         if (rc == 0 && !strstr(epx_last_error_message(), "peer 1"))
             rc = ref_fail(rank, "killed peer: message '%s' does not name peer 1", epx_last_error_message());
         if (rc == 0 && ms > timeout_ms / 2)
@@ -761,11 +765,14 @@ static int kill_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
             ca.handle = o.handle;
             uint16_t before = 0, after = 0;
             CUDA_OK(cudaMemcpy(g.out, &before, 2, cudaMemcpyHostToDevice));
-            if (epx_ll_combine(buf, &ca, &co) == EPX_SUCCESS || !strstr(epx_last_error_message(), "destroy the buffer"))
-                rc = ref_fail(rank, "combine after a killed peer: not refused ('%s')", epx_last_error_message());
+            if (epx_ll_combine(buf, &ca, &co) == EPX_SUCCESS ||
+                !strstr(epx_last_error_message(), "destroy the buffer"))
+                rc = ref_fail(rank, "combine after a killed peer: not refused ('%s')",
+                              epx_last_error_message());
             CUDA_OK(cudaStreamSynchronize(g.st));
             cudaMemcpy(&after, g.out, 2, cudaMemcpyDeviceToHost);
-            if (rc == 0 && after != before) rc = ref_fail(rank, "combine after a killed peer wrote its output");
+            if (rc == 0 && after != before)
+                rc = ref_fail(rank, "combine after a killed peer wrote its output");
         }
     }
     cfg_free(&g);

@@ -9,10 +9,12 @@
 #include "core/internal.h"
 #include "epx_test.h"
 
-static const char *const all_vars[] = {
-    "EPX_TIMEOUT_MS",   "EPX_RANKS_PER_NVLINK_DOMAIN", "EPX_HOST_THREADS",  "EPX_DEBUG",
-    "EPX_DEBUG_SUBSYS", "EPX_BOOTSTRAP_ADDR",          "EPX_SOCKET_IFNAME", "EPX_SHM_DIR",
-    "EPX_PRINT_ENV",    "EPX_CUDA_IPC",                "EPX_NET_TRANSPORT", "EPX_NET_LOOP_STRICT"};
+static const char *const all_vars[] = {"EPX_TIMEOUT_MS",    "EPX_RANKS_PER_NVLINK_DOMAIN",
+                                       "EPX_HOST_THREADS",  "EPX_DEBUG",
+                                       "EPX_DEBUG_SUBSYS",  "EPX_BOOTSTRAP_ADDR",
+                                       "EPX_SOCKET_IFNAME", "EPX_SHM_DIR",
+                                       "EPX_PRINT_ENV",     "EPX_CUDA_IPC",
+                                       "EPX_NET_TRANSPORT", "EPX_NET_LOOP_STRICT"};
 
 static int test_defaults(void)
 {
