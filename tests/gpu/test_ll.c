@@ -644,38 +644,60 @@ static int after_net_failure(epx_buffer_t buf, cfg_t *g, int rank, epx_ll_combin
  * writes NaN rows instead of stale or zero values. */
 #define LL_FAIL_TIMEOUT_MS 1500 /* 10 s in quick (sanitizer) runs, where kernels are slow */
 
+/* The fault cases' round: bf16, no hooks, full ranks. */
+static const ll_case_t fault_case = {0, 0, 0, 0, 0, 0, 0, REF_ROUTE_RANDOM, 0, 1};
+
+/* The opening of a fault case: this rank's node, a comm with `timeout_ms`, a small LL buffer and one good
+ * round. Returns -1 when the comm could not be made (reported), else 0 or 1 (the buffer may be NULL). */
+static int fault_open(const ctx_t *ctx, const epx_unique_id_t *id, int rank, int nranks, int timeout_ms,
+                      uint64_t seed, epx_comm_t *comm, cfg_t *g, epx_buffer_t *buf)
+{
+    static const int64_t cf[4] = {16, 4, 1024, 8}; /* E, K, H, T_max */
+    int device;
+    *buf = NULL;
+    memset(g, 0, sizeof(*g));
+    if (set_node(ctx, rank) || gpu_test_comm(&ctx->gpu, id, rank, nranks, timeout_ms, comm, &device)) return -1;
+    int rc = cfg_open(g, *comm, rank, nranks, device, cf, buf);
+    if (rc == 0) rc = run_case(*buf, g, rank, &fault_case, seed);
+    return rc;
+}
+
+/* Rank 0 dispatches (asynchronous), synchronises and polls the comm's async error for up to `polls`
+ * times 2 ms; returns the error (EPX_SUCCESS if none came). */
+static epx_result_t dispatch_until_error(epx_buffer_t buf, cfg_t *g, int rank, epx_ll_dispatch_args_t *a,
+                                         epx_ll_dispatch_outputs_t *o, int polls)
+{
+    dispatch_args(g, &fault_case, g->T_max, a, o);
+    a->cumulative_recv_stats.data = NULL;
+    EXPECT_OK(epx_ll_dispatch(buf, a, o)); /* asynchronous: the failure comes later */
+    CUDA_OK(cudaStreamSynchronize(g->st));
+    epx_result_t r = EPX_SUCCESS;
+    for (int i = 0; i < polls && r == EPX_SUCCESS; i++) {
+        r = epx_get_async_error(buf->comm);
+        if (r == EPX_SUCCESS) usleep(2000);
+    }
+    return r;
+}
+
 static int fail_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx)
 {
     const ctx_t *ctx = vctx;
     const int timeout_ms = ctx->gpu.quick ? 10000 : LL_FAIL_TIMEOUT_MS;
-    static const int64_t cf[4] = {16, 4, 1024, 8}; /* E, K, H, T_max */
     epx_comm_t comm;
-    int device;
-    if (set_node(ctx, rank) || gpu_test_comm(&ctx->gpu, id, rank, nranks, timeout_ms, &comm, &device))
-        return 1;
-    ref_set_case("failed receive R=%d", nranks);
     cfg_t g;
     epx_buffer_t buf;
-    int rc = cfg_open(&g, comm, rank, nranks, device, cf, &buf);
-    const ll_case_t cs = {0, 0, 0, 0, 0, 0, 0, REF_ROUTE_RANDOM, 0, 1};
-    if (rc == 0) rc = run_case(buf, &g, rank, &cs, ctx->gpu.seed + 4242); /* a good round first */
+    ref_set_case("failed receive R=%d", nranks);
+    int rc = fault_open(ctx, id, rank, nranks, timeout_ms, ctx->gpu.seed + 4242, &comm, &g, &buf);
+    if (rc < 0) return 1;
     if (rc == 0 && rank == 0) {
         epx_ll_dispatch_args_t a = EPX_LL_DISPATCH_ARGS_INIT;
         epx_ll_dispatch_outputs_t o = EPX_LL_DISPATCH_OUTPUTS_INIT;
-        dispatch_args(&g, &cs, g.T_max, &a, &o);
-        a.cumulative_recv_stats.data = NULL;
-        EXPECT_OK(epx_ll_dispatch(buf, &a, &o)); /* asynchronous: the failure comes later */
-        CUDA_OK(cudaStreamSynchronize(g.st));
+        const epx_result_t r = dispatch_until_error(buf, &g, rank, &a, &o, 500);
         int32_t cnt[64];
         cudaMemcpy(cnt, g.rc, (size_t)g.L * 4, cudaMemcpyDeviceToHost);
         for (int j = 0; j < g.L && rc == 0; j++)
             if (cnt[j] != -1)
                 rc = ref_fail(rank, "failed dispatch: recv_count[%d] = %d, expected -1", j, cnt[j]);
-        epx_result_t r = EPX_SUCCESS;
-        for (int i = 0; i < 500 && r == EPX_SUCCESS; i++) {
-            r = epx_get_async_error(comm);
-            if (r == EPX_SUCCESS) usleep(2000);
-        }
         if (rc == 0 && r != EPX_ERR_TIMEOUT)
             rc = ref_fail(rank, "failed dispatch: async error %s, expected ERR_TIMEOUT", epx_result_name(r));
         if (rc == 0 && !strstr(epx_last_error_message(), "peer 1"))
@@ -716,22 +738,18 @@ static int fail_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
 /* Across nodes, a rank killed between calls: rank 1 of 2 (one per node) exits after a good round
  * without destroying anything; rank 0's next dispatch must end with EPX_ERR_REMOTE naming peer 1 well
  * inside the comm's timeout (the watcher sees the process gone and aborts the transport's waits), its
- * combine must write NaN, and its destroy must return within the timeout. */
+ * combine must be refused (the buffer failed) with its output untouched, and its destroy must return
+ * within the timeout. */
 static int kill_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx)
 {
     const ctx_t *ctx = vctx;
     const int timeout_ms = 20000;
-    static const int64_t cf[4] = {16, 4, 1024, 8}; /* E, K, H, T_max */
     epx_comm_t comm;
-    int device;
-    if (set_node(ctx, rank) || gpu_test_comm(&ctx->gpu, id, rank, nranks, timeout_ms, &comm, &device))
-        return 1;
-    ref_set_case("killed peer across nodes R=%d", nranks);
     cfg_t g;
     epx_buffer_t buf;
-    int rc = cfg_open(&g, comm, rank, nranks, device, cf, &buf);
-    const ll_case_t cs = {0, 0, 0, 0, 0, 0, 0, REF_ROUTE_RANDOM, 0, 1};
-    if (rc == 0) rc = run_case(buf, &g, rank, &cs, ctx->gpu.seed + 4343);
+    ref_set_case("killed peer across nodes R=%d", nranks);
+    int rc = fault_open(ctx, id, rank, nranks, timeout_ms, ctx->gpu.seed + 4343, &comm, &g, &buf);
+    if (rc < 0) return 1;
     if (rc == 0 && rank == 1) {
         fflush(stdout);
         _exit(0); /* killed: nothing torn down */
@@ -741,15 +759,7 @@ static int kill_main(int rank, int nranks, const epx_unique_id_t *id, void *vctx
         const uint64_t t0 = epx_time_ns();
         epx_ll_dispatch_args_t a = EPX_LL_DISPATCH_ARGS_INIT;
         epx_ll_dispatch_outputs_t o = EPX_LL_DISPATCH_OUTPUTS_INIT;
-        dispatch_args(&g, &cs, g.T_max, &a, &o);
-        a.cumulative_recv_stats.data = NULL;
-        EXPECT_OK(epx_ll_dispatch(buf, &a, &o));
-        CUDA_OK(cudaStreamSynchronize(g.st));
-        epx_result_t r = EPX_SUCCESS;
-        for (int i = 0; i < 2000 && r == EPX_SUCCESS; i++) {
-            r = epx_get_async_error(comm);
-            if (r == EPX_SUCCESS) usleep(2000);
-        }
+        const epx_result_t r = dispatch_until_error(buf, &g, rank, &a, &o, 2000);
         const double ms = (double)(epx_time_ns() - t0) / 1e6;
         printf("ll: killed peer reported in %.1f ms: %s\n", ms, epx_last_error_message());
         if (r != EPX_ERR_REMOTE)
