@@ -656,7 +656,8 @@ static int fault_open(const ctx_t *ctx, const epx_unique_id_t *id, int rank, int
     int device;
     *buf = NULL;
     memset(g, 0, sizeof(*g));
-    if (set_node(ctx, rank) || gpu_test_comm(&ctx->gpu, id, rank, nranks, timeout_ms, comm, &device)) return -1;
+    if (set_node(ctx, rank) || gpu_test_comm(&ctx->gpu, id, rank, nranks, timeout_ms, comm, &device))
+        return -1;
     int rc = cfg_open(g, *comm, rank, nranks, device, cf, buf);
     if (rc == 0) rc = run_case(*buf, g, rank, &fault_case, seed);
     return rc;
