@@ -41,6 +41,10 @@ epx_result_t epx_cuda_ll_floor(epx_buffer_t buffer, int kind, const epx_ll_dispa
     cuda_buffer_t *cb = buffer->backend_state;
     if (!cb || !cb->ll)
         return epx_error(EPX_ERR_INVALID_ARG, "ll floor needs a cuda buffer created with EPX_MODE_LL");
+    /* Its stores go through the node's mapped regions: across nodes there are none to go through. */
+    if (buffer->comm->num_nodes > 1)
+        return epx_error(EPX_ERR_UNSUPPORTED, "ll floor: the ranks span %d nodes; the floor runs within one node",
+                         buffer->comm->num_nodes);
     epx_cuda_ll_args_t a;
     int slot = handle ? handle->slot : 0;
     if (slot < 0 || slot > 1) slot = 0;
