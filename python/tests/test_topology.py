@@ -80,6 +80,10 @@ def _tree_inputs(s, nranks):
     for t in range(TREE_T):
         k = int(rng.integers(1, TREE_K + 1))
         idx[t, :k] = rng.choice(nranks * TREE_L, size=k, replace=False)
+    # Tokens 0 and 1 reach the two first and the two last ranks, so that under any split of the ranks
+    # into two nodes every source has a remote partial of two rows: its bf16 rounding then shows.
+    idx[0] = [0, TREE_L, (nranks - 1) * TREE_L]
+    idx[1] = [(nranks - 1) * TREE_L, (nranks - 2) * TREE_L, 0]
     return x, idx
 
 
