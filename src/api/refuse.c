@@ -14,17 +14,6 @@ _Static_assert((int)EPX_COLLECTIVE_HT_DISPATCH == (int)EPX_CALL_HT_DISPATCH &&
                    (int)EPX_COLLECTIVE_RM_COMBINE == (int)EPX_CALL_RM_COMBINE,
                "epx_collective_t and epx_call_kind_t differ");
 
-static bool is_failure(epx_result_t code)
-{
-    switch (code) {
-#define EPX_FAILURE_CASE_(name, value, text) case EPX_##name:
-        EPX_RESULT_MAP(EPX_FAILURE_CASE_)
-#undef EPX_FAILURE_CASE_
-        return code != EPX_SUCCESS;
-    }
-    return false;
-}
-
 static epx_result_t refuse_collective(epx_buffer_t buffer, epx_collective_t kind, epx_result_t code,
                                       const char *reason, void *stream)
 {
@@ -35,7 +24,7 @@ static epx_result_t refuse_collective(epx_buffer_t buffer, epx_collective_t kind
     /* What a refused call counts besides its number: an LL dispatch its slot (api/ll.c counts it
      * before any check), so every rank keeps the same slot order. */
     if (kind == EPX_COLLECTIVE_LL_DISPATCH) buffer->ll_dispatches++;
-    if (!is_failure(code)) code = EPX_ERR_INVALID_ARG;
+    if (!epx_result_is_failure(code)) code = EPX_ERR_INVALID_ARG;
     if (reason)
         epx_error(code, "%s", reason);
     else

@@ -41,6 +41,7 @@ typedef struct {
     int32_t status;
     int32_t rank;
     unsigned char nonce[EPX_BOOT_NONCE_BYTES];
+    char message[sizeof(((boot_reply_t *)0)->message)];
 } boot_verdict_signed_t;
 
 typedef struct {
@@ -108,14 +109,15 @@ static int hello_authentic(const epx_boot_hello_t *h, const unsigned char *secre
     return tag_equal(want, h->tag);
 }
 
-static void verdict_tag(const unsigned char *secret, epx_result_t status, int rank, const unsigned char *nonce,
-                        unsigned char *tag_out)
+static void verdict_tag(const unsigned char *secret, const boot_reply_t *reply, int rank,
+                        const unsigned char *nonce, unsigned char *tag_out)
 {
     boot_verdict_signed_t v;
     memset(&v, 0, sizeof(v));
-    v.status = (int32_t)status;
+    v.status = reply->status;
     v.rank = rank;
     memcpy(v.nonce, nonce, sizeof(v.nonce));
+    memcpy(v.message, reply->message, sizeof(v.message));
     epx_boot_tag(secret, 'V', &v, sizeof(v), tag_out);
 }
 
@@ -232,10 +234,8 @@ typedef struct {
     epx_boot_hello_t hello;
 } pending_conn_t;
 
-/* `s` given (the rendezvous verdict to the joined peers, fds indexed by rank): each reply is signed
- * over its peer's nonce; else (allgather verdicts, refused connections) unsigned. */
-static void reply_all(const boot_tcp_t *s, const int *fds, int count, epx_result_t status, uint64_t seq,
-                      uint64_t deadline)
+/* Rank 0's verdict `status` (with this thread's error message when it failed) of exchange `seq`. */
+static boot_reply_t verdict_of(epx_result_t status, uint64_t seq)
 {
     boot_reply_t reply;
     memset(&reply, 0, sizeof(reply));
@@ -243,24 +243,31 @@ static void reply_all(const boot_tcp_t *s, const int *fds, int count, epx_result
     reply.status = (int32_t)status;
     reply.seq = seq;
     if (status != EPX_SUCCESS) epx_error_copy(reply.message, sizeof(reply.message));
-    /* Telling is best effort: a peer that is gone already knows something failed. */
-    for (int i = 0; i < count; i++) {
-        if (s && fds[i] >= 0) verdict_tag(s->secret, status, i, s->nonces[i], reply.tag);
-        const char *p = (const char *)&reply;
-        size_t len = sizeof(reply);
-        while (fds[i] >= 0 && len > 0) {
-            ssize_t n = send(fds[i], p, len, MSG_NOSIGNAL);
-            if (n > 0) {
-                p += n;
-                len -= (size_t)n;
-            } else if (n < 0 && errno == EINTR) {
-                continue;
-            } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) &&
-                       epx_socket_poll(fds[i], POLLOUT, deadline) > 0) {
-                continue;
-            } else {
-                break;
-            }
+    return reply;
+}
+
+/* Sends `reply` to `fd` (none when fd < 0). `secret` given (a rendezvous verdict), the reply is first
+ * signed over the peer's rank and hello nonce, its status and message. Telling is best effort: a peer
+ * that is gone already knows something failed. */
+static void send_verdict(int fd, boot_reply_t *reply, const unsigned char *secret, int rank,
+                         const unsigned char *nonce, uint64_t deadline)
+{
+    if (fd < 0) return;
+    if (secret) verdict_tag(secret, reply, rank, nonce, reply->tag);
+    const char *p = (const char *)reply;
+    size_t len = sizeof(*reply);
+    while (len > 0) {
+        ssize_t n = send(fd, p, len, MSG_NOSIGNAL);
+        if (n > 0) {
+            p += n;
+            len -= (size_t)n;
+        } else if (n < 0 && errno == EINTR) {
+            continue;
+        } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) &&
+                   epx_socket_poll(fd, POLLOUT, deadline) > 0) {
+            continue;
+        } else {
+            return;
         }
     }
 }
@@ -318,7 +325,7 @@ static epx_result_t root_rendezvous(boot_tcp_t *s, int listen_fd, uint64_t deadl
     int joined = 0, npending = 0, nextra = 0, nrefused = 0; /* refused ranks of this job, in range */
     uint64_t give_up = verdict_deadline(deadline, s->timeout_ms);
     pending_conn_t *pending = calloc((size_t)cap, sizeof(*pending));
-    int *extra = calloc((size_t)cap, sizeof(*extra)); /* refused peers still to be told */
+    pending_conn_t *extra = calloc((size_t)cap, sizeof(*extra)); /* refused peers still to be told */
     struct pollfd *pfds = calloc((size_t)cap + 1, sizeof(*pfds));
     unsigned char *missing = calloc((size_t)nranks, 1);
     if (!pending || !extra || !pfds || !missing) {
@@ -371,7 +378,7 @@ static epx_result_t root_rendezvous(boot_tcp_t *s, int listen_fd, uint64_t deadl
             }
             nrefused += hello.rank > 0 && hello.rank < nranks;
             if (nextra < cap)
-                extra[nextra++] = fd;
+                extra[nextra++] = (pending_conn_t){fd, sizeof(hello), 0, hello};
             else
                 close(fd);
             /* The first problem is the one every rank reports. */
@@ -407,11 +414,15 @@ static epx_result_t root_rendezvous(boot_tcp_t *s, int listen_fd, uint64_t deadl
                         "(missing: %s)",
                         nranks - 1 - joined, nranks, (long long)s->timeout_ms, list);
     }
-    reply_all(s, s->fds, nranks, res, 0, deadline);
-    reply_all(NULL, extra, nextra, res, 0, deadline);
+    /* Every verdict signed, a failure too: the peer that checks it knows rank 0 sent it. A refused peer
+     * gets it over the rank and nonce of its hello, which authenticated. */
+    boot_reply_t reply = verdict_of(res, 0);
+    for (int r = 1; r < nranks; r++) send_verdict(s->fds[r], &reply, s->secret, r, s->nonces[r], deadline);
+    for (int i = 0; i < nextra; i++)
+        send_verdict(extra[i].fd, &reply, s->secret, extra[i].hello.rank, extra[i].hello.nonce, deadline);
 out:
     for (int i = 0; i < npending; i++) close(pending[i].fd);
-    for (int i = 0; i < nextra; i++) close(extra[i]);
+    for (int i = 0; i < nextra; i++) close(extra[i].fd);
     free(missing);
     free(pfds);
     free(extra);
@@ -475,18 +486,18 @@ static epx_result_t peer_rendezvous(boot_tcp_t *s, const struct sockaddr_in *roo
     if (reply.magic != BOOT_REPLY_MAGIC)
         return epx_error(EPX_ERR_BOOTSTRAP, "rank %d: rank 0 at %s answered with a bad magic 0x%08x", s->rank,
                          where, reply.magic);
-    if (reply.status != EPX_SUCCESS)
-        return epx_error((epx_result_t)reply.status, "rank %d: %s (reported by rank 0)", s->rank,
-                         reply.message);
-    /* Success only from the real rank 0: the one that holds the secret signed our nonce. */
+    /* A verdict only from the real rank 0, success or failure: the one that holds the secret signed our
+     * nonce with it. Another process on its port can neither pass us nor choose what we report. */
     unsigned char want[EPX_BOOT_TAG_BYTES];
-    verdict_tag(s->secret, EPX_SUCCESS, s->rank, hello.nonce, want);
+    verdict_tag(s->secret, &reply, s->rank, hello.nonce, want);
     if (!tag_equal(want, reply.tag))
         return epx_error(EPX_ERR_BOOTSTRAP,
                          "rank %d: the process at %s answered the rendezvous without proof that it holds the "
                          "unique id's secret (not this job's rank 0: another process took its port?)",
                          s->rank, where);
-    return EPX_SUCCESS;
+    if (reply.status == EPX_SUCCESS) return EPX_SUCCESS;
+    return epx_error(epx_result_is_failure(reply.status) ? (epx_result_t)reply.status : EPX_ERR_BOOTSTRAP,
+                     "rank %d: %s (reported by rank 0)", s->rank, reply.message);
 }
 
 /* ------------------------------------------------------------------- collectives ---- */
@@ -605,20 +616,21 @@ static epx_result_t tcp_allgather(void *state, const void *send_buf, void *recv_
         if (res == EPX_SUCCESS && bytes) memmove(recv_buf, send_buf, bytes);
         /* The verdict goes to everyone; the array only when the gather succeeded. */
         if (res != EPX_SUCCESS) {
-            reply_all(NULL, s->fds, s->nranks, res, seq, deadline);
+            boot_reply_t reply = verdict_of(res, seq);
+            for (int r = 1; r < s->nranks; r++) send_verdict(s->fds[r], &reply, NULL, r, NULL, deadline);
         } else {
-            boot_reply_t reply;
-            memset(&reply, 0, sizeof(reply));
-            reply.magic = BOOT_REPLY_MAGIC;
-            reply.status = EPX_SUCCESS;
-            reply.seq = seq;
+            boot_reply_t reply = verdict_of(EPX_SUCCESS, seq);
             for (int r = 1; r < s->nranks && res == EPX_SUCCESS; r++) {
                 res = send_all(s, r, &reply, sizeof(reply), deadline, "the allgather verdict");
                 if (res == EPX_SUCCESS)
                     res =
                         send_all(s, r, recv_buf, bytes * (size_t)s->nranks, deadline, "the allgather result");
                 /* Ranks not yet served learn of the failure instead of waiting for their deadline. */
-                if (res != EPX_SUCCESS) reply_all(NULL, s->fds + r + 1, s->nranks - r - 1, res, seq, deadline);
+                if (res != EPX_SUCCESS) {
+                    boot_reply_t failed = verdict_of(res, seq);
+                    for (int q = r + 1; q < s->nranks; q++)
+                        send_verdict(s->fds[q], &failed, NULL, q, NULL, deadline);
+                }
             }
         }
     } else {
@@ -636,8 +648,9 @@ static epx_result_t tcp_allgather(void *state, const void *send_buf, void *recv_
                                 "sequence %llu",
                                 s->rank, (unsigned long long)seq, reply.magic, (unsigned long long)reply.seq);
             else if (reply.status != EPX_SUCCESS)
-                res = epx_error((epx_result_t)reply.status, "rank %d: %s (reported by rank 0)", s->rank,
-                                reply.message);
+                res = epx_error(epx_result_is_failure(reply.status) ? (epx_result_t)reply.status
+                                                                    : EPX_ERR_BOOTSTRAP,
+                                "rank %d: %s (reported by rank 0)", s->rank, reply.message);
         }
         if (res == EPX_SUCCESS)
             res = recv_all(s, 0, recv_buf, bytes * (size_t)s->nranks, deadline, "the allgather result");

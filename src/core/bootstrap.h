@@ -49,7 +49,8 @@ typedef struct {
 } epx_boot_hello_t;
 
 /* Rank 0's verdict: after the rendezvous, and before the gathered array of an allgather. The
- * rendezvous verdict to a peer that joined carries a tag over (status, the peer's rank and nonce). */
+ * rendezvous verdict (to a peer that joined or was refused) carries a tag over its status and message,
+ * and the peer's rank and hello nonce. */
 #define BOOT_REPLY_MAGIC 0x45505852u /* "EPXR" */
 typedef struct {
     uint32_t magic;

@@ -37,6 +37,17 @@ const char *epx_result_str(epx_result_t result)
     return "UNKNOWN";
 }
 
+bool epx_result_is_failure(int32_t code)
+{
+    switch (code) {
+#define EPX_FAILURE_CASE_(name, value, text) case EPX_##name:
+        EPX_RESULT_MAP(EPX_FAILURE_CASE_)
+#undef EPX_FAILURE_CASE_
+        return code != EPX_SUCCESS;
+    }
+    return false;
+}
+
 const char *epx_error_message(void)
 {
     return last_message_g;

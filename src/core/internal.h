@@ -41,6 +41,8 @@ const char *epx_error_message(void);
  * one table in epx.h; never NULL. */
 const char *epx_result_str(epx_result_t result);
 const char *epx_result_text(epx_result_t result);
+/* Whether `code` is one of epx_result_t's failures (not EPX_SUCCESS, not a value outside the enum). */
+bool epx_result_is_failure(int32_t code);
 
 /* In order: EPX_DEBUG's names index them. */
 typedef enum epx_log_level {

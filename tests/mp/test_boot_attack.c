@@ -192,9 +192,11 @@ static int test_bad_hellos(void)
 }
 
 /* An impostor on rank 0's address (a process that took the port; here the test itself, with an id
- * it made by hand): the peer's hello must not carry the id's secret, and the impostor's successful
- * verdict, which it cannot sign, must make the peer's init fail naming the missing proof. */
-static int test_impostor_rank0(void)
+ * it made by hand): the peer's hello must not carry the id's secret, and the impostor's verdict, which
+ * it cannot sign, must make the peer's init fail with EPX_ERR_BOOTSTRAP naming the missing proof,
+ * whatever the verdict says: success, a failure of the impostor's choice with its text, or a status
+ * outside epx_result_t. */
+static int impostor_case(int32_t status, const char *message)
 {
     int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     struct sockaddr_in sa;
@@ -236,12 +238,20 @@ static int test_impostor_rank0(void)
     boot_reply_t forged;
     memset(&forged, 0, sizeof(forged));
     forged.magic = BOOT_REPLY_MAGIC;
-    forged.status = EPX_SUCCESS;
+    forged.status = status;
+    snprintf(forged.message, sizeof(forged.message), "%s", message);
     EXPECT_TRUE(send(fd, &forged, sizeof(forged), MSG_NOSIGNAL) == (ssize_t)sizeof(forged));
     const int rc = wait_procs(2, pids);
     close(fd);
     close(lfd);
     return rc;
+}
+
+static int test_impostor_rank0(void)
+{
+    return impostor_case(EPX_SUCCESS, "") ||
+           impostor_case(EPX_ERR_MISMATCH, "rank 3 disagrees on nranks (this text is an impostor's)") ||
+           impostor_case(999, "a status outside the enum") || impostor_case(-1, "a negative status");
 }
 
 /* Two processes as rank 1: every one fails at once with a message naming rank 1. */
