@@ -184,6 +184,18 @@ static inline int64_t host_topk_at(const epx_tensor_t *t, int64_t i)
     return t->dtype == EPX_DTYPE_INT64 ? ((const int64_t *)t->data)[i] : ((const int32_t *)t->data)[i];
 }
 
+/* memcpy and memset of `bytes` that may be 0: a caller's empty tensor may have NULL data (the API
+ * layer accepts it), which memcpy and memset must not see even for no bytes. */
+static inline void host_copy(void *dst, const void *src, size_t bytes)
+{
+    if (bytes) memcpy(dst, src, bytes);
+}
+
+static inline void host_zero(void *dst, size_t bytes)
+{
+    if (bytes) memset(dst, 0, bytes);
+}
+
 /* The operations (types in core/internal.h): layout and HT in ht.c, LL in ll.c, routing map in
  * rm.c. */
 epx_layout_op_t host_layout;

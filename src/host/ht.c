@@ -91,7 +91,7 @@ epx_result_t host_layout(epx_buffer_t buffer, const epx_tensor_t *topk_idx, epx_
 
     memset(per_rank, 0, (size_t)R * sizeof(int32_t));
     memset(per_expert, 0, (size_t)E * sizeof(int32_t));
-    memset(in_rank, 0, (size_t)(T * R));
+    host_zero(in_rank, (size_t)(T * R));
     if (per_domain) memset(per_domain, 0, (size_t)(R / D) * sizeof(int32_t));
     for (int d = 0; d <= R / D; d++) domain_seen[d] = -1;
     for (int64_t t = 0; t < T; t++) {

@@ -337,7 +337,7 @@ epx_result_t host_ll_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_ll_di
             topk[i] = host_topk_at(&args->topk_idx, i);
             if (topk[i] >= 0) sl->my_count[topk[i]]++;
         }
-        memcpy((uint8_t *)topk + (size_t)(T_max * K) * sizeof(int64_t), args->x.data, (size_t)(T * H) * 2);
+        host_copy((uint8_t *)topk + (size_t)(T_max * K) * sizeof(int64_t), args->x.data, (size_t)(T * H) * 2);
     }
     /* T and the call's cast flags (ranks must agree on them, as the cuda backend's call signature
      * checks). */

@@ -228,7 +228,7 @@ static void rm_fill_local_map(host_buffer_t *hb, const rm_in_layout_t *lay, cons
             i += any;
         }
     }
-    memset(out + i * L, 0, (size_t)((map->shape[0] - i) * L));
+    host_zero(out + i * L, (size_t)((map->shape[0] - i) * L));
 }
 
 /* Compacts our routing map (and probs) into the IN area: per token the selected experts
@@ -423,9 +423,9 @@ epx_result_t host_rm_dispatch(epx_buffer_t buffer, uint64_t seq, const epx_rm_di
     if (res == EPX_SUCCESS) res = rm_publish_routing(hb, &lay, args, T);
     if (res == EPX_SUCCESS) {
         uint8_t *area = host_area_ptr(hb, me, HOST_AREA_IN);
-        memcpy(area + lay.x, args->hidden.data, (size_t)(T * H) * esize);
+        host_copy(area + lay.x, args->hidden.data, (size_t)(T * H) * esize);
         if (args->scaling_factor.data)
-            memcpy(area + lay.scales, args->scaling_factor.data, (size_t)(T * (H / 128)) * sizeof(float));
+            host_copy(area + lay.scales, args->scaling_factor.data, (size_t)(T * (H / 128)) * sizeof(float));
     }
     int64_t words[RM_W_COUNT] = {
         T, (int64_t)dtype, permute, args->probs.data != NULL, permute ? args->pad_multiple : 1, my_bound};
@@ -572,11 +572,11 @@ epx_result_t host_rm_combine(epx_buffer_t buffer, uint64_t seq, const epx_rm_com
         uint16_t *dst = (uint16_t *)host_area_ptr(hb, me, HOST_AREA_COMBINE);
         const uint16_t *x = args->x.data;
         if (!h->permute) {
-            memcpy(dst, x, (size_t)(h->kept_rows * H) * 2);
+            host_copy(dst, x, (size_t)(h->kept_rows * H) * 2);
         } else {
             for (int64_t j = 0; j < L; j++)
-                memcpy(dst + h->compact_begin[j] * H, x + h->group_begin[j] * H,
-                       (size_t)(h->kept[j] * H) * 2);
+                host_copy(dst + h->compact_begin[j] * H, x + h->group_begin[j] * H,
+                          (size_t)(h->kept[j] * H) * 2);
         }
     }
     int64_t words[1] = {h ? (int64_t)h->dispatch_seq : -1};

@@ -579,6 +579,58 @@ static int rm_tests(const world_t *w, int me, epx_buffer_t buf)
     return 0;
 }
 
+/* No tokens on any rank, every empty tensor with NULL data (the API accepts it): LL dispatch and
+ * combine, routing-map dispatch (with and without permute) and combine succeed, receive nothing and
+ * never hand NULL to memcpy or memset (the sanitizer builds abort on that, even for 0 bytes). */
+static int empty_tests(const world_t *w, int me, epx_buffer_t buf)
+{
+    const int64_t RT = (int64_t)w->R * T_MAX;
+    uint16_t *y = calloc((size_t)(w->L * RT * HID), 2);
+    EXPECT_TRUE(y != NULL);
+    ll_out_t lo;
+    ll_out_init(&lo, w, 0, 0);
+    memset(lo.recv_count, 0xff, sizeof(lo.recv_count));
+    epx_ll_dispatch_args_t d = EPX_LL_DISPATCH_ARGS_INIT;
+    d.x = epx_tensor_2d(NULL, EPX_DTYPE_BF16, 0, HID);
+    d.topk_idx = epx_tensor_2d(NULL, EPX_DTYPE_INT64, 0, TOPK);
+    EXPECT_OK(epx_ll_dispatch(buf, &d, &lo.o));
+    for (int j = 0; j < w->L; j++) EXPECT_EQ_INT(lo.recv_count[j], 0);
+    epx_ll_combine_args_t c = EPX_LL_COMBINE_ARGS_INIT;
+    c.handle = lo.o.handle;
+    c.y = epx_tensor_3d(y, EPX_DTYPE_BF16, w->L, RT, HID);
+    c.topk_idx = d.topk_idx;
+    c.topk_weights = epx_tensor_2d(NULL, EPX_DTYPE_FP32, 0, TOPK);
+    epx_ll_combine_outputs_t co = EPX_LL_COMBINE_OUTPUTS_INIT;
+    co.combined_x = epx_tensor_2d(NULL, EPX_DTYPE_BF16, 0, HID);
+    EXPECT_OK(epx_ll_combine(buf, &c, &co));
+    ll_out_free(&lo);
+    free(y);
+
+    for (int permute = 0; permute < 2; permute++) {
+        int32_t tpe[NEXP], ntok = -1;
+        epx_rm_dispatch_args_t da = EPX_RM_DISPATCH_ARGS_INIT;
+        da.hidden = epx_tensor_2d(NULL, EPX_DTYPE_BF16, 0, HID);
+        da.routing_map = epx_tensor_2d(NULL, EPX_DTYPE_BOOL, 0, NEXP);
+        da.permute = permute;
+        da.pad_multiple = 4;
+        epx_rm_dispatch_outputs_t o = EPX_RM_DISPATCH_OUTPUTS_INIT;
+        o.tokens = epx_tensor_2d(NULL, EPX_DTYPE_BF16, 0, HID);
+        if (permute) o.tokens_per_expert = epx_tensor_1d(tpe, EPX_DTYPE_INT32, w->L);
+        o.num_tokens = epx_tensor_1d(&ntok, EPX_DTYPE_INT32, 1);
+        EXPECT_OK(epx_rm_dispatch(buf, &da, &o));
+        EXPECT_EQ_INT(ntok, 0);
+        for (int j = 0; permute && j < w->L; j++) EXPECT_EQ_INT(tpe[j], 0);
+        epx_rm_combine_args_t ca = EPX_RM_COMBINE_ARGS_INIT;
+        ca.handle = o.handle;
+        ca.x = epx_tensor_2d(NULL, EPX_DTYPE_BF16, 0, HID);
+        epx_rm_combine_outputs_t rco = EPX_RM_COMBINE_OUTPUTS_INIT;
+        rco.combined = epx_tensor_2d(NULL, EPX_DTYPE_BF16, 0, HID);
+        EXPECT_OK(epx_rm_combine(buf, &ca, &rco));
+        EXPECT_OK(epx_handle_destroy(o.handle));
+    }
+    return 0;
+}
+
 static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
 {
     world_t w;
@@ -588,6 +640,7 @@ static int rank_main(int rank, int nranks, const epx_unique_id_t *id, void *ctx)
     EXPECT_OK(make_buffer(rank, nranks, id, &comm, &buf));
     if (ll_tests(&w, rank, buf)) return 1;
     if (rm_tests(&w, rank, buf)) return 1;
+    if (empty_tests(&w, rank, buf)) return 1;
     EXPECT_OK(epx_buffer_destroy(buf));
     EXPECT_OK(epx_comm_destroy(comm));
     return 0;
