@@ -129,7 +129,8 @@ static int ht_dispatch_rows(BufferObject *self, HandleObject *cached, int64_t nu
         py_raise_epx(r);
         return -1;
     }
-    *cap = info.num_recv_tokens;
+    /* Static mode (a bound, on a handle of either mode): that many rows, as the library writes. */
+    *cap = num_worst > 0 ? num_worst : info.num_recv_tokens;
     return 0;
 }
 

@@ -73,6 +73,17 @@ def _ht(rank, nranks, uid, alignment, idx_dtype, with_bias, shape=None):
     assert cached.handle is out.handle and cached.recv_topk_idx is None and cached.rank_prefix_matrix is None
     assert cached.num_recv_tokens_per_expert_list is None
     assert_equal(cached.recv_x, bf16(f32(recv_x) + 1), "cached recv_x", rank)
+    # A bound on a default-mode handle's cached dispatch makes it static: outputs of that many rows, the
+    # first rows in order, the rest dropped with the overflow flag set (as on cuda).
+    bounded = buf.dispatch(x2, handle=out.handle, num_worst_tokens=1)
+    assert bounded.recv_x.shape == (1, p.H) and bounded.num_recv_tokens == 1  # a cached call: its rows
+    kept = min(1, len(recv_x))
+    assert_equal(bounded.recv_x[:kept], bf16(f32(recv_x[:kept]) + 1), "bounded cached recv_x", rank)
+    assert buf.query_overflow() is (len(recv_x) > 1)
+    big = buf.dispatch(x2, handle=out.handle, num_worst_tokens=len(recv_x) + 2)
+    assert big.recv_x.shape == (len(recv_x) + 2, p.H)
+    assert_equal(big.recv_x[:len(recv_x)], bf16(f32(recv_x) + 1), "cached recv_x under a bound", rank)
+    assert buf.query_overflow() is False
 
     y = p.expert_fn(out.recv_x, rank + 1)
     bias = dict(bias0=x, bias1=bf16(f32(x) * 2)) if with_bias else {}

@@ -489,17 +489,26 @@ static void dispatch_commit(host_buffer_t *hb, uint64_t seq, const epx_ht_dispat
     handle->backend_state = st;
 }
 
+/* The rows a cached dispatch writes: the handle's, at most num_worst_tokens in static mode (a bound
+ * on a default-mode handle drops the rows past it, as a static dispatch does). */
+static int64_t cached_rows(const epx_ht_dispatch_args_t *args, const host_ht_state_t *st)
+{
+    return args->num_worst_tokens > 0 && args->num_worst_tokens < st->num_recv ? args->num_worst_tokens
+                                                                               : st->num_recv;
+}
+
 static epx_result_t cached_plan(host_buffer_t *hb, const epx_ht_dispatch_args_t *args,
                                 epx_ht_dispatch_outputs_t *outputs, const host_ht_state_t *st)
 {
-    EPX_CHECK(check_dispatch_capacity(hb->rank, outputs, st->num_recv, st->num_recv, 0, args->recv_in_buffer != 0));
-    if (args->recv_in_buffer)
-        EPX_CHECK(set_views(hb, args, outputs,
-                            args->num_worst_tokens > 0 ? args->num_worst_tokens : st->num_recv, 0));
+    const int64_t rows = args->num_worst_tokens > 0 ? args->num_worst_tokens : st->num_recv;
+    EPX_CHECK(check_dispatch_capacity(hb->rank, outputs, cached_rows(args, st), st->num_recv, 0,
+                                      args->recv_in_buffer != 0));
+    if (args->recv_in_buffer) EPX_CHECK(set_views(hb, args, outputs, rows, 0));
     return EPX_SUCCESS;
 }
 
-/* The same routing drops the same rows again: the overflow flag is set as by the first dispatch. */
+/* The same routing drops the same rows again (and a bound below the handle's rows drops the rest):
+ * the overflow flag is set as by a static dispatch. */
 static void cached_commit(host_buffer_t *hb, uint64_t seq, const epx_ht_dispatch_args_t *args,
                           epx_ht_dispatch_outputs_t *outputs, const host_ht_state_t *st)
 {
@@ -518,13 +527,14 @@ static void cached_commit(host_buffer_t *hb, uint64_t seq, const epx_ht_dispatch
                      dtype == EPX_DTYPE_FP8_E4M3 ? H / 128 : 0,
                      (size_t)H * epx_dtype_bytes(dtype),
                      0};
-    host_parallel_for(hb, st->num_recv, 16, copy_rows, &xc);
+    const int64_t rows = cached_rows(args, st);
+    host_parallel_for(hb, rows, 16, copy_rows, &xc);
     /* As a routed dispatch reports it, and as the cuda backend does: -1 in static mode. */
     outputs->num_recv_tokens_host = args->num_worst_tokens > 0 ? -1 : st->num_arriving;
-    if (st->num_arriving > st->num_recv) {
+    if (st->num_arriving > rows) {
         atomic_store_explicit(&hb->buffer->overflow, 1, memory_order_release);
         EPX_INFO(EPX_SUBSYS_HT, "rank %d: cached call %llu: %lld rows arrive, %lld kept: rows dropped",
-                 hb->rank, (unsigned long long)seq, (long long)st->num_arriving, (long long)st->num_recv);
+                 hb->rank, (unsigned long long)seq, (long long)st->num_arriving, (long long)rows);
     }
 }
 

@@ -2,7 +2,8 @@
  * Every collective call succeeds on all ranks or fails on all (issue 11, defect 6), and a peer's
  * destroy is noticed at once (defect 7), on the host backend:
  * - one rank's outputs are too small for what arrives (HT dispatch at R = 2, 3, 6, 7; cached
- *   static HT dispatch; routing-map dispatch with and without permute): that rank fails with
+ *   static HT dispatch, refused before the exchange; routing-map dispatch with and without
+ *   permute): that rank fails with
  *   EPX_ERR_INVALID_ARG, every peer with EPX_ERR_REMOTE naming it, no rank writes an output or
  *   gets a handle, and the next calls work everywhere;
  * - a rank destroys its buffer while (or before) its peers enter a dispatch: they fail with
@@ -51,6 +52,7 @@ static int small_output_call(calls_t *c, int which)
     const int R = c->nranks, small = R - 1, me = c->rank;
     const int64_t cap = (int64_t)R * CT;
     epx_result_t res;
+    epx_handle_t static_handle = NULL;
     memset(c->recv, 0xab, sizeof(c->recv));
     if (which == CASE_HT) {
         epx_ht_dispatch_args_t a = EPX_HT_DISPATCH_ARGS_INIT;
@@ -61,13 +63,24 @@ static int small_output_call(calls_t *c, int which)
         res = epx_ht_dispatch(c->buf, &a, &o);
         EXPECT_TRUE(o.handle == NULL);
     } else if (which == CASE_HT_CACHED_STATIC) {
-        /* The bound passes the argument checks; only the handle's rows show it is too low. */
+        /* A static handle (bound cap), then its cached dispatch, where the last rank's recv_x holds
+         * one row less than the bound: that rank refuses before the exchange and its peers hear it. */
+        uint16_t *rows = malloc((size_t)cap * CH * sizeof(uint16_t));
+        EXPECT_TRUE(rows != NULL);
         epx_ht_dispatch_args_t a = EPX_HT_DISPATCH_ARGS_INIT;
         a.x = epx_tensor_2d(c->x, EPX_DTYPE_BF16, CT, CH);
-        a.cached_handle = c->ht;
-        a.num_worst_tokens = me == small ? c->ht_rows - 1 : cap;
+        a.topk_idx = epx_tensor_2d(c->topk, EPX_DTYPE_INT32, CT, CK);
+        a.num_worst_tokens = cap;
+        epx_ht_dispatch_outputs_t so = EPX_HT_DISPATCH_OUTPUTS_INIT;
+        so.recv_x = epx_tensor_2d(rows, EPX_DTYPE_BF16, cap, CH);
+        EXPECT_OK(epx_ht_dispatch(c->buf, &a, &so));
+        free(rows);
+        static_handle = so.handle;
+        a.cached_handle = so.handle;
+        a.num_worst_tokens = 0; /* the handle's bound */
+        memset(&a.topk_idx, 0, sizeof(a.topk_idx));
         epx_ht_dispatch_outputs_t o = EPX_HT_DISPATCH_OUTPUTS_INIT;
-        o.recv_x = epx_tensor_2d(c->recv, EPX_DTYPE_BF16, a.num_worst_tokens, CH);
+        o.recv_x = epx_tensor_2d(c->recv, EPX_DTYPE_BF16, me == small ? cap - 1 : cap, CH);
         res = epx_ht_dispatch(c->buf, &a, &o);
     } else {
         epx_rm_dispatch_args_t a = EPX_RM_DISPATCH_ARGS_INIT;
@@ -86,6 +99,7 @@ static int small_output_call(calls_t *c, int which)
     }
     if (expect_agreed_failure(res, me, small)) return 1;
     EXPECT_TRUE(rows_untouched(c));
+    EXPECT_OK(epx_handle_destroy(static_handle));
     return 0;
 }
 
