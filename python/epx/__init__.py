@@ -305,6 +305,37 @@ class Comm(_epx.Comm):
             cuda_device = torch.cuda.current_device()
         return cls.from_callbacks(allgather, barrier, rank, nranks, backend, cuda_device, timeout_ms)
 
+    @classmethod
+    def from_mpi(cls, comm, backend="auto", timeout_ms=0, node_id=None):
+        """Collective over an mpi4py communicator (any object with mpi4py's ``Get_rank()``, ``Get_size()``
+        and ``allgather(obj) -> list``; ``Barrier()`` when it has one): bootstraps through them. The
+        CUDA device is torch's current one where torch is importable and sees a GPU, else none (as
+        from_callbacks with cuda_device=-1)."""
+        for name in ("Get_rank", "Get_size", "allgather"):
+            if not callable(getattr(comm, name, None)):
+                raise TypeError("epx.Comm.from_mpi: comm has no %s(): pass an mpi4py communicator (got %s)"
+                                % (name, type(comm).__name__))
+        rank, nranks = int(comm.Get_rank()), int(comm.Get_size())
+
+        def allgather(data):
+            return b"".join(bytes(part) for part in comm.allgather(bytes(data)))
+
+        def barrier():
+            if callable(getattr(comm, "Barrier", None)):
+                comm.Barrier()
+            else:
+                comm.allgather(b"")
+
+        cuda_device = -1
+        if backend != "host":
+            try:
+                import torch
+            except ImportError:
+                torch = None
+            if torch is not None and torch.cuda.is_available():
+                cuda_device = torch.cuda.current_device()
+        return cls.from_callbacks(allgather, barrier, rank, nranks, backend, cuda_device, timeout_ms, node_id)
+
     def __enter__(self):
         return self
 

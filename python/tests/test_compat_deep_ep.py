@@ -492,6 +492,47 @@ def test_pooled_views_requested():
     run_in_group(2, _pooled_request)
 
 
+class MPIStandIn:
+    """The three calls of an mpi4py communicator that DeepEP's comm= path uses (no Barrier: the front must
+    do without), over the torch group."""
+
+    def __init__(self, dist):
+        self.dist = dist
+
+    def Get_rank(self):
+        return self.dist.get_rank()
+
+    def Get_size(self):
+        return self.dist.get_world_size()
+
+    def allgather(self, obj):
+        out = [None] * self.dist.get_world_size()
+        self.dist.all_gather_object(out, obj)
+        return out
+
+
+def _mpi_comm(rank, nranks, dist):
+    buf = deep_ep.Buffer(None, int(1e8), 0, comm=MPIStandIn(dist), explicitly_destroy=True)
+    assert (buf.rank, buf.group_size) == (rank, nranks) and isinstance(buf.comm, epx.Comm)
+    if buf.comm.backend == "host":
+        E, K = 2 * nranks, 2
+        x, idx, w = make_inputs(rank, nranks, tokens(rank, nranks), K, E)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
+                                                  is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        combined, _, _ = buf.combine(recv_x, handle)
+        # Every receiving rank sends the row back unchanged: the sum is x times the ranks it went to.
+        ranks = in_rank.sum(dim=1, dtype=torch.float32).view(-1, 1)
+        assert torch.equal(combined, (x.float() * ranks).to(torch.bfloat16))
+    buf.destroy()
+    with pytest.raises(TypeError, match="Get_rank"):
+        deep_ep.Buffer(None, int(1e8), 0, comm=object())
+
+
+def test_mpi_comm():
+    run_in_group(2, _mpi_comm)
+
+
 def test_front_surface():
     assert deep_ep.topk_idx_t == torch.int64
     assert deep_ep.Buffer.is_sm90_compiled() is True

@@ -126,8 +126,9 @@ def _first_tensor(x):
 
 
 class Buffer:
-    """DeepEP's Buffer over an epx communicator made from `group` (torch.distributed), or the given comm.
-    Collective to create, as DeepEP's."""
+    """DeepEP's Buffer over an epx communicator made from `group` (torch.distributed), or from `comm`: an
+    mpi4py communicator, as DeepEP's `comm` (epx.Comm.from_mpi), or an epx.Comm. Collective to create, as
+    DeepEP's."""
 
     num_sms = 20
 
@@ -136,7 +137,12 @@ class Buffer:
                  use_fabric=False, explicitly_destroy=False, enable_shrink=False, comm=None):
         native_options = _native_options()  # a bad setting raises before anything collective
         self.group = group
-        self.comm = comm if comm is not None else epx.Comm.from_torch(group)
+        if comm is None:
+            self.comm = epx.Comm.from_torch(group)
+        elif isinstance(comm, epx.Comm):
+            self.comm = comm
+        else:
+            self.comm = epx.Comm.from_mpi(comm)
         self._destroyed = False
         self.rank = self.comm.rank
         self.group_size = self.comm.nranks
