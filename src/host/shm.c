@@ -332,12 +332,13 @@ typedef struct wait_clock {
     uint64_t deadline;
     uint64_t next_pid_check;
     uint32_t iteration;
+    int expired; /* the deadline passed: one more poll, then EPX_ERR_TIMEOUT */
 } wait_clock_t;
 
 static wait_clock_t wait_clock_start(const host_buffer_t *hb)
 {
     uint64_t now = epx_time_ns();
-    wait_clock_t c = {now + (uint64_t)hb->buffer->comm->timeout_ms * 1000000ull, now + HOST_PID_CHECK_NS, 0};
+    wait_clock_t c = {now + (uint64_t)hb->buffer->comm->timeout_ms * 1000000ull, now + HOST_PID_CHECK_NS, 0, 0};
     return c;
 }
 
@@ -430,9 +431,12 @@ void host_notify_destroy(host_buffer_t *hb)
 }
 
 /* Advances the clock; EPX_ERR_REMOTE if peer's process is gone, EPX_ERR_TIMEOUT (without a
- * message) past the deadline. */
+ * message) past the deadline. The tick that finds the deadline passed returns EPX_SUCCESS once, so
+ * that the caller polls again before it gives up: what arrived while we slept is not a timeout
+ * (that would widen the race of a peer arriving at the deadline). */
 static epx_result_t wait_tick(const host_buffer_t *hb, wait_clock_t *c, int peer, const char *doing)
 {
+    if (c->expired) return EPX_ERR_TIMEOUT;
     epx_backoff(c->iteration++);
     if ((c->iteration & 63) != 0) return EPX_SUCCESS;
     uint64_t now = epx_time_ns();
@@ -444,7 +448,8 @@ static epx_result_t wait_tick(const host_buffer_t *hb, wait_clock_t *c, int peer
             return epx_comm_set_async_error(hb->buffer->comm, res, NULL); /* kept: the comm has lost a rank */
         }
     }
-    return now >= c->deadline ? EPX_ERR_TIMEOUT : EPX_SUCCESS;
+    c->expired = now >= c->deadline;
+    return EPX_SUCCESS;
 }
 
 epx_result_t host_area_acquire(host_buffer_t *hb, host_area_t area)
