@@ -90,7 +90,9 @@ int fault_boot_trial(fault_attack_t attack, int R, int timeout_ms, fault_rec_t *
          * backlog), or once the job has formed. */
         plan.boot_procs = R + 1;
         plan.boot_rank[R] = 1;
-        plan.boot_delay_ms[attack == FAULT_ATTACK_DUPLICATE ? 0 : R] = DUPLICATE_DELAY_MS;
+        /* Within a third of the timeout, so that the ranks waiting for rank 0 do not time out first. */
+        plan.boot_delay_ms[attack == FAULT_ATTACK_DUPLICATE ? 0 : R] =
+            timeout_ms / 3 < DUPLICATE_DELAY_MS ? timeout_ms / 3 : DUPLICATE_DELAY_MS;
     }
     epx_unique_id_t id;
     if (epx_get_unique_id(&id) != EPX_SUCCESS) {
