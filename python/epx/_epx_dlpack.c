@@ -562,7 +562,15 @@ int py_alloc_tensor(call_ctx_t *ctx, keep_t *keep, epx_dtype_t dtype, int ndim, 
     PyObject *obj = NULL;
     PyObject *tmpl = ctx->fw == FW_TORCH ? torch_template(ctx, dtype) : NULL;
     if (tmpl) {
-        obj = PyObject_CallMethodOneArg(tmpl, g_names.new_empty, py_shape);
+        /* new_empty(d0, d1, ...): torch parses separate ints faster than a tuple (about 0.4 us less per
+         * output here, a quarter of an LL dispatch's Python overhead with four outputs). */
+        PyObject *slots[2 + EPX_MAX_DIMS], **argv = slots + 1; /* slots[0]: the offset's spare slot */
+        argv[0] = tmpl;
+        for (int i = 0; i < ndim && i < EPX_MAX_DIMS; i++) argv[1 + i] = PyTuple_GET_ITEM(py_shape, i);
+        obj = ndim > 0 && ndim <= EPX_MAX_DIMS
+                  ? PyObject_VectorcallMethod(g_names.new_empty, argv,
+                                              (size_t)(1 + ndim) | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL)
+                  : PyObject_CallMethodOneArg(tmpl, g_names.new_empty, py_shape);
         Py_DECREF(py_shape);
         if (!obj) return -1;
         /* Our own new tensor: contiguous, of the template's dtype and device, no grad, no neg or conj
