@@ -176,6 +176,47 @@ def test_dispatch_combine(nranks, ragged):
     assert run_in_group(nranks, _dispatch_combine, ragged=ragged) == [True] * nranks
 
 
+def strided(t):
+    """t's values in a tensor that is not contiguous (every other column of a wider one)."""
+    wide = torch.zeros((t.shape[0], 2 * t.shape[1]), dtype=t.dtype)
+    wide[:, ::2] = t
+    out = wide[:, ::2]
+    assert not out.is_contiguous() or t.shape[0] <= 1
+    return out
+
+
+def _strided(rank, nranks, dist):
+    """Inputs of any strides, as HybridEP takes them (autograd hands the backward calls such gradients):
+    the same results as contiguous ones, in every call."""
+    buf = _buffer(dist)
+    E = buf.num_of_experts
+    hidden, sf, idx, w, rmap, probs = inputs(rank, 16, E)
+    want, want_probs, _, handle = buf.dispatch(hidden=hidden, routing_map=rmap, probs=probs)
+    got, got_probs, _, _ = buf.dispatch(hidden=strided(hidden), routing_map=strided(rmap), probs=strided(probs))
+    same(got, want, "tokens from strided inputs", rank)
+    same(got_probs, want_probs, "probs from strided inputs", rank)
+    y = (want.float() * handle[4].sum(dim=1, keepdim=True)).to(torch.bfloat16)
+    combined, c_probs = buf.combine(strided(y), strided(want_probs), handle)
+    expect_combined(combined, hidden, rmap, rank)
+    same(c_probs, probs, "combined probs from strided inputs", rank)
+    p_want, pp_want, _, _, p_handle = buf.dispatch_with_permute(hidden=hidden, routing_map=rmap, probs=probs,
+                                                                  pad_multiple=PAD)
+    p_got, pp_got, _, _, _ = buf.dispatch_with_permute(hidden=strided(hidden), routing_map=strided(rmap),
+                                                       probs=strided(probs), pad_multiple=PAD)
+    same(p_got, p_want, "permuted tokens from strided inputs", rank)
+    same(pp_got, pp_want, "permuted probs from strided inputs", rank)
+    # A gradient expanded from one row (stride 0), as autograd may hand one.
+    grad = p_want[:1].expand(p_want.shape[0], -1)
+    c_want, _ = buf.combine_with_unpermute(hidden=grad.contiguous(), handle=p_handle, pad_multiple=PAD)
+    c_got, _ = buf.combine_with_unpermute(hidden=grad, handle=p_handle, pad_multiple=PAD)
+    same(c_got, c_want, "unpermuted combine of an expanded gradient", rank)
+    return True
+
+
+def test_strided_inputs():
+    assert run_in_group(2, _strided) == [True] * 2
+
+
 def _permute(rank, nranks, dist, ragged):
     buf = _buffer(dist)
     E = buf.num_of_experts

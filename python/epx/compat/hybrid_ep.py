@@ -53,6 +53,12 @@ def indices_to_map(topk_idx, topk_weights, num_of_tokens, num_of_experts):
     return routing_map, probs
 
 
+def _dense(t):
+    """t made contiguous where it is a tensor that is not (HybridEP takes any strides, as autograd hands
+    gradients to the backward calls; epx reads rows densely). None and contiguous tensors unchanged."""
+    return t.contiguous() if t is not None and hasattr(t, "is_contiguous") and not t.is_contiguous() else t
+
+
 def _unsupported(**kwargs):
     bad = [name for name, (value, default) in kwargs.items() if value != default]
     if bad:
@@ -263,6 +269,8 @@ class HybridEPBuffer:
                                                       self.max_num_of_tokens_per_rank))
         if isinstance(probs, torch.Tensor) and probs.dtype != torch.float32:
             probs = probs.float()
+        hidden, scaling_factor, routing_map, probs = (_dense(t) for t in (hidden, scaling_factor, routing_map,
+                                                                          probs))
         x, sf = self._hidden(hidden, scaling_factor)
         # HybridEP sizes its outputs to any bound; epx refuses one past what the buffer can produce, so the
         # library gets the largest it takes and the front pads the rest (rows no dispatch can fill) with
@@ -413,6 +421,7 @@ class HybridEPBuffer:
             n = state.lib_rows
             hidden = hidden[:n] if hidden is not None and hidden.shape[0] > n else hidden
             probs = probs[:n] if probs is not None and probs.shape[0] > n else probs
+        hidden, probs = _dense(hidden), _dense(probs)
         with epx.collective(self.buffer, epx.RM_COMBINE):
             packed = self._pack_probs(state, probs) if probs is not None else None
             combined = self.buffer.rm_combine(hidden, state.handle, weighted=weighted)
