@@ -77,6 +77,10 @@ class BuildExt(build_ext):
             ext.library_dirs += [cuda_lib, os.path.join(cuda_lib, "stubs")]
             ext.libraries += ["cudart", "cuda", "stdc++"]
             ext.runtime_library_dirs += [cuda_lib]
+            # NCCL, where the library's build found it (its GIN host setup is in libepx.a then).
+            for dep in static_deps(build_dir):
+                ext.extra_link_args += [dep]
+                ext.runtime_library_dirs += [os.path.dirname(dep)]
 
 
 def find_nvcc():
@@ -84,6 +88,15 @@ def find_nvcc():
         if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
             return cand
     return None
+
+
+def static_deps(build_dir):
+    """The libraries libepx.a needs besides the CUDA runtime (epx_static_deps.txt, written by CMake)."""
+    try:
+        with open(os.path.join(build_dir, "epx_static_deps.txt")) as f:
+            return [line.strip() for line in f if line.strip()]
+    except OSError:
+        return []
 
 
 def cmake_cache(build_dir, key):

@@ -143,4 +143,6 @@ if __name__ == "__main__":
     ap.add_argument("--ranks", type=int, default=2, help="forked ranks on the host backend (NumPy)")
     ap.add_argument("--torch", action="store_true", help="PyTorch on GPUs, launched by torchrun")
     a = ap.parse_args()
+    if not a.torch and a.ranks < 1:
+        ap.error("--ranks must be at least 1 (got %d)" % a.ranks)
     sys.exit(main_torch() if a.torch else main_numpy(a.ranks))

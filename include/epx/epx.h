@@ -112,7 +112,8 @@ typedef struct epx_build_info {
     int32_t nccl;              /* 1: NCCL was found at build time */
     int32_t nccl_version_code; /* of the NCCL headers built against: major * 10000 + minor * 100 +
                                 * patch (2.28.9 = 22809); 0 without NCCL */
-    int32_t network;           /* 1: the network transport was built (never in this version) */
+    int32_t network;           /* 1: a network transport for every mode was built (never in this version:
+                                * only LL has kernels across nodes, docs/network.md) */
     char nccl_version[16];     /* "2.28.9", "" without NCCL */
 } epx_build_info_t;
 
@@ -332,7 +333,8 @@ typedef struct epx_node_topology {
 EPX_API epx_result_t epx_comm_get_node_topology(epx_comm_t comm, epx_node_topology_t *topo);
 
 /* How this rank reaches a peer. The host backend carries every path through its shared memory
- * (it stands in for both); the cuda backend has no network transport yet. */
+ * (it stands in for both); the cuda backend reaches another node only in LL mode, through the network
+ * interface (EPX_NET_TRANSPORT). */
 typedef enum epx_path {
     EPX_PATH_SELF = 0,    /* the peer is this rank */
     EPX_PATH_IPC = 1,     /* same node: load/store (NVLink) */

@@ -31,8 +31,9 @@ void epx_net_build_info(epx_build_info_t *info)
     info->nccl_version_code = 0;
     memset(info->nccl_version, 0, sizeof(info->nccl_version));
 #endif
-    /* The GIN host setup may be built (EPX_HAVE_GIN_HOST), but no kernel moves tokens over it yet: the
-     * network transport is not there until the internode kernels are. */
+    /* The GIN host setup may be built (EPX_HAVE_GIN_HOST) and the LL kernels across nodes use it, but they
+     * have not passed over GIN yet (docs/network.md) and HT and the routing map have no kernels across
+     * nodes: `network` stays 0 until a transport carries every mode. */
     info->network = 0;
 }
 
@@ -41,12 +42,12 @@ const char *epx_net_gin_unavailable(char *why, size_t n)
     if (n == 0) return why;
 #if defined(EPX_HAVE_GIN_HOST)
     snprintf(why, n,
-             "built with NCCL " EPX_NET_NCCL_VERSION " and its GIN host setup, but the internode kernels of the "
-             "network transport are not built yet");
+             "built with NCCL " EPX_NET_NCCL_VERSION " and its GIN host setup, which the LL kernels across nodes "
+             "use (EPX_NET_TRANSPORT=gin); HT and routing-map kernels across nodes are not built yet");
 #elif defined(EPX_HAVE_NCCL)
     snprintf(why, n,
              "built with NCCL " EPX_NET_NCCL_VERSION " but without the cuda backend, which the GIN host setup "
-             "needs (and the internode kernels are not built yet)");
+             "and the LL kernels across nodes need (HT and routing-map kernels across nodes are not built yet)");
 #else
     snprintf(why, n,
              "built without NCCL: install NCCL >= 2.28 (pip install nvidia-nccl-cu13, or point "

@@ -60,7 +60,9 @@ static const param_def_t param_table[] = {
      "auto,fd,fabric,legacy"},
     {"EPX_NET_TRANSPORT", PARAM_STRING, "", 0, 0, P_OFF(net_transport), P_CAP(net_transport),
      "the network transport of a cuda-backend LL buffer across nodes: loop (the test transport, every "
-     "rank on one machine; the only one this version runs)"},
+     "rank on one machine; the only one this version passes on), gin (NCCL GIN; built with NCCL, not "
+     "passing yet: docs/network.md); empty: none (such a buffer is refused, naming this variable)",
+     ",loop,gin"},
     {"EPX_NET_LOOP_STRICT", PARAM_BOOL, "0", 0, 1, P_OFF(net_loop_strict), 4,
      "1: the loop transport's strict mode (puts and weak signals land as late and out of order as GIN "
      "allows)"},
@@ -102,17 +104,22 @@ static epx_result_t parse_one(const param_def_t *def, const char *text, epx_para
             return epx_error(EPX_ERR_INVALID_ARG, "%s is longer than %zu characters", def->name,
                              def->cap - 1);
         if (def->choices) {
+            /* Matched in any case and kept as the list spells it, so readers compare exactly. A leading
+             * comma lists the empty value. */
             const size_t n = strlen(text);
             const char *c = def->choices;
-            int ok = 0;
-            while (!ok && *c) {
+            for (;;) {
                 const char *end = strchr(c, ',');
                 const size_t len = end ? (size_t)(end - c) : strlen(c);
-                ok = n == len && strncasecmp(c, text, n) == 0;
-                c = end ? end + 1 : c + len;
+                if (n == len && strncasecmp(c, text, n) == 0) {
+                    snprintf(base, def->cap, "%.*s", (int)len, c);
+                    return EPX_SUCCESS;
+                }
+                if (!end) break;
+                c = end + 1;
             }
-            if (!ok)
-                return epx_error(EPX_ERR_INVALID_ARG, "%s='%s' is not one of %s", def->name, text, def->choices);
+            return epx_error(EPX_ERR_INVALID_ARG, "%s='%s' is not one of %s", def->name, text,
+                             def->choices[0] == ',' ? def->choices + 1 : def->choices);
         }
         snprintf(base, def->cap, "%s", text);
         return EPX_SUCCESS;

@@ -91,6 +91,19 @@ static int test_malformed(void)
     if (expect_malformed("EPX_CUDA_IPC", "vmm")) return 1;
     if (expect_malformed("EPX_CUDA_IPC", "fdx")) return 1;
     if (expect_malformed("EPX_CUDA_IPC", "")) return 1;
+    if (expect_malformed("EPX_NET_TRANSPORT", "bogus")) return 1;
+    if (expect_malformed("EPX_NET_TRANSPORT", "loopx")) return 1;
+    /* A choice in another case is taken as the table spells it. */
+    const epx_params_t *p;
+    setenv("EPX_NET_TRANSPORT", "LOOP", 1);
+    setenv("EPX_CUDA_IPC", "Legacy", 1);
+    EXPECT_OK(epx_params_reload());
+    EXPECT_OK(epx_params_get(&p));
+    EXPECT_TRUE(strcmp(p->net_transport, "loop") == 0);
+    EXPECT_TRUE(strcmp(p->cuda_ipc, "legacy") == 0);
+    unsetenv("EPX_NET_TRANSPORT");
+    unsetenv("EPX_CUDA_IPC");
+    EXPECT_OK(epx_params_reload());
     const char *bad_addrs[] = {"nonsense", "127.0.0.1",    "127.0.0.1:",   ":80",         "127.0.0.1:99999",
                                "1.2.3:80", "127.0.0.1:8x", "localhost:80", "127.0.0.1:-1"};
     for (size_t i = 0; i < sizeof(bad_addrs) / sizeof(bad_addrs[0]); i++)

@@ -132,11 +132,7 @@ static int parse_args(int argc, char **argv, bench_opts_t *opt, int *print_env)
                           .backend = EPX_BACKEND_AUTO,
                           .seed = 1};
     parse_ops("ht,view,ll,permute", opt);
-    const char *env_ranks = getenv("EPX_BENCH_RANKS");
-    if (env_ranks && *env_ranks) {
-        if (parse_int32(env_ranks, "EPX_BENCH_RANKS", 1, BENCH_MAX_RANKS, &opt->nranks)) return -1;
-    }
-    int c, rc = 0;
+    int c, rc = 0, ranks_given = 0;
     while (rc == 0 &&
            (c = getopt_long(argc, argv, "t:b:e:f:H:k:E:L:p:S:n:w:r:o:d:B:s:h", longs, NULL)) != -1) {
         char flag[3] = {'-', (char)c, 0};
@@ -160,7 +156,10 @@ static int parse_args(int argc, char **argv, bench_opts_t *opt, int *print_env)
         case 'S': rc = parse_int32(optarg, flag, 0, 1 << 16, &opt->sms); break;
         case 'n': rc = parse_int32(optarg, flag, 1, 1000000, &opt->iters); break;
         case 'w': rc = parse_int32(optarg, flag, 0, 1000000, &opt->warmup); break;
-        case 'r': rc = parse_int32(optarg, flag, 1, BENCH_MAX_RANKS, &opt->nranks); break;
+        case 'r':
+            rc = parse_int32(optarg, flag, 1, BENCH_MAX_RANKS, &opt->nranks);
+            ranks_given = 1;
+            break;
         case 'N': rc = parse_int32(optarg, "--nodes", 1, BENCH_MAX_RANKS, &opt->nodes); break;
         case 'M': opt->timeline = 1; break;
         case 's':
@@ -196,6 +195,11 @@ static int parse_args(int argc, char **argv, bench_opts_t *opt, int *print_env)
         }
     }
     if (rc) return -1;
+    /* EPX_BENCH_RANKS only where -r is not given (a malformed one is then an error). */
+    const char *env_ranks = getenv("EPX_BENCH_RANKS");
+    if (!ranks_given && env_ranks && *env_ranks &&
+        parse_int32(env_ranks, "EPX_BENCH_RANKS", 1, BENCH_MAX_RANKS, &opt->nranks))
+        return -1;
     if (optind < argc) {
         fprintf(stderr, "epx-bench: unexpected argument '%s'\n", argv[optind]);
         return -1;
@@ -468,8 +472,12 @@ int main(int argc, char **argv)
     int print_env = 0;
     if (parse_args(argc, argv, &opt, &print_env)) return 2;
     if (print_env) {
+        /* The table, then the verdict: a malformed value (marked in the table) fails the run. */
         epx_params_print(stdout);
-        return 0;
+        const epx_params_t *checked = NULL;
+        if (epx_params_get(&checked) == EPX_SUCCESS) return 0;
+        fprintf(stderr, "epx-bench: %s\n", epx_last_error_message());
+        return 2;
     }
     const epx_params_t *params = NULL;
     if (epx_params_get(&params) != EPX_SUCCESS) {
