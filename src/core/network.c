@@ -42,12 +42,14 @@ const char *epx_net_gin_unavailable(char *why, size_t n)
     if (n == 0) return why;
 #if defined(EPX_HAVE_GIN_HOST)
     snprintf(why, n,
-             "built with NCCL " EPX_NET_NCCL_VERSION " and its GIN host setup, which the LL kernels across nodes "
+             "built with NCCL " EPX_NET_NCCL_VERSION
+             " and its GIN host setup, which the LL kernels across nodes "
              "use (EPX_NET_TRANSPORT=gin); HT and routing-map kernels across nodes are not built yet");
 #elif defined(EPX_HAVE_NCCL)
-    snprintf(why, n,
-             "built with NCCL " EPX_NET_NCCL_VERSION " but without the cuda backend, which the GIN host setup "
-             "and the LL kernels across nodes need (HT and routing-map kernels across nodes are not built yet)");
+    snprintf(
+        why, n,
+        "built with NCCL " EPX_NET_NCCL_VERSION " but without the cuda backend, which the GIN host setup "
+        "and the LL kernels across nodes need (HT and routing-map kernels across nodes are not built yet)");
 #else
     snprintf(why, n,
              "built without NCCL: install NCCL >= 2.28 (pip install nvidia-nccl-cu13, or point "

@@ -338,7 +338,8 @@ typedef struct wait_clock {
 static wait_clock_t wait_clock_start(const host_buffer_t *hb)
 {
     uint64_t now = epx_time_ns();
-    wait_clock_t c = {now + (uint64_t)hb->buffer->comm->timeout_ms * 1000000ull, now + HOST_PID_CHECK_NS, 0, 0};
+    wait_clock_t c = {now + (uint64_t)hb->buffer->comm->timeout_ms * 1000000ull, now + HOST_PID_CHECK_NS, 0,
+                      0};
     return c;
 }
 
