@@ -229,8 +229,10 @@ PyObject *py_comm_barrier(PyObject *mod, PyObject *arg)
     }
     CommObject *self = (CommObject *)arg;
     if (py_comm_check(self) != 0) return NULL;
-    /* The GIL stays held: a callback communicator's barrier is the caller's Python callable. */
-    const epx_result_t res = epx_comm_barrier(self->comm);
+    /* Without the GIL, as every call where ranks wait on each other: other threads go on (a callback
+     * communicator's barrier and allgather take the GIL themselves, cb_barrier and cb_allgather). */
+    epx_result_t res;
+    WITHOUT_GIL(res = epx_comm_barrier(self->comm));
     if (res != EPX_SUCCESS) {
         PyObject *cause = self->callback_error;
         self->callback_error = NULL;

@@ -200,6 +200,8 @@ COLLECTIVE_METHOD(buffer_dispatch, EPX_COLLECTIVE_HT_DISPATCH)
         py_check_views_in(self, in, COUNT(in), area) != 0)
         return call_fail(&c);
     const int views = area != NULL;
+    /* Importing the inputs ran Python (__dlpack__, another thread): the handle may be gone since. */
+    if (cached && py_handle_check(cached, HANDLE_HT) != 0) return call_fail(&c);
     a.cached_handle = cached ? cached->handle : NULL;
     a.expert_alignment = expert_alignment;
     a.num_worst_tokens = num_worst;
@@ -462,12 +464,14 @@ static int64_t rm_dispatch_rows(BufferObject *self, int64_t bound, int permute, 
 {
     const int64_t L = self->L, R = self->R, Tm = self->cfg.max_tokens, K = self->cfg.num_topk;
     const int64_t plain = R * Tm, grouped = R * Tm * (K < L ? K : L);
+    const int64_t max_pad = self->cfg.max_pad_multiple > 0 ? self->cfg.max_pad_multiple : 128;
     if (bound >= 0) {
         /* A bound past what the buffer can ever produce gets no rows: the library refuses it by name
          * (collectively) instead of this allocation failing on its size. */
-        const int64_t max_pad = self->cfg.max_pad_multiple > 0 ? self->cfg.max_pad_multiple : 128;
         return bound <= (permute ? grouped + L * (max_pad - 1) : plain) ? bound : 0;
     }
+    /* Likewise a pad_multiple above the buffer's max_pad_multiple. */
+    if (permute && pad_multiple > max_pad) return 0;
     return permute ? grouped + L * ((pad_multiple > 0 ? pad_multiple : 1) - 1) : plain;
 }
 

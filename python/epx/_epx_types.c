@@ -41,7 +41,8 @@ static PyObject *comm_destroy(CommObject *self, PyObject *unused)
             Py_RETURN_NONE;
         }
         if (refuse_live_children(self->live_buffers, "buffer", "communicator", "") != 0) return NULL;
-        epx_result_t res = epx_comm_destroy(self->comm);
+        /* In a forked child the communicator is the parent's: let it go here, leave the library alone. */
+        epx_result_t res = py_foreign(self) ? EPX_SUCCESS : epx_comm_destroy(self->comm);
         if (res != EPX_SUCCESS) return py_raise_epx(res);
         self->comm = NULL;
     }
@@ -157,7 +158,7 @@ static int buffer_init(BufferObject *self, PyObject *args, PyObject *kwargs)
     int views, view_areas = 0;
     /* The 32-bit fields are parsed in place; those not given keep their zero (the library's default). */
     epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-    if (self->buf) {
+    if (self->buf || self->comm) { /* once per object, destroyed or not */
         PyErr_SetString(PyExc_RuntimeError, "epx: Buffer.__init__ called twice");
         return -1;
     }
@@ -222,6 +223,12 @@ void py_buffer_free(BufferObject *self)
 
 PyObject *py_buffer_destroy(BufferObject *self, PyObject *unused)
 {
+    /* In a forked child the buffer is the parent's (a `with` block around a fork ends in both): the
+     * child lets it go without telling the library, whose destroy would tell the peers. */
+    if (self->buf && py_foreign(self->comm)) {
+        py_buffer_free(self);
+        Py_RETURN_NONE;
+    }
     if (self->buf && !self->destroy_pending) {
         if (refuse_live_children(self->live_handles, "handle", "buffer", " (or drop them)") != 0) return NULL;
         /* Arrays over the buffer's memory may outlive this call: it is freed when the last one goes. */

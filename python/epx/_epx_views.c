@@ -116,10 +116,12 @@ int py_dispatch_area(BufferObject *self, PyObject *views_obj, int64_t num_worst,
     return 0;
 }
 
-/* The View a numpy array was made over (its base chain ends there), or NULL. */
+/* The View a numpy array was made over (its base chain ends there), or NULL; a new reference. The chain
+ * is followed through exact ndarrays only: a subclass's `base` may be a property that runs any code (and
+ * could drop the last reference to what it returns); such an array is classified by address. */
 static ViewObject *numpy_view_of(PyObject *obj)
 {
-    if (!py_state.numpy_ndarray || !PyObject_TypeCheck(obj, py_state.numpy_ndarray)) return NULL;
+    if (!py_state.numpy_ndarray || !Py_IS_TYPE(obj, (PyTypeObject *)py_state.numpy_ndarray)) return NULL;
     PyObject *o = obj;
     Py_INCREF(o);
     for (int depth = 0; depth < 16; depth++) {
@@ -129,11 +131,8 @@ static ViewObject *numpy_view_of(PyObject *obj)
             PyErr_Clear();
             return NULL;
         }
-        if (Py_IS_TYPE(base, &py_view_type)) {
-            Py_DECREF(base); /* obj keeps it alive */
-            return (ViewObject *)base;
-        }
-        if (base == Py_None || !PyObject_TypeCheck(base, py_state.numpy_ndarray)) {
+        if (Py_IS_TYPE(base, &py_view_type)) return (ViewObject *)base;
+        if (!Py_IS_TYPE(base, (PyTypeObject *)py_state.numpy_ndarray)) {
             Py_DECREF(base);
             return NULL;
         }
@@ -154,10 +153,12 @@ int py_view_classify(BufferObject *b, PyObject *obj, const epx_tensor_t *t, area
     if (v && v->owner == b && v->area) {
         *area_out = v->area;
         *handle_out = v->handle;
-        const int current = v->gen == v->area->gen;
-        if (v->kind == VIEW_RECV) return current ? AT_RECV : AT_RECV_STALE;
+        const int current = v->gen == v->area->gen, recv = v->kind == VIEW_RECV;
+        Py_DECREF(v);
+        if (recv) return current ? AT_RECV : AT_RECV_STALE;
         return current ? AT_CIN : AT_CIN_STALE;
     }
+    Py_XDECREF(v);
     /* Otherwise (torch) by address: inside an area with no view of the current generation alive, it
      * is stale; with one alive it counts as current (a stale view held next to a current one cannot be
      * told apart there). */

@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 import epx
+from mp import run_ranks
 from npref import bf16
 
 
@@ -52,3 +53,38 @@ def test_forked_child_drops_objects():
     del out, again, comb
     buf.destroy()
     comm.destroy()
+
+
+
+def _child_destroys(rank, nranks, uid):
+    comm = epx.Comm.from_unique_id(uid, rank, nranks, backend="host")
+    buf = epx.Buffer(comm, 4, 128, 2, 2 * nranks, views=False)
+    x = bf16(np.full((4, 128), rank + 1, dtype=np.float32))
+    idx = np.array([[0, 1], [1, 2], [2, 3], [3, -1]], dtype=np.int64)
+    out = buf.dispatch(x, idx)
+    if rank == 0:
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                out.handle.destroy()
+                buf.destroy()
+                comm.destroy()
+            except BaseException:  # noqa: BLE001 (reported through the exit code)
+                code = 3
+            os._exit(code)
+        assert _wait(pid, 20) == 0, "destroy() in the forked child failed"
+    comm.barrier()
+    # Both ranks' objects are intact: the peer saw no destroy.
+    comb = buf.combine(out.recv_x, out.handle)
+    assert comb.combined_x.shape == (4, 128)
+    out.handle.destroy()
+    buf.destroy()
+    comm.destroy()
+    return True
+
+
+def test_forked_child_destroys_objects():
+    """destroy() in a forked child (a `with` block around a fork ends in both processes) lets the
+    child's references go and leaves the library alone: the parent and its peer go on."""
+    assert run_ranks(2, _child_destroys) == [True, True]
