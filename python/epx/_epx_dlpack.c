@@ -73,6 +73,26 @@ static PyObject *export_capsule(call_ctx_t *ctx, PyObject *method, PyObject *src
     return capsule;
 }
 
+/* The pending exception, raised again with the same type and the argument's name in front ("epx: x:
+ * ..."), the original as its __cause__: the framework's own message names no argument. */
+static void name_pending_error(const char *name)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (!type) return;
+    if (tb && value) PyException_SetTraceback(value, tb);
+    PyErr_Format(type, "epx: %s could not be imported: %S", name, value ? value : Py_None);
+    PyObject *type2, *value2, *tb2;
+    PyErr_Fetch(&type2, &value2, &tb2);
+    PyErr_NormalizeException(&type2, &value2, &tb2);
+    if (value2 && value) PyException_SetCause(value2, Py_NewRef(value));
+    PyErr_Restore(type2, value2, tb2);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+}
+
 /* Fills `t` from the DLPack tensor `d` (already known to fit epx's dimension limit). */
 static int describe_tensor(const dl_tensor_t *d, const char *name, int hint, epx_tensor_t *t)
 {
@@ -321,11 +341,17 @@ static int import_dlpack(call_ctx_t *ctx, keep_t *keep, PyObject *obj, const cha
     }
     PyObject *capsule = export_capsule(ctx, method, src);
     Py_DECREF(method);
-    if (!capsule) goto fail_src;
+    if (!capsule) {
+        name_pending_error(name);
+        goto fail_src;
+    }
     Py_DECREF(src);
     if (keep_add(keep, capsule) != 0) return -1;
     dl_managed_t *m = PyCapsule_GetPointer(capsule, "dltensor");
-    if (!m) return -1;
+    if (!m) {
+        name_pending_error(name);
+        return -1;
+    }
     const dl_tensor_t *d = &m->dl_tensor;
     if (d->ndim > EPX_MAX_DIMS) {
         py_raise_invalid("%s has %d dimensions; epx tensors have at most %d", name, (int)d->ndim,
