@@ -34,8 +34,9 @@ HT dispatch outputs (``Buffer(views=...)``; ``views=None`` takes ``epx.DEFAULT_V
   views become stale (with one area, the next view dispatch). For code that consumes the outputs before
   its next call, as MoE layers do; keep a copy (``.clone()``, ``.copy()``) of what must outlive that, e.g.
   outputs autograd saves.
-- In every mode, a static-mode dispatch whose ``num_worst_tokens`` exceeds the R * max_tokens rows an
-  area holds returns outputs of its own (no area holds them).
+- On a buffer with views (True or "pooled"), ``num_worst_tokens`` above the R * max_tokens rows that an
+  area and the combine input hold (N_r never exceeds them) raises InvalidArgumentError, in every call of
+  that buffer; a views=False buffer takes any bound (``combine_input`` then needs one within them).
 
 ``view_areas``: N areas, 1 to ``MAX_VIEW_AREAS`` (8); 0 gives 3 for "pooled" (two pooled and the spare)
 and 1 otherwise. Each area holds R * max_tokens rows of x (in the widest of dispatch_dtypes), its fp8

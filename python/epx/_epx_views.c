@@ -95,9 +95,10 @@ static area_t *pick_area(BufferObject *b, int mode, int *copy)
     return lru;
 }
 
-/* A call's views= overrides the buffer's mode; True on a pooled buffer stays pooled. Outputs are their
- * own for a bound above R * T_max (no view area holds it; ranks passing the same bound agree). An
- * area's memory never moves (the library allocates it for the widest dtype once). */
+/* A call's views= overrides the buffer's mode; True on a pooled buffer stays pooled. On a buffer with
+ * views a bound above R * T_max is refused (no view area nor the combine input holds its rows, and a
+ * per-rank fallback to outputs of their own would split the ranks' calls). An area's memory never moves
+ * (the library allocates it for the widest dtype once). */
 int py_dispatch_area(BufferObject *self, PyObject *views_obj, int64_t num_worst, area_t **area_out,
                      int *copy_out)
 {
@@ -108,7 +109,15 @@ int py_dispatch_area(BufferObject *self, PyObject *views_obj, int64_t num_worst,
         if (py_views_mode(views_obj, &mode) != 0) return -1;
         if (mode == VIEWS_ON && self->views == VIEWS_POOLED) mode = VIEWS_POOLED;
     }
-    if (mode == VIEWS_OFF || num_worst > (int64_t)self->R * self->cfg.max_tokens) return 0;
+    const int64_t cap = (int64_t)self->R * self->cfg.max_tokens;
+    if (self->views != VIEWS_OFF && num_worst > cap) {
+        py_raise_invalid("num_worst_tokens = %lld is above the %lld rows (R * max_tokens) that a view area and "
+                         "the combine input of a buffer with views hold (N_r never exceeds them); pass a bound "
+                         "up to %lld, or use a buffer made with views=False",
+                         (long long)num_worst, (long long)cap, (long long)cap);
+        return -1;
+    }
+    if (mode == VIEWS_OFF) return 0;
     int copy;
     area_t *a = pick_area(self, mode, &copy);
     *area_out = a;

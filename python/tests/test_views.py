@@ -130,9 +130,14 @@ def _static_fp8(rank, nranks, uid):
     assert cin.shape == (worst, p.H)
     cin[:n] = p.expert_fn(own.recv_x[:n], rank + 1)
     assert_equal(vb.combine(cin, st.handle).combined_x, p.ht_combine(rank), "static combine", rank)
-    # A bound above R * T_max keeps outputs of their own.
-    big = vb.dispatch(x, idx, num_worst_tokens=worst + 1)
-    assert not is_view(big.recv_x) and big.recv_x.shape == (worst + 1, p.H)
+    # A bound above R * T_max (the rows of an area and of the combine input) is refused on a buffer with
+    # views, on every rank; a views=False buffer takes it.
+    with pytest.raises(epx.InvalidArgumentError, match="num_worst_tokens = %d is above" % (worst + 1)):
+        vb.dispatch(x, idx, num_worst_tokens=worst + 1)
+    big = ob.dispatch(x, idx, num_worst_tokens=worst + 1)
+    assert big.recv_x.shape == (worst + 1, p.H)
+    assert_equal(ob.combine(big.recv_x, big.handle).combined_x, ob.combine(own.recv_x, own.handle).combined_x,
+                 "combine of a bound above R * T_max", rank)
 
     # fp8: fresh and cached, with scales, against the caller-owned path.
     rng = np.random.default_rng(SEED + rank)
